@@ -1,0 +1,63 @@
+"""moolib: a communications library for distributed RL and ML training.
+
+The core (transports, framing, RPC) is C++17 in moolib/core; this package is
+its Python API, compatible with the original moolib.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging as _logging
+from typing import Any
+
+from . import _core
+from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
+
+__all__ = [
+    "Future",
+    "Queue",
+    "Rpc",
+    "RpcError",
+    "create_uid",
+    "set_auth_key",
+    "set_log_level",
+    "set_logging",
+    "set_max_threads",
+]
+
+_LEVELS = {"none": 0, "error": 1, "info": 2, "verbose": 3, "debug": 4}
+_PY_LEVELS = {1: _logging.ERROR, 2: _logging.INFO, 3: _logging.DEBUG, 4: _logging.DEBUG}
+
+
+def set_log_level(level: str | int) -> None:
+    """Sets how much the core logs: "none", "error" (default), "info", "verbose", "debug"."""
+    if isinstance(level, str):
+        if level.lower() not in _LEVELS:
+            raise ValueError(f"unknown log level {level!r}; known: {', '.join(_LEVELS)}")
+        level = _LEVELS[level.lower()]
+    _core.set_log_level(int(level))
+
+
+def set_logging(logger: Any = None) -> None:
+    """Sends core log lines to a ``logging.Logger`` (or the ``logging`` module,
+    meaning the "moolib" logger) instead of stderr; None restores stderr."""
+    if logger is None:
+        _core.set_log_sink(None)
+        return
+    if logger is _logging:
+        logger = _logging.getLogger("moolib")
+    _core.set_log_sink(lambda level, message: logger.log(_PY_LEVELS.get(level, _logging.INFO), message))
+
+
+def set_max_threads(n: int) -> None:
+    """Sets how many core threads run functions and callbacks."""
+    _core.set_max_threads(int(n))
+
+
+def create_uid() -> str:
+    """A random 32-character hex string, e.g. for unique peer names."""
+    return _core.create_uid()
+
+
+# Threads of the core never outlive the interpreter: stop them (bounded) at exit.
+atexit.register(_core.shutdown, 2.0)

@@ -1,0 +1,330 @@
+// The Python binding: marshalling only. The public API is moolib/rpc.py.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <condition_variable>
+#include <deque>
+#include <thread>
+
+#include "host.h"
+#include "logging.h"
+#include "rpc.h"
+
+namespace py = pybind11;
+using namespace moolib;
+
+namespace {
+
+// Python objects referenced from core threads. The core may drop its last
+// reference on a thread without the GIL; such releases wait in a queue that is
+// drained by the next thread that holds the GIL.
+class DeferredReleases {
+ public:
+  void add(Py_buffer* view, PyObject* object) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      items_.push_back({view, object});
+      if (scheduled_) return;
+      scheduled_ = true;
+    }
+    Py_AddPendingCall(
+        [](void*) {
+          instance().drain();
+          return 0;
+        },
+        nullptr);
+  }
+  void drain() {
+    std::vector<std::pair<Py_buffer*, PyObject*>> items;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      items.swap(items_);
+      scheduled_ = false;
+    }
+    for (auto& [view, object] : items) release(view, object);
+  }
+  static void release(Py_buffer* view, PyObject* object) {
+    if (view) {
+      PyBuffer_Release(view);
+      std::unique_ptr<Py_buffer> owned(view);
+    }
+    Py_XDECREF(object);
+  }
+  static DeferredReleases& instance() {
+    static auto* d = new DeferredReleases();  // leaked: used until the process ends
+    return *d;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::pair<Py_buffer*, PyObject*>> items_;
+  bool scheduled_ = false;
+};
+
+void releaseFromAnyThread(Py_buffer* view, PyObject* object) {
+  if (Py_IsInitialized() == 0) return;
+  if (PyGILState_Check()) {
+    DeferredReleases::release(view, object);
+  } else {
+    DeferredReleases::instance().add(view, object);
+  }
+}
+
+// A reference to a Python object that may be dropped on any thread.
+std::shared_ptr<PyObject> holdObject(py::handle h) {
+  PyObject* o = h.ptr();
+  Py_INCREF(o);
+  return std::shared_ptr<PyObject>(o, [](PyObject* p) { releaseFromAnyThread(nullptr, p); });
+}
+
+// Takes a buffer export of a Python object; the view stays valid until the
+// returned segment (and every copy of its keepalive) is gone.
+OutSegment exportSegment(py::handle h) {
+  auto view = std::make_unique<Py_buffer>();
+  if (PyObject_GetBuffer(h.ptr(), view.get(), PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+  OutSegment s;
+  s.data = static_cast<const uint8_t*>(view->buf);
+  s.size = size_t(view->len);
+  Py_buffer* raw = view.release();
+  s.keepalive = std::shared_ptr<const void>(raw, [](const void* p) {
+    releaseFromAnyThread(const_cast<Py_buffer*>(static_cast<const Py_buffer*>(p)), nullptr);
+  });
+  return s;
+}
+
+std::vector<OutSegment> exportSegments(py::handle data, const py::list& buffers) {
+  std::vector<OutSegment> segs;
+  segs.reserve(1 + buffers.size());
+  segs.push_back(exportSegment(data));
+  for (auto b : buffers) segs.push_back(exportSegment(b));
+  return segs;
+}
+
+// A received segment as a writable Python buffer.
+struct PyBuffer {
+  BufferPtr buffer;
+};
+
+py::list wrapSegments(const std::vector<BufferPtr>& segs) {
+  py::list out(segs.size());
+  for (size_t i = 0; i != segs.size(); ++i) out[i] = py::cast(PyBuffer{segs[i]});
+  return out;
+}
+
+struct PyFuture {
+  FuturePtr state;
+};
+
+double toDeadlineSeconds(const py::object& timeout) { return timeout.is_none() ? -1.0 : timeout.cast<double>(); }
+
+TimePoint deadlineFrom(double seconds) {
+  if (seconds < 0) return kForever;
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// Forwards core log lines to a Python callable from a thread of its own, so
+// that no core thread ever waits for the GIL while holding a lock.
+class PythonLogSink {
+ public:
+  static PythonLogSink& instance() {
+    static auto* s = new PythonLogSink();  // leaked: its thread runs until exit
+    return *s;
+  }
+  void set(py::object fn) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fn_ = fn.is_none() ? nullptr : holdObject(fn);
+    if (fn_ && !started_) {
+      started_ = true;
+      std::thread([this] { run(); }).detach();
+    }
+    if (fn_) {
+      setLogSink([this](LogLevel level, const std::string& message) { push(level, message); });
+    } else {
+      setLogSink(nullptr);
+    }
+  }
+
+ private:
+  void push(LogLevel level, const std::string& message) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (queue_.size() > 10000) return;
+      queue_.emplace_back(level, message);
+    }
+    cv_.notify_one();
+  }
+  void run() {
+    while (true) {
+      std::pair<LogLevel, std::string> item;
+      std::shared_ptr<PyObject> fn;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return !queue_.empty(); });
+        item = std::move(queue_.front());
+        queue_.pop_front();
+        fn = fn_;
+      }
+      if (!fn || !Py_IsInitialized()) continue;
+      py::gil_scoped_acquire gil;
+      try {
+        py::handle(fn.get())(int(item.first), item.second);
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("moolib log sink");
+      }
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::pair<LogLevel, std::string>> queue_;
+  std::shared_ptr<PyObject> fn_;
+  bool started_ = false;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "moolib core: transports, framing and RPC (C++17). Use the moolib package instead.";
+
+  py::class_<PyBuffer>(m, "Buffer", py::buffer_protocol())
+      .def_buffer([](PyBuffer& b) {
+        return py::buffer_info(b.buffer->data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {py::ssize_t(b.buffer->size())}, {py::ssize_t(1)}, false);
+      })
+      .def("__len__", [](const PyBuffer& b) { return b.buffer->size(); });
+
+  py::class_<PyFuture>(m, "Future")
+      .def("done", [](const PyFuture& f) { return f.state->done(); })
+      .def(
+          "wait",
+          [](const PyFuture& f, py::object timeout) {
+            double seconds = toDeadlineSeconds(timeout);
+            py::gil_scoped_release nogil;
+            return f.state->wait(deadlineFrom(seconds));
+          },
+          py::arg("timeout") = py::none())
+      .def("cancel", [](const PyFuture& f) { return f.state->cancel(); })
+      .def("cancelled", [](const PyFuture& f) { return f.state->cancelled(); })
+      .def("error",
+           [](const PyFuture& f) -> py::object {
+             if (!f.state->done() || f.state->error().empty()) return py::none();
+             return py::str(f.state->error());
+           })
+      .def("segments", [](const PyFuture& f) { return wrapSegments(f.state->result()); })
+      .def("add_done_callback", [](const PyFuture& f, py::function fn) {
+        auto held = holdObject(fn);
+        f.state->onDone([held] {
+          py::gil_scoped_acquire gil;
+          try {
+            py::handle(held.get())();
+          } catch (py::error_already_set& e) {
+            e.discard_as_unraisable("moolib future callback");
+          }
+        });
+      });
+
+  py::class_<Responder, std::shared_ptr<Responder>>(m, "Responder")
+      .def("reply",
+           [](Responder& r, py::handle data, py::list buffers) {
+             auto segs = exportSegments(data, buffers);
+             py::gil_scoped_release nogil;
+             r.reply(std::move(segs));
+           })
+      .def("error",
+           [](Responder& r, const std::string& message) {
+             py::gil_scoped_release nogil;
+             r.error(message);
+           })
+      .def_property_readonly("peer", &Responder::peer)
+      .def_property_readonly("function", &Responder::function);
+
+  py::class_<Rpc, std::shared_ptr<Rpc>>(m, "Rpc")
+      .def(py::init(&Rpc::create))
+      .def("set_name", &Rpc::setName)
+      .def("get_name", &Rpc::name)
+      .def("listen", &Rpc::listen, py::call_guard<py::gil_scoped_release>())
+      .def("connect", &Rpc::connect, py::call_guard<py::gil_scoped_release>())
+      .def("set_timeout", &Rpc::setTimeout)
+      .def("get_timeout", &Rpc::timeout)
+      .def("set_transports", &Rpc::setTransports)
+      .def("set_auth_key", &Rpc::setAuthKey)
+      .def("define",
+           [](Rpc& rpc, const std::string& name, py::function fn) {
+             auto held = holdObject(fn);
+             rpc.define(name, [held](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
+               py::gil_scoped_acquire gil;
+               DeferredReleases::instance().drain();
+               try {
+                 py::handle(held.get())(responder, wrapSegments(args));
+               } catch (py::error_already_set& e) {
+                 responder->error(e.what());
+               }
+             });
+           })
+      .def("undefine", &Rpc::undefine, py::call_guard<py::gil_scoped_release>())
+      .def("call",
+           [](Rpc& rpc, const std::string& peer, const std::string& function, py::handle data, py::list buffers) {
+             auto segs = exportSegments(data, buffers);
+             FuturePtr f;
+             {
+               py::gil_scoped_release nogil;
+               f = rpc.call(peer, function, std::move(segs));
+             }
+             return PyFuture{std::move(f)};
+           })
+      .def("close", &Rpc::close, py::call_guard<py::gil_scoped_release>())
+      .def("debug_info", [](Rpc& rpc) {
+        DebugInfo info;
+        {
+          py::gil_scoped_release nogil;
+          info = rpc.debugInfo();
+        }
+        py::dict d;
+        d["name"] = info.name;
+        d["listening"] = info.listening;
+        d["advertised"] = info.advertised;
+        d["transports"] = info.transports;
+        d["pending_calls"] = info.pendingCalls;
+        d["unidentified_connections"] = info.unidentifiedConnections;
+        d["functions"] = info.functions;
+        py::list peers;
+        for (auto& p : info.peers) {
+          py::dict pd;
+          pd["name"] = p.name;
+          pd["same_host"] = p.sameHost;
+          pd["addresses"] = p.addresses;
+          pd["queued_calls"] = p.queuedCalls;
+          py::list conns;
+          for (auto& c : p.connections) {
+            py::dict cd;
+            cd["transport"] = c.transport;
+            cd["local"] = c.local;
+            cd["remote"] = c.remote;
+            cd["outgoing"] = c.outgoing;
+            cd["bytes_sent"] = c.bytesSent;
+            cd["bytes_received"] = c.bytesReceived;
+            conns.append(cd);
+          }
+          pd["connections"] = conns;
+          peers.append(pd);
+        }
+        d["peers"] = peers;
+        return d;
+      });
+
+  m.def("set_log_level", [](int level) { setLogLevel(LogLevel(std::max(0, std::min(level, 4)))); });
+  m.def("get_log_level", [] { return int(logLevel()); });
+  m.def("set_log_sink", [](py::object fn) { PythonLogSink::instance().set(fn); });
+  m.def("set_max_threads", [](int n) { Loop::instance().setMaxThreads(n); });
+  m.def("get_max_threads", [] { return Loop::instance().maxThreads(); });
+  m.def("create_uid", [] { return randomHex(16); });
+  m.def("host_identity", &hostIdentity);
+  m.def(
+      "shutdown",
+      [](double graceSeconds) {
+        py::gil_scoped_release nogil;
+        Loop::instance().shutdown(std::chrono::milliseconds(int64_t(graceSeconds * 1000)));
+      },
+      py::arg("grace") = 2.0);
+  m.def("drain_releases", [] { DeferredReleases::instance().drain(); });
+}

@@ -1,0 +1,63 @@
+#include "future.h"
+
+#include <algorithm>
+
+namespace moolib {
+
+bool FutureState::setResult(std::vector<BufferPtr> segments) { return complete(std::move(segments), {}, false); }
+
+bool FutureState::setError(std::string error) {
+  if (error.empty()) error = "unknown error";
+  return complete({}, std::move(error), false);
+}
+
+bool FutureState::cancel() { return complete({}, "the call was cancelled", true); }
+
+bool FutureState::complete(std::vector<BufferPtr> segments, std::string error, bool cancelled) {
+  std::vector<Waiter*> waiters;
+  std::vector<Task> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_.load(std::memory_order_relaxed)) return false;
+    result_ = std::move(segments);
+    error_ = std::move(error);
+    cancelled_ = cancelled;
+    done_.store(true, std::memory_order_release);
+    waiters.swap(waiters_);
+    callbacks.swap(callbacks_);
+  }
+  Waiter* self = &currentWaiter();
+  for (Waiter* w : waiters) {
+    // The poller re-checks its own condition after each round anyway.
+    if (w != self) w->notify();
+  }
+  for (auto& cb : callbacks) Loop::instance().schedule(std::move(cb));
+  return true;
+}
+
+bool FutureState::wait(TimePoint deadline) {
+  Waiter* self = &currentWaiter();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_.load(std::memory_order_relaxed)) return true;
+    waiters_.push_back(self);
+  }
+  bool ok = Loop::instance().wait([this] { return done(); }, deadline, WaitRole::kCaller);
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = std::find(waiters_.begin(), waiters_.end(), self);
+  if (it != waiters_.end()) waiters_.erase(it);
+  return ok;
+}
+
+void FutureState::onDone(Task fn) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!done_.load(std::memory_order_relaxed)) {
+      callbacks_.push_back(std::move(fn));
+      return;
+    }
+  }
+  Loop::instance().schedule(std::move(fn));
+}
+
+}  // namespace moolib

@@ -1,0 +1,48 @@
+// The state shared by a call in flight and whoever waits for it.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "buffer.h"
+#include "loop.h"
+
+namespace moolib {
+
+class FutureState {
+ public:
+  // The first completion wins; later ones return false.
+  bool setResult(std::vector<BufferPtr> segments);
+  bool setError(std::string error);
+  // Completes with an error saying so; false if it already completed.
+  bool cancel();
+
+  bool done() const { return done_.load(std::memory_order_acquire); }
+  bool cancelled() const { return cancelled_; }
+  // Blocks until done or deadline. The caller must not hold the GIL.
+  bool wait(TimePoint deadline);
+  // Runs fn on a pool worker once done (at once if already done).
+  void onDone(Task fn);
+
+  // Valid once done().
+  const std::string& error() const { return error_; }
+  const std::vector<BufferPtr>& result() const { return result_; }
+
+ private:
+  bool complete(std::vector<BufferPtr> segments, std::string error, bool cancelled);
+
+  mutable std::mutex mutex_;
+  std::atomic<bool> done_{false};
+  bool cancelled_ = false;
+  std::string error_;
+  std::vector<BufferPtr> result_;
+  std::vector<Waiter*> waiters_;
+  std::vector<Task> callbacks_;
+};
+using FuturePtr = std::shared_ptr<FutureState>;
+
+}  // namespace moolib

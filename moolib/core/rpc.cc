@@ -1,0 +1,468 @@
+#include <algorithm>
+#include <cstdlib>
+
+#include "host.h"
+#include "logging.h"
+#include "rpc_state.h"
+#include "socket.h"
+
+namespace moolib {
+
+namespace {
+
+enum ResponseStatus : uint8_t { kOk = 0, kRemoteException = 1, kNotDefined = 2 };
+
+// The function a pool thread is running, so undefine() from inside it does not
+// wait for itself.
+thread_local const Rpc* tlsRpc = nullptr;
+thread_local const std::string* tlsFunction = nullptr;
+
+}  // namespace
+
+void Rpc::runHandler(const Rpc& rpc, const Handler& handler, std::shared_ptr<Responder> responder,
+                     const std::string& function, std::vector<BufferPtr> args) {
+  tlsRpc = &rpc;
+  tlsFunction = &function;
+  std::shared_ptr<Responder> keep = responder;
+  try {
+    handler(std::move(responder), std::move(args));
+  } catch (const std::exception& e) {
+    keep->error(e.what());
+  }
+  tlsRpc = nullptr;
+  tlsFunction = nullptr;
+}
+
+Responder::Responder(std::weak_ptr<Rpc> rpc, std::string peer, std::weak_ptr<Connection> conn, uint64_t callId,
+                     std::string function, FuturePtr local)
+    : rpc_(std::move(rpc)), peer_(std::move(peer)), conn_(std::move(conn)), callId_(callId),
+      function_(std::move(function)), local_(std::move(local)) {}
+
+Responder::~Responder() {
+  if (!answered_) error(concat("function '", function_, "' returned without replying"));
+}
+
+void Responder::reply(std::vector<OutSegment> segments) { send(kOk, {}, std::move(segments)); }
+
+void Responder::error(const std::string& message) { send(kRemoteException, message, {}); }
+
+void Responder::send(uint8_t status, const std::string& error, std::vector<OutSegment> segments) {
+  if (answered_.exchange(true)) return;
+  auto rpc = rpc_.lock();
+  if (local_) {
+    if (status == kOk) {
+      std::vector<BufferPtr> copies;
+      for (auto& s : segments) copies.push_back(copyToBuffer(s));
+      local_->setResult(std::move(copies));
+    } else {
+      local_->setError(concat("remote function '", function_, "' on peer '", peer_, "' raised ", error));
+    }
+    if (rpc) rpc->finishCall(function_);
+    return;
+  }
+  if (!rpc) return;
+  Writer w;
+  w.u64(callId_);
+  w.u8(status);
+  w.str(error);
+  rpc->sendResponse(peer_, conn_, OutgoingFrame{FrameType::kResponse, w.take(), std::move(segments)});
+  rpc->finishCall(function_);
+}
+
+std::shared_ptr<Rpc> Rpc::create() { return std::make_shared<Rpc>(); }
+
+Rpc::Rpc() : generation_(Loop::generation()), incarnation_(randomHex(8)), name_(randomHex(8)) {
+  Loop::instance();
+  tcp_ = createTcpContext();
+  shm_ = createShmContext();
+  if (!shm_) MOO_LOG(kInfo, "shared memory is not available here; using TCP only");
+  if (const char* key = std::getenv("MOOLIB_AUTH_KEY")) authKey_ = key;
+}
+
+Rpc::~Rpc() {
+  if (generation_ != Loop::generation()) {
+    // Forked child: this peer's threads and loop belong to the parent. Leave
+    // every resource alone rather than touch the parent's loop.
+    static auto* abandoned = new std::vector<std::shared_ptr<void>>();
+    for (auto& l : links_) abandoned->push_back(l);
+    for (auto& l : listeners_) abandoned->push_back(std::shared_ptr<Listener>(std::move(l)));
+    abandoned->push_back(std::shared_ptr<Context>(std::move(tcp_)));
+    abandoned->push_back(std::shared_ptr<Context>(std::move(shm_)));
+    listeners_.clear();
+    return;
+  }
+  close();
+}
+
+void Rpc::checkUsable() const {
+  MOO_ENFORCE(generation_ == Loop::generation(),
+              "this Rpc was created before the process forked; create a new Rpc in the child");
+  std::lock_guard<std::mutex> lock(mutex_);
+  MOO_ENFORCE(!closed_, "this Rpc is closed");
+}
+
+void Rpc::ensureStarted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (started_) return;
+  started_ = true;
+  std::weak_ptr<Rpc> weak = shared_from_this();
+  tickTimer_ = Loop::instance().addTimer(Clock::now() + std::chrono::milliseconds(100), [weak] {
+    if (auto self = weak.lock()) self->tick();
+  });
+}
+
+bool Rpc::allowed(const char* transport) const { return transports_.count(transport) != 0; }
+
+Context* Rpc::contextFor(const std::string& address) {
+  if (shm_ && shm_->handles(address)) return shm_.get();
+  MOO_ENFORCE(address.rfind("shm://", 0) != 0, "shared memory is not available on this host");
+  return tcp_.get();
+}
+
+void Rpc::setName(const std::string& name) {
+  MOO_ENFORCE(!name.empty() && name.size() <= 1024, "peer name must be 1 to 1024 characters");
+  std::lock_guard<std::mutex> lock(mutex_);
+  name_ = name;
+}
+
+std::string Rpc::name() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return name_;
+}
+
+std::string Rpc::listen(const std::string& address) {
+  checkUsable();
+  ensureStarted();
+  std::weak_ptr<Rpc> weak = shared_from_this();
+  Context* ctx = contextFor(address);
+  auto listener = ctx->listen(address, [weak](ConnectionPtr conn) {
+    if (auto self = weak.lock()) {
+      self->adopt(std::move(conn), false, "");
+    } else {
+      conn->close(Error("the Rpc is gone"));
+    }
+  });
+  std::string bound = listener->address();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (ctx == tcp_.get()) {
+    tcpListenAddresses_.push_back(bound);
+    if (authKey_.empty() && !isLoopbackHostPort(bound)) {
+      MOO_LOG(kError, "listening on ", bound,
+              " without an authentication key: anyone who can reach this address can run code in this "
+              "process. Set MOOLIB_AUTH_KEY (or moolib.set_auth_key) on every peer.");
+    }
+  } else {
+    shmAddress_ = bound;
+  }
+  listeners_.push_back(std::move(listener));
+  ensureShmListenerLocked();
+  return bound;
+}
+
+void Rpc::ensureShmListenerLocked() {
+  if (!shm_ || !allowed("shm") || !shmAddress_.empty()) return;
+  std::weak_ptr<Rpc> weak = shared_from_this();
+  std::string address = "shm://" + incarnation_ + "-" + randomHex(4);
+  listeners_.push_back(shm_->listen(address, [weak](ConnectionPtr conn) {
+    if (auto self = weak.lock()) {
+      self->adopt(std::move(conn), false, "");
+    } else {
+      conn->close(Error("the Rpc is gone"));
+    }
+  }));
+  shmAddress_ = address;
+}
+
+void Rpc::connect(const std::string& address) {
+  checkUsable();
+  ensureStarted();
+  contextFor(address);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ensureShmListenerLocked();
+    auto& d = dialers_[address];
+    d.address = address;
+  }
+  dialFromDialer(address);
+}
+
+void Rpc::setTimeout(double seconds) {
+  MOO_ENFORCE(seconds > 0, "timeout must be positive, got ", seconds);
+  std::lock_guard<std::mutex> lock(mutex_);
+  timeoutSeconds_ = seconds;
+}
+
+double Rpc::timeout() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return timeoutSeconds_;
+}
+
+void Rpc::setTransports(const std::vector<std::string>& names) {
+  std::set<std::string> chosen;
+  for (auto& n : names) {
+    MOO_ENFORCE(n == "tcp" || n == "shm" || n == "ipc", "unknown transport '", n, "' (known: tcp, shm)");
+    chosen.insert(n == "ipc" ? "shm" : n);
+  }
+  MOO_ENFORCE(!chosen.empty(), "at least one transport is needed");
+  std::lock_guard<std::mutex> lock(mutex_);
+  transports_ = chosen;
+}
+
+void Rpc::setAuthKey(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  authKey_ = key;
+}
+
+void Rpc::define(const std::string& name, Handler handler) {
+  checkUsable();
+  ensureStarted();
+  MOO_ENFORCE(!name.empty() && name.size() <= 1024, "function name must be 1 to 1024 characters");
+  std::lock_guard<std::mutex> lock(mutex_);
+  MOO_ENFORCE(!functions_.count(name), "function '", name, "' is already defined");
+  functions_[name] = std::make_shared<Handler>(std::move(handler));
+}
+
+void Rpc::undefine(const std::string& name) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  MOO_ENFORCE(functions_.erase(name), "function '", name, "' is not defined");
+  if (tlsRpc == this && tlsFunction && *tlsFunction == name) return;
+  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(timeoutSeconds_));
+  inFlightCv_.wait_until(lock, deadline, [&] { return inFlight_[name] == 0; });
+}
+
+void Rpc::finishCall(const std::string& function) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = inFlight_.find(function);
+  if (it != inFlight_.end() && --it->second <= 0) {
+    inFlight_.erase(it);
+    inFlightCv_.notify_all();
+  }
+}
+
+FuturePtr Rpc::call(const std::string& peer, const std::string& function, std::vector<OutSegment> segments) {
+  checkUsable();
+  ensureStarted();
+  auto future = std::make_shared<FutureState>();
+  std::unique_lock<std::mutex> lock(mutex_);
+  uint64_t id = nextCallId_++;
+  if (peer == name_) {
+    lock.unlock();
+    callLocal(future, id, function, segments);
+    return future;
+  }
+  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(timeoutSeconds_));
+  auto& pending = calls_[id];
+  pending.peer = peer;
+  pending.function = function;
+  pending.deadline = deadline;
+  pending.future = future;
+  Peer& p = peers_[peer];
+  p.name = peer;
+  auto link = bestLinkLocked(p);
+  if (!link) {
+    p.queued.push_back(QueuedCall{id, function, std::move(segments)});
+    startDiscoveryLocked(p);
+    return future;
+  }
+  pending.sent = true;
+  lock.unlock();
+  sendRequest(link, id, function, std::move(segments));
+  return future;
+}
+
+void Rpc::sendRequest(const std::shared_ptr<Link>& link, uint64_t id, const std::string& function,
+                      std::vector<OutSegment> segments) {
+  Writer w;
+  w.u64(id);
+  w.str(function);
+  link->conn->send(OutgoingFrame{FrameType::kRequest, w.take(), std::move(segments)});
+}
+
+void Rpc::callLocal(const FuturePtr& future, uint64_t id, const std::string& function,
+                    std::vector<OutSegment>& segs) {
+  std::shared_ptr<Handler> handler;
+  std::string self;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = functions_.find(function);
+    self = name_;
+    if (it != functions_.end()) {
+      handler = it->second;
+      ++inFlight_[function];
+    }
+  }
+  if (!handler) {
+    future->setError(concat("function '", function, "' is not defined on peer '", self, "'"));
+    return;
+  }
+  std::vector<BufferPtr> args;
+  for (auto& s : segs) args.push_back(copyToBuffer(s));
+  auto responder = std::make_shared<Responder>(weak_from_this(), self, std::weak_ptr<Connection>(), id, function,
+                                               future);
+  std::weak_ptr<Rpc> weak = weak_from_this();
+  Loop::instance().schedule([weak, handler, responder, function, args = std::move(args)]() mutable {
+    auto rpc = weak.lock();
+    if (!rpc) return;
+    runHandler(*rpc, *handler, std::move(responder), function, std::move(args));
+  });
+}
+
+void Rpc::onRequest(const std::shared_ptr<Link>& link, IncomingFrame& frame) {
+  Reader r(frame.meta);
+  uint64_t id = r.u64();
+  std::string function = r.str(1024);
+  std::shared_ptr<Handler> handler;
+  std::string self;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    self = name_;
+    auto it = functions_.find(function);
+    if (it != functions_.end()) {
+      handler = it->second;
+      ++inFlight_[function];
+    }
+  }
+  if (!handler) {
+    Writer w;
+    w.u64(id);
+    w.u8(kNotDefined);
+    w.str(concat("function '", function, "' is not defined on peer '", self, "'"));
+    link->conn->send(OutgoingFrame{FrameType::kResponse, w.take(), {}});
+    return;
+  }
+  auto responder = std::make_shared<Responder>(weak_from_this(), link->peerName, link->conn, id, function);
+  std::weak_ptr<Rpc> weak = weak_from_this();
+  Loop::instance().schedule(
+      [weak, handler, responder, function = std::move(function), args = std::move(frame.segments)]() mutable {
+        auto rpc = weak.lock();
+        if (!rpc) return;
+        runHandler(*rpc, *handler, std::move(responder), function, std::move(args));
+      });
+}
+
+void Rpc::sendResponse(const std::string& peer, const std::weak_ptr<Connection>& conn, OutgoingFrame&& frame) {
+  if (auto c = conn.lock(); c && !c->closed()) {
+    c->send(std::move(frame));
+    return;
+  }
+  std::shared_ptr<Link> link;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(peer);
+    if (it != peers_.end()) link = bestLinkLocked(it->second);
+  }
+  if (link) {
+    link->conn->send(std::move(frame));
+  } else {
+    MOO_LOG(kVerbose, "reply to peer '", peer, "' dropped: no link to it");
+  }
+}
+
+void Rpc::onResponse(IncomingFrame& frame) {
+  Reader r(frame.meta);
+  uint64_t id = r.u64();
+  uint8_t status = r.u8();
+  std::string error = r.str();
+  PendingCall call;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = calls_.find(id);
+    if (it == calls_.end()) return;  // timed out or cancelled meanwhile
+    call = std::move(it->second);
+    calls_.erase(it);
+  }
+  if (status == kOk) {
+    call.future->setResult(std::move(frame.segments));
+  } else if (status == kNotDefined) {
+    call.future->setError(error);
+  } else {
+    call.future->setError(concat("remote function '", call.function, "' on peer '", call.peer, "' raised ", error));
+  }
+}
+
+void Rpc::expireCalls(TimePoint now) {
+  std::vector<std::pair<PendingCall, std::string>> expired;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = calls_.begin(); it != calls_.end();) {
+      if (it->second.deadline > now && !it->second.future->done()) {
+        ++it;
+        continue;
+      }
+      PendingCall& c = it->second;
+      std::string why;
+      auto p = peers_.find(c.peer);
+      if (c.sent) {
+        why = "no reply";
+      } else if (p == peers_.end() || p->second.incarnation.empty()) {
+        why = concat("peer '", c.peer, "' was not found");
+      } else {
+        why = concat("no link to peer '", c.peer, "'");
+      }
+      if (p != peers_.end()) {
+        auto& q = p->second.queued;
+        uint64_t id = it->first;
+        q.erase(std::remove_if(q.begin(), q.end(), [id](const QueuedCall& x) { return x.id == id; }), q.end());
+      }
+      expired.emplace_back(std::move(c), std::move(why));
+      it = calls_.erase(it);
+    }
+  }
+  double timeout = this->timeout();
+  for (auto& [c, why] : expired) {
+    c.future->setError(concat("call to peer '", c.peer, "' function '", c.function, "' timed out after ", timeout,
+                              " seconds: ", why));
+  }
+}
+
+void Rpc::close() {
+  std::vector<std::shared_ptr<Link>> links;
+  std::vector<std::unique_ptr<Listener>> listeners;
+  std::unordered_map<uint64_t, PendingCall> calls;
+  std::map<std::string, std::shared_ptr<Handler>> functions;
+  std::map<std::string, Peer> peers;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return;
+    closed_ = true;
+    links.assign(links_.begin(), links_.end());
+    links_.clear();
+    listeners.swap(listeners_);
+    calls.swap(calls_);
+    functions.swap(functions_);
+    peers.swap(peers_);
+    if (tickTimer_) Loop::instance().cancelTimer(tickTimer_);
+  }
+  for (auto& l : links) l->conn->close(Error("the Rpc was closed"));
+  for (auto& l : listeners) l->close();
+  for (auto& [id, c] : calls) c.future->setError("the Rpc was closed");
+}
+
+DebugInfo Rpc::debugInfo() {
+  DebugInfo info;
+  std::lock_guard<std::mutex> lock(mutex_);
+  info.name = name_;
+  info.listening = tcpListenAddresses_;
+  if (!shmAddress_.empty()) info.listening.push_back(shmAddress_);
+  info.advertised = advertisedLocked();
+  info.transports.assign(transports_.begin(), transports_.end());
+  info.pendingCalls = calls_.size();
+  info.unidentifiedConnections = 0;
+  for (auto& l : links_) {
+    if (l->state != Link::State::kReady) ++info.unidentifiedConnections;
+  }
+  for (auto& [name, p] : peers_) {
+    PeerInfo pi{name, p.host == hostIdentity(), p.addresses, {}, p.queued.size()};
+    for (auto& l : p.links) {
+      pi.connections.push_back(ConnectionInfo{l->conn->transport(), l->conn->localAddress(), l->conn->remoteAddress(),
+                                              l->outgoing, l->conn->bytesSent(), l->conn->bytesReceived()});
+    }
+    info.peers.push_back(std::move(pi));
+  }
+  for (auto& [name, h] : functions_) info.functions.push_back(name);
+  return info;
+}
+
+}  // namespace moolib

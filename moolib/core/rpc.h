@@ -1,0 +1,191 @@
+// An RPC peer: a name, listeners, links to other peers over the best transport
+// both sides have, and the calls in flight.
+//
+// Peers are addressed by name. A call to a name with no link is queued while
+// the peer is looked up through every connected peer (kFindPeer/kPeerInfo) and
+// dialed directly; it fails with a timeout error if that does not happen in
+// time. Frames are handled on the loop's poller; functions run on its workers.
+//
+// Files: rpc.cc (API, calls, requests), rpc_links.cc (handshake, links,
+// discovery, keepalive, reconnection).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "future.h"
+#include "transport/transport.h"
+
+namespace moolib {
+
+class Rpc;
+
+// Answers one incoming call; call reply() or error() once, from any thread.
+// Dropping it unanswered answers with an error.
+class Responder {
+ public:
+  // With local set, the call came from this very peer and the answer
+  // completes that future directly.
+  Responder(std::weak_ptr<Rpc> rpc, std::string peer, std::weak_ptr<Connection> conn, uint64_t callId,
+            std::string function, FuturePtr local = nullptr);
+  ~Responder();
+  void reply(std::vector<OutSegment> segments);
+  void error(const std::string& message);
+  const std::string& peer() const { return peer_; }
+  const std::string& function() const { return function_; }
+
+ private:
+  void send(uint8_t status, const std::string& error, std::vector<OutSegment> segments);
+  std::weak_ptr<Rpc> rpc_;
+  std::string peer_;
+  std::weak_ptr<Connection> conn_;
+  uint64_t callId_;
+  std::string function_;
+  FuturePtr local_;
+  std::atomic<bool> answered_{false};
+};
+
+struct ConnectionInfo {
+  std::string transport, local, remote;
+  bool outgoing;
+  uint64_t bytesSent, bytesReceived;
+};
+struct PeerInfo {
+  std::string name;
+  bool sameHost;
+  std::vector<std::string> addresses;
+  std::vector<ConnectionInfo> connections;
+  size_t queuedCalls;
+};
+struct DebugInfo {
+  std::string name;
+  std::vector<std::string> listening, advertised, transports;
+  std::vector<PeerInfo> peers;
+  size_t pendingCalls, unidentifiedConnections;
+  std::vector<std::string> functions;
+};
+
+class Rpc : public std::enable_shared_from_this<Rpc> {
+ public:
+  // Runs on a pool worker; answer through the responder.
+  using Handler = std::function<void(std::shared_ptr<Responder>, std::vector<BufferPtr>)>;
+
+  static std::shared_ptr<Rpc> create();
+  ~Rpc();
+  Rpc(const Rpc&) = delete;
+  Rpc& operator=(const Rpc&) = delete;
+
+  void setName(const std::string& name);
+  std::string name() const;
+  // Returns the bound address ("127.0.0.1:0" gives the real port).
+  std::string listen(const std::string& address);
+  // Dials now and again whenever the link drops, until close().
+  void connect(const std::string& address);
+  void setTimeout(double seconds);
+  double timeout() const;
+  void setTransports(const std::vector<std::string>& names);
+  void setAuthKey(const std::string& key);
+
+  void define(const std::string& name, Handler handler);
+  // Waits for calls of this function in flight (not when called from one).
+  void undefine(const std::string& name);
+  FuturePtr call(const std::string& peer, const std::string& function, std::vector<OutSegment> segments);
+  DebugInfo debugInfo();
+  void close();
+
+  Rpc();  // use create()
+
+ private:
+  friend class Responder;
+  struct Link;
+  struct Peer;
+  struct QueuedCall {
+    uint64_t id;
+    std::string function;
+    std::vector<OutSegment> segments;
+  };
+  struct PendingCall {
+    std::string peer, function;
+    TimePoint deadline;
+    FuturePtr future;
+    bool sent = false;
+  };
+  struct Dialer {
+    std::string address;
+    bool active = false;  // connecting or connected
+    int failures = 0;
+    TimePoint nextAttempt;
+  };
+
+  void checkUsable() const;
+  void ensureStarted();
+  Context* contextFor(const std::string& address);
+  bool allowed(const char* transport) const;
+
+  // rpc.cc
+  void sendRequest(const std::shared_ptr<Link>& link, uint64_t id, const std::string& function,
+                   std::vector<OutSegment> segments);
+  void onRequest(const std::shared_ptr<Link>& link, IncomingFrame& frame);
+  void onResponse(IncomingFrame& frame);
+  void callLocal(const FuturePtr& future, uint64_t id, const std::string& function, std::vector<OutSegment>& segs);
+  void sendResponse(const std::string& peer, const std::weak_ptr<Connection>& conn, OutgoingFrame&& frame);
+  void finishCall(const std::string& function);
+  static void runHandler(const Rpc& rpc, const Handler& handler, std::shared_ptr<Responder> responder,
+                         const std::string& function, std::vector<BufferPtr> args);
+  void expireCalls(TimePoint now);
+
+  // rpc_links.cc
+  void adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddress);
+  void onFrame(const std::shared_ptr<Link>& link, IncomingFrame&& frame);
+  void onLinkClosed(const std::shared_ptr<Link>& link, const Error& error);
+  void onHello(const std::shared_ptr<Link>& link, Reader& r);
+  void onAuth(const std::shared_ptr<Link>& link, Reader& r);
+  void onIdentify(const std::shared_ptr<Link>& link, Reader& r);
+  void sendIdentify(const std::shared_ptr<Link>& link);
+  void onFindPeer(const std::shared_ptr<Link>& link, Reader& r);
+  void onPeerInfo(Reader& r);
+  void startDiscoveryLocked(Peer& peer);
+  void dial(const std::string& address, const std::string& forPeer);
+  void dialFromDialer(const std::string& address);
+  void tick();
+  std::shared_ptr<Link> bestLinkLocked(const Peer& peer) const;
+  std::vector<std::string> advertisedLocked() const;
+  void ensureShmListenerLocked();
+  void maybeListenForRemoteLocked(const std::shared_ptr<Link>& link);
+
+  const uint64_t generation_;
+  const std::string incarnation_;
+  std::unique_ptr<Context> tcp_, shm_;
+
+  mutable std::mutex mutex_;
+  std::string name_;
+  std::string authKey_;
+  double timeoutSeconds_ = 10.0;
+  std::set<std::string> transports_{"shm", "tcp"};
+  bool closed_ = false;
+  bool started_ = false;
+  uint64_t tickTimer_ = 0;
+  std::vector<std::unique_ptr<Listener>> listeners_;
+  std::vector<std::string> tcpListenAddresses_;
+  std::string shmAddress_;
+  std::map<std::string, Dialer> dialers_;
+  std::set<std::string> dialing_;  // addresses being dialed for discovery
+  std::set<std::shared_ptr<Link>> links_;
+  // Nonces of our handshakes in progress: a peer presenting one is reflecting it.
+  std::set<std::string> ownNonces_;
+  std::map<std::string, Peer> peers_;
+  std::unordered_map<uint64_t, PendingCall> calls_;
+  uint64_t nextCallId_ = 1;
+  std::map<std::string, std::shared_ptr<Handler>> functions_;
+  std::map<std::string, int> inFlight_;
+  std::condition_variable inFlightCv_;
+};
+
+}  // namespace moolib

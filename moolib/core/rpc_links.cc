@@ -1,0 +1,515 @@
+// Links between peers: the handshake (hello, auth, identify), the peer table,
+// discovery by name, keepalive and redialing.
+#include <algorithm>
+
+#include "auth.h"
+#include "host.h"
+#include "logging.h"
+#include "rpc_state.h"
+#include "socket.h"
+
+namespace moolib {
+
+namespace {
+
+constexpr auto kTickInterval = std::chrono::milliseconds(100);
+constexpr auto kKeepaliveInterval = std::chrono::seconds(1);
+constexpr auto kKeepaliveTimeout = std::chrono::seconds(30);
+constexpr auto kHandshakeTimeout = std::chrono::seconds(20);
+constexpr auto kDiscoveryInterval = std::chrono::milliseconds(500);
+
+const char* roleName(bool outgoing) { return outgoing ? "client" : "server"; }
+
+void protocolError(const std::shared_ptr<Connection>& conn, const std::string& why) {
+  MOO_LOG(kError, "closing connection from ", conn->remoteAddress(), " (", conn->transport(), "): ", why);
+  conn->close(Error(why));
+}
+
+bool sameAddressHost(const std::string& address) { return address.rfind("shm://", 0) == 0 || isLoopbackHostPort(address); }
+
+}  // namespace
+
+void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddress) {
+  auto link = std::make_shared<Link>();
+  link->conn = conn;
+  link->outgoing = outgoing;
+  link->dialAddress = dialAddress;
+  link->myNonce = makeNonce();
+  bool hasKey;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) {
+      conn->close(Error("the Rpc was closed"));
+      return;
+    }
+    links_.insert(link);
+    ownNonces_.insert(link->myNonce);
+    hasKey = !authKey_.empty();
+  }
+  std::weak_ptr<Rpc> weak = weak_from_this();
+  std::weak_ptr<Link> weakLink = link;
+  conn->start(
+      [weak, weakLink](IncomingFrame&& frame) {
+        auto self = weak.lock();
+        auto l = weakLink.lock();
+        if (self && l) self->onFrame(l, std::move(frame));
+      },
+      [weak, link](const Error& error) {
+        if (auto self = weak.lock()) self->onLinkClosed(link, error);
+      });
+  Writer w;
+  w.u8(kWireVersion);
+  w.str(link->myNonce);
+  w.u8(outgoing ? 0 : 1);
+  w.u8(hasKey ? 1 : 0);
+  conn->send(OutgoingFrame{FrameType::kHello, w.take(), {}});
+}
+
+void Rpc::onFrame(const std::shared_ptr<Link>& link, IncomingFrame&& frame) {
+  link->lastReceived = Clock::now();
+  try {
+    Reader r(frame.meta);
+    if (link->state != Link::State::kReady) {
+      if (!frame.segments.empty()) return protocolError(link->conn, "payload before the handshake completed");
+      switch (frame.type) {
+        case FrameType::kHello:
+          return onHello(link, r);
+        case FrameType::kAuth:
+          return onAuth(link, r);
+        case FrameType::kIdentify:
+          return onIdentify(link, r);
+        default:
+          return protocolError(link->conn, concat("frame type ", int(frame.type), " before the handshake completed"));
+      }
+    }
+    switch (frame.type) {
+      case FrameType::kRequest:
+        return onRequest(link, frame);
+      case FrameType::kResponse:
+        return onResponse(frame);
+      case FrameType::kKeepalive:
+        return;
+      case FrameType::kFindPeer:
+        return onFindPeer(link, r);
+      case FrameType::kPeerInfo:
+        return onPeerInfo(r);
+      default:
+        return protocolError(link->conn, concat("unexpected frame type ", int(frame.type)));
+    }
+  } catch (const WireError& e) {
+    protocolError(link->conn, e.what());
+  }
+}
+
+void Rpc::onHello(const std::shared_ptr<Link>& link, Reader& r) {
+  if (link->state != Link::State::kHello) return protocolError(link->conn, "repeated hello");
+  uint8_t version = r.u8();
+  std::string nonce = r.str(64);
+  uint8_t role = r.u8();
+  bool peerHasKey = r.u8() != 0;
+  if (version != kWireVersion) return protocolError(link->conn, concat("peer speaks protocol version ", int(version)));
+  if (nonce.size() != kNonceBytes) return protocolError(link->conn, "bad nonce");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (ownNonces_.count(nonce)) return protocolError(link->conn, "peer replayed one of our own nonces");
+  }
+  if (role != (link->outgoing ? 1 : 0)) return protocolError(link->conn, "both ends claim the same role");
+  link->peerNonce = nonce;
+  std::string key;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    key = authKey_;
+  }
+  if (!key.empty() && !peerHasKey) {
+    return protocolError(link->conn, "authentication required, but the peer has no key (set MOOLIB_AUTH_KEY)");
+  }
+  if (key.empty() && peerHasKey) {
+    return protocolError(link->conn, "the peer requires authentication and this process has no key "
+                                     "(set MOOLIB_AUTH_KEY or moolib.set_auth_key)");
+  }
+  if (key.empty()) {
+    link->state = Link::State::kIdentify;
+    sendIdentify(link);
+    return;
+  }
+  link->state = Link::State::kAuth;
+  if (link->outgoing) {
+    Writer w;
+    w.str(authProof(key, roleName(true), link->peerNonce, link->myNonce));
+    link->conn->send(OutgoingFrame{FrameType::kAuth, w.take(), {}});
+  }
+}
+
+void Rpc::onAuth(const std::shared_ptr<Link>& link, Reader& r) {
+  if (link->state != Link::State::kAuth) return protocolError(link->conn, "unexpected authentication frame");
+  std::string proof = r.str(128);
+  std::string key;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    key = authKey_;
+  }
+  std::string expected = authProof(key, roleName(!link->outgoing), link->myNonce, link->peerNonce);
+  if (!constantTimeEqual(proof, expected)) {
+    return protocolError(link->conn, "authentication failed: the peer's key does not match");
+  }
+  if (!link->outgoing) {
+    Writer w;
+    w.str(authProof(key, roleName(false), link->peerNonce, link->myNonce));
+    link->conn->send(OutgoingFrame{FrameType::kAuth, w.take(), {}});
+  }
+  link->state = Link::State::kIdentify;
+  sendIdentify(link);
+}
+
+void Rpc::sendIdentify(const std::shared_ptr<Link>& link) {
+  Writer w;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    w.str(name_);
+    w.str(incarnation_);
+    w.str(hostIdentity());
+    w.strings(advertisedLocked());
+  }
+  link->conn->send(OutgoingFrame{FrameType::kIdentify, w.take(), {}});
+}
+
+void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
+  if (link->state != Link::State::kIdentify) return protocolError(link->conn, "identify before authentication");
+  link->peerName = r.str(1024);
+  link->peerIncarnation = r.str(64);
+  link->peerHost = r.str(256);
+  link->peerAddresses = r.strings(256);
+  if (link->peerName.empty()) return protocolError(link->conn, "peer sent an empty name");
+  link->conn->setHandshaken();
+  std::vector<std::shared_ptr<Link>> stale;
+  std::vector<QueuedCall> flush;
+  std::shared_ptr<Link> target;
+  std::string upgrade;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ownNonces_.erase(link->myNonce);
+    if (closed_) return;
+    if (link->peerName == name_) {
+      if (link->peerIncarnation == incarnation_) {
+        // We dialed ourselves (e.g. through a peer's discovery reply).
+        link->conn->close(Error("connected to self"));
+        return;
+      }
+      MOO_LOG(kError, "a peer at ", link->conn->remoteAddress(), " uses our own name '", name_, "'");
+      link->conn->close(Error("duplicate peer name"));
+      return;
+    }
+    link->state = Link::State::kReady;
+    Peer& p = peers_[link->peerName];
+    p.name = link->peerName;
+    if (!p.incarnation.empty() && p.incarnation != link->peerIncarnation) {
+      // The peer restarted under the same name: its old links are dead weight.
+      stale = std::move(p.links);
+      p.links.clear();
+    }
+    p.incarnation = link->peerIncarnation;
+    p.host = link->peerHost;
+    p.addresses = link->peerAddresses;
+    p.links.push_back(link);
+    target = bestLinkLocked(p);
+    if (target) {
+      flush = std::move(p.queued);
+      p.queued.clear();
+      for (auto& q : flush) {
+        auto it = calls_.find(q.id);
+        if (it != calls_.end()) it->second.sent = true;
+      }
+    }
+    if (link->outgoing && std::string(link->conn->transport()) == "tcp" && link->peerHost == hostIdentity() &&
+        shm_ && allowed("shm")) {
+      bool haveShm = std::any_of(p.links.begin(), p.links.end(),
+                                 [](auto& l) { return std::string(l->conn->transport()) == "shm"; });
+      for (auto& a : p.addresses) {
+        if (!haveShm && a.rfind("shm://", 0) == 0 && !dialing_.count(a)) {
+          upgrade = a;
+          dialing_.insert(a);
+          break;
+        }
+      }
+    }
+    maybeListenForRemoteLocked(link);
+  }
+  MOO_LOG(kInfo, "connected to peer '", link->peerName, "' over ", link->conn->transport(), " (",
+          link->conn->remoteAddress(), ")");
+  for (auto& s : stale) s->conn->close(Error("peer restarted"));
+  for (auto& q : flush) sendRequest(target, q.id, q.function, std::move(q.segments));
+  if (!upgrade.empty()) dial(upgrade, link->peerName);
+}
+
+void Rpc::maybeListenForRemoteLocked(const std::shared_ptr<Link>& link) {
+  // A peer that only dialed out is still reachable by the others on its host
+  // through shared memory. For peers on other hosts to reach it directly, it
+  // listens on the interface it used to reach the network.
+  if (!link->outgoing || std::string(link->conn->transport()) != "tcp" || !tcpListenAddresses_.empty()) return;
+  std::string local = link->conn->localAddress();
+  if (isLoopbackHostPort(local) || link->peerHost == hostIdentity()) return;
+  auto colon = local.rfind(':');
+  if (colon == std::string::npos) return;
+  std::string address = local.substr(0, colon) + ":0";
+  try {
+    std::weak_ptr<Rpc> weak = weak_from_this();
+    auto l = tcp_->listen(address, [weak](ConnectionPtr conn) {
+      if (auto self = weak.lock()) self->adopt(std::move(conn), false, "");
+    });
+    tcpListenAddresses_.push_back(l->address());
+    MOO_LOG(kInfo, "listening on ", l->address(), " so that peers on other hosts can reach this one");
+    listeners_.push_back(std::move(l));
+  } catch (const std::exception& e) {
+    MOO_LOG(kInfo, "could not listen on ", address, ": ", e.what());
+  }
+}
+
+void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    links_.erase(link);
+    ownNonces_.erase(link->myNonce);
+    if (link->state == Link::State::kReady) {
+      auto it = peers_.find(link->peerName);
+      if (it != peers_.end()) {
+        auto& v = it->second.links;
+        v.erase(std::remove(v.begin(), v.end(), link), v.end());
+      }
+    }
+    if (!link->dialAddress.empty()) {
+      auto d = dialers_.find(link->dialAddress);
+      if (d != dialers_.end()) {
+        d->second.active = false;
+        d->second.nextAttempt = Clock::now() + std::chrono::milliseconds(100);
+      }
+    }
+  }
+  if (link->state == Link::State::kReady) {
+    MOO_LOG(kInfo, "link to peer '", link->peerName, "' (", link->conn->transport(), ") closed: ", error.what());
+  }
+}
+
+std::shared_ptr<Rpc::Link> Rpc::bestLinkLocked(const Peer& peer) const {
+  std::shared_ptr<Link> best;
+  for (auto& l : peer.links) {
+    if (l->conn->closed() || !allowed(l->conn->transport())) continue;
+    if (!best || std::string(l->conn->transport()) == "shm") best = l;
+  }
+  return best;
+}
+
+std::vector<std::string> Rpc::advertisedLocked() const {
+  std::vector<std::string> out;
+  if (!shmAddress_.empty() && allowed("shm")) out.push_back(shmAddress_);
+  for (auto& a : tcpListenAddresses_) {
+    SockAddr addr;
+    try {
+      addr = parseTcpAddress(a);
+    } catch (const Exception&) {
+      continue;
+    }
+    if (!isWildcardAddress(addr)) {
+      out.push_back(a);
+      continue;
+    }
+    std::string port = a.substr(a.rfind(':') + 1);
+    for (auto& host : interfaceAddresses()) out.push_back(host + ":" + port);
+    out.push_back("127.0.0.1:" + port);
+  }
+  return out;
+}
+
+void Rpc::startDiscoveryLocked(Peer& peer) {
+  auto now = Clock::now();
+  if (now < peer.nextDiscovery) return;
+  peer.nextDiscovery = now + kDiscoveryInterval;
+  Writer w;
+  w.str(peer.name);
+  std::string meta = w.take();
+  for (auto& l : links_) {
+    if (l->state == Link::State::kReady && l->peerName != peer.name) {
+      l->conn->send(OutgoingFrame{FrameType::kFindPeer, meta, {}});
+    }
+  }
+}
+
+void Rpc::onFindPeer(const std::shared_ptr<Link>& link, Reader& r) {
+  std::string wanted = r.str(1024);
+  Writer w;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::string incarnation, host;
+    std::vector<std::string> addresses;
+    bool found = false;
+    if (wanted == name_) {
+      found = true;
+      incarnation = incarnation_;
+      host = hostIdentity();
+      addresses = advertisedLocked();
+    } else if (auto it = peers_.find(wanted); it != peers_.end() && !it->second.links.empty()) {
+      found = true;
+      incarnation = it->second.incarnation;
+      host = it->second.host;
+      addresses = it->second.addresses;
+    }
+    if (found && host != link->peerHost) {
+      // Never hand a loopback or shared-memory address to a peer on another host.
+      addresses.erase(std::remove_if(addresses.begin(), addresses.end(), sameAddressHost), addresses.end());
+    }
+    w.u8(found ? 1 : 0);
+    w.str(wanted);
+    w.str(incarnation);
+    w.str(host);
+    w.strings(addresses);
+  }
+  link->conn->send(OutgoingFrame{FrameType::kPeerInfo, w.take(), {}});
+}
+
+void Rpc::onPeerInfo(Reader& r) {
+  bool found = r.u8() != 0;
+  std::string name = r.str(1024);
+  std::string incarnation = r.str(64);
+  std::string host = r.str(256);
+  std::vector<std::string> addresses = r.strings(256);
+  if (!found) return;
+  std::string chosen;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(name);
+    if (it == peers_.end() || bestLinkLocked(it->second) || it->second.queued.empty()) return;
+    bool local = host == hostIdentity();
+    for (auto& a : addresses) {
+      bool isShm = a.rfind("shm://", 0) == 0;
+      if (dialing_.count(a)) return;  // already on its way
+      if (isShm && local && shm_ && allowed("shm")) {
+        chosen = a;
+        break;
+      }
+    }
+    if (chosen.empty()) {
+      for (auto& a : addresses) {
+        if (a.rfind("shm://", 0) == 0 || (!local && isLoopbackHostPort(a))) continue;
+        chosen = a;
+        break;
+      }
+    }
+    if (chosen.empty()) return;
+    dialing_.insert(chosen);
+  }
+  dial(chosen, name);
+}
+
+void Rpc::dial(const std::string& address, const std::string& forPeer) {
+  std::weak_ptr<Rpc> weak = weak_from_this();
+  Context* ctx;
+  try {
+    ctx = contextFor(address);
+  } catch (const Exception&) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    dialing_.erase(address);
+    return;
+  }
+  ctx->connect(address, [weak, address, forPeer](const Error& error, ConnectionPtr conn) {
+    auto self = weak.lock();
+    if (!self) {
+      if (conn) conn->close(Error("the Rpc is gone"));
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      self->dialing_.erase(address);
+    }
+    if (error) {
+      MOO_LOG(kVerbose, "cannot reach peer '", forPeer, "' at ", address, ": ", error.what());
+      return;
+    }
+    self->adopt(std::move(conn), true, "");
+  });
+}
+
+void Rpc::dialFromDialer(const std::string& address) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = dialers_.find(address);
+    if (it == dialers_.end() || it->second.active || closed_) return;
+    it->second.active = true;
+  }
+  std::weak_ptr<Rpc> weak = weak_from_this();
+  contextFor(address)->connect(address, [weak, address](const Error& error, ConnectionPtr conn) {
+    auto self = weak.lock();
+    if (!self) {
+      if (conn) conn->close(Error("the Rpc is gone"));
+      return;
+    }
+    if (!error) {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      auto it = self->dialers_.find(address);
+      if (it != self->dialers_.end()) it->second.failures = 0;
+    }
+    if (error) {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      auto it = self->dialers_.find(address);
+      if (it == self->dialers_.end()) return;
+      Dialer& d = it->second;
+      d.active = false;
+      d.failures = std::min(d.failures + 1, 5);
+      d.nextAttempt = Clock::now() + std::chrono::milliseconds(100 << (d.failures - 1));
+      MOO_LOG(kVerbose, "connect to ", address, " failed (will retry): ", error.what());
+      return;
+    }
+    self->adopt(std::move(conn), true, address);
+  });
+}
+
+void Rpc::tick() {
+  auto now = Clock::now();
+  expireCalls(now);
+  std::vector<std::string> redial;
+  std::vector<std::shared_ptr<Link>> keepalive, dead;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return;
+    for (auto& [address, d] : dialers_) {
+      if (!d.active && now >= d.nextAttempt) redial.push_back(address);
+    }
+    for (auto& l : links_) {
+      if (l->state != Link::State::kReady) {
+        if (now - l->created > kHandshakeTimeout) dead.push_back(l);
+        continue;
+      }
+      if (now - l->lastReceived > kKeepaliveTimeout) {
+        dead.push_back(l);
+        continue;
+      }
+      uint64_t sent = l->conn->bytesSent();
+      if (sent != l->lastBytesSent) {
+        l->lastBytesSent = sent;
+        l->lastSendCheck = now;
+      } else if (now - l->lastSendCheck >= kKeepaliveInterval) {
+        l->lastSendCheck = now;
+        keepalive.push_back(l);
+      }
+    }
+    for (auto it = peers_.begin(); it != peers_.end();) {
+      Peer& p = it->second;
+      if (!p.queued.empty() && !bestLinkLocked(p)) startDiscoveryLocked(p);
+      if (p.links.empty() && p.queued.empty() && p.incarnation.empty()) {
+        it = peers_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    std::weak_ptr<Rpc> weak = weak_from_this();
+    tickTimer_ = Loop::instance().addTimer(now + kTickInterval, [weak] {
+      if (auto self = weak.lock()) self->tick();
+    });
+  }
+  for (auto& l : dead) {
+    protocolError(l->conn, l->state == Link::State::kReady ? "no traffic within the keepalive timeout"
+                                                           : "handshake timed out");
+  }
+  for (auto& l : keepalive) l->conn->send(OutgoingFrame{FrameType::kKeepalive, {}, {}});
+  for (auto& a : redial) dialFromDialer(a);
+}
+
+}  // namespace moolib

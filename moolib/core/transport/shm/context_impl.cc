@@ -1,0 +1,54 @@
+// The shared-memory transport: peers on the same host (same boot id and
+// network namespace) reach each other through an abstract Unix socket named
+// "shm://<name>" and exchange large segments through shared memory.
+#include <sys/mman.h>
+
+#include "transport/shm/connection_impl.h"
+#include "transport/socket_listener.h"
+
+namespace moolib {
+
+namespace {
+
+constexpr const char* kPrefix = "shm://";
+
+class ShmContext : public Context {
+ public:
+  const char* name() const override { return "shm"; }
+  bool handles(const std::string& address) const override { return address.rfind(kPrefix, 0) == 0; }
+
+  std::unique_ptr<Listener> listen(const std::string& address, AcceptFn onAccept) override {
+    auto l = SocketListener::create(unixAbstractAddress(endpoint(address)), address, &ShmConnection::create,
+                                    std::move(onAccept));
+    return std::make_unique<ListenerHandle>(std::move(l));
+  }
+
+  void connect(const std::string& address, ConnectFn done) override {
+    SockAddr addr;
+    try {
+      addr = unixAbstractAddress(endpoint(address));
+    } catch (const Exception& e) {
+      Error err(e.what());
+      Loop::instance().post([done, err] { done(err, nullptr); });
+      return;
+    }
+    connectSocket(addr, address, &ShmConnection::create, std::move(done));
+  }
+
+ private:
+  static std::string endpoint(const std::string& address) {
+    MOO_ENFORCE(address.rfind(kPrefix, 0) == 0 && address.size() > 6, "bad shared-memory address '", address, "'");
+    return address.substr(6);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Context> createShmContext() {
+  // Viability: this kernel must support memfd.
+  Fd probe(::memfd_create("moolib-probe", MFD_CLOEXEC));
+  if (!probe) return nullptr;
+  return std::make_unique<ShmContext>();
+}
+
+}  // namespace moolib

@@ -1,0 +1,149 @@
+#include "transport/socket_listener.h"
+
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <mutex>
+
+#include "logging.h"
+
+namespace moolib {
+
+SocketListener::SocketListener(Fd fd, std::string address, MakeConnection make, Context::AcceptFn onAccept)
+    : fd_(std::move(fd)), address_(std::move(address)), make_(std::move(make)), onAccept_(std::move(onAccept)) {}
+
+std::shared_ptr<SocketListener> SocketListener::create(const SockAddr& addr, std::string address,
+                                                       MakeConnection make, Context::AcceptFn onAccept) {
+  Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  MOO_ENFORCE(fd, "socket: ", errnoString(errno));
+  if (addr.family() != AF_UNIX) {
+    int one = 1;
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  }
+  if (::bind(fd.get(), addr.get(), addr.length) != 0) {
+    int err = errno;
+    throw Exception(concat("cannot listen on ", address, ": ", errnoString(err),
+                           err == EADDRINUSE ? " (the address is taken by another process)" : ""));
+  }
+  MOO_ENFORCE(::listen(fd.get(), 1024) == 0, "cannot listen on ", address, ": ", errnoString(errno));
+  auto l = std::make_shared<SocketListener>(std::move(fd), std::move(address), std::move(make), std::move(onAccept));
+  if (addr.family() != AF_UNIX) {
+    SockAddr bound;
+    bound.length = sizeof(bound.storage);
+    ::getsockname(l->fd_.get(), bound.get(), &bound.length);
+    l->address_ = formatTcpAddress(bound);
+  }
+  l->token_ = Loop::instance().addFd(l->fd_.get(), EPOLLIN, std::weak_ptr<FdHandler>(l));
+  return l;
+}
+
+SocketListener::~SocketListener() = default;
+
+void SocketListener::close() {
+  auto self = shared_from_this();
+  Loop::instance().post([self] {
+    if (self->closed_) return;
+    self->closed_ = true;
+    Loop::instance().removeFd(self->fd_.get(), self->token_);
+    self->fd_.reset();
+  });
+}
+
+void SocketListener::onEvents(uint32_t) {
+  for (int i = 0; i < 64 && !closed_; ++i) {
+    int fd = ::accept4(fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) MOO_LOG(kError, "accept on ", address_, ": ", errnoString(errno));
+      return;
+    }
+    try {
+      onAccept_(make_(Fd(fd)));
+    } catch (const std::exception& e) {
+      MOO_LOG(kError, "accepting a connection on ", address_, ": ", e.what());
+    }
+  }
+}
+
+namespace {
+
+class Connector : public FdHandler, public std::enable_shared_from_this<Connector> {
+ public:
+  Connector(Fd fd, std::string address, std::function<ConnectionPtr(Fd)> make, Context::ConnectFn done)
+      : fd_(std::move(fd)), address_(std::move(address)), make_(std::move(make)), done_(std::move(done)) {}
+
+  void start() {
+    auto self = shared_from_this();
+    // Keep ourselves alive until the connect completes or times out.
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      keepalive_ = self;
+    }
+    token_ = Loop::instance().addFd(fd_.get(), EPOLLOUT, std::weak_ptr<FdHandler>(self));
+    timer_ = Loop::instance().addTimer(Clock::now() + std::chrono::seconds(20), [self] {
+      self->finish(Error(concat("connecting to ", self->address_, " timed out")));
+    });
+  }
+
+  void onEvents(uint32_t) override {
+    int err = 0;
+    socklen_t len = sizeof(err);
+    ::getsockopt(fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err == EINPROGRESS) return;
+    Loop::instance().cancelTimer(timer_);
+    finish(err ? Error(concat("cannot connect to ", address_, ": ", errnoString(err))) : Error());
+  }
+
+ private:
+  void finish(const Error& error) {
+    if (done) return;
+    done = true;
+    Loop::instance().removeFd(fd_.get(), token_);
+    ConnectionPtr conn;
+    Error e = error;
+    if (!e) {
+      try {
+        conn = make_(std::move(fd_));
+      } catch (const std::exception& ex) {
+        e = Error(ex.what());
+      }
+    }
+    done_(e, conn);
+    std::lock_guard<std::mutex> lock(mutex_);
+    keepalive_.reset();
+  }
+
+  Fd fd_;
+  std::string address_;
+  std::function<ConnectionPtr(Fd)> make_;
+  Context::ConnectFn done_;
+  uint64_t token_ = 0;
+  uint64_t timer_ = 0;
+  bool done = false;
+  std::mutex mutex_;
+  std::shared_ptr<Connector> keepalive_;
+};
+
+}  // namespace
+
+void connectSocket(const SockAddr& addr, std::string address, std::function<ConnectionPtr(Fd fd)> make,
+                   Context::ConnectFn done) {
+  Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd) {
+    Error e(concat("socket: ", errnoString(errno)));
+    Loop::instance().post([done, e] { done(e, nullptr); });
+    return;
+  }
+  int r = ::connect(fd.get(), addr.get(), addr.length);
+  if (r != 0 && errno != EINPROGRESS) {
+    Error e(concat("cannot connect to ", address, ": ", errnoString(errno)));
+    Loop::instance().post([done, e] { done(e, nullptr); });
+    return;
+  }
+  auto c = std::make_shared<Connector>(std::move(fd), std::move(address), std::move(make), std::move(done));
+  c->start();
+}
+
+}  // namespace moolib

@@ -1,0 +1,410 @@
+#include "transport/stream_connection.h"
+
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+
+#include "logging.h"
+
+namespace moolib {
+
+namespace {
+constexpr size_t kStagingSize = 256 << 10;
+// Segments at least this large are read straight into their buffer.
+constexpr size_t kDirectReadMin = 32 << 10;
+constexpr int kMaxFdsPerMessage = 64;
+}  // namespace
+
+StreamConnection::StreamConnection(Fd fd, std::string local, std::string remote)
+    : fd_(std::move(fd)), local_(std::move(local)), remote_(std::move(remote)) {
+  staging_.resize(kStagingSize);
+}
+
+StreamConnection::~StreamConnection() {
+  for (int fd : receivedFds_) ::close(fd);
+}
+
+void StreamConnection::start(FrameFn onFrame, CloseFn onClose) {
+  onFrame_ = std::move(onFrame);
+  onClose_ = std::move(onClose);
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  if (closed_) {
+    auto self = shared_from_this();
+    Loop::instance().post([self] { self->finalize(); });
+    return;
+  }
+  token_ = Loop::instance().addFd(fd_.get(), uint32_t(EPOLLIN) | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u),
+                                  std::weak_ptr<FdHandler>(shared_from_this()));
+}
+
+bool StreamConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc, std::vector<int>&) {
+  desc = SegmentDesc{segment.size, uint32_t(SegmentKind::kInline), 0, 0};
+  return true;
+}
+
+BufferPtr StreamConnection::decodeShared(const SegmentDesc&) {
+  throw WireError("shared-memory segment received on a transport without shared memory");
+}
+
+void StreamConnection::send(OutgoingFrame&& frame) {
+  if (closed_) return;
+  WriteItem item;
+  FrameHeader h{kFrameMagic, kWireVersion, uint8_t(frame.type), 0, uint32_t(frame.segments.size()),
+                uint32_t(frame.meta.size()), 0};
+  std::vector<SegmentDesc> descs(frame.segments.size());
+  std::vector<OutSegment> inlineSegments;
+  inlineSegments.reserve(frame.segments.size());
+  for (size_t i = 0; i != frame.segments.size(); ++i) {
+    if (encodeSegment(frame.segments[i], descs[i], item.fds) && frame.segments[i].size) {
+      inlineSegments.push_back(std::move(frame.segments[i]));
+    }
+  }
+  item.head.reserve(sizeof(h) + descs.size() * sizeof(SegmentDesc) + frame.meta.size());
+  item.head.append(reinterpret_cast<const char*>(&h), sizeof(h));
+  item.head.append(reinterpret_cast<const char*>(descs.data()), descs.size() * sizeof(SegmentDesc));
+  item.head.append(frame.meta);
+  item.total = item.head.size();
+  for (auto& s : inlineSegments) item.total += s.size;
+  item.segments = std::move(inlineSegments);
+
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  if (closed_) return;
+  writeQueue_.push_back(std::move(item));
+  if (writeQueue_.size() == 1) flushLocked();
+}
+
+void StreamConnection::sendInternal(FrameType type, std::string meta) {
+  OutgoingFrame f{type, std::move(meta), {}};
+  send(std::move(f));
+}
+
+void StreamConnection::flushLocked() {
+  while (!writeQueue_.empty() && !closed_) {
+    // Gather as many queued frames as one sendmsg takes.
+    iovec iov[IOV_MAX];
+    int n = 0;
+    std::vector<int>* fds = nullptr;
+    for (auto& item : writeQueue_) {
+      if (n == IOV_MAX) break;
+      // Descriptors must travel with the first byte of their frame: never
+      // gather a later frame that carries some into this message.
+      if (!item.fds.empty()) {
+        if (n > 0 || item.written > 0) {
+          if (n > 0) break;
+        } else {
+          fds = &item.fds;
+        }
+      }
+      size_t skip = item.written;
+      auto add = [&](const void* data, size_t size) {
+        if (skip >= size) {
+          skip -= size;
+          return;
+        }
+        if (n == IOV_MAX) return;
+        iov[n].iov_base = const_cast<uint8_t*>(static_cast<const uint8_t*>(data)) + skip;
+        iov[n].iov_len = size - skip;
+        skip = 0;
+        ++n;
+      };
+      add(item.head.data(), item.head.size());
+      for (auto& s : item.segments) add(s.data, s.size);
+      if (fds) break;
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
+    if (fds && !fds->empty()) {
+      size_t count = std::min<size_t>(fds->size(), kMaxFdsPerMessage);
+      msg.msg_control = control;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * count);
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * count);
+      std::memcpy(CMSG_DATA(c), fds->data(), sizeof(int) * count);
+    }
+    ssize_t r = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      int err = errno;
+      closed_ = true;
+      closeReason_ = Error(concat("write to ", remote_, " failed: ", errnoString(err)));
+      writeQueue_.clear();
+      ::shutdown(fd_.get(), SHUT_RDWR);
+      auto self = shared_from_this();
+      Loop::instance().post([self] { self->finalize(); });
+      return;
+    }
+    if (fds) fds->clear();
+    bytesSent_ += r;
+    size_t left = size_t(r);
+    while (left && !writeQueue_.empty()) {
+      WriteItem& front = writeQueue_.front();
+      size_t take = std::min(left, front.total - front.written);
+      front.written += take;
+      left -= take;
+      if (front.written == front.total) writeQueue_.pop_front();
+    }
+  }
+  updateEventsLocked();
+}
+
+void StreamConnection::updateEventsLocked() {
+  bool want = !writeQueue_.empty() && !closed_;
+  if (want == wantWrite_) return;
+  wantWrite_ = want;
+  if (token_) Loop::instance().modifyFd(fd_.get(), token_, uint32_t(EPOLLIN) | (want ? uint32_t(EPOLLOUT) : 0u));
+}
+
+void StreamConnection::close(const Error& reason) {
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (closed_) return;
+    closed_ = true;
+    closeReason_ = reason;
+    writeQueue_.clear();
+    ::shutdown(fd_.get(), SHUT_RDWR);
+  }
+  auto self = shared_from_this();
+  Loop::instance().post([self] { self->finalize(); });
+}
+
+void StreamConnection::fail(const std::string& why) {
+  MOO_LOG(kError, "closing connection ", remote_, " (", transport(), "): ", why);
+  close(Error(why));
+}
+
+void StreamConnection::finalize() {
+  if (finalized_) return;
+  finalized_ = true;
+  if (token_) Loop::instance().removeFd(fd_.get(), token_);
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    fd_.reset();
+  }
+  onClosedInternal();
+  CloseFn onClose = std::move(onClose_);
+  onFrame_ = nullptr;
+  if (onClose) onClose(closeReason_);
+}
+
+ssize_t StreamConnection::receive(void* data, size_t size) {
+  if (!passesFds_) return ::recv(fd_.get(), data, size, MSG_DONTWAIT);
+  iovec iov{data, size};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t r = ::recvmsg(fd_.get(), &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i != count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        receivedFds_.push_back(fd);
+      }
+    }
+  }
+  if (r >= 0 && (msg.msg_flags & MSG_CTRUNC)) {
+    fail("file descriptors were truncated in transit");
+    return -1;
+  }
+  return r;
+}
+
+void StreamConnection::onEvents(uint32_t events) {
+  if (events & EPOLLOUT) {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    flushLocked();
+  }
+  if (!(events & (EPOLLIN | EPOLLHUP | EPOLLERR))) return;
+  // Bounded work per wake-up keeps one busy peer from starving the others.
+  size_t budget = 8 << 20;
+  while (!closed_ && budget) {
+    ssize_t r;
+    BufferPtr direct;
+    if (state_ == ReadState::kSegments && stageBegin_ == stageEnd_ && !passesFds_ &&
+        frame_.segments[segmentIndex_]->size() - segmentFilled_ >= kDirectReadMin) {
+      direct = frame_.segments[segmentIndex_];
+    }
+    if (direct) {
+      r = receive(direct->data() + segmentFilled_, std::min(direct->size() - segmentFilled_, budget));
+      if (r > 0) {
+        segmentFilled_ += size_t(r);
+        bytesReceived_ += r;
+        budget -= std::min<size_t>(budget, size_t(r));
+        if (segmentFilled_ == direct->size()) {
+          ++segmentIndex_;
+          if (!beginSegment()) return;
+        }
+        continue;
+      }
+    } else {
+      if (stageBegin_ == stageEnd_) stageBegin_ = stageEnd_ = 0;
+      if (stageEnd_ == staging_.size()) {
+        std::memmove(staging_.data(), staging_.data() + stageBegin_, stageEnd_ - stageBegin_);
+        stageEnd_ -= stageBegin_;
+        stageBegin_ = 0;
+        if (stageEnd_ == staging_.size()) staging_.resize(staging_.size() * 2);
+      }
+      r = receive(staging_.data() + stageEnd_, staging_.size() - stageEnd_);
+      if (r > 0) {
+        stageEnd_ += size_t(r);
+        bytesReceived_ += r;
+        budget -= std::min<size_t>(budget, size_t(r));
+        if (!parse()) return;
+        continue;
+      }
+    }
+    if (r == 0) {
+      close(Error(concat("connection closed by peer ", remote_)));
+      return;
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+    if (!closed_) close(Error(concat("read from ", remote_, " failed: ", errnoString(errno))));
+    return;
+  }
+}
+
+bool StreamConnection::parse() {
+  try {
+    while (!closed_) {
+      size_t avail = stageEnd_ - stageBegin_;
+      const uint8_t* p = staging_.data() + stageBegin_;
+      switch (state_) {
+        case ReadState::kHeader: {
+          if (avail < sizeof(FrameHeader)) return true;
+          std::memcpy(&header_, p, sizeof(header_));
+          stageBegin_ += sizeof(header_);
+          if (Error e = validateHeader(header_, handshaken_)) {
+            fail(e.what());
+            return false;
+          }
+          descs_.resize(header_.numSegments);
+          state_ = ReadState::kDescs;
+          break;
+        }
+        case ReadState::kDescs: {
+          size_t need = descs_.size() * sizeof(SegmentDesc);
+          if (avail < need) {
+            // The descriptor table is bounded (kMaxSegments), so it fits.
+            if (stageBegin_ + need > staging_.size()) {
+              std::memmove(staging_.data(), p, avail);
+              stageBegin_ = 0;
+              stageEnd_ = avail;
+            }
+            return true;
+          }
+          std::memcpy(descs_.data(), p, need);
+          stageBegin_ += need;
+          uint64_t limit = handshaken_ ? kMaxMessageBytes : kMaxHandshakeFrame;
+          uint64_t total = 0;
+          for (auto& d : descs_) {
+            if (d.kind != uint32_t(SegmentKind::kInline) && d.kind != uint32_t(SegmentKind::kShared)) {
+              fail(concat("unknown segment kind ", d.kind));
+              return false;
+            }
+            if (d.kind == uint32_t(SegmentKind::kShared) && !handshaken_) {
+              fail("shared-memory segment before the handshake");
+              return false;
+            }
+            if (d.length > limit || total + d.length > limit) {
+              fail(concat("frame of more than ", limit, " bytes"));
+              return false;
+            }
+            total += d.length;
+          }
+          state_ = ReadState::kMeta;
+          break;
+        }
+        case ReadState::kMeta: {
+          size_t need = header_.metaLength;
+          if (avail < need) {
+            if (stageBegin_ + need > staging_.size()) {
+              if (need > staging_.size()) staging_.resize(need);
+              std::memmove(staging_.data(), p, avail);
+              stageBegin_ = 0;
+              stageEnd_ = avail;
+            }
+            return true;
+          }
+          frame_.type = FrameType(header_.type);
+          frame_.meta.assign(reinterpret_cast<const char*>(p), need);
+          stageBegin_ += need;
+          frame_.segments.clear();
+          frame_.segments.reserve(descs_.size());
+          segmentIndex_ = 0;
+          state_ = ReadState::kSegments;
+          if (!beginSegment()) return false;
+          break;
+        }
+        case ReadState::kSegments: {
+          BufferPtr& target = frame_.segments[segmentIndex_];
+          size_t take = std::min(avail, target->size() - segmentFilled_);
+          std::memcpy(target->data() + segmentFilled_, p, take);
+          stageBegin_ += take;
+          segmentFilled_ += take;
+          if (segmentFilled_ < target->size()) return true;
+          ++segmentIndex_;
+          if (!beginSegment()) return false;
+          break;
+        }
+      }
+    }
+  } catch (const WireError& e) {
+    fail(e.what());
+  } catch (const std::bad_alloc&) {
+    fail("out of memory for an incoming frame");
+  }
+  return !closed_;
+}
+
+// Sets up segment segmentIndex_ (skipping those that need no bytes), or
+// delivers the frame when all are in.
+bool StreamConnection::beginSegment() {
+  try {
+    while (segmentIndex_ < descs_.size()) {
+      const SegmentDesc& d = descs_[segmentIndex_];
+      if (frame_.segments.size() <= segmentIndex_) {
+        if (d.kind == uint32_t(SegmentKind::kShared)) {
+          frame_.segments.push_back(decodeShared(d));
+        } else {
+          frame_.segments.push_back(allocateBuffer(d.length));
+        }
+      }
+      segmentFilled_ = 0;
+      if (d.kind == uint32_t(SegmentKind::kInline) && d.length > 0) return true;
+      ++segmentIndex_;
+    }
+  } catch (const WireError& e) {
+    fail(e.what());
+    return false;
+  } catch (const std::bad_alloc&) {
+    fail("out of memory for an incoming frame");
+    return false;
+  }
+  deliver();
+  return !closed_;
+}
+
+void StreamConnection::deliver() {
+  state_ = ReadState::kHeader;
+  IncomingFrame frame = std::move(frame_);
+  frame_ = IncomingFrame{};
+  if (handleInternal(frame)) return;
+  if (onFrame_) onFrame_(std::move(frame));
+}
+
+}  // namespace moolib

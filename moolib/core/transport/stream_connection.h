@@ -1,0 +1,104 @@
+// A Connection over a non-blocking stream socket: the framing, the write queue
+// and the lifecycle shared by the TCP and shared-memory transports. Backends
+// override only the hooks that move segments out of band.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "loop.h"
+#include "socket.h"
+#include "transport/transport.h"
+
+namespace moolib {
+
+class StreamConnection : public Connection,
+                         public FdHandler,
+                         public std::enable_shared_from_this<StreamConnection> {
+ public:
+  StreamConnection(Fd fd, std::string local, std::string remote);
+  ~StreamConnection() override;
+
+  void start(FrameFn onFrame, CloseFn onClose) override;
+  void send(OutgoingFrame&& frame) override;
+  void close(const Error& reason) override;
+  void setHandshaken() override { handshaken_ = true; }
+  bool closed() const override { return closed_.load(); }
+  std::string localAddress() const override { return local_; }
+  std::string remoteAddress() const override { return remote_; }
+  uint64_t bytesSent() const override { return bytesSent_.load(); }
+  uint64_t bytesReceived() const override { return bytesReceived_.load(); }
+  void onEvents(uint32_t events) override;
+
+  // Largest message accepted after the handshake.
+  static constexpr uint64_t kMaxMessageBytes = uint64_t(64) << 30;
+
+ protected:
+  // Fills desc for an outgoing segment. Returns true when its bytes must follow
+  // inline; a backend may instead place them out of band, adding any file
+  // descriptors the peer needs (sent with the frame, borrowed until then).
+  virtual bool encodeSegment(const OutSegment& segment, SegmentDesc& desc, std::vector<int>& fds);
+  // Resolves a segment the peer placed out of band.
+  virtual BufferPtr decodeShared(const SegmentDesc& desc);
+  // Frames the transport consumes itself; true when consumed.
+  virtual bool handleInternal(IncomingFrame& frame) { return false; }
+  virtual void onClosedInternal() {}
+  // Sends a transport-internal frame (no segments).
+  void sendInternal(FrameType type, std::string meta);
+
+  bool passesFds_ = false;
+  std::deque<int> receivedFds_;  // poller only
+
+ private:
+  struct WriteItem {
+    std::string head;
+    std::vector<OutSegment> segments;
+    std::vector<int> fds;
+    size_t total = 0;
+    size_t written = 0;
+  };
+  enum class ReadState { kHeader, kDescs, kMeta, kSegments };
+
+  // Writes queued items until the socket would block. writeMutex_ held.
+  void flushLocked();
+  void updateEventsLocked();
+  void finalize();
+  void fail(const std::string& why);
+  // Consumes staged bytes; false once the connection failed.
+  bool parse();
+  bool beginSegment();
+  void deliver();
+  ssize_t receive(void* data, size_t size);
+
+  Fd fd_;
+  std::string local_, remote_;
+  uint64_t token_ = 0;
+  FrameFn onFrame_;
+  CloseFn onClose_;
+  std::atomic<bool> closed_{false};
+  std::atomic<bool> handshaken_{false};
+  bool finalized_ = false;
+  Error closeReason_;
+  std::atomic<uint64_t> bytesSent_{0}, bytesReceived_{0};
+
+  std::mutex writeMutex_;
+  std::deque<WriteItem> writeQueue_;
+  bool wantWrite_ = false;
+
+  // Read side; touched only on the poller.
+  std::vector<uint8_t> staging_;
+  size_t stageBegin_ = 0, stageEnd_ = 0;
+  ReadState state_ = ReadState::kHeader;
+  FrameHeader header_{};
+  std::vector<SegmentDesc> descs_;
+  IncomingFrame frame_;
+  size_t segmentIndex_ = 0;
+  size_t segmentFilled_ = 0;
+};
+
+}  // namespace moolib

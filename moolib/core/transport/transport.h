@@ -1,0 +1,67 @@
+// The transport interface: a Context creates Listeners and outgoing
+// Connections for one kind of link (TCP, shared memory). The RPC layer only
+// sees frames; how segments travel is the transport's business.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "error.h"
+#include "wire.h"
+
+namespace moolib {
+
+class Connection {
+ public:
+  using FrameFn = std::function<void(IncomingFrame&&)>;
+  using CloseFn = std::function<void(const Error&)>;
+
+  virtual ~Connection() = default;
+  // Called once before any frame can arrive; both callbacks run on the poller.
+  // onClose runs exactly once, after which nothing more arrives.
+  virtual void start(FrameFn onFrame, CloseFn onClose) = 0;
+  // Thread safe. Writes inline when the socket accepts it, else queues.
+  // Frames sent on a closed connection are dropped.
+  virtual void send(OutgoingFrame&& frame) = 0;
+  // Thread safe and idempotent.
+  virtual void close(const Error& reason) = 0;
+  // Lifts the size limits that apply before the RPC handshake completes.
+  virtual void setHandshaken() = 0;
+  virtual bool closed() const = 0;
+  virtual const char* transport() const = 0;
+  virtual std::string localAddress() const = 0;
+  virtual std::string remoteAddress() const = 0;
+  virtual uint64_t bytesSent() const = 0;
+  virtual uint64_t bytesReceived() const = 0;
+};
+using ConnectionPtr = std::shared_ptr<Connection>;
+
+class Listener {
+ public:
+  virtual ~Listener() = default;
+  // The address peers can dial, with the real port when port 0 was asked for.
+  virtual std::string address() const = 0;
+  virtual void close() = 0;
+};
+
+class Context {
+ public:
+  using AcceptFn = std::function<void(ConnectionPtr)>;
+  using ConnectFn = std::function<void(const Error&, ConnectionPtr)>;
+
+  virtual ~Context() = default;
+  virtual const char* name() const = 0;
+  // Whether this transport dials/listens on addresses of this form.
+  virtual bool handles(const std::string& address) const = 0;
+  // Binds synchronously (so errors raise at the call); accepts on the poller.
+  virtual std::unique_ptr<Listener> listen(const std::string& address, AcceptFn onAccept) = 0;
+  // Completes on the poller, with an error or a connection not yet started.
+  virtual void connect(const std::string& address, ConnectFn done) = 0;
+};
+
+std::unique_ptr<Context> createTcpContext();
+std::unique_ptr<Context> createShmContext();
+
+}  // namespace moolib
