@@ -101,6 +101,27 @@ std::vector<OutSegment> exportSegments(py::handle data, const py::list& buffers)
   return segs;
 }
 
+// Takes the GIL on a core thread. The thread keeps its Python thread state for
+// life: creating and destroying one per call costs an mmap/munmap of its frame
+// stack each time (and the TLB shootdowns that come with it).
+class CoreThreadGil {
+ public:
+  CoreThreadGil() : hasState_(ensureThreadState()) {}
+
+ private:
+  static bool ensureThreadState() {
+    thread_local bool hasState = false;
+    if (!hasState) {
+      hasState = true;
+      PyGILState_Ensure();
+      PyEval_SaveThread();
+    }
+    return true;
+  }
+  bool hasState_;  // initialised before gil_: the state must exist first
+  py::gil_scoped_acquire gil_;
+};
+
 // A received segment as a writable Python buffer.
 struct PyBuffer {
   BufferPtr buffer;
@@ -214,7 +235,7 @@ PYBIND11_MODULE(_core, m) {
       .def("add_done_callback", [](const PyFuture& f, py::function fn) {
         auto held = holdObject(fn);
         f.state->onDone([held] {
-          py::gil_scoped_acquire gil;
+          CoreThreadGil gil;
           try {
             py::handle(held.get())();
           } catch (py::error_already_set& e) {
@@ -252,7 +273,7 @@ PYBIND11_MODULE(_core, m) {
            [](Rpc& rpc, const std::string& name, py::function fn) {
              auto held = holdObject(fn);
              rpc.define(name, [held](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
-               py::gil_scoped_acquire gil;
+               CoreThreadGil gil;
                DeferredReleases::instance().drain();
                try {
                  py::handle(held.get())(responder, wrapSegments(args));

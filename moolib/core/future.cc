@@ -37,16 +37,29 @@ bool FutureState::complete(std::vector<BufferPtr> segments, std::string error, b
 
 bool FutureState::wait(TimePoint deadline) {
   Waiter* self = &currentWaiter();
+  Serve serve;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_.load(std::memory_order_relaxed)) return true;
     waiters_.push_back(self);
+    serve = serve_;
   }
-  bool ok = Loop::instance().wait([this] { return done(); }, deadline, WaitRole::kCaller);
+  auto isDone = [this] { return done(); };
+  while (!done() && Clock::now() < deadline) {
+    if (!serve || !serve(isDone, deadline)) {
+      serve = nullptr;  // someone else handles that connection: they will notify us
+      self->sleepUntil(deadline);
+    }
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = std::find(waiters_.begin(), waiters_.end(), self);
   if (it != waiters_.end()) waiters_.erase(it);
-  return ok;
+  return done();
+}
+
+void FutureState::setServe(Serve serve) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  serve_ = std::move(serve);
 }
 
 void FutureState::onDone(Task fn) {

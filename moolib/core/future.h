@@ -27,6 +27,10 @@ class FutureState {
   bool wait(TimePoint deadline);
   // Runs fn on a pool worker once done (at once if already done).
   void onDone(Task fn);
+  // How a waiting thread can serve the I/O the completion will come from
+  // (the connection the request went out on); see Connection::serveWhile.
+  using Serve = std::function<bool(const std::function<bool()>& done, TimePoint deadline)>;
+  void setServe(Serve serve);
 
   // Valid once done().
   const std::string& error() const { return error_; }
@@ -42,6 +46,7 @@ class FutureState {
   std::vector<BufferPtr> result_;
   std::vector<Waiter*> waiters_;
   std::vector<Task> callbacks_;
+  Serve serve_;
 };
 using FuturePtr = std::shared_ptr<FutureState>;
 

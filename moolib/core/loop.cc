@@ -1,8 +1,10 @@
 #include "loop.h"
 
+#include <poll.h>
 #include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,7 +19,12 @@ namespace moolib {
 
 namespace {
 
-constexpr uint64_t kEventFdToken = 0;
+constexpr uint64_t kTaskToken = 1;
+constexpr uint64_t kTimerToken = 2;
+// A worker runs requests it read itself for this long before handing the rest
+// to other workers.
+constexpr auto kInlineBudget = std::chrono::milliseconds(2);
+constexpr auto kRescueInterval = std::chrono::milliseconds(20);
 
 std::mutex gLoopMutex;
 Loop* gLoop = nullptr;  // leaked on purpose: threads may outlive static destruction
@@ -41,30 +48,57 @@ int defaultThreads() {
   return std::max(4u, std::thread::hardware_concurrency() * 2);
 }
 
-thread_local Waiter tlsWaiter;
-thread_local Loop* tlsPollingLoop = nullptr;
+// Set on workers while they handle I/O: requests read then run here.
+thread_local bool tlsWorker = false;
+thread_local std::deque<Task>* tlsInline = nullptr;
+thread_local std::vector<std::shared_ptr<Corkable>>* tlsCorked = nullptr;
 
 }  // namespace
 
-Waiter& currentWaiter() { return tlsWaiter; }
+bool corkIfBatching(const std::shared_ptr<Corkable>& c) {
+  if (!tlsCorked) return false;
+  for (auto& x : *tlsCorked) {
+    if (x == c) return true;
+  }
+  tlsCorked->push_back(c);
+  return true;
+}
+
+Waiter::Waiter() {
+  fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  MOO_ENFORCE(fd_ >= 0, "eventfd: ", std::strerror(errno));
+}
+
+Waiter::~Waiter() { ::close(fd_); }
 
 void Waiter::notify() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    signaled_ = true;
-  }
-  cv_.notify_one();
-  if (polling_.load()) Loop::instance().kick();
+  uint64_t one = 1;
+  ssize_t r = ::write(fd_, &one, sizeof(one));
+  (void)r;
+}
+
+void Waiter::clear() {
+  uint64_t value;
+  ssize_t r = ::read(fd_, &value, sizeof(value));
+  (void)r;
 }
 
 void Waiter::sleepUntil(TimePoint deadline) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (deadline == kForever) {
-    cv_.wait(lock, [&] { return signaled_; });
-  } else {
-    cv_.wait_until(lock, deadline, [&] { return signaled_; });
-  }
-  signaled_ = false;
+  pollfd p{fd_, POLLIN, 0};
+  int r = ::poll(&p, 1, timeoutMs(deadline));
+  if (r > 0) clear();
+}
+
+Waiter& currentWaiter() {
+  thread_local Waiter waiter;
+  return waiter;
+}
+
+int timeoutMs(TimePoint deadline) {
+  if (deadline == kForever) return -1;
+  auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now()).count();
+  if (left <= 0) return 0;
+  return int(std::min<int64_t>((left + 999) / 1000, 3600 * 1000));
 }
 
 Loop& Loop::instance() {
@@ -83,80 +117,47 @@ uint64_t Loop::generation() { return gGeneration.load(); }
 Loop::Loop() : maxThreads_(defaultThreads()) {
   epollFd_ = epoll_create1(EPOLL_CLOEXEC);
   MOO_ENFORCE(epollFd_ >= 0, "epoll_create1: ", std::strerror(errno));
-  eventFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  MOO_ENFORCE(eventFd_ >= 0, "eventfd: ", std::strerror(errno));
+  taskFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC | EFD_SEMAPHORE);
+  MOO_ENFORCE(taskFd_ >= 0, "eventfd: ", std::strerror(errno));
+  timerFd_ = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+  MOO_ENFORCE(timerFd_ >= 0, "timerfd_create: ", std::strerror(errno));
   epoll_event ev{};
   ev.events = EPOLLIN;
-  ev.data.u64 = kEventFdToken;
-  MOO_ENFORCE(epoll_ctl(epollFd_, EPOLL_CTL_ADD, eventFd_, &ev) == 0, "epoll_ctl: ", std::strerror(errno));
-  std::lock_guard<std::mutex> lock(mutex_);
-  // The thread of last resort: it only polls when no other thread can.
-  threads_.emplace_back([this] {
-    wait([this] { return stopping_; }, kForever, WaitRole::kIo);
-  });
-  startThreadsLocked();
+  ev.data.u64 = kTaskToken;
+  MOO_ENFORCE(epoll_ctl(epollFd_, EPOLL_CTL_ADD, taskFd_, &ev) == 0, "epoll_ctl: ", std::strerror(errno));
+  ev.events = EPOLLIN | EPOLLONESHOT;
+  ev.data.u64 = kTimerToken;
+  MOO_ENFORCE(epoll_ctl(epollFd_, EPOLL_CTL_ADD, timerFd_, &ev) == 0, "epoll_ctl: ", std::strerror(errno));
+  std::thread([this] { rescueMain(); }).detach();
+  setMaxThreads(maxThreads_);
 }
 
 Loop::~Loop() {
   ::close(epollFd_);
-  ::close(eventFd_);
-}
-
-void Loop::startThreadsLocked() {
-  while (liveWorkers_ < maxThreads_ && !stopping_) {
-    int index = liveWorkers_++;
-    threads_.emplace_back([this, index] { workerMain(index); });
-    threads_.back().detach();
-  }
-}
-
-void Loop::workerMain(int index) {
-  while (true) {
-    Task task;
-    bool retire = false;
-    wait(
-        [&] {
-          if (popTask(task)) return true;
-          std::lock_guard<std::mutex> lock(mutex_);
-          retire = stopping_ || index >= maxThreads_;
-          return retire;
-        },
-        kForever, WaitRole::kWorker);
-    if (task) {
-      task();
-      continue;
-    }
-    if (retire) break;
-  }
-  std::lock_guard<std::mutex> lock(mutex_);
-  --liveWorkers_;
-}
-
-bool Loop::popTask(Task& out) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (tasks_.empty()) return false;
-  out = std::move(tasks_.front());
-  tasks_.pop_front();
-  return true;
+  ::close(taskFd_);
+  ::close(timerFd_);
 }
 
 void Loop::setMaxThreads(int n) {
   MOO_ENFORCE(n >= 1, "max threads must be at least 1, got ", n);
   std::lock_guard<std::mutex> lock(mutex_);
   maxThreads_ = n;
-  startThreadsLocked();
-  for (Waiter* w : sleepers_) w->notify();
+  while (liveWorkers_ < maxThreads_ && !stopping_) {
+    int index = liveWorkers_++;
+    std::thread([this, index] { workerMain(index); }).detach();
+  }
 }
 
 void Loop::shutdown(std::chrono::milliseconds grace) {
+  if (stopping_.exchange(true)) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_) return;
-    stopping_ = true;
     tasks_.clear();
-    for (Waiter* w : sleepers_) w->notify();
   }
-  kick();
+  // Wake every worker out of epoll_wait.
+  uint64_t many = 1 << 20;
+  ssize_t r = ::write(taskFd_, &many, sizeof(many));
+  (void)r;
   TimePoint deadline = Clock::now() + grace;
   while (Clock::now() < deadline) {
     {
@@ -165,14 +166,8 @@ void Loop::shutdown(std::chrono::milliseconds grace) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  std::lock_guard<std::mutex> lock(mutex_);
   // Threads still inside user callbacks are left to finish on their own.
-  for (auto& t : threads_) {
-    if (t.joinable()) t.detach();
-  }
 }
-
-bool Loop::onPollerThread() const { return tlsPollingLoop == this; }
 
 uint64_t Loop::addFd(int fd, uint32_t events, std::weak_ptr<FdHandler> handler) {
   uint64_t token;
@@ -182,7 +177,7 @@ uint64_t Loop::addFd(int fd, uint32_t events, std::weak_ptr<FdHandler> handler) 
     fds_[token] = FdEntry{fd, std::move(handler)};
   }
   epoll_event ev{};
-  ev.events = events;
+  ev.events = events | EPOLLONESHOT;
   ev.data.u64 = token;
   if (epoll_ctl(epollFd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
     std::lock_guard<std::mutex> lock(fdMutex_);
@@ -192,9 +187,9 @@ uint64_t Loop::addFd(int fd, uint32_t events, std::weak_ptr<FdHandler> handler) 
   return token;
 }
 
-void Loop::modifyFd(int fd, uint64_t token, uint32_t events) {
+void Loop::rearm(int fd, uint64_t token, uint32_t events) {
   epoll_event ev{};
-  ev.events = events;
+  ev.events = events ? (events | EPOLLONESHOT) : 0;
   ev.data.u64 = token;
   epoll_ctl(epollFd_, EPOLL_CTL_MOD, fd, &ev);
 }
@@ -205,53 +200,36 @@ void Loop::removeFd(int fd, uint64_t token) {
   fds_.erase(token);
 }
 
-void Loop::post(Task task) {
-  bool needKick;
+void Loop::schedule(Task task) {
+  if (stopping_) return;
+  if (tlsInline) {
+    tlsInline->push_back(std::move(task));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    posted_.push_back(std::move(task));
-    needKick = pollerActive_ && !onPollerThread();
+    tasks_.push_back(std::move(task));
   }
-  if (needKick) kick();
+  uint64_t one = 1;
+  ssize_t r = ::write(taskFd_, &one, sizeof(one));
+  (void)r;
 }
 
-void Loop::schedule(Task task) {
-  bool needKick = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_) return;
-    tasks_.push_back(std::move(task));
-    Waiter& self = currentWaiter();
-    // A worker that is polling picks the task up itself after this poll round.
-    if (self.polling_.load() && self.role_ == int(WaitRole::kWorker)) return;
-    Waiter* target = nullptr;
-    for (Waiter* w : sleepers_) {
-      if (w->role_ == int(WaitRole::kWorker)) {
-        target = w;
-        break;
-      }
-    }
-    if (target) {
-      target->notify();
-    } else {
-      needKick = pollerActive_ && pollerRole_ == int(WaitRole::kWorker);
-    }
-  }
-  if (needKick) kick();
+bool Loop::popTask(Task& out) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (tasks_.empty()) return false;
+  out = std::move(tasks_.front());
+  tasks_.pop_front();
+  return true;
 }
 
 uint64_t Loop::addTimer(TimePoint when, Task task) {
-  uint64_t id;
-  bool earliest;
-  {
-    std::lock_guard<std::mutex> lock(timerMutex_);
-    id = nextTimerId_++;
-    earliest = timerHeap_.empty() || when < timerHeap_.front().when;
-    timerHeap_.push_back(Timer{when, id});
-    std::push_heap(timerHeap_.begin(), timerHeap_.end(), std::greater<Timer>());
-    timerTasks_[id] = std::move(task);
-  }
-  if (earliest && !onPollerThread()) kick();
+  std::lock_guard<std::mutex> lock(timerMutex_);
+  uint64_t id = nextTimerId_++;
+  timerHeap_.push_back(Timer{when, id});
+  std::push_heap(timerHeap_.begin(), timerHeap_.end(), std::greater<Timer>());
+  timerTasks_[id] = std::move(task);
+  if (when < timerFdDue_) armTimerFdLocked();
   return id;
 }
 
@@ -260,135 +238,146 @@ void Loop::cancelTimer(uint64_t id) {
   timerTasks_.erase(id);  // the heap entry is skipped when it comes due
 }
 
-TimePoint Loop::runDueTimers() {
+void Loop::armTimerFdLocked() {
+  while (!timerHeap_.empty() && !timerTasks_.count(timerHeap_.front().id)) {
+    std::pop_heap(timerHeap_.begin(), timerHeap_.end(), std::greater<Timer>());
+    timerHeap_.pop_back();
+  }
+  itimerspec spec{};
+  if (timerHeap_.empty()) {
+    timerFdDue_ = kForever;
+  } else {
+    timerFdDue_ = timerHeap_.front().when;
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(timerFdDue_.time_since_epoch()).count();
+    ns = std::max<int64_t>(ns, 1);
+    spec.it_value.tv_sec = ns / 1000000000;
+    spec.it_value.tv_nsec = ns % 1000000000;
+  }
+  timerfd_settime(timerFd_, TFD_TIMER_ABSTIME, &spec, nullptr);
+}
+
+void Loop::runTimers() {
+  uint64_t expirations;
+  ssize_t r = ::read(timerFd_, &expirations, sizeof(expirations));
+  (void)r;
   while (true) {
     Task task;
     {
       std::lock_guard<std::mutex> lock(timerMutex_);
-      if (timerHeap_.empty()) return kForever;
+      if (timerHeap_.empty() || timerHeap_.front().when > Clock::now()) {
+        armTimerFdLocked();
+        break;
+      }
       Timer top = timerHeap_.front();
-      auto it = timerTasks_.find(top.id);
-      if (it != timerTasks_.end() && top.when > Clock::now()) return top.when;
       std::pop_heap(timerHeap_.begin(), timerHeap_.end(), std::greater<Timer>());
       timerHeap_.pop_back();
+      auto it = timerTasks_.find(top.id);
       if (it == timerTasks_.end()) continue;
       task = std::move(it->second);
       timerTasks_.erase(it);
     }
     task();
   }
+  rearm(timerFd_, kTimerToken, EPOLLIN);
 }
 
-void Loop::runPosted() {
-  while (true) {
-    std::vector<Task> batch;
+void Loop::dispatch(uint64_t token, uint32_t events) {
+  if (token == kTimerToken) {
+    runTimers();
+    return;
+  }
+  std::shared_ptr<FdHandler> handler;
+  {
+    std::lock_guard<std::mutex> lock(fdMutex_);
+    auto it = fds_.find(token);
+    if (it != fds_.end()) handler = it->second.handler.lock();
+  }
+  if (handler) handler->onEvents(events);
+}
+
+void Loop::runInline() {
+  std::deque<Task>& tasks = *tlsInline;
+  if (tasks.empty()) return;
+  std::vector<std::shared_ptr<Corkable>> corked;
+  struct Uncork {
+    std::vector<std::shared_ptr<Corkable>>& corked;
+    ~Uncork() {
+      tlsCorked = nullptr;
+      for (auto& c : corked) c->uncork();
+    }
+  } uncork{corked};
+  if (tasks.size() > 1) tlsCorked = &corked;
+  TimePoint start = Clock::now();
+  while (!tasks.empty()) {
+    if (Clock::now() - start > kInlineBudget && tasks.size() > 1) {
+      // Long-running work: let idle workers take the rest.
+      size_t n;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        n = tasks.size();
+        for (auto& t : tasks) tasks_.push_back(std::move(t));
+      }
+      tasks.clear();
+      uint64_t count = n;
+      ssize_t r = ::write(taskFd_, &count, sizeof(count));
+      (void)r;
+      return;
+    }
+    Task t = std::move(tasks.front());
+    tasks.pop_front();
+    tlsInline = nullptr;  // what this task schedules goes to the shared queue
+    t();
+    tlsInline = &tasks;
+  }
+}
+
+void Loop::pollRound(int timeout, bool worker) {
+  epoll_event events[16];
+  if (worker) idleWorkers_.fetch_add(1);
+  int n = epoll_wait(epollFd_, events, worker ? 4 : 16, timeout);
+  if (worker) idleWorkers_.fetch_sub(1);
+  std::deque<Task> inlineTasks;
+  if (worker) tlsInline = &inlineTasks;
+  bool taskSignal = false;
+  for (int i = 0; i < n; ++i) {
+    if (events[i].data.u64 == kTaskToken) {
+      taskSignal = true;
+      continue;
+    }
+    dispatch(events[i].data.u64, events[i].events);
+  }
+  if (worker) {
+    runInline();
+    tlsInline = nullptr;
+    if (taskSignal) {
+      uint64_t value;
+      if (::read(taskFd_, &value, sizeof(value)) > 0) {
+        Task t;
+        if (popTask(t)) t();
+      }
+    }
+  }
+}
+
+void Loop::workerMain(int index) {
+  tlsWorker = true;
+  while (!stopping_) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (posted_.empty()) return;
-      batch.swap(posted_);
+      if (index >= maxThreads_) break;
     }
-    for (auto& t : batch) t();
+    pollRound(-1, true);
   }
+  std::lock_guard<std::mutex> lock(mutex_);
+  --liveWorkers_;
 }
 
-void Loop::kick() {
-  uint64_t one = 1;
-  ssize_t r = ::write(eventFd_, &one, sizeof(one));
-  (void)r;
-}
-
-void Loop::pollOnce(TimePoint deadline) {
-  runPosted();
-  TimePoint next = std::min(deadline, runDueTimers());
-  int timeoutMs = -1;
-  if (next != kForever) {
-    auto left = std::chrono::duration_cast<std::chrono::microseconds>(next - Clock::now()).count();
-    timeoutMs = left <= 0 ? 0 : int(std::min<int64_t>((left + 999) / 1000, 3600 * 1000));
-  }
-  epoll_event events[64];
-  int n = epoll_wait(epollFd_, events, 64, timeoutMs);
-  for (int i = 0; i < n; ++i) {
-    uint64_t token = events[i].data.u64;
-    if (token == kEventFdToken) {
-      uint64_t value;
-      while (::read(eventFd_, &value, sizeof(value)) > 0) {
-      }
-      continue;
-    }
-    std::shared_ptr<FdHandler> handler;
-    {
-      std::lock_guard<std::mutex> lock(fdMutex_);
-      auto it = fds_.find(token);
-      if (it != fds_.end()) handler = it->second.handler.lock();
-    }
-    if (handler) handler->onEvents(events[i].events);
-  }
-  runPosted();
-  runDueTimers();
-}
-
-void Loop::wakeSleeperLocked(int minRole) {
-  Waiter* best = nullptr;
-  for (Waiter* w : sleepers_) {
-    if (w->role_ >= minRole && (!best || w->role_ > best->role_)) best = w;
-  }
-  if (best) best->notify();
-}
-
-bool Loop::wait(const std::function<bool()>& ready, TimePoint deadline, WaitRole role) {
-  Waiter& w = currentWaiter();
-  w.role_ = int(role);
-  bool slept = false;
-  while (true) {
-    if (ready()) {
-      if (slept) {
-        // Pass the baton: a hand-off may have woken us just as our own
-        // condition came true, and somebody must keep polling.
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (!pollerActive_) wakeSleeperLocked(0);
-      }
-      return true;
-    }
-    if (Clock::now() >= deadline) return false;
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!pollerActive_) {
-      pollerActive_ = true;
-      pollerRole_ = int(role);
-      yieldRequested_ = false;
-      lock.unlock();
-      w.polling_ = true;
-      tlsPollingLoop = this;
-      bool done = false;
-      while (!(done = ready()) && Clock::now() < deadline) {
-        pollOnce(deadline);
-        std::lock_guard<std::mutex> g(mutex_);
-        if (yieldRequested_) break;
-      }
-      tlsPollingLoop = nullptr;
-      w.polling_ = false;
-      lock.lock();
-      pollerActive_ = false;
-      yieldRequested_ = false;
-      wakeSleeperLocked(0);
-      lock.unlock();
-      if (done) return true;
-      slept = false;
-      continue;
-    }
-    bool needKick = false;
-    if (int(role) > pollerRole_ && !yieldRequested_) {
-      // A thread with a better use for the poller role (one waiting for a
-      // reply, or a worker that would run requests inline) asks for it.
-      yieldRequested_ = true;
-      needKick = true;
-    }
-    sleepers_.push_back(&w);
-    lock.unlock();
-    if (needKick) kick();
-    w.sleepUntil(deadline);
-    slept = true;
-    lock.lock();
-    sleepers_.erase(std::find(sleepers_.begin(), sleepers_.end(), &w));
+void Loop::rescueMain() {
+  // Only polls while no worker is waiting for events, i.e. all are busy.
+  while (!stopping_) {
+    std::this_thread::sleep_for(kRescueInterval);
+    if (stopping_) break;
+    if (idleWorkers_.load() == 0) pollRound(0, false);
   }
 }
 

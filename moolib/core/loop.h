@@ -1,18 +1,21 @@
 // The process-wide event loop and thread pool.
 //
-// There is no dedicated I/O thread on the fast path: any thread that has to
-// wait (a pool worker waiting for a task, a caller waiting for a reply) may
-// take the single *poller* role and run epoll itself. The thread that reads a
-// reply is then usually the one waiting for it, and a worker that reads a
-// request runs it itself, which saves a thread hop in each direction. One
-// thread of last resort (role kIo) polls when every other thread is busy, so
-// I/O, timers and keepalives never stall behind long Python callbacks.
+// Every pool worker blocks in epoll_wait on one shared epoll set; file
+// descriptors are registered EPOLLONESHOT, so one fd is handled by one thread
+// at a time and its handler re-arms it when done. Linux wakes the most recent
+// epoll waiter first, so the thread that reads a request is a warm worker, and
+// it runs the request itself: no hand-off to another thread.
 //
-// Contract:
-// - fd handlers, posted tasks and timers run on the poller, one at a time, so
-//   the I/O state they touch needs no other lock against itself;
-// - scheduled tasks run on pool workers, concurrently;
-// - nothing here takes the Python GIL.
+// A thread waiting for a reply does not wait for a worker to read it: it takes
+// the connection the reply will come on out of the epoll set and polls it
+// itself (see StreamConnection::serveWhile), so the reply wakes the very
+// thread that needs it. Cross-CPU thread wake-ups are the dominant cost of a
+// round trip on virtual machines; this design avoids them on the fast path.
+//
+// If every worker is busy in a long callback, a rescue thread polls in their
+// place every few milliseconds, so I/O, timers and keepalives never stall.
+//
+// Nothing here takes the Python GIL.
 #pragma once
 
 #include <atomic>
@@ -38,27 +41,40 @@ constexpr TimePoint kForever = TimePoint::max();
 class FdHandler {
  public:
   virtual ~FdHandler() = default;
+  // Called on a loop thread after the fd fired. The fd is disarmed until the
+  // handler calls Loop::rearm.
   virtual void onEvents(uint32_t events) = 0;
 };
 
-// Per-thread wait slot. notify() makes a blocked wait() re-check its predicate.
+// A per-thread wake-up slot backed by an eventfd, so a thread can sleep on it
+// and on a socket at the same time.
 class Waiter {
  public:
+  Waiter();
+  ~Waiter();
   void notify();
+  // Sleeps until notified or the deadline.
   void sleepUntil(TimePoint deadline);
+  int fd() const { return fd_; }
+  void clear();
 
  private:
-  friend class Loop;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool signaled_ = false;
-  std::atomic<bool> polling_{false};
-  int role_ = 0;
+  int fd_ = -1;
 };
 
 Waiter& currentWaiter();
 
-enum class WaitRole : int { kIo = 0, kWorker = 1, kCaller = 2 };
+// While a worker runs a batch of requests it read, the replies they send are
+// corked: queued per connection and written together when the batch ends.
+class Corkable {
+ public:
+  virtual ~Corkable() = default;
+  virtual void uncork() = 0;
+};
+// True (and remembers c) when the calling thread is corked.
+bool corkIfBatching(const std::shared_ptr<Corkable>& c);
+// Milliseconds for poll/epoll until the deadline (-1: forever), rounded up.
+int timeoutMs(TimePoint deadline);
 
 class Loop {
  public:
@@ -67,26 +83,21 @@ class Loop {
   static Loop& instance();
   static uint64_t generation();
 
-  // Registers fd; the handler is called on the poller while it is alive.
   uint64_t addFd(int fd, uint32_t events, std::weak_ptr<FdHandler> handler);
-  void modifyFd(int fd, uint64_t token, uint32_t events);
+  // Re-enables delivery for fd (events 0 keeps it disarmed).
+  void rearm(int fd, uint64_t token, uint32_t events);
   void removeFd(int fd, uint64_t token);
 
-  void post(Task task);
+  // Runs task on a worker. A worker that is handling I/O keeps the task and
+  // runs it itself right after; other threads queue it.
   void schedule(Task task);
   uint64_t addTimer(TimePoint when, Task task);
   void cancelTimer(uint64_t id);
-
-  // Blocks until ready() or the deadline. Returns ready().
-  bool wait(const std::function<bool()>& ready, TimePoint deadline, WaitRole role);
-  // Interrupts epoll_wait so the poller re-checks its state.
-  void kick();
 
   void setMaxThreads(int n);
   int maxThreads() const { return maxThreads_; }
   // Stops accepting tasks and waits (bounded) for workers; for interpreter exit.
   void shutdown(std::chrono::milliseconds grace);
-  bool onPollerThread() const;
 
   Loop();
   ~Loop();
@@ -104,37 +115,36 @@ class Loop {
     std::weak_ptr<FdHandler> handler;
   };
 
-  void pollOnce(TimePoint deadline);
-  TimePoint runDueTimers();
-  void runPosted();
-  void startThreadsLocked();
   void workerMain(int index);
+  void rescueMain();
+  // One epoll_wait round; returns false on shutdown.
+  void pollRound(int timeout, bool worker);
+  void dispatch(uint64_t token, uint32_t events);
+  void runTimers();
+  void armTimerFdLocked();
   bool popTask(Task& out);
-  void wakeSleeperLocked(int minRole);
+  void runInline();
 
   int epollFd_ = -1;
-  int eventFd_ = -1;
+  int taskFd_ = -1;   // counts queued tasks (EFD_SEMAPHORE): wakes one worker per task
+  int timerFd_ = -1;
 
   std::mutex mutex_;
-  bool pollerActive_ = false;
-  int pollerRole_ = 0;
-  bool yieldRequested_ = false;
-  std::vector<Waiter*> sleepers_;
   std::deque<Task> tasks_;
-  std::vector<Task> posted_;
-  bool stopping_ = false;
+  std::atomic<bool> stopping_{false};
   int maxThreads_;
   int liveWorkers_ = 0;
-  std::vector<std::thread> threads_;
+  std::atomic<int> idleWorkers_{0};
 
   std::mutex timerMutex_;
   std::vector<Timer> timerHeap_;
   std::unordered_map<uint64_t, Task> timerTasks_;
   uint64_t nextTimerId_ = 1;
+  TimePoint timerFdDue_ = kForever;
 
   std::mutex fdMutex_;
   std::unordered_map<uint64_t, FdEntry> fds_;
-  uint64_t nextFdToken_ = 1;
+  uint64_t nextFdToken_ = 16;
 };
 
 }  // namespace moolib

@@ -42,22 +42,21 @@ std::shared_ptr<SocketListener> SocketListener::create(const SockAddr& addr, std
 SocketListener::~SocketListener() = default;
 
 void SocketListener::close() {
-  auto self = shared_from_this();
-  Loop::instance().post([self] {
-    if (self->closed_) return;
-    self->closed_ = true;
-    Loop::instance().removeFd(self->fd_.get(), self->token_);
-    self->fd_.reset();
-  });
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) return;
+  closed_ = true;
+  Loop::instance().removeFd(fd_.get(), token_);
+  fd_.reset();
 }
 
 void SocketListener::onEvents(uint32_t) {
+  std::lock_guard<std::mutex> lock(mutex_);
   for (int i = 0; i < 64 && !closed_; ++i) {
     int fd = ::accept4(fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) MOO_LOG(kError, "accept on ", address_, ": ", errnoString(errno));
-      return;
+      break;
     }
     try {
       onAccept_(make_(Fd(fd)));
@@ -65,6 +64,7 @@ void SocketListener::onEvents(uint32_t) {
       MOO_LOG(kError, "accepting a connection on ", address_, ": ", e.what());
     }
   }
+  if (!closed_) Loop::instance().rearm(fd_.get(), token_, EPOLLIN);
 }
 
 namespace {
@@ -88,18 +88,27 @@ class Connector : public FdHandler, public std::enable_shared_from_this<Connecto
   }
 
   void onEvents(uint32_t) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (done) return;
     int err = 0;
     socklen_t len = sizeof(err);
     ::getsockopt(fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err == EINPROGRESS) return;
+    if (err == EINPROGRESS) {
+      Loop::instance().rearm(fd_.get(), token_, EPOLLOUT);
+      return;
+    }
     Loop::instance().cancelTimer(timer_);
+    lock.unlock();
     finish(err ? Error(concat("cannot connect to ", address_, ": ", errnoString(err))) : Error());
   }
 
  private:
   void finish(const Error& error) {
-    if (done) return;
-    done = true;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (done) return;
+      done = true;
+    }
     Loop::instance().removeFd(fd_.get(), token_);
     ConnectionPtr conn;
     Error e = error;
@@ -133,13 +142,13 @@ void connectSocket(const SockAddr& addr, std::string address, std::function<Conn
   Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd) {
     Error e(concat("socket: ", errnoString(errno)));
-    Loop::instance().post([done, e] { done(e, nullptr); });
+    Loop::instance().addTimer(Clock::now(), [done, e] { done(e, nullptr); });
     return;
   }
   int r = ::connect(fd.get(), addr.get(), addr.length);
   if (r != 0 && errno != EINPROGRESS) {
     Error e(concat("cannot connect to ", address, ": ", errnoString(errno)));
-    Loop::instance().post([done, e] { done(e, nullptr); });
+    Loop::instance().addTimer(Clock::now(), [done, e] { done(e, nullptr); });
     return;
   }
   auto c = std::make_shared<Connector>(std::move(fd), std::move(address), std::move(make), std::move(done));

@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "loop.h"
@@ -32,6 +33,7 @@ class SocketListener : public Listener, public FdHandler, public std::enable_sha
   MakeConnection make_;
   Context::AcceptFn onAccept_;
   uint64_t token_ = 0;
+  std::mutex mutex_;  // held while accepting and closing
   bool closed_ = false;
 };
 

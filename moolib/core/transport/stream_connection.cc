@@ -1,5 +1,6 @@
 #include "transport/stream_connection.h"
 
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -32,14 +33,18 @@ StreamConnection::~StreamConnection() {
 void StreamConnection::start(FrameFn onFrame, CloseFn onClose) {
   onFrame_ = std::move(onFrame);
   onClose_ = std::move(onClose);
-  std::lock_guard<std::mutex> lock(writeMutex_);
-  if (closed_) {
-    auto self = shared_from_this();
-    Loop::instance().post([self] { self->finalize(); });
-    return;
-  }
-  token_ = Loop::instance().addFd(fd_.get(), uint32_t(EPOLLIN) | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u),
-                                  std::weak_ptr<FdHandler>(shared_from_this()));
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  token_ = Loop::instance().addFd(fd_.get(), wantedEvents(), std::weak_ptr<FdHandler>(shared_from_this()));
+  armed_ = true;
+}
+
+uint32_t StreamConnection::wantedEvents() const {
+  return uint32_t(EPOLLIN) | (wantWrite_.load() ? uint32_t(EPOLLOUT) : 0u);
+}
+
+void StreamConnection::updateArm() {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  if (armed_ && token_) Loop::instance().rearm(fd_.get(), token_, wantedEvents());
 }
 
 bool StreamConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc, std::vector<int>&) {
@@ -72,10 +77,16 @@ void StreamConnection::send(OutgoingFrame&& frame) {
   for (auto& s : inlineSegments) item.total += s.size;
   item.segments = std::move(inlineSegments);
 
+  bool corked = corkIfBatching(std::static_pointer_cast<Corkable>(shared_from_this()));
   std::lock_guard<std::mutex> lock(writeMutex_);
   if (closed_) return;
   writeQueue_.push_back(std::move(item));
-  if (writeQueue_.size() == 1) flushLocked();
+  if (writeQueue_.size() == 1 && !corked) flushLocked();
+}
+
+void StreamConnection::uncork() {
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  flushLocked();
 }
 
 void StreamConnection::sendInternal(FrameType type, std::string meta) {
@@ -138,10 +149,9 @@ void StreamConnection::flushLocked() {
       closed_ = true;
       closeReason_ = Error(concat("write to ", remote_, " failed: ", errnoString(err)));
       writeQueue_.clear();
+      // Whoever handles the fd next sees the hang-up and finalizes.
       ::shutdown(fd_.get(), SHUT_RDWR);
-      auto self = shared_from_this();
-      Loop::instance().post([self] { self->finalize(); });
-      return;
+      break;
     }
     if (fds) fds->clear();
     bytesSent_ += r;
@@ -154,27 +164,18 @@ void StreamConnection::flushLocked() {
       if (front.written == front.total) writeQueue_.pop_front();
     }
   }
-  updateEventsLocked();
-}
-
-void StreamConnection::updateEventsLocked() {
   bool want = !writeQueue_.empty() && !closed_;
-  if (want == wantWrite_) return;
-  wantWrite_ = want;
-  if (token_) Loop::instance().modifyFd(fd_.get(), token_, uint32_t(EPOLLIN) | (want ? uint32_t(EPOLLOUT) : 0u));
+  if (want != wantWrite_.exchange(want)) updateArm();
 }
 
 void StreamConnection::close(const Error& reason) {
-  {
-    std::lock_guard<std::mutex> lock(writeMutex_);
-    if (closed_) return;
-    closed_ = true;
-    closeReason_ = reason;
-    writeQueue_.clear();
-    ::shutdown(fd_.get(), SHUT_RDWR);
-  }
-  auto self = shared_from_this();
-  Loop::instance().post([self] { self->finalize(); });
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  if (closed_) return;
+  closed_ = true;
+  closeReason_ = reason;
+  writeQueue_.clear();
+  // The hang-up wakes whoever handles the fd, which then finalizes.
+  if (fd_) ::shutdown(fd_.get(), SHUT_RDWR);
 }
 
 void StreamConnection::fail(const std::string& why) {
@@ -183,8 +184,12 @@ void StreamConnection::fail(const std::string& why) {
 }
 
 void StreamConnection::finalize() {
-  if (finalized_) return;
-  finalized_ = true;
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    if (finalized_) return;
+    finalized_ = true;
+    armed_ = false;
+  }
   if (token_) Loop::instance().removeFd(fd_.get(), token_);
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
@@ -224,11 +229,66 @@ ssize_t StreamConnection::receive(void* data, size_t size) {
 }
 
 void StreamConnection::onEvents(uint32_t events) {
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    armed_ = false;
+    if (owned_ || finalized_) return;
+    handling_ = true;
+  }
+  handle(events);
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  handling_ = false;
+  if (!finalized_ && !owned_) {
+    armed_ = true;
+    Loop::instance().rearm(fd_.get(), token_, wantedEvents());
+  }
+}
+
+bool StreamConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline) {
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    if (owned_ || handling_ || finalized_ || !token_) return false;
+    owned_ = true;
+    if (armed_) {
+      armed_ = false;
+      Loop::instance().rearm(fd_.get(), token_, 0);
+    }
+  }
+  Waiter& waiter = currentWaiter();
+  bool finished = false;
+  while (!(finished = done()) && Clock::now() < deadline && !closed_) {
+    pollfd p[2] = {{fd_.get(), short(POLLIN | (wantWrite_ ? POLLOUT : 0)), 0}, {waiter.fd(), POLLIN, 0}};
+    int n = ::poll(p, 2, timeoutMs(deadline));
+    if (n <= 0) continue;
+    if (p[1].revents) waiter.clear();
+    if (p[0].revents) {
+      uint32_t events = 0;
+      if (p[0].revents & POLLIN) events |= EPOLLIN;
+      if (p[0].revents & POLLOUT) events |= EPOLLOUT;
+      if (p[0].revents & (POLLHUP | POLLERR)) events |= EPOLLIN | EPOLLHUP;
+      handle(events);
+    }
+  }
+  if (closed_) handle(EPOLLIN);
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  owned_ = false;
+  if (!finalized_) {
+    armed_ = true;
+    Loop::instance().rearm(fd_.get(), token_, wantedEvents());
+  }
+  return true;
+}
+
+void StreamConnection::handle(uint32_t events) {
   if (events & EPOLLOUT) {
     std::lock_guard<std::mutex> lock(writeMutex_);
     flushLocked();
   }
-  if (!(events & (EPOLLIN | EPOLLHUP | EPOLLERR))) return;
+  if (!closed_ && (events & (EPOLLIN | EPOLLHUP | EPOLLERR))) readSome();
+  if (closed_) finalize();
+}
+
+void StreamConnection::readSome() {
   // Bounded work per wake-up keeps one busy peer from starving the others.
   size_t budget = 8 << 20;
   while (!closed_ && budget) {
@@ -239,7 +299,8 @@ void StreamConnection::onEvents(uint32_t events) {
       direct = frame_.segments[segmentIndex_];
     }
     if (direct) {
-      r = receive(direct->data() + segmentFilled_, std::min(direct->size() - segmentFilled_, budget));
+      size_t want = std::min(direct->size() - segmentFilled_, budget);
+      r = receive(direct->data() + segmentFilled_, want);
       if (r > 0) {
         segmentFilled_ += size_t(r);
         bytesReceived_ += r;
@@ -248,6 +309,9 @@ void StreamConnection::onEvents(uint32_t events) {
           ++segmentIndex_;
           if (!beginSegment()) return;
         }
+        // A short read drained the socket: level-triggered readiness brings us
+        // back if more arrives, which saves a read that would say EAGAIN.
+        if (size_t(r) < want) return;
         continue;
       }
     } else {
@@ -258,12 +322,14 @@ void StreamConnection::onEvents(uint32_t events) {
         stageBegin_ = 0;
         if (stageEnd_ == staging_.size()) staging_.resize(staging_.size() * 2);
       }
-      r = receive(staging_.data() + stageEnd_, staging_.size() - stageEnd_);
+      size_t want = staging_.size() - stageEnd_;
+      r = receive(staging_.data() + stageEnd_, want);
       if (r > 0) {
         stageEnd_ += size_t(r);
         bytesReceived_ += r;
         budget -= std::min<size_t>(budget, size_t(r));
         if (!parse()) return;
+        if (size_t(r) < want) return;
         continue;
       }
     }

@@ -19,6 +19,7 @@ namespace moolib {
 
 class StreamConnection : public Connection,
                          public FdHandler,
+                         public Corkable,
                          public std::enable_shared_from_this<StreamConnection> {
  public:
   StreamConnection(Fd fd, std::string local, std::string remote);
@@ -34,6 +35,8 @@ class StreamConnection : public Connection,
   uint64_t bytesSent() const override { return bytesSent_.load(); }
   uint64_t bytesReceived() const override { return bytesReceived_.load(); }
   void onEvents(uint32_t events) override;
+  void uncork() override;
+  bool serveWhile(const std::function<bool()>& done, TimePoint deadline) override;
 
   // Largest message accepted after the handshake.
   static constexpr uint64_t kMaxMessageBytes = uint64_t(64) << 30;
@@ -66,7 +69,13 @@ class StreamConnection : public Connection,
 
   // Writes queued items until the socket would block. writeMutex_ held.
   void flushLocked();
-  void updateEventsLocked();
+  // Re-registers interest when the fd sits in the epoll set.
+  void updateArm();
+  uint32_t wantedEvents() const;
+  // Reads and writes what the events allow; runs on the one thread that
+  // handles the connection (a loop worker, or a thread in serveWhile).
+  void handle(uint32_t events);
+  void readSome();
   void finalize();
   void fail(const std::string& why);
   // Consumes staged bytes; false once the connection failed.
@@ -82,15 +91,22 @@ class StreamConnection : public Connection,
   CloseFn onClose_;
   std::atomic<bool> closed_{false};
   std::atomic<bool> handshaken_{false};
-  bool finalized_ = false;
   Error closeReason_;
   std::atomic<uint64_t> bytesSent_{0}, bytesReceived_{0};
 
   std::mutex writeMutex_;
   std::deque<WriteItem> writeQueue_;
-  bool wantWrite_ = false;
+  std::atomic<bool> wantWrite_{false};
 
-  // Read side; touched only on the poller.
+  // Who handles the fd: the loop (armed_ in epoll, or handling_ now) or a
+  // thread in serveWhile (owned_). Exactly one at a time.
+  std::mutex stateMutex_;
+  bool armed_ = false;
+  bool handling_ = false;
+  bool owned_ = false;
+  bool finalized_ = false;
+
+  // Read side; touched only by the thread handling the connection.
   std::vector<uint8_t> staging_;
   size_t stageBegin_ = 0, stageEnd_ = 0;
   ReadState state_ = ReadState::kHeader;

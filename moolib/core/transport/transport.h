@@ -9,6 +9,7 @@
 #include <string>
 
 #include "error.h"
+#include "loop.h"
 #include "wire.h"
 
 namespace moolib {
@@ -35,6 +36,10 @@ class Connection {
   virtual std::string remoteAddress() const = 0;
   virtual uint64_t bytesSent() const = 0;
   virtual uint64_t bytesReceived() const = 0;
+  // Lets the calling thread handle this connection's I/O itself until done()
+  // or the deadline, so that a reply wakes the thread waiting for it. Returns
+  // false at once if another thread is handling the connection.
+  virtual bool serveWhile(const std::function<bool()>& done, TimePoint deadline) = 0;
 };
 using ConnectionPtr = std::shared_ptr<Connection>;
 

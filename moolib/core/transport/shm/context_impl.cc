@@ -29,7 +29,7 @@ class ShmContext : public Context {
       addr = unixAbstractAddress(endpoint(address));
     } catch (const Exception& e) {
       Error err(e.what());
-      Loop::instance().post([done, err] { done(err, nullptr); });
+      Loop::instance().addTimer(Clock::now(), [done, err] { done(err, nullptr); });
       return;
     }
     connectSocket(addr, address, &ShmConnection::create, std::move(done));

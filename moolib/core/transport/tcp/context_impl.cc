@@ -23,7 +23,7 @@ class TcpContext : public Context {
       addr = parseTcpAddress(address);
     } catch (const Exception& e) {
       Error err(e.what());
-      Loop::instance().post([done, err] { done(err, nullptr); });
+      Loop::instance().addTimer(Clock::now(), [done, err] { done(err, nullptr); });
       return;
     }
     connectSocket(addr, address, &TcpConnection::create, std::move(done));
