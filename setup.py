@@ -34,5 +34,6 @@ setup(
     ext_modules=[core],
     cmdclass={"build_ext": build_ext},
     install_requires=["numpy"],
+    extras_require={"test": ["pytest>=7", "pytest-timeout", "ruff"]},
     zip_safe=False,
 )

@@ -25,9 +25,14 @@ constexpr uint64_t kTimerToken = 2;
 // to other workers.
 constexpr auto kInlineBudget = std::chrono::milliseconds(2);
 constexpr auto kRescueInterval = std::chrono::milliseconds(20);
+// How long a worker keeps serving a connection it took requests from, waiting
+// on the socket itself: the peer's next request then wakes it directly (a
+// same-CPU "sync" wake-up) instead of an epoll waiter on another CPU.
+constexpr auto kStickyWindow = std::chrono::milliseconds(20);
 
 std::mutex gLoopMutex;
-Loop* gLoop = nullptr;  // leaked on purpose: threads may outlive static destruction
+// Leaked on purpose: threads may outlive static destruction.
+std::atomic<Loop*> gLoop{nullptr};
 std::atomic<uint64_t> gGeneration{0};
 
 void atforkPrepare() { gLoopMutex.lock(); }
@@ -36,7 +41,7 @@ void atforkChild() {
   gLoopMutex.unlock();
   // The parent's threads do not exist here: abandon its loop (never touch its
   // mutexes, which another thread may have held at fork time).
-  gLoop = nullptr;
+  gLoop.store(nullptr);
   gGeneration.fetch_add(1);
 }
 
@@ -51,6 +56,7 @@ int defaultThreads() {
 // Set on workers while they handle I/O: requests read then run here.
 thread_local bool tlsWorker = false;
 thread_local std::deque<Task>* tlsInline = nullptr;
+thread_local std::weak_ptr<FdHandler> tlsSticky;
 thread_local std::vector<std::shared_ptr<Corkable>>* tlsCorked = nullptr;
 
 }  // namespace
@@ -107,9 +113,10 @@ Loop& Loop::instance() {
     return true;
   }();
   (void)atforkInstalled;
+  if (Loop* loop = gLoop.load(std::memory_order_acquire)) return *loop;
   std::lock_guard<std::mutex> lock(gLoopMutex);
-  if (!gLoop) gLoop = new Loop();
-  return *gLoop;
+  if (!gLoop.load()) gLoop.store(new Loop());
+  return *gLoop.load();
 }
 
 uint64_t Loop::generation() { return gGeneration.load(); }
@@ -209,10 +216,21 @@ void Loop::schedule(Task task) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     tasks_.push_back(std::move(task));
+    queued_.fetch_add(1);
+    // Workers serving a connection by themselves do not see the task fd.
+    if (idleWorkers_.load() == 0) {
+      for (Waiter* w : stickyWorkers_) w->notify();
+    }
   }
   uint64_t one = 1;
   ssize_t r = ::write(taskFd_, &one, sizeof(one));
   (void)r;
+}
+
+bool Loop::hasInlineTasks() { return tlsInline && !tlsInline->empty(); }
+
+void Loop::runInlineTasks() {
+  if (tlsInline) runInline();
 }
 
 bool Loop::popTask(Task& out) {
@@ -220,6 +238,7 @@ bool Loop::popTask(Task& out) {
   if (tasks_.empty()) return false;
   out = std::move(tasks_.front());
   tasks_.pop_front();
+  queued_.fetch_sub(1);
   return true;
 }
 
@@ -281,10 +300,10 @@ void Loop::runTimers() {
   rearm(timerFd_, kTimerToken, EPOLLIN);
 }
 
-void Loop::dispatch(uint64_t token, uint32_t events) {
+std::shared_ptr<FdHandler> Loop::dispatch(uint64_t token, uint32_t events) {
   if (token == kTimerToken) {
     runTimers();
-    return;
+    return nullptr;
   }
   std::shared_ptr<FdHandler> handler;
   {
@@ -293,6 +312,7 @@ void Loop::dispatch(uint64_t token, uint32_t events) {
     if (it != fds_.end()) handler = it->second.handler.lock();
   }
   if (handler) handler->onEvents(events);
+  return handler;
 }
 
 void Loop::runInline() {
@@ -316,6 +336,7 @@ void Loop::runInline() {
         std::lock_guard<std::mutex> lock(mutex_);
         n = tasks.size();
         for (auto& t : tasks) tasks_.push_back(std::move(t));
+        queued_.fetch_add(int(n));
       }
       tasks.clear();
       uint64_t count = n;
@@ -344,7 +365,9 @@ void Loop::pollRound(int timeout, bool worker) {
       taskSignal = true;
       continue;
     }
-    dispatch(events[i].data.u64, events[i].events);
+    size_t before = inlineTasks.size();
+    auto handler = dispatch(events[i].data.u64, events[i].events);
+    if (worker && inlineTasks.size() > before && handler) tlsSticky = handler;
   }
   if (worker) {
     runInline();
@@ -366,8 +389,28 @@ void Loop::workerMain(int index) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (index >= maxThreads_) break;
     }
+    if (auto sticky = tlsSticky.lock()) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stickyWorkers_.push_back(&currentWaiter());
+      }
+      std::deque<Task> inlineTasks;
+      tlsInline = &inlineTasks;
+      bool active = sticky->serveSticky(Clock::now() + kStickyWindow);
+      runInline();
+      tlsInline = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stickyWorkers_.erase(std::find(stickyWorkers_.begin(), stickyWorkers_.end(), &currentWaiter()));
+      }
+      if (!active) tlsSticky.reset();
+      Task t;
+      if (popTask(t)) t();
+      continue;
+    }
     pollRound(-1, true);
   }
+  tlsSticky.reset();
   std::lock_guard<std::mutex> lock(mutex_);
   --liveWorkers_;
 }

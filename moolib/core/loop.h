@@ -44,6 +44,10 @@ class FdHandler {
   // Called on a loop thread after the fd fired. The fd is disarmed until the
   // handler calls Loop::rearm.
   virtual void onEvents(uint32_t events) = 0;
+  // A worker that just ran requests from this fd may keep serving it by
+  // itself until the deadline (see Loop::workerMain). Returns whether any
+  // I/O happened; false if the fd cannot be served that way.
+  virtual bool serveSticky(TimePoint deadline) { return false; }
 };
 
 // A per-thread wake-up slot backed by an eventfd, so a thread can sleep on it
@@ -94,6 +98,13 @@ class Loop {
   uint64_t addTimer(TimePoint when, Task task);
   void cancelTimer(uint64_t id);
 
+  // For a thread serving an fd itself: whether requests it read wait to run
+  // here, and running them.
+  static bool hasInlineTasks();
+  void runInlineTasks();
+  // Whether a worker serving an fd by itself should go back to the pool.
+  bool stickyShouldStop() const { return stopping_ || queued_.load() > 0; }
+
   void setMaxThreads(int n);
   int maxThreads() const { return maxThreads_; }
   // Stops accepting tasks and waits (bounded) for workers; for interpreter exit.
@@ -119,7 +130,7 @@ class Loop {
   void rescueMain();
   // One epoll_wait round; returns false on shutdown.
   void pollRound(int timeout, bool worker);
-  void dispatch(uint64_t token, uint32_t events);
+  std::shared_ptr<FdHandler> dispatch(uint64_t token, uint32_t events);
   void runTimers();
   void armTimerFdLocked();
   bool popTask(Task& out);
@@ -135,6 +146,8 @@ class Loop {
   int maxThreads_;
   int liveWorkers_ = 0;
   std::atomic<int> idleWorkers_{0};
+  std::atomic<int> queued_{0};
+  std::vector<Waiter*> stickyWorkers_;
 
   std::mutex timerMutex_;
   std::vector<Timer> timerHeap_;

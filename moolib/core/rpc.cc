@@ -241,10 +241,12 @@ void Rpc::finishCall(const std::string& function) {
 }
 
 FuturePtr Rpc::call(const std::string& peer, const std::string& function, std::vector<OutSegment> segments) {
-  checkUsable();
-  ensureStarted();
+  MOO_ENFORCE(generation_ == Loop::generation(),
+              "this Rpc was created before the process forked; create a new Rpc in the child");
+  if (!started_.load(std::memory_order_acquire)) ensureStarted();
   auto future = std::make_shared<FutureState>();
   std::unique_lock<std::mutex> lock(mutex_);
+  MOO_ENFORCE(!closed_, "this Rpc is closed");
   uint64_t id = nextCallId_++;
   if (peer == name_) {
     lock.unlock();

@@ -170,7 +170,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   double timeoutSeconds_ = 10.0;
   std::set<std::string> transports_{"shm", "tcp"};
   bool closed_ = false;
-  bool started_ = false;
+  std::atomic<bool> started_{false};
   uint64_t tickTimer_ = 0;
   std::vector<std::unique_ptr<Listener>> listeners_;
   std::vector<std::string> tcpListenAddresses_;

@@ -244,38 +244,62 @@ void StreamConnection::onEvents(uint32_t events) {
   }
 }
 
-bool StreamConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline) {
-  {
-    std::lock_guard<std::mutex> lock(stateMutex_);
-    if (owned_ || handling_ || finalized_ || !token_) return false;
-    owned_ = true;
-    if (armed_) {
-      armed_ = false;
-      Loop::instance().rearm(fd_.get(), token_, 0);
-    }
+bool StreamConnection::tryOwn() {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  if (owned_ || handling_ || finalized_ || !token_) return false;
+  owned_ = true;
+  if (armed_) {
+    armed_ = false;
+    Loop::instance().rearm(fd_.get(), token_, 0);
   }
-  Waiter& waiter = currentWaiter();
-  bool finished = false;
-  while (!(finished = done()) && Clock::now() < deadline && !closed_) {
-    pollfd p[2] = {{fd_.get(), short(POLLIN | (wantWrite_ ? POLLOUT : 0)), 0}, {waiter.fd(), POLLIN, 0}};
-    int n = ::poll(p, 2, timeoutMs(deadline));
-    if (n <= 0) continue;
-    if (p[1].revents) waiter.clear();
-    if (p[0].revents) {
-      uint32_t events = 0;
-      if (p[0].revents & POLLIN) events |= EPOLLIN;
-      if (p[0].revents & POLLOUT) events |= EPOLLOUT;
-      if (p[0].revents & (POLLHUP | POLLERR)) events |= EPOLLIN | EPOLLHUP;
-      handle(events);
-    }
-  }
-  if (closed_) handle(EPOLLIN);
+  return true;
+}
+
+void StreamConnection::unown() {
   std::lock_guard<std::mutex> lock(stateMutex_);
   owned_ = false;
   if (!finalized_) {
     armed_ = true;
     Loop::instance().rearm(fd_.get(), token_, wantedEvents());
   }
+}
+
+bool StreamConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline) {
+  return serve(done, deadline, false, nullptr);
+}
+
+bool StreamConnection::serveSticky(TimePoint deadline) {
+  bool active = false;
+  Loop& loop = Loop::instance();
+  serve([&loop] { return loop.stickyShouldStop(); }, deadline, true, &active);
+  return active;
+}
+
+bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadline, bool runInline,
+                             bool* active) {
+  if (!tryOwn()) return false;
+  Waiter& waiter = currentWaiter();
+  while (!done() && Clock::now() < deadline && !closed_) {
+    pollfd p[2] = {{fd_.get(), short(POLLIN | (wantWrite_ ? POLLOUT : 0)), 0}, {waiter.fd(), POLLIN, 0}};
+    int n = ::poll(p, 2, timeoutMs(deadline));
+    if (n <= 0) continue;
+    if (p[1].revents) waiter.clear();
+    if (!p[0].revents) continue;
+    if (active) *active = true;
+    uint32_t events = 0;
+    if (p[0].revents & POLLIN) events |= EPOLLIN;
+    if (p[0].revents & POLLOUT) events |= EPOLLOUT;
+    if (p[0].revents & (POLLHUP | POLLERR)) events |= EPOLLIN | EPOLLHUP;
+    handle(events);
+    if (runInline && Loop::hasInlineTasks()) {
+      // Let the pool read further requests while these run.
+      unown();
+      Loop::instance().runInlineTasks();
+      if (!tryOwn()) return true;
+    }
+  }
+  if (closed_) handle(EPOLLIN);
+  unown();
   return true;
 }
 
@@ -290,7 +314,7 @@ void StreamConnection::handle(uint32_t events) {
 
 void StreamConnection::readSome() {
   // Bounded work per wake-up keeps one busy peer from starving the others.
-  size_t budget = 8 << 20;
+  size_t budget = size_t(64) << 20;
   while (!closed_ && budget) {
     ssize_t r;
     BufferPtr direct;

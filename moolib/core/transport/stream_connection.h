@@ -37,6 +37,7 @@ class StreamConnection : public Connection,
   void onEvents(uint32_t events) override;
   void uncork() override;
   bool serveWhile(const std::function<bool()>& done, TimePoint deadline) override;
+  bool serveSticky(TimePoint deadline) override;
 
   // Largest message accepted after the handshake.
   static constexpr uint64_t kMaxMessageBytes = uint64_t(64) << 30;
@@ -75,6 +76,11 @@ class StreamConnection : public Connection,
   // Reads and writes what the events allow; runs on the one thread that
   // handles the connection (a loop worker, or a thread in serveWhile).
   void handle(uint32_t events);
+  bool tryOwn();
+  void unown();
+  // Serves the fd on this thread until done() or the deadline; false if it
+  // could not take the fd. Requests read run here when runInline.
+  bool serve(const std::function<bool()>& done, TimePoint deadline, bool runInline, bool* active);
   void readSome();
   void finalize();
   void fail(const std::string& why);

@@ -1,0 +1,75 @@
+"""Shared fixtures of the RPC tests (helpers live in tests/helpers/)."""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+
+import pytest
+
+import moolib
+from helpers.util import PeerSpawner
+
+# Transport choices tests are parametrized over: None means the default (both).
+TRANSPORTS = [None, ["shm"], ["tcp"]]
+TRANSPORT_IDS = ["default", "shm", "tcp"]
+
+
+@pytest.fixture
+def watchdog():
+    """Dumps every thread's stack and exits if a test hangs (pytest-timeout is not installed)."""
+    faulthandler.dump_traceback_later(240, exit=True, file=sys.__stderr__)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(params=TRANSPORTS, ids=TRANSPORT_IDS)
+def transports(request):
+    return request.param
+
+
+@pytest.fixture
+def make_rpc():
+    """Creates in-process Rpcs (optionally named, listening, restricted) and closes them after."""
+    made = []
+
+    def make(name=None, transports=None, timeout=None, listen=False, auth_key=None):
+        rpc = moolib.Rpc()
+        made.append(rpc)
+        if name:
+            rpc.set_name(name)
+        if transports:
+            rpc.set_transports(transports)
+        if auth_key is not None:
+            rpc.set_auth_key(auth_key)
+        if timeout:
+            rpc.set_timeout(timeout)
+        if listen:
+            rpc.address = rpc.listen("127.0.0.1:0")
+        return rpc
+
+    yield make
+    for rpc in made:
+        rpc.close()
+
+
+@pytest.fixture
+def spawn_peer(tmp_path):
+    """Starts tests/helpers/peer.py subprocesses; all are stopped (or killed) after the test."""
+    spawner = PeerSpawner(tmp_path)
+    try:
+        yield spawner
+    finally:
+        spawner.cleanup()
+
+
+@pytest.fixture(scope="module")
+def module_spawn_peer(tmp_path_factory):
+    """Like spawn_peer, for peers shared by the tests of a module."""
+    spawner = PeerSpawner(tmp_path_factory.mktemp("peers"))
+    try:
+        yield spawner
+    finally:
+        spawner.cleanup()

@@ -1,0 +1,1 @@
+"""Helpers for the RPC tests: peer processes and polling utilities."""

@@ -1,0 +1,88 @@
+"""A moolib peer in its own process, for the multi-process RPC tests.
+
+Usage: peer.py --name NAME [--listen ADDR] [--connect ADDR ...] [--transports shm,tcp]
+               [--auth-key KEY] [--timeout S] [--max-threads N]
+
+Prints ``READY <name> <bound address or ->`` once set up, then serves until its
+stdin closes (so it never outlives the test that started it) or it is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import moolib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--listen", default=None)
+    parser.add_argument("--connect", action="append", default=[])
+    parser.add_argument("--transports", default=None)
+    parser.add_argument("--auth-key", default=None)
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--max-threads", type=int, default=None)
+    args = parser.parse_args()
+
+    if args.max_threads:
+        moolib.set_max_threads(args.max_threads)
+    rpc = moolib.Rpc()
+    rpc.set_name(args.name)
+    if args.transports:
+        rpc.set_transports(args.transports.split(","))
+    if args.auth_key is not None:
+        rpc.set_auth_key(args.auth_key)
+    if args.timeout:
+        rpc.set_timeout(args.timeout)
+
+    def touch(path):
+        Path(path).write_text(args.name)
+        return True
+
+    def fail(message):
+        raise ValueError(message)
+
+    def sleep(seconds):
+        time.sleep(seconds)
+        return seconds
+
+    def call(peer, fn, *a, **kw):
+        return rpc.sync(peer, fn, *a, **kw)
+
+    def info():
+        return rpc.debug_info()
+
+    rpc.define("echo", lambda x: x)
+    rpc.define("echo_all", lambda *a, **kw: (a, kw))
+    rpc.define("add", lambda a, b: a + b)
+    rpc.define("pid", os.getpid)
+    rpc.define("name", lambda: args.name)
+    rpc.define("fail", fail)
+    rpc.define("sleep", sleep)
+    rpc.define("touch", touch)
+    rpc.define("call", call)
+    rpc.define("info", info)
+    rpc.define("zeros", lambda n: torch.zeros(n, dtype=torch.uint8))
+    rpc.define("checksum", lambda t: int(t.to(torch.int64).sum()))
+
+    address = rpc.listen(args.listen) if args.listen else "-"
+    for c in args.connect:
+        rpc.connect(c)
+    print(f"READY {args.name} {address}", flush=True)
+
+    # Exit as soon as the test closes our stdin (or dies).
+    sys.stdin.read()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "peer-main"
+    main()

@@ -1,0 +1,622 @@
+"""The Rpc API with real peers in one process (several Rpc objects talking over
+loopback), parametrized over the transports: default, shm only and tcp only."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import re
+import threading
+import time
+
+import pytest
+import torch
+from helpers.util import (
+    DEADLINE,
+    assert_same,
+    connections,
+    sample_payload,
+    transports_to,
+    wait_for,
+)
+
+import moolib
+
+pytestmark = pytest.mark.usefixtures("watchdog")
+
+
+@pytest.fixture
+def pair(make_rpc, transports):
+    """(client, server): the server listens on a free loopback port, the client
+    connects to it; both are restricted to ``transports``."""
+    server = make_rpc("server", transports=transports, listen=True, timeout=DEADLINE)
+    client = make_rpc("client", transports=transports, timeout=DEADLINE)
+    client.connect(server.address)
+    return client, server
+
+
+def result(fut, timeout=DEADLINE):
+    return fut.result(timeout=timeout)
+
+
+# ---------------------------------------------------------------------------
+# Calls and data
+
+
+def test_roundtrip_payload_exact(pair, transports):
+    client, server = pair
+    server.define("echo", lambda x: x)
+    server.define("echo_all", lambda *a, **kw: (a, kw))
+    payload = sample_payload()
+    assert_same(payload, client.sync("server", "echo", payload))
+    a, kw = client.sync("server", "echo_all", 1, torch.ones(2), key=[torch.zeros(3)], other=None)
+    assert_same(((1, torch.ones(2)), {"key": [torch.zeros(3)], "other": None}), (a, kw))
+    used = transports_to(client, "server")
+    if transports == ["tcp"]:
+        assert used and set(used) == {"tcp"}
+    else:
+        wait_for(lambda: "shm" in transports_to(client, "server"), what="an shm connection")
+
+
+def test_received_tensor_is_usable_and_independent(pair):
+    client, server = pair
+    server.define("make", lambda: torch.arange(10000, dtype=torch.float32))
+    first = client.sync("server", "make")
+    second = client.sync("server", "make")
+    first += 1  # received memory must be writable and not shared between results
+    assert torch.equal(second, torch.arange(10000, dtype=torch.float32))
+    assert torch.equal(first, torch.arange(1, 10001, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("restricted", [["shm"], ["tcp"]], ids=["shm", "tcp"])
+def test_payload_bytes_go_over_selected_transport(make_rpc, restricted):
+    server = make_rpc("server", listen=True, timeout=DEADLINE)
+    client = make_rpc("client", transports=restricted, timeout=DEADLINE)
+    client.connect(server.address)
+    server.define("size", lambda t: t.numel())
+    assert client.sync("server", "size", torch.zeros(1)) == 1
+
+    def sent():
+        totals = {"shm": 0, "tcp": 0}
+        for c in connections(client, "server"):
+            totals[c["transport"]] += c["bytes_sent"]
+        return totals
+
+    before = sent()
+    payload = torch.ones(1 << 20, dtype=torch.uint8)
+    for _ in range(3):
+        assert client.sync("server", "size", payload) == 1 << 20
+    after = sent()
+    if restricted == ["tcp"]:
+        assert after["tcp"] - before["tcp"] >= 3 << 20
+        assert "shm" not in transports_to(client, "server")
+    else:
+        # bytes_sent of an shm connection counts only its signalling stream (the
+        # payload goes through shared memory), so: requests went over shm, and
+        # the payload did not go over the TCP connection.
+        assert after["shm"] > before["shm"]
+        assert after["tcp"] - before["tcp"] < 1 << 20
+
+
+def test_call_self_by_name(make_rpc):
+    rpc = make_rpc("me")
+    rpc.define("twice", lambda x: x * 2)
+    assert rpc.sync("me", "twice", 21) == 42
+    assert torch.equal(rpc.sync("me", "twice", torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_names_and_uids(make_rpc):
+    a, b = moolib.Rpc(), moolib.Rpc()
+    try:
+        assert a.get_name() and b.get_name() and a.get_name() != b.get_name()
+        a.set_name("alice")
+        assert a.get_name() == "alice"
+    finally:
+        a.close()
+        b.close()
+    uids = {moolib.create_uid() for _ in range(100)}
+    assert len(uids) == 100
+    assert all(re.fullmatch(r"[0-9a-f]{32}", u) for u in uids)
+
+
+def test_argument_validation(make_rpc):
+    rpc = make_rpc("v")
+    with pytest.raises(RuntimeError):
+        rpc.set_transports(["carrier-pigeon"])
+    with pytest.raises(RuntimeError):
+        rpc.set_transports([])
+    with pytest.raises(RuntimeError):
+        rpc.set_timeout(0)
+    with pytest.raises(ValueError):
+        moolib.set_log_level("loud")
+    rpc.set_timeout(3.5)
+    assert rpc.get_timeout() == 3.5
+    rpc.define("f", lambda: 1)
+    with pytest.raises(RuntimeError, match="already defined"):
+        rpc.define("f", lambda: 2)
+    with pytest.raises(ValueError):
+        rpc.define("g", lambda x: x, batch_size=0)
+    with pytest.raises(ValueError):
+        rpc.define_queue("q", batch_size=0)
+    with pytest.raises(RuntimeError, match="not defined"):
+        rpc.undefine("never-defined")
+
+
+# ---------------------------------------------------------------------------
+# Errors
+
+
+def test_unknown_peer_times_out_naming_peer_and_function(pair):
+    client, _ = pair
+    client.set_timeout(2)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        client.sync("nobody-here", "some_function")
+    assert isinstance(info.value, moolib.RpcError)
+    assert "nobody-here" in str(info.value) and "some_function" in str(info.value)
+    assert time.monotonic() - start >= 1.5  # it waited for the timeout, not less
+
+
+def test_undefined_function_error_names_it(pair):
+    client, server = pair
+    server.define("present", lambda: 1)
+    assert client.sync("server", "present") == 1
+    with pytest.raises(RuntimeError, match="absent_fn"):
+        client.sync("server", "absent_fn")
+
+
+def test_remote_exception_reaches_caller(pair):
+    client, server = pair
+
+    def boom(x):
+        raise ValueError(f"boom {x}")
+
+    server.define("boom", boom)
+    with pytest.raises(moolib.RpcError) as info:
+        client.sync("server", "boom", 7)
+    message = str(info.value)
+    assert "ValueError" in message and "boom 7" in message
+    # The peer is still fine afterwards.
+    server.define("ok", lambda: "ok")
+    assert client.sync("server", "ok") == "ok"
+
+
+def test_unpicklable_result_is_an_error_not_a_hang(pair):
+    client, server = pair
+    server.define("lock", lambda: threading.Lock())
+    with pytest.raises(moolib.RpcError, match="(?i)pickle|lock"):
+        client.sync("server", "lock")
+
+
+def test_system_exit_in_function_is_reported(pair):
+    client, server = pair
+
+    def leave():
+        raise SystemExit(3)
+
+    server.define("leave", leave)
+    with pytest.raises(moolib.RpcError, match="SystemExit"):
+        client.sync("server", "leave")
+    server.define("still", lambda: "alive")
+    assert client.sync("server", "still") == "alive"
+
+
+def test_listen_on_taken_port_raises(make_rpc):
+    first = make_rpc("first", listen=True)
+    second = make_rpc("second")
+    with pytest.raises(RuntimeError):
+        second.listen(first.address)
+    with pytest.raises(RuntimeError):
+        second.listen("not-an-address")
+
+
+def test_close_fails_calls_in_flight_and_later_use(make_rpc):
+    server = make_rpc("server", listen=True)
+    client = make_rpc("client", timeout=DEADLINE)
+    client.connect(server.address)
+    release = threading.Event()
+    server.define("block", lambda: release.wait(DEADLINE))
+    try:
+        fut = client.async_("server", "block")
+        wait_for(lambda: client.debug_info()["pending_calls"] >= 1, what="a pending call")
+        client.close()
+        assert fut.wait(DEADLINE)
+        with pytest.raises(moolib.RpcError):
+            fut.result()
+        with pytest.raises(RuntimeError, match="closed"):
+            client.async_("server", "block")
+    finally:
+        release.set()
+
+
+def test_context_manager_closes():
+    with moolib.Rpc() as rpc:
+        rpc.define("f", lambda: 1)
+        assert rpc.sync(rpc.get_name(), "f") == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        rpc.sync(rpc.get_name(), "f")
+
+
+# ---------------------------------------------------------------------------
+# define variants
+
+
+def test_batched_define_returns_each_caller_its_slice(pair):
+    client, server = pair
+    sizes = []
+    lock = threading.Lock()
+
+    def double(x, offset):
+        with lock:
+            sizes.append(x.shape[0])
+        assert x.dim() == 2 and offset.dim() == 1
+        time.sleep(0.05)  # lets more calls queue up behind a running batch
+        return x * 2 + offset[:, None]
+
+    server.define("double", double, batch_size=4)
+    end = time.monotonic() + DEADLINE
+    while True:
+        futs = [
+            client.async_("server", "double", torch.full((3,), float(i)), offset=torch.tensor(i))
+            for i in range(10)
+        ]
+        for i, f in enumerate(futs):
+            out = result(f)
+            assert out.shape == (3,)
+            assert torch.equal(out, torch.full((3,), 3.0 * i))
+        if max(sizes) > 1 or time.monotonic() > end:
+            break
+    assert max(sizes) <= 4
+    assert max(sizes) > 1, "concurrent calls were never batched"
+    assert sum(sizes) % 10 == 0
+
+
+def test_batched_define_nests_and_device(pair):
+    client, server = pair
+
+    def fn(obs):
+        assert obs["a"].shape[0] == obs["b"][0].shape[0]
+        return {"sum": obs["a"] + obs["b"][0], "neg": (-obs["a"],)}
+
+    server.define("fn", fn, batch_size=3, device="cpu")
+    futs = [
+        client.async_("server", "fn", {"a": torch.full((2,), i), "b": [torch.ones(2, dtype=torch.int64)]})
+        for i in range(5)
+    ]
+    for i, f in enumerate(futs):
+        out = result(f)
+        assert torch.equal(out["sum"], torch.full((2,), i + 1))
+        assert isinstance(out["neg"], tuple)
+        assert torch.equal(out["neg"][0], torch.full((2,), -i))
+
+
+def test_batched_define_exception_fails_every_caller(pair):
+    client, server = pair
+
+    def bad(x):
+        raise KeyError("batched-failure")
+
+    server.define("bad", bad, batch_size=2)
+    futs = [client.async_("server", "bad", torch.zeros(1)) for _ in range(3)]
+    for f in futs:
+        with pytest.raises(moolib.RpcError, match="batched-failure"):
+            result(f)
+
+
+def test_define_deferred_answers_from_another_thread(pair):
+    client, server = pair
+    timers = []
+
+    def later(callback, x, delay=0.2):
+        t = threading.Timer(delay, callback, args=(x + 1,))
+        timers.append(t)
+        t.start()
+
+    server.define_deferred("later", later)
+    futs = [client.async_("server", "later", i, delay=0.05 * (5 - i)) for i in range(5)]
+    assert [result(f) for f in futs] == [1, 2, 3, 4, 5]
+    assert torch.equal(client.sync("server", "later", torch.ones(2)), torch.full((2,), 2.0))
+    for t in timers:
+        t.join(DEADLINE)
+
+
+def test_define_deferred_error_and_dropped_callback(pair):
+    client, server = pair
+    server.define_deferred("refuse", lambda cb: cb.error("refused-by-server"))
+    server.define_deferred("forget", lambda cb: None)
+    with pytest.raises(moolib.RpcError, match="refused-by-server"):
+        client.sync("server", "refuse")
+    # A callback dropped unanswered answers with an error (rather than a timeout).
+    with pytest.raises(moolib.RpcError, match="without replying"):
+        client.sync("server", "forget")
+
+
+def test_undefine_then_call_fails_and_redefine_works(pair):
+    client, server = pair
+    server.define("f", lambda: "v1")
+    assert client.sync("server", "f") == "v1"
+    server.undefine("f")
+    assert "f" not in server.debug_info()["functions"]
+    with pytest.raises(RuntimeError, match="'f'"):
+        client.sync("server", "f")
+    server.define("f", lambda: "v2")
+    assert client.sync("server", "f") == "v2"
+
+
+def test_undefine_waits_for_calls_in_flight(pair):
+    client, server = pair
+    started, release = threading.Event(), threading.Event()
+
+    def slow():
+        started.set()
+        release.wait(DEADLINE)
+        return "finished"
+
+    server.define("slow", slow)
+    fut = client.async_("server", "slow")
+    assert started.wait(DEADLINE)
+    undefined = threading.Event()
+    t = threading.Thread(target=lambda: (server.undefine("slow"), undefined.set()))
+    t.start()
+    try:
+        assert not undefined.wait(0.5)  # blocked while the call runs
+    finally:
+        release.set()
+    t.join(DEADLINE)
+    assert undefined.is_set()
+    assert result(fut) == "finished"
+
+
+# ---------------------------------------------------------------------------
+# Queues
+
+
+def test_queue_plain(pair):
+    client, server = pair
+    queue = server.define_queue("q")
+    assert queue.empty()
+    with pytest.raises(TimeoutError):
+        queue.get(timeout=0.2)
+    futs = [client.async_("server", "q", i, scale=10) for i in range(5)]
+    wait_for(lambda: queue.qsize() == 5, what="5 queued calls")
+    seen = []
+    for item in queue:
+        reply, args, kwargs = item
+        seen.append(args[0])
+        reply(args[0] * kwargs["scale"])
+        if len(seen) == 5:
+            break
+    assert sorted(seen) == [0, 1, 2, 3, 4]
+    assert [result(f) for f in futs] == [0, 10, 20, 30, 40]
+    assert queue.empty()
+    # Replying with an error reaches the caller.
+    fut = client.async_("server", "q", -1)
+    reply, args, _ = queue.get(timeout=DEADLINE)
+    reply.error("negative-not-allowed")
+    with pytest.raises(moolib.RpcError, match="negative-not-allowed"):
+        result(fut)
+
+
+def test_queue_batched_waits_for_full_batch(pair):
+    client, server = pair
+    queue = server.define_queue("q", batch_size=4)
+    futs = [client.async_("server", "q", torch.full((2,), float(i))) for i in range(3)]
+    wait_for(lambda: queue.qsize() == 3, what="3 queued calls")
+    with pytest.raises(TimeoutError):
+        queue.get(timeout=0.5)
+    assert not any(f.done() for f in futs)
+    futs.append(client.async_("server", "q", torch.full((2,), 3.0)))
+    reply, args, kwargs = queue.get(timeout=DEADLINE)
+    (batch,) = args
+    assert batch.shape == (4, 2) and kwargs == {}
+    assert sorted(batch[:, 0].tolist()) == [0.0, 1.0, 2.0, 3.0]
+    reply(batch * 100)
+    for i, f in enumerate(futs):
+        assert torch.equal(result(f), torch.full((2,), 100.0 * i))
+
+
+def test_queue_dynamic_batching(pair):
+    client, server = pair
+    queue = server.define_queue("q", batch_size=4, dynamic_batching=True)
+    futs = [client.async_("server", "q", torch.tensor([i])) for i in range(2)]
+    wait_for(lambda: queue.qsize() == 2, what="2 queued calls")
+    reply, (batch,), _ = queue.get(timeout=DEADLINE)
+    assert batch.shape == (2, 1)  # handed out without waiting for 4
+    reply(batch + 1)
+    assert [result(f).item() for f in futs] == [1, 2]
+
+    futs = [client.async_("server", "q", torch.tensor([i])) for i in range(6)]
+    wait_for(lambda: queue.qsize() == 6, what="6 queued calls")
+    reply, (first,), _ = queue.get(timeout=DEADLINE)
+    assert first.shape[0] == 4
+    reply(first * 2)
+    reply, (second,), _ = queue.get(timeout=DEADLINE)
+    assert second.shape[0] == 2
+    reply(second * 2)
+    assert [result(f).item() for f in futs] == [0, 2, 4, 6, 8, 10]
+
+
+def test_queue_and_future_awaitable_in_asyncio(pair):
+    client, server = pair
+    queue = server.define_queue("q")
+    server.define("inc", lambda x: x + 1)
+
+    async def serve(n):
+        for _ in range(n):
+            reply, args, _ = await queue
+            reply(args[0] * 3)
+
+    async def main():
+        server_task = asyncio.ensure_future(serve(3))
+        await asyncio.sleep(0.05)  # the server is waiting on an empty queue now
+        values = await asyncio.gather(*(client.async_("server", "q", i) for i in range(3)))
+        await asyncio.wait_for(server_task, DEADLINE)
+        inc = await client.async_("server", "inc", 41)
+        with pytest.raises(moolib.RpcError, match="nope"):
+            await client.async_("server", "nope")
+        return values, inc
+
+    values, inc = asyncio.run(asyncio.wait_for(main(), DEADLINE))
+    assert values == [0, 3, 6]
+    assert inc == 42
+
+
+# ---------------------------------------------------------------------------
+# Futures and callbacks
+
+
+def test_async_callback_success_and_error(pair):
+    client, server = pair
+    server.define("add", lambda a, b: a + b)
+    got = []
+    done = threading.Event()
+
+    def callback(res, err):
+        got.append((res, err, threading.current_thread() is threading.main_thread()))
+        done.set()
+
+    client.async_callback("server", "add", callback, 2, 3)
+    assert done.wait(DEADLINE)
+    assert got[0] == (5, None, False)
+
+    done.clear()
+    client.async_callback("server", "missing", callback)
+    assert done.wait(DEADLINE)
+    res, err, _ = got[1]
+    assert res is None
+    assert isinstance(err, moolib.RpcError) and "missing" in str(err)
+
+
+def test_future_methods(pair):
+    client, server = pair
+    release = threading.Event()
+    server.define("block", lambda: release.wait(DEADLINE) and "released")
+    server.define("fail", lambda: 1 / 0)
+    try:
+        fut = client.async_("server", "block")
+        assert not fut.done()
+        assert fut.wait(0.2) is False
+        with pytest.raises(TimeoutError):
+            fut.result(timeout=0.1)
+        with pytest.raises(TimeoutError):
+            fut.exception(timeout=0.1)
+        callbacks = []
+        fut.add_done_callback(lambda f: callbacks.append(f.done()))
+        release.set()
+        assert fut.wait(DEADLINE) is True
+        assert fut.done() and fut.result() == "released"
+        assert fut.exception() is None
+        assert fut.cancel() is False and not fut.cancelled()
+        wait_for(lambda: callbacks == [True], what="the done callback")
+
+        bad = client.async_("server", "fail")
+        err = bad.exception(timeout=DEADLINE)
+        assert isinstance(err, moolib.RpcError) and "ZeroDivisionError" in str(err)
+        with pytest.raises(moolib.RpcError, match="ZeroDivisionError"):
+            bad.result()
+    finally:
+        release.set()
+
+
+def test_future_cancel(pair):
+    client, server = pair
+    release = threading.Event()
+    server.define("block", lambda: release.wait(DEADLINE))
+    try:
+        fut = client.async_("server", "block")
+        assert fut.cancel() is True
+        assert fut.done() and fut.cancelled()
+        assert fut.cancel() is False
+        with pytest.raises(moolib.RpcError, match="cancel"):
+            fut.result(timeout=DEADLINE)
+    finally:
+        release.set()
+    # The connection is still usable after a cancelled call completes remotely.
+    server.define("ok", lambda: "ok")
+    assert client.sync("server", "ok") == "ok"
+    wait_for(lambda: client.debug_info()["pending_calls"] == 0, what="no pending calls")
+
+
+# ---------------------------------------------------------------------------
+# Threads
+
+
+def test_many_concurrent_sync_calls_from_threads(pair):
+    client, server = pair
+    server.define("square", lambda x: x * x)
+    server.define("tsum", lambda t: t.sum().item())
+
+    def one(i):
+        if i % 3 == 0:
+            return client.sync("server", "tsum", torch.full((100,), float(i))) == 100.0 * i
+        return client.sync("server", "square", i) == i * i
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(one, range(200), timeout=DEADLINE * 2))
+    assert len(outcomes) == 200 and all(outcomes)
+
+
+def test_nested_calls(make_rpc, transports):
+    hub = make_rpc("hub", transports=transports, listen=True, timeout=DEADLINE)
+    a = make_rpc("a", transports=transports, timeout=DEADLINE)
+    b = make_rpc("b", transports=transports, timeout=DEADLINE)
+    a.connect(hub.address)
+    b.connect(hub.address)
+    b.define("leaf", lambda x: x + 1)
+    # hub.middle calls b (found by name through... hub itself knows b directly).
+    hub.define("middle", lambda x: hub.sync("b", "leaf", x) * 10)
+    # a.top calls the hub which calls b: three levels.
+    a.define("top", lambda x: a.sync("hub", "middle", x) + 5)
+    assert hub.sync("a", "top", 1) == 25
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        values = list(pool.map(lambda i: hub.sync("a", "top", i), range(32), timeout=DEADLINE * 2))
+    assert values == [(i + 1) * 10 + 5 for i in range(32)]
+
+
+def test_set_max_threads_then_many_concurrent_calls(make_rpc):
+    original = moolib._core.get_max_threads()
+    moolib.set_max_threads(2)
+    try:
+        server = make_rpc("server", listen=True, timeout=DEADLINE)
+        client = make_rpc("client", timeout=DEADLINE)
+        client.connect(server.address)
+        server.define("slow_id", lambda i: (time.sleep(0.01), i)[1])
+        futs = [client.async_("server", "slow_id", i) for i in range(100)]
+        assert [result(f) for f in futs] == list(range(100))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            values = list(pool.map(lambda i: client.sync("server", "slow_id", i), range(64)))
+        assert values == list(range(64))
+    finally:
+        moolib.set_max_threads(original)
+
+
+# ---------------------------------------------------------------------------
+# Logging
+
+
+def test_listen_on_all_interfaces_without_key_warns():
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append((record.levelno, record.getMessage()))
+
+    logger = logging.getLogger("moolib-test-capture")
+    logger.propagate = False
+    handler = Collect()
+    logger.addHandler(handler)
+    moolib.set_logging(logger)
+    rpc = moolib.Rpc()
+    try:
+        bound = rpc.listen("0.0.0.0:0")
+        assert bound.rsplit(":", 1)[1] != "0"
+        wait_for(
+            lambda: any("authentication" in m and lvl >= logging.WARNING for lvl, m in records),
+            timeout=30,
+            what="a warning about authentication",
+        )
+    finally:
+        rpc.close()
+        moolib.set_logging(None)
+        logger.removeHandler(handler)
