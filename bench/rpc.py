@@ -165,13 +165,20 @@ def moolib_bandwidth(rpc: moolib.Rpc, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=10_000, help="sync calls timed per round trip figure")
+    parser.add_argument(
+        "--calls", type=int, default=10_000, help="sync calls timed per round trip figure"
+    )
     args = parser.parse_args()
 
     server = subprocess.Popen(
-        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         address = server.stdout.readline().strip()

@@ -46,7 +46,9 @@ def set_logging(logger: Any = None) -> None:
         return
     if logger is _logging:
         logger = _logging.getLogger("moolib")
-    _core.set_log_sink(lambda level, message: logger.log(_PY_LEVELS.get(level, _logging.INFO), message))
+    _core.set_log_sink(
+        lambda level, message: logger.log(_PY_LEVELS.get(level, _logging.INFO), message)
+    )
 
 
 def set_max_threads(n: int) -> None:

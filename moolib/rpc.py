@@ -14,8 +14,21 @@ from .serialization import dumps, loads
 __all__ = ["Future", "Queue", "Rpc", "RpcError"]
 
 
-class RpcError(RuntimeError):
-    """A call failed: timeout, unknown peer or function, or an exception in the remote function."""
+RpcError = _core.RpcError
+Future = _core.Future
+
+
+def _future_await(self: Future) -> Any:
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    self.add_done_callback(lambda _: loop.call_soon_threadsafe(_resolve, waiter))
+    yield from waiter.__await__()
+    return self.result()
+
+
+# The core's Future is the public one (no wrapper on the hot path); asyncio
+# support is Python's business.
+Future.__await__ = _future_await
 
 
 def _describe(exc: BaseException) -> str:
@@ -26,66 +39,6 @@ def _describe(exc: BaseException) -> str:
 
 def _decode(segments: list) -> Any:
     return loads(segments[0], segments[1:])
-
-
-class Future:
-    """The result of an asynchronous call, completed by the core."""
-
-    __slots__ = ("_core_future",)
-
-    def __init__(self, core_future: _core.Future) -> None:
-        self._core_future = core_future
-
-    def result(self, timeout: float | None = None) -> Any:
-        """Waits for the call and returns its result, or raises RpcError.
-
-        Raises TimeoutError if ``timeout`` seconds pass first (the call goes on).
-        """
-        f = self._core_future
-        if not f.done() and not f.wait(timeout):
-            raise TimeoutError("the call did not complete within the wait timeout")
-        error = f.error()
-        if error is not None:
-            raise RpcError(error)
-        return _decode(f.segments())
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Waits until the call completes; returns whether it did within ``timeout``."""
-        return self._core_future.wait(timeout)
-
-    def done(self) -> bool:
-        """Whether the call has completed (with a result or an error)."""
-        return self._core_future.done()
-
-    def cancel(self) -> bool:
-        """Gives up on the call; returns False if it had already completed."""
-        return self._core_future.cancel()
-
-    def cancelled(self) -> bool:
-        """Whether cancel() took effect."""
-        return self._core_future.cancelled()
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Waits for the call and returns its error as an RpcError, or None."""
-        if not self.wait(timeout):
-            raise TimeoutError("the call did not complete within the wait timeout")
-        error = self._core_future.error()
-        return None if error is None else RpcError(error)
-
-    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
-        """Calls ``fn(self)`` on a core thread once the call completes."""
-        self._core_future.add_done_callback(lambda: fn(self))
-
-    def __await__(self) -> Any:
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(_resolve, waiter)
-
-        self._core_future.add_done_callback(wake)
-        yield from waiter.__await__()
-        return self.result()
 
 
 def _resolve(waiter: asyncio.Future) -> None:
@@ -136,14 +89,16 @@ def _reply_batch(responders: list, result: Any) -> None:
         for r in responders:
             r.error(message)
         return
-    for r, part in zip(responders, parts):
+    for r, part in zip(responders, parts, strict=True):
         _reply(r, part)
 
 
 def _stack_calls(calls: list[tuple[tuple, dict]], device: Any) -> tuple[tuple, dict]:
     args, kwargs = nest.stack(calls)
     if device is not None:
-        args, kwargs = nest.map_structure(lambda t: t.to(device) if hasattr(t, "to") else t, (args, kwargs))
+        args, kwargs = nest.map_structure(
+            lambda t: t.to(device) if hasattr(t, "to") else t, (args, kwargs)
+        )
     return tuple(args), dict(kwargs)
 
 
@@ -303,49 +258,24 @@ def set_auth_key(key: str | None) -> None:
     _default_auth_key = key
 
 
-class Rpc:
-    """One peer: a name, listeners, connections, and functions other peers can call."""
+_core.set_codec(dumps, loads)
+
+
+class Rpc(_core.Rpc):
+    """One peer: a name, listeners, connections, and functions other peers can call.
+
+    Inherited from the core: set_name, get_name, listen (returns the bound
+    address), connect (reconnects whenever the link drops), set_timeout (per
+    call, default 10 s), get_timeout, set_transports (["shm", "tcp"]),
+    set_auth_key, debug_info, undefine (waits for calls in flight), close, and
+    the calls themselves: async_(peer, fn, *args, **kwargs) -> Future and
+    sync(peer, fn, *args, **kwargs) -> result (raises RpcError).
+    """
 
     def __init__(self) -> None:
-        self._core = _core.Rpc()
+        super().__init__()
         if _default_auth_key is not None:
-            self._core.set_auth_key(_default_auth_key)
-
-    def set_name(self, name: str) -> None:
-        """Sets the name other peers call this one by (a unique random name by default)."""
-        self._core.set_name(name)
-
-    def get_name(self) -> str:
-        """This peer's name."""
-        return self._core.get_name()
-
-    def listen(self, address: str) -> str:
-        """Listens on ``host:port`` (port 0 picks a free one); returns the bound address."""
-        return self._core.listen(address)
-
-    def connect(self, address: str) -> None:
-        """Connects to the peer at ``host:port``, and reconnects whenever the link drops."""
-        self._core.connect(address)
-
-    def set_timeout(self, seconds: float) -> None:
-        """Sets how long a call may wait for its reply (default 10 s)."""
-        self._core.set_timeout(float(seconds))
-
-    def get_timeout(self) -> float:
-        """The call timeout in seconds."""
-        return self._core.get_timeout()
-
-    def set_transports(self, transports: list[str]) -> None:
-        """Restricts which transports carry calls: any of "shm" and "tcp"."""
-        self._core.set_transports(list(transports))
-
-    def set_auth_key(self, key: str) -> None:
-        """Sets the shared key connections must prove knowledge of (HMAC challenge)."""
-        self._core.set_auth_key(key)
-
-    def debug_info(self) -> dict:
-        """Name, addresses, peers and the transport of each of their connections."""
-        return self._core.debug_info()
+            self.set_auth_key(_default_auth_key)
 
     def define(
         self, name: str, fn: Callable, batch_size: int | None = None, device: Any = None
@@ -357,42 +287,32 @@ class Rpc:
         batch, and its result is split back along that dimension to each caller.
         """
         if batch_size is None:
-            self._core.define(name, lambda responder, segments: _serve(fn, responder, segments))
+            super().define(name, lambda responder, segments: _serve(fn, responder, segments))
             return
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self._core.define(name, _BatchedFunction(fn, batch_size, device))
+        super().define(name, _BatchedFunction(fn, batch_size, device))
 
     def define_deferred(self, name: str, fn: Callable) -> None:
         """Defines ``name`` as ``fn(callback, *args, **kwargs)``: the call returns
         when ``callback(result)`` is called (from any thread, any time later)."""
-        self._core.define(name, lambda responder, segments: _serve_deferred(fn, responder, segments))
+        super().define(name, lambda responder, segments: _serve_deferred(fn, responder, segments))
 
     def define_queue(
         self, name: str, batch_size: int | None = None, dynamic_batching: bool = False
     ) -> Queue:
         """Defines ``name`` so that its calls arrive as items of the returned Queue."""
         queue = Queue(batch_size, dynamic_batching)
-        self._core.define(name, queue._put)
+        super().define(name, queue._put)
         return queue
-
-    def undefine(self, name: str) -> None:
-        """Removes a function; waits for its calls in flight to finish."""
-        self._core.undefine(name)
-
-    def async_(self, peer: str, fn: str, *args: Any, **kwargs: Any) -> Future:
-        """Calls ``fn`` on ``peer``; returns a Future for the result."""
-        data, buffers = dumps((args, kwargs))
-        return Future(self._core.call(peer, fn, data, buffers))
 
     def async_callback(
         self, peer: str, fn: str, callback: Callable[[Any, Any], Any], *args: Any, **kwargs: Any
     ) -> None:
         """Calls ``fn`` on ``peer``; ``callback(result, error)`` runs on a core thread
         when it completes (error is None on success, result None on error)."""
-        future = self.async_(peer, fn, *args, **kwargs)
 
-        def done() -> None:
+        def done(future: Future) -> None:
             try:
                 result = future.result()
             except RpcError as e:
@@ -400,15 +320,7 @@ class Rpc:
                 return
             callback(result, None)
 
-        future._core_future.add_done_callback(done)
-
-    def sync(self, peer: str, fn: str, *args: Any, **kwargs: Any) -> Any:
-        """Calls ``fn`` on ``peer`` and waits for the result (raises RpcError on failure)."""
-        return self.async_(peer, fn, *args, **kwargs).result()
-
-    def close(self) -> None:
-        """Closes every connection and listener; calls in flight fail."""
-        self._core.close()
+        self.async_(peer, fn, *args, **kwargs).add_done_callback(done)
 
     def __enter__(self) -> Rpc:
         return self

@@ -122,6 +122,10 @@ class CoreThreadGil {
   py::gil_scoped_acquire gil_;
 };
 
+struct PyFuture {
+  FuturePtr state;
+};
+
 // A received segment as a writable Python buffer.
 struct PyBuffer {
   BufferPtr buffer;
@@ -133,15 +137,44 @@ py::list wrapSegments(const std::vector<BufferPtr>& segs) {
   return out;
 }
 
-struct PyFuture {
-  FuturePtr state;
-};
-
 double toDeadlineSeconds(const py::object& timeout) { return timeout.is_none() ? -1.0 : timeout.cast<double>(); }
 
 TimePoint deadlineFrom(double seconds) {
   if (seconds < 0) return kForever;
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+bool futureWait(const PyFuture& f, py::object timeout) {
+  double seconds = toDeadlineSeconds(timeout);
+  py::gil_scoped_release nogil;
+  return f.state->wait(deadlineFrom(seconds));
+}
+
+struct RpcErrorTag {};
+
+// The serialization functions of moolib.serialization, registered at import.
+struct Codec {
+  py::object dumps, loads;
+};
+Codec& codec() {
+  static auto* c = new Codec();  // leaked: lives as long as the interpreter
+  return *c;
+}
+
+py::object decodeSegments(const std::vector<BufferPtr>& segs) {
+  py::list all = wrapSegments(segs);
+  if (segs.empty()) return py::none();
+  return codec().loads(all[0], all[py::slice(1, py::ssize_t(segs.size()), 1)]);
+}
+
+PyFuture callWithArgs(Rpc& rpc, const std::string& peer, const std::string& function, py::args args,
+                      py::kwargs kwargs) {
+  py::tuple encoded = codec().dumps(py::make_tuple(args, kwargs));
+  // The GIL stays held: a call never blocks (sockets are non-blocking) and no
+  // core lock is ever held while waiting for the GIL, so this cannot
+  // deadlock, and it saves a GIL hand-off per call.
+  auto segs = exportSegments(encoded[0], encoded[1].cast<py::list>());
+  return PyFuture{rpc.call(peer, function, std::move(segs))};
 }
 
 // Forwards core log lines to a Python callable from a thread of its own, so
@@ -214,35 +247,59 @@ PYBIND11_MODULE(_core, m) {
       })
       .def("__len__", [](const PyBuffer& b) { return b.buffer->size(); });
 
-  py::class_<PyFuture>(m, "Future")
-      .def("done", [](const PyFuture& f) { return f.state->done(); })
+  // Leaked: destroying it at exit would run after the interpreter is gone.
+  static auto& rpcError = *new py::exception<RpcErrorTag>(m, "RpcError", PyExc_RuntimeError);
+  rpcError.doc() = "A call failed: timeout, unknown peer or function, or an exception in the remote function.";
+
+  py::class_<PyFuture>(m, "Future", "The result of an asynchronous call, completed by the core.")
+      .def("done", [](const PyFuture& f) { return f.state->done(); }, "Whether the call has completed.")
+      .def("wait", &futureWait, py::arg("timeout") = py::none(),
+           "Waits until the call completes; returns whether it did within timeout.")
       .def(
-          "wait",
+          "result",
           [](const PyFuture& f, py::object timeout) {
-            double seconds = toDeadlineSeconds(timeout);
-            py::gil_scoped_release nogil;
-            return f.state->wait(deadlineFrom(seconds));
+            if (!f.state->done() && !futureWait(f, timeout)) {
+              PyErr_SetString(PyExc_TimeoutError, "the call did not complete within the wait timeout");
+              throw py::error_already_set();
+            }
+            if (!f.state->error().empty()) {
+              PyErr_SetString(rpcError.ptr(), f.state->error().c_str());
+              throw py::error_already_set();
+            }
+            return decodeSegments(f.state->result());
           },
-          py::arg("timeout") = py::none())
-      .def("cancel", [](const PyFuture& f) { return f.state->cancel(); })
+          py::arg("timeout") = py::none(),
+          "Waits for the call and returns its result; raises RpcError if it failed, TimeoutError if timeout "
+          "seconds pass first (the call goes on).")
+      .def(
+          "exception",
+          [](const PyFuture& f, py::object timeout) -> py::object {
+            if (!f.state->done() && !futureWait(f, timeout)) {
+              PyErr_SetString(PyExc_TimeoutError, "the call did not complete within the wait timeout");
+              throw py::error_already_set();
+            }
+            if (f.state->error().empty()) return py::none();
+            return py::handle(rpcError.ptr())(f.state->error());
+          },
+          py::arg("timeout") = py::none(), "Waits for the call; returns its error as an RpcError, or None.")
+      .def("cancel", [](const PyFuture& f) { return f.state->cancel(); },
+           "Gives up on the call; returns False if it had already completed.")
       .def("cancelled", [](const PyFuture& f) { return f.state->cancelled(); })
-      .def("error",
-           [](const PyFuture& f) -> py::object {
-             if (!f.state->done() || f.state->error().empty()) return py::none();
-             return py::str(f.state->error());
-           })
-      .def("segments", [](const PyFuture& f) { return wrapSegments(f.state->result()); })
-      .def("add_done_callback", [](const PyFuture& f, py::function fn) {
-        auto held = holdObject(fn);
-        f.state->onDone([held] {
-          CoreThreadGil gil;
-          try {
-            py::handle(held.get())();
-          } catch (py::error_already_set& e) {
-            e.discard_as_unraisable("moolib future callback");
-          }
-        });
-      });
+      .def(
+          "add_done_callback",
+          [](py::object self, py::function fn) {
+            auto held = holdObject(fn);
+            auto me = holdObject(self);
+            self.cast<PyFuture&>().state->onDone([held, me] {
+              CoreThreadGil gil;
+              try {
+                py::handle(held.get())(py::handle(me.get()));
+              } catch (py::error_already_set& e) {
+                e.discard_as_unraisable("moolib future callback");
+              }
+            });
+          },
+          "Calls fn(future) on a core thread once the call completes.");
 
   py::class_<Responder, std::shared_ptr<Responder>>(m, "Responder")
       .def("reply",
@@ -259,7 +316,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("peer", &Responder::peer)
       .def_property_readonly("function", &Responder::function);
 
-  py::class_<Rpc, std::shared_ptr<Rpc>>(m, "Rpc")
+  py::class_<Rpc, std::shared_ptr<Rpc>>(m, "Rpc", "The C++ peer; moolib.Rpc adds the Python-level API.")
       .def(py::init(&Rpc::create))
       .def("set_name", &Rpc::setName)
       .def("get_name", &Rpc::name)
@@ -283,14 +340,19 @@ PYBIND11_MODULE(_core, m) {
              });
            })
       .def("undefine", &Rpc::undefine, py::call_guard<py::gil_scoped_release>())
-      .def("call",
-           [](Rpc& rpc, const std::string& peer, const std::string& function, py::handle data, py::list buffers) {
-             // The GIL stays held: a call never blocks (the socket is
-             // non-blocking) and no core lock is ever held while waiting for
-             // the GIL, so this cannot deadlock, and it saves a GIL hand-off.
-             auto segs = exportSegments(data, buffers);
-             return PyFuture{rpc.call(peer, function, std::move(segs))};
-           })
+      .def("async_", &callWithArgs, "Calls fn on peer; returns a Future for the result.")
+      .def(
+          "sync",
+          [](Rpc& rpc, const std::string& peer, const std::string& function, py::args args, py::kwargs kwargs) {
+            PyFuture f = callWithArgs(rpc, peer, function, std::move(args), std::move(kwargs));
+            futureWait(f, py::none());
+            if (!f.state->error().empty()) {
+              PyErr_SetString(rpcError.ptr(), f.state->error().c_str());
+              throw py::error_already_set();
+            }
+            return decodeSegments(f.state->result());
+          },
+          "Calls fn on peer and waits for the result (raises RpcError on failure).")
       .def("close", &Rpc::close, py::call_guard<py::gil_scoped_release>())
       .def("debug_info", [](Rpc& rpc) {
         DebugInfo info;
@@ -346,4 +408,11 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("grace") = 2.0);
   m.def("drain_releases", [] { DeferredReleases::instance().drain(); });
+  m.def(
+      "set_codec",
+      [](py::object dumps, py::object loads) {
+        codec().dumps = std::move(dumps);
+        codec().loads = std::move(loads);
+      },
+      "Registers dumps(obj) -> (bytes, [buffers]) and loads(data, buffers) for calls made from C++.");
 }
