@@ -31,6 +31,7 @@ setup(
     description="Communications library for distributed RL/ML training, and an RL toolkit",
     python_requires=">=3.10",
     packages=["moolib"],
+    package_data={"moolib": ["_core.pyi", "py.typed"]},
     ext_modules=[core],
     cmdclass={"build_ext": build_ext},
     install_requires=["numpy"],
