@@ -13,8 +13,12 @@ ParallelCompile("MOOLIB_BUILD_JOBS", default=0).install()
 sources = sorted(glob.glob("moolib/core/**/*.cc", recursive=True))
 
 extra_compile_args = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"]
+extra_link_args = []
 if os.environ.get("MOOLIB_DEBUG"):
     extra_compile_args += ["-O0", "-g", "-fno-omit-frame-pointer"]
+if os.environ.get("MOOLIB_SANITIZE"):  # e.g. "address" or "thread"
+    extra_compile_args += [f"-fsanitize={os.environ['MOOLIB_SANITIZE']}", "-g", "-fno-omit-frame-pointer"]
+    extra_link_args += [f"-fsanitize={os.environ['MOOLIB_SANITIZE']}"]
 
 core = Pybind11Extension(
     "moolib._core",
@@ -23,6 +27,7 @@ core = Pybind11Extension(
     cxx_std=17,
     extra_compile_args=extra_compile_args,
     libraries=["crypto", "pthread"],
+    extra_link_args=extra_link_args,
 )
 
 setup(

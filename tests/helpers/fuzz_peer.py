@@ -49,7 +49,12 @@ def main() -> None:
     info = rpc.debug_info()
     print(
         json.dumps(
-            {"pid": os.getpid(), "name": rpc.get_name(), "tcp": tcp, "listening": list(info["listening"])}
+            {
+                "pid": os.getpid(),
+                "name": rpc.get_name(),
+                "tcp": tcp,
+                "listening": list(info["listening"]),
+            }
         ),
         flush=True,
     )

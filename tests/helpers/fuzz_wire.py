@@ -36,7 +36,9 @@ HEADER = struct.Struct("<IBBHIIQ")
 DESC = struct.Struct("<QIIQ")
 assert HEADER.size == 24 and DESC.size == 24
 
-HELLO, AUTH, IDENTIFY, REQUEST, RESPONSE, KEEPALIVE, FIND_PEER, PEER_INFO, SHM_RELEASE = range(1, 10)
+HELLO, AUTH, IDENTIFY, REQUEST, RESPONSE, KEEPALIVE, FIND_PEER, PEER_INFO, SHM_RELEASE = range(
+    1, 10
+)
 KIND_INLINE, KIND_SHARED = 0, 1
 NONCE_BYTES = 32
 ROLE_CLIENT, ROLE_SERVER = 0, 1
@@ -96,12 +98,16 @@ def frame(ftype: int, meta: bytes = b"", segments: list[bytes] | tuple = ()) -> 
     return b"".join(out)
 
 
-def hello_meta(nonce: bytes, role: int = ROLE_CLIENT, has_key: bool = False, version: int = VERSION) -> bytes:
+def hello_meta(
+    nonce: bytes, role: int = ROLE_CLIENT, has_key: bool = False, version: int = VERSION
+) -> bytes:
     return u8(version) + wstr(nonce) + u8(role) + u8(1 if has_key else 0)
 
 
 def hello(nonce: bytes | None = None, role: int = ROLE_CLIENT, has_key: bool = False) -> bytes:
-    return frame(HELLO, hello_meta(nonce if nonce is not None else os.urandom(NONCE_BYTES), role, has_key))
+    return frame(
+        HELLO, hello_meta(nonce if nonce is not None else os.urandom(NONCE_BYTES), role, has_key)
+    )
 
 
 def auth_proof(key: bytes | str, role: str, verifier_nonce: bytes, prover_nonce: bytes) -> bytes:
@@ -115,8 +121,12 @@ def auth(proof: bytes) -> bytes:
     return frame(AUTH, wstr(proof))
 
 
-def identify(name: str, incarnation: str = "0123456789abcdef", host: str = "fuzz-host",
-             addresses: tuple[str, ...] = ()) -> bytes:
+def identify(
+    name: str,
+    incarnation: str = "0123456789abcdef",
+    host: str = "fuzz-host",
+    addresses: tuple[str, ...] = (),
+) -> bytes:
     meta = wstr(name) + wstr(incarnation) + wstr(host) + u32(len(addresses))
     meta += b"".join(wstr(a) for a in addresses)
     return frame(IDENTIFY, meta)
@@ -242,7 +252,7 @@ def wait_closed(sock: socket.socket, timeout: float = 10.0) -> bool:
                 return True
         except (ConnectionResetError, BrokenPipeError):
             return True
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return False
 
 
@@ -295,9 +305,16 @@ def abort(sock: socket.socket) -> None:
 class PeerProcess:
     """tests/helpers/fuzz_peer.py in a subprocess; stderr goes to a file."""
 
-    def __init__(self, tmp_path: Path, env: dict | None = None, name: str = "fuzz-server",
-                 marker: Path | None = None, key: str | None = None, key_mode: str = "rpc",
-                 tag: str = "peer") -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        env: dict | None = None,
+        name: str = "fuzz-server",
+        marker: Path | None = None,
+        key: str | None = None,
+        key_mode: str = "rpc",
+        tag: str = "peer",
+    ) -> None:
         self.stderr_path = tmp_path / f"{tag}.stderr"
         full_env = {k: v for k, v in os.environ.items() if k != "MOOLIB_AUTH_KEY"}
         full_env["FUZZ_NAME"] = name

@@ -35,6 +35,8 @@ std::shared_ptr<SocketListener> SocketListener::create(const SockAddr& addr, std
     ::getsockname(l->fd_.get(), bound.get(), &bound.length);
     l->address_ = formatTcpAddress(bound);
   }
+  // Held so that an early event cannot re-arm with a token not yet stored.
+  std::lock_guard<std::mutex> lock(l->mutex_);
   l->token_ = Loop::instance().addFd(l->fd_.get(), EPOLLIN, std::weak_ptr<FdHandler>(l));
   return l;
 }
@@ -81,6 +83,7 @@ class Connector : public FdHandler, public std::enable_shared_from_this<Connecto
       std::lock_guard<std::mutex> lock(mutex_);
       keepalive_ = self;
     }
+    std::lock_guard<std::mutex> lock(mutex_);
     token_ = Loop::instance().addFd(fd_.get(), EPOLLOUT, std::weak_ptr<FdHandler>(self));
     timer_ = Loop::instance().addTimer(Clock::now() + std::chrono::seconds(20), [self] {
       self->finish(Error(concat("connecting to ", self->address_, " timed out")));
@@ -120,8 +123,9 @@ class Connector : public FdHandler, public std::enable_shared_from_this<Connecto
       }
     }
     done_(e, conn);
+    std::shared_ptr<Connector> self;  // released last: it may be the final reference
     std::lock_guard<std::mutex> lock(mutex_);
-    keepalive_.reset();
+    self = std::move(keepalive_);
   }
 
   Fd fd_;

@@ -231,8 +231,12 @@ ssize_t StreamConnection::receive(void* data, size_t size) {
 void StreamConnection::onEvents(uint32_t events) {
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
+    // armed_ can be stale: updateArm() may have re-armed the fd between its
+    // delivery to another thread and that thread getting here. Whoever
+    // handles or owns the fd re-arms it when done, and readiness is
+    // level-triggered, so nothing is lost by backing off.
+    if (owned_ || finalized_ || handling_) return;
     armed_ = false;
-    if (owned_ || finalized_) return;
     handling_ = true;
   }
   handle(events);
