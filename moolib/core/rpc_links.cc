@@ -46,6 +46,14 @@ void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddres
     ownNonces_.insert(link->myNonce);
     hasKey = !authKey_.empty();
   }
+  // Our hello goes out before the connection starts delivering frames: once
+  // the peer's hello is handled we may send identify, which must follow it.
+  Writer w;
+  w.u8(kWireVersion);
+  w.str(link->myNonce);
+  w.u8(outgoing ? 0 : 1);
+  w.u8(hasKey ? 1 : 0);
+  conn->send(OutgoingFrame{FrameType::kHello, w.take(), {}});
   std::weak_ptr<Rpc> weak = weak_from_this();
   std::weak_ptr<Link> weakLink = link;
   conn->start(
@@ -57,12 +65,6 @@ void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddres
       [weak, link](const Error& error) {
         if (auto self = weak.lock()) self->onLinkClosed(link, error);
       });
-  Writer w;
-  w.u8(kWireVersion);
-  w.str(link->myNonce);
-  w.u8(outgoing ? 0 : 1);
-  w.u8(hasKey ? 1 : 0);
-  conn->send(OutgoingFrame{FrameType::kHello, w.take(), {}});
 }
 
 void Rpc::onFrame(const std::shared_ptr<Link>& link, IncomingFrame&& frame) {

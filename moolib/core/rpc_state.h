@@ -12,12 +12,14 @@ struct Rpc::Link {
   ConnectionPtr conn;
   bool outgoing = false;
   std::string dialAddress;  // set when made by connect(): redialed on loss
-  State state = State::kHello;
+  // Written by the thread handling the connection's frames, read elsewhere
+  // under the Rpc mutex; peer* fields are published by state becoming kReady.
+  std::atomic<State> state{State::kHello};
   std::string myNonce, peerNonce;
   std::string peerName, peerIncarnation, peerHost;
   std::vector<std::string> peerAddresses;
   TimePoint created = Clock::now();
-  TimePoint lastReceived = Clock::now();
+  std::atomic<TimePoint> lastReceived{Clock::now()};
   uint64_t lastBytesSent = 0;
   TimePoint lastSendCheck = Clock::now();
 };
