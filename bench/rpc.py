@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 import moolib
@@ -115,10 +116,11 @@ def raw_bulk(family: int, repeats: int) -> float:
 
 
 def memcpy_bandwidth(repeats: int) -> float:
-    src = torch.rand(MIB64 // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return MIB64 / median_time(lambda: dst.copy_(src), repeats)
+    # numpy's copy is a single-threaded memcpy, like the copy into shared memory.
+    src = np.random.rand(MIB64 // 8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    return MIB64 / median_time(lambda: np.copyto(dst, src), repeats)
 
 
 # --- moolib -------------------------------------------------------------------

@@ -8,11 +8,7 @@ import sys
 import pytest
 
 import moolib
-from helpers.util import PeerSpawner
-
-# Transport choices tests are parametrized over: None means the default (both).
-TRANSPORTS = [None, ["shm"], ["tcp"]]
-TRANSPORT_IDS = ["default", "shm", "tcp"]
+from helpers.util import TRANSPORT_IDS, TRANSPORTS, PeerSpawner
 
 
 @pytest.fixture

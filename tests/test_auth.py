@@ -13,16 +13,13 @@ import contextlib
 import os
 import pickle
 import socket
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import fuzz_wire as fw
 
 import moolib
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-import fuzz_wire as fw  # noqa: E402
 
 KEY = "correct horse battery staple"
 CALL_TIMEOUT = 3.0

@@ -20,18 +20,14 @@ import random
 import resource
 import select
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import fuzz_wire as fw
 
 import moolib
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-import fuzz_wire as fw  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -31,13 +31,13 @@ class BlockCache {
     return b;
   }
   void give(size_t size, Block block) {
+    if (size > kCacheMaxBytes / 2) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    // Keep the newest blocks: evict the oldest when over budget.
+    // Make room by evicting the smallest blocks first.
     while (bytes_ + size > kCacheMaxBytes && !blocks_.empty()) {
       bytes_ -= blocks_.begin()->first;
       blocks_.erase(blocks_.begin());
     }
-    if (size > kCacheMaxBytes) return;
     blocks_.emplace(size, std::move(block));
     bytes_ += size;
   }

@@ -229,6 +229,8 @@ void Loop::schedule(Task task) {
 
 bool Loop::hasInlineTasks() { return tlsInline && !tlsInline->empty(); }
 
+bool Loop::onWorkerThread() { return tlsWorker; }
+
 void Loop::runInlineTasks() {
   if (tlsInline) runInline();
 }

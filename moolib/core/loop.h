@@ -101,6 +101,7 @@ class Loop {
   // For a thread serving an fd itself: whether requests it read wait to run
   // here, and running them.
   static bool hasInlineTasks();
+  static bool onWorkerThread();
   void runInlineTasks();
   // Whether a worker serving an fd by itself should go back to the pool.
   bool stickyShouldStop() const { return stopping_ || queued_.load() > 0; }

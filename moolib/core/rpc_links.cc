@@ -17,6 +17,7 @@ constexpr auto kKeepaliveInterval = std::chrono::seconds(1);
 constexpr auto kKeepaliveTimeout = std::chrono::seconds(30);
 constexpr auto kHandshakeTimeout = std::chrono::seconds(20);
 constexpr auto kDiscoveryInterval = std::chrono::milliseconds(500);
+constexpr size_t kMaxUnidentifiedLinks = 1024;
 
 const char* roleName(bool outgoing) { return outgoing ? "client" : "server"; }
 
@@ -40,6 +41,14 @@ void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddres
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) {
       conn->close(Error("the Rpc was closed"));
+      return;
+    }
+    size_t unidentified = 0;
+    for (auto& l : links_) unidentified += l->state != Link::State::kReady;
+    if (unidentified >= kMaxUnidentifiedLinks) {
+      MOO_LOG(kError, "refusing a connection from ", conn->remoteAddress(), ": ", unidentified,
+              " connections are still in their handshake");
+      conn->close(Error("too many connections in handshake"));
       return;
     }
     links_.insert(link);
@@ -479,7 +488,7 @@ void Rpc::tick() {
         if (now - l->created > kHandshakeTimeout) dead.push_back(l);
         continue;
       }
-      if (now - l->lastReceived > kKeepaliveTimeout) {
+      if (now - l->lastReceived.load() > kKeepaliveTimeout) {
         dead.push_back(l);
         continue;
       }

@@ -21,6 +21,10 @@ REPO = HELPERS.parent.parent
 # Generous: the machine may be loaded; nothing here asserts on speed.
 DEADLINE = 60.0
 
+# Transport choices tests are parametrized over: None means the default (both).
+TRANSPORTS = [None, ["shm"], ["tcp"]]
+TRANSPORT_IDS = ["default", "shm", "tcp"]
+
 
 def wait_for(cond, timeout=DEADLINE, interval=0.05, what="condition"):
     """Polls ``cond()`` until it returns something truthy; returns that value.

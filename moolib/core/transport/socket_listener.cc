@@ -57,9 +57,22 @@ void SocketListener::onEvents(uint32_t) {
     int fd = ::accept4(fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) MOO_LOG(kError, "accept on ", address_, ": ", errnoString(errno));
-      break;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      // Out of descriptors (or similar): the pending connection stays
+      // queued and readiness would fire again at once. Back off instead of
+      // spinning, and say so once per episode.
+      if (!backingOff_) MOO_LOG(kError, "accept on ", address_, ": ", errnoString(errno), "; retrying in 100 ms");
+      backingOff_ = true;
+      std::weak_ptr<SocketListener> weak = shared_from_this();
+      Loop::instance().addTimer(Clock::now() + std::chrono::milliseconds(100), [weak] {
+        if (auto self = weak.lock()) {
+          std::lock_guard<std::mutex> lock(self->mutex_);
+          if (!self->closed_) Loop::instance().rearm(self->fd_.get(), self->token_, EPOLLIN);
+        }
+      });
+      return;
     }
+    backingOff_ = false;
     try {
       onAccept_(make_(Fd(fd)));
     } catch (const std::exception& e) {

@@ -35,6 +35,7 @@ class SocketListener : public Listener, public FdHandler, public std::enable_sha
   uint64_t token_ = 0;
   std::mutex mutex_;  // held while accepting and closing
   bool closed_ = false;
+  bool backingOff_ = false;
 };
 
 // A Listener handle that closes the shared listener when dropped.

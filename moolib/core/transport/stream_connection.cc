@@ -15,15 +15,22 @@
 namespace moolib {
 
 namespace {
+// The staging buffer starts small (connections that never complete the
+// handshake stay cheap) and doubles up to this size while reads fill it.
+constexpr size_t kInitialStaging = 16 << 10;
 constexpr size_t kStagingSize = 256 << 10;
+constexpr size_t kMaxPendingFds = 256;
 // Segments at least this large are read straight into their buffer.
 constexpr size_t kDirectReadMin = 32 << 10;
 constexpr int kMaxFdsPerMessage = 64;
+constexpr auto kBurstGap = std::chrono::microseconds(10);
+constexpr auto kBurstDelay = std::chrono::microseconds(50);
+constexpr size_t kBurstFrames = 64;
 }  // namespace
 
 StreamConnection::StreamConnection(Fd fd, std::string local, std::string remote)
     : fd_(std::move(fd)), local_(std::move(local)), remote_(std::move(remote)) {
-  staging_.resize(kStagingSize);
+  staging_.resize(kInitialStaging);
 }
 
 StreamConnection::~StreamConnection() {
@@ -81,7 +88,34 @@ void StreamConnection::send(OutgoingFrame&& frame) {
   std::lock_guard<std::mutex> lock(writeMutex_);
   if (closed_) return;
   writeQueue_.push_back(std::move(item));
-  if (writeQueue_.size() == 1 && !corked) flushLocked();
+  if (corked) return;
+  // A thread issuing a burst of calls (sends microseconds apart) gets them
+  // coalesced: held back until a batch is full, the thread waits for a
+  // reply (FutureState::wait flushes), or a short timer fires. A lone send
+  // goes out at once.
+  TimePoint now = Clock::now();
+  bool burst = now - lastSend_ < kBurstGap && !Loop::onWorkerThread();
+  lastSend_ = now;
+  if (wantWrite_) return;  // the socket is full; EPOLLOUT will flush
+  if ((writeQueue_.size() == 1 && !burst) || writeQueue_.size() >= kBurstFrames) {
+    flushLocked();
+    return;
+  }
+  if (!flushTimer_) {
+    std::weak_ptr<StreamConnection> weak = shared_from_this();
+    flushTimer_ = Loop::instance().addTimer(now + kBurstDelay, [weak] {
+      if (auto self = weak.lock()) {
+        std::lock_guard<std::mutex> lock(self->writeMutex_);
+        self->flushTimer_ = 0;
+        self->flushLocked();
+      }
+    });
+  }
+}
+
+void StreamConnection::flush() {
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  flushLocked();
 }
 
 void StreamConnection::uncork() {
@@ -219,6 +253,14 @@ ssize_t StreamConnection::receive(void* data, size_t size) {
         std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
         receivedFds_.push_back(fd);
       }
+      // Descriptors only accompany shared segments, which need a completed
+      // handshake, and each is consumed by its frame: a backlog is abuse.
+      if (!handshaken_ || receivedFds_.size() > kMaxPendingFds) {
+        fail(handshaken_ ? "too many file descriptors in flight" : "file descriptors before the handshake");
+        for (int fd : receivedFds_) ::close(fd);
+        receivedFds_.clear();
+        return -1;
+      }
     }
   }
   if (r >= 0 && (msg.msg_flags & MSG_CTRUNC)) {
@@ -281,6 +323,7 @@ bool StreamConnection::serveSticky(TimePoint deadline) {
 
 bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadline, bool runInline,
                              bool* active) {
+  flush();
   if (!tryOwn()) return false;
   Waiter& waiter = currentWaiter();
   while (!done() && Clock::now() < deadline && !closed_) {
@@ -354,6 +397,9 @@ void StreamConnection::readSome() {
       r = receive(staging_.data() + stageEnd_, want);
       if (r > 0) {
         stageEnd_ += size_t(r);
+        if (size_t(r) == want && staging_.size() < kStagingSize && handshaken_) {
+          staging_.resize(staging_.size() * 2);
+        }
         bytesReceived_ += r;
         budget -= std::min<size_t>(budget, size_t(r));
         if (!parse()) return;
@@ -393,12 +439,7 @@ bool StreamConnection::parse() {
         case ReadState::kDescs: {
           size_t need = descs_.size() * sizeof(SegmentDesc);
           if (avail < need) {
-            // The descriptor table is bounded (kMaxSegments), so it fits.
-            if (stageBegin_ + need > staging_.size()) {
-              std::memmove(staging_.data(), p, avail);
-              stageBegin_ = 0;
-              stageEnd_ = avail;
-            }
+            makeRoom(need);  // bounded: at most kMaxSegments descriptors
             return true;
           }
           std::memcpy(descs_.data(), p, need);
@@ -426,12 +467,7 @@ bool StreamConnection::parse() {
         case ReadState::kMeta: {
           size_t need = header_.metaLength;
           if (avail < need) {
-            if (stageBegin_ + need > staging_.size()) {
-              if (need > staging_.size()) staging_.resize(need);
-              std::memmove(staging_.data(), p, avail);
-              stageBegin_ = 0;
-              stageEnd_ = avail;
-            }
+            makeRoom(need);  // bounded by kMaxMetaLength
             return true;
           }
           frame_.type = FrameType(header_.type);
@@ -463,6 +499,15 @@ bool StreamConnection::parse() {
     fail("out of memory for an incoming frame");
   }
   return !closed_;
+}
+
+void StreamConnection::makeRoom(size_t need) {
+  if (stageBegin_ + need <= staging_.size()) return;
+  size_t avail = stageEnd_ - stageBegin_;
+  std::memmove(staging_.data(), staging_.data() + stageBegin_, avail);
+  stageBegin_ = 0;
+  stageEnd_ = avail;
+  if (need > staging_.size()) staging_.resize(need);
 }
 
 // Sets up segment segmentIndex_ (skipping those that need no bytes), or

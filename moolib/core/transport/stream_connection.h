@@ -27,6 +27,7 @@ class StreamConnection : public Connection,
 
   void start(FrameFn onFrame, CloseFn onClose) override;
   void send(OutgoingFrame&& frame) override;
+  void flush() override;
   void close(const Error& reason) override;
   void setHandshaken() override { handshaken_ = true; }
   bool closed() const override { return closed_.load(); }
@@ -87,6 +88,8 @@ class StreamConnection : public Connection,
   // Consumes staged bytes; false once the connection failed.
   bool parse();
   bool beginSegment();
+  // Ensures need staged bytes fit from stageBegin_ on.
+  void makeRoom(size_t need);
   void deliver();
   ssize_t receive(void* data, size_t size);
 
@@ -103,6 +106,8 @@ class StreamConnection : public Connection,
   std::mutex writeMutex_;
   std::deque<WriteItem> writeQueue_;
   std::atomic<bool> wantWrite_{false};
+  TimePoint lastSend_{};
+  uint64_t flushTimer_ = 0;  // pending flush of a coalesced burst
 
   // Who handles the fd: the loop (armed_ in epoll, or handling_ now) or a
   // thread in serveWhile (owned_). Exactly one at a time.

@@ -26,6 +26,8 @@ class Connection {
   // Thread safe. Writes inline when the socket accepts it, else queues.
   // Frames sent on a closed connection are dropped.
   virtual void send(OutgoingFrame&& frame) = 0;
+  // Writes frames that send() held back to coalesce a burst.
+  virtual void flush() = 0;
   // Thread safe and idempotent.
   virtual void close(const Error& reason) = 0;
   // Lifts the size limits that apply before the RPC handshake completes.

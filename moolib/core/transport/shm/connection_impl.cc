@@ -1,5 +1,6 @@
 #include "transport/shm/connection_impl.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -51,8 +52,11 @@ bool ShmConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc, 
   if (best == pool_.size()) {
     size_t capacity = segmentCapacity(segment.size);
     if (poolBytes_ + capacity > kMaxPoolBytes) return true;
-    Fd fd(::memfd_create("moolib-shm", MFD_CLOEXEC));
-    if (!fd || ::ftruncate(fd.get(), off_t(capacity)) != 0) {
+    Fd fd(::memfd_create("moolib-shm", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    // Sealed against resizing: a receiver maps it and must never fault on a
+    // page the sender took away (SIGBUS).
+    if (!fd || ::ftruncate(fd.get(), off_t(capacity)) != 0 ||
+        ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
       MOO_LOG(kError, "shared memory segment of ", capacity, " bytes: ", errnoString(errno));
       return true;
     }
@@ -88,13 +92,22 @@ BufferPtr ShmConnection::decodeShared(const SegmentDesc& desc) {
     if (receivedFds_.empty()) throw WireError(concat("shared segment ", desc.sharedId, " arrived without its memory"));
     Fd fd(receivedFds_.front());
     receivedFds_.pop_front();
+    int seals = ::fcntl(fd.get(), F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK)) throw WireError("received a shared segment that can shrink");
     struct stat st;
     if (::fstat(fd.get(), &st) != 0 || st.st_size <= 0) throw WireError("cannot size a received shared segment");
-    void* base = ::mmap(nullptr, size_t(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
+    size_t size = size_t(st.st_size);
+    if (size > kMaxPoolBytes || receivedBytes_ + size > kMaxPoolBytes) {
+      throw WireError(concat("peer shares more than ", kMaxPoolBytes, " bytes of segments"));
+    }
+    // Not prefaulted: the sender's pages are resident already, and a sparse
+    // segment must not become resident here just by being announced.
+    void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
     if (base == MAP_FAILED) throw WireError(concat("cannot map a received shared segment: ", errnoString(errno)));
     auto m = std::make_shared<Mapping>();
     m->base = static_cast<uint8_t*>(base);
-    m->size = size_t(st.st_size);
+    m->size = size;
+    receivedBytes_ += size;
     it = received_.emplace(desc.sharedId, std::move(m)).first;
   }
   std::shared_ptr<Mapping> m = it->second;

@@ -51,7 +51,8 @@ class ShmConnection : public StreamConnection {
   std::vector<PoolSegment> pool_;  // index is the segment id
   size_t poolBytes_ = 0;
 
-  std::unordered_map<uint32_t, std::shared_ptr<Mapping>> received_;  // poller only
+  std::unordered_map<uint32_t, std::shared_ptr<Mapping>> received_;  // handling thread only
+  size_t receivedBytes_ = 0;
 };
 
 }  // namespace moolib
