@@ -227,15 +227,15 @@ class Queue:
             yield from waiter.__await__()
 
 
-def _serve(fn: Callable, responder: Any, segments: list) -> None:
+def _serve(fn: Callable, responder: Any, segments: list) -> tuple | None:
+    """Runs fn on a call's arguments; returns the encoded result for the core to send."""
     try:
         args, kwargs = _decode(segments)
-        result = fn(*args, **kwargs)
-        data, buffers = dumps(result)
+        del segments[:]  # the core sends the reply once the arguments are released
+        return dumps(fn(*args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the caller
         responder.error(_describe(e))
-        return
-    responder.reply(data, buffers)
+        return None
 
 
 def _serve_deferred(fn: Callable, responder: Any, segments: list) -> None:

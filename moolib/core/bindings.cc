@@ -333,7 +333,21 @@ PYBIND11_MODULE(_core, m) {
                CoreThreadGil gil;
                DeferredReleases::instance().drain();
                try {
-                 py::handle(held.get())(responder, wrapSegments(args));
+                 py::object reply;
+                 {
+                   py::list segments = wrapSegments(args);
+                   args.clear();
+                   reply = py::handle(held.get())(responder, std::move(segments));
+                 }
+                 // A handler may return (data, buffers) instead of replying
+                 // itself: the reply then goes out after the arguments are
+                 // released, so shared-memory segments are free for reuse
+                 // by the time the caller's next call needs one.
+                 if (!reply.is_none()) {
+                   auto tuple = reply.cast<py::tuple>();
+                   auto segs = exportSegments(tuple[0], tuple[1].cast<py::list>());
+                   responder->reply(std::move(segs));
+                 }
                } catch (py::error_already_set& e) {
                  responder->error(e.what());
                }
