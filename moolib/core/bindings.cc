@@ -162,9 +162,18 @@ Codec& codec() {
 }
 
 py::object decodeSegments(const std::vector<BufferPtr>& segs) {
-  py::list all = wrapSegments(segs);
   if (segs.empty()) return py::none();
-  return codec().loads(all[0], all[py::slice(1, py::ssize_t(segs.size()), 1)]);
+  // The pickle stream is usually small: a bytes copy is cheaper than a
+  // buffer object (and pickle reads it either way).
+  py::object stream;
+  if (segs[0]->size() <= 65536) {
+    stream = py::bytes(reinterpret_cast<const char*>(segs[0]->data()), segs[0]->size());
+  } else {
+    stream = py::cast(PyBuffer{segs[0]});
+  }
+  py::list buffers(segs.size() - 1);
+  for (size_t i = 1; i < segs.size(); ++i) buffers[i - 1] = py::cast(PyBuffer{segs[i]});
+  return codec().loads(stream, buffers);
 }
 
 PyFuture callWithArgs(Rpc& rpc, const std::string& peer, const std::string& function, py::args args,

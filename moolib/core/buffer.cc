@@ -62,6 +62,16 @@ size_t roundUp(size_t n) {
 
 }  // namespace
 
+Buffer::~Buffer() {
+  if (capacity_ >= kCacheMinSize) {
+    cache().give(capacity_, Block(data_));
+  } else if (capacity_) {
+    std::free(data_);
+  } else if (release_) {
+    release_();
+  }
+}
+
 BufferPtr allocateBuffer(size_t size) {
   size_t capacity = roundUp(std::max<size_t>(size, 1));
   Block block;
@@ -70,11 +80,9 @@ BufferPtr allocateBuffer(size_t size) {
     block.reset(static_cast<uint8_t*>(std::aligned_alloc(kAlignment, capacity)));
     if (!block) throw std::bad_alloc();
   }
-  uint8_t* data = block.get();
-  auto owned = std::make_shared<Block>(std::move(block));
-  return std::make_shared<Buffer>(data, size, [owned, capacity]() {
-    if (capacity >= kCacheMinSize) cache().give(capacity, std::move(*owned));
-  });
+  auto buffer = std::make_shared<Buffer>(block.get(), size, capacity);
+  block.release();  // owned by the buffer now
+  return buffer;
 }
 
 BufferPtr copyToBuffer(const OutSegment& segment) {

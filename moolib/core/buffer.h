@@ -15,19 +15,21 @@ namespace moolib {
 // holders only see data() and size().
 class Buffer {
  public:
+  // Memory owned elsewhere; release runs when the buffer is dropped.
   Buffer(uint8_t* data, size_t size, std::function<void()> release)
       : data_(data), size_(size), release_(std::move(release)) {}
+  // A heap block of capacity bytes that this buffer owns (see allocateBuffer).
+  Buffer(uint8_t* block, size_t size, size_t capacity) : data_(block), size_(size), capacity_(capacity) {}
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() {
-    if (release_) release_();
-  }
+  ~Buffer();
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
 
  private:
   uint8_t* data_;
   size_t size_;
+  size_t capacity_ = 0;  // non-zero: data_ is our heap block
   std::function<void()> release_;
 };
 using BufferPtr = std::shared_ptr<Buffer>;
