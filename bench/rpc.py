@@ -13,6 +13,7 @@ Usage: python bench/rpc.py [--repeats N]
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import socket
 import statistics
@@ -82,45 +83,37 @@ def socket_pair(family: int) -> tuple[socket.socket, int]:
     return a, pid
 
 
-def raw_ping_pong(family: int, n: int) -> float:
-    s, pid = socket_pair(family)
-    try:
+class RawPeer:
+    """A plain Python socket to a forked echo/sink child: the raw limit."""
+
+    def __init__(self, family: int) -> None:
+        self.sock, self.pid = socket_pair(family)
+        self.data = memoryview(bytearray(os.urandom(1 << 20) * 64))
         for _ in range(500):
-            s.sendall(b"p")
-            s.recv(1)
+            self.ping()
+
+    def ping(self) -> None:
+        self.sock.sendall(b"p")
+        self.sock.recv(1)
+
+    def round_trip(self, n: int) -> float:
         t = time.perf_counter()
         for _ in range(n):
-            s.sendall(b"p")
-            s.recv(1)
+            self.ping()
         return (time.perf_counter() - t) / n
-    finally:
-        s.close()
-        os.waitpid(pid, 0)
 
+    def bulk(self) -> None:
+        self.sock.sendall(b"b")
+        self.sock.sendall(self.data)
+        self.sock.recv(1)
 
-def raw_bulk(family: int, repeats: int) -> float:
-    s, pid = socket_pair(family)
-    data = memoryview(bytearray(os.urandom(1 << 20) * 64))
+    def close(self) -> None:
+        # Close every peer before waiting for any: each forked child holds
+        # copies of the sockets that existed when it was forked.
+        self.sock.close()
 
-    def once() -> None:
-        s.sendall(b"b")
-        s.sendall(data)
-        s.recv(1)
-
-    try:
-        once()
-        return MIB64 / median_time(once, repeats)
-    finally:
-        s.close()
-        os.waitpid(pid, 0)
-
-
-def memcpy_bandwidth(repeats: int) -> float:
-    # numpy's copy is a single-threaded memcpy, like the copy into shared memory.
-    src = np.random.rand(MIB64 // 8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    return MIB64 / median_time(lambda: np.copyto(dst, src), repeats)
+    def wait(self) -> None:
+        os.waitpid(self.pid, 0)
 
 
 # --- moolib -------------------------------------------------------------------
@@ -142,31 +135,35 @@ def connect(address: str, transport: str) -> moolib.Rpc:
 
 
 def moolib_round_trip(rpc: moolib.Rpc, n: int) -> float:
-    for _ in range(500):
-        rpc.sync("bench-server", "noop")
     t = time.perf_counter()
     for _ in range(n):
         rpc.sync("bench-server", "noop")
     return (time.perf_counter() - t) / n
 
 
-def moolib_async(rpc: moolib.Rpc, repeats: int, n: int = 10_000) -> float:
-    def once() -> None:
-        futures = [rpc.async_("bench-server", "noop") for _ in range(n)]
-        for f in futures:
-            f.result()
-
-    once()
-    return n / median_time(once, repeats)
+def moolib_async(rpc: moolib.Rpc, n: int = 10_000) -> float:
+    t = time.perf_counter()
+    futures = [rpc.async_("bench-server", "noop") for _ in range(n)]
+    for f in futures:
+        f.result()
+    return n / (time.perf_counter() - t)
 
 
-def moolib_bandwidth(rpc: moolib.Rpc, repeats: int) -> float:
-    tensor = torch.rand(MIB64 // 4)
-    rpc.sync("bench-server", "take", tensor)
-    return MIB64 / median_time(lambda: rpc.sync("bench-server", "take", tensor), repeats)
+def interleaved(repeats: int, measures: dict) -> dict:
+    """Runs every measure once per round, rounds interleaved, and keeps the
+    median of each: load from elsewhere on the machine then hits every figure
+    alike, which keeps the ratios meaningful."""
+    samples = {name: [] for name in measures}
+    for _ in range(repeats):
+        for name, fn in measures.items():
+            samples[name].append(fn())
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def main() -> None:
+    faulthandler.dump_traceback_later(
+        int(os.environ.get("BENCH_WATCHDOG", "0")) or 10**6, exit=True
+    )
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -182,40 +179,82 @@ def main() -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
+    tensor = torch.rand(MIB64 // 4)
+    src = np.random.rand(MIB64 // 8)
+    dst = np.empty_like(src)
     try:
         address = server.stdout.readline().strip()
-        results = {}
-        for transport in ("shm", "tcp"):
-            rpc = connect(address, transport)
-            results[transport] = (
-                moolib_round_trip(rpc, args.calls),
-                moolib_async(rpc, args.repeats),
-                moolib_bandwidth(rpc, args.repeats),
-            )
+        rpcs = {t: connect(address, t) for t in ("shm", "tcp")}
+        raw = {"unix": RawPeer(socket.AF_UNIX), "tcp": RawPeer(socket.AF_INET)}
+        for rpc in rpcs.values():
+            moolib_round_trip(rpc, 500)
+            rpc.sync("bench-server", "take", tensor)
+        n = args.calls
+
+        def timed(fn):
+            return lambda: median_time(fn, 1)
+
+        m = interleaved(
+            args.repeats,
+            {
+                "rtt_unix": lambda: raw["unix"].round_trip(n),
+                "rtt_shm": lambda: moolib_round_trip(rpcs["shm"], n),
+                "rtt_tcp_raw": lambda: raw["tcp"].round_trip(n),
+                "rtt_tcp": lambda: moolib_round_trip(rpcs["tcp"], n),
+                "async_shm": lambda: moolib_async(rpcs["shm"]),
+                "async_tcp": lambda: moolib_async(rpcs["tcp"]),
+                "memcpy": timed(lambda: np.copyto(dst, src)),
+                "bw_shm": timed(lambda: rpcs["shm"].sync("bench-server", "take", tensor)),
+                "bulk_tcp": timed(raw["tcp"].bulk),
+                "bw_tcp": timed(lambda: rpcs["tcp"].sync("bench-server", "take", tensor)),
+                "bulk_unix": timed(raw["unix"].bulk),
+            },
+        )
+        for peer in raw.values():
+            peer.close()
+        for peer in raw.values():
+            peer.wait()
+        for rpc in rpcs.values():
             rpc.close()
-        unix_rtt = raw_ping_pong(socket.AF_UNIX, args.calls)
-        tcp_rtt = raw_ping_pong(socket.AF_INET, args.calls)
-        memcpy = memcpy_bandwidth(args.repeats)
-        unix_bulk = raw_bulk(socket.AF_UNIX, args.repeats)
-        tcp_bulk = raw_bulk(socket.AF_INET, args.repeats)
     finally:
         server.stdin.close()
         server.wait(timeout=30)
 
-    shm, tcp = results["shm"], results["tcp"]
-    us = 1e6
-    gb = 1e-9
-    print(f"moolib RPC, two processes on {os.cpu_count()} cores (medians)")
-    print(f"{'figure':<34}{'moolib':>14}{'reference':>30}{'ratio':>8}")
+    us, gb = 1e6, MIB64 * 1e-9
     rows = [
-        ("sync round trip, shm (us)", shm[0] * us, "unix socket ping-pong", unix_rtt * us),
-        ("sync round trip, tcp (us)", tcp[0] * us, "tcp socket ping-pong", tcp_rtt * us),
-        ("async no-op calls/s, shm", shm[1], "-", None),
-        ("async no-op calls/s, tcp", tcp[1], "-", None),
-        ("64 MiB tensor arg, shm (GB/s)", shm[2] * gb, "64 MiB memcpy", memcpy * gb),
-        ("64 MiB tensor arg, tcp (GB/s)", tcp[2] * gb, "tcp socket 64 MiB", tcp_bulk * gb),
-        ("(64 MiB over a unix socket, GB/s)", unix_bulk * gb, "64 MiB memcpy", memcpy * gb),
+        (
+            "sync round trip, shm (us)",
+            m["rtt_shm"] * us,
+            "unix socket ping-pong",
+            m["rtt_unix"] * us,
+        ),
+        (
+            "sync round trip, tcp (us)",
+            m["rtt_tcp"] * us,
+            "tcp socket ping-pong",
+            m["rtt_tcp_raw"] * us,
+        ),
+        ("async no-op calls/s, shm", m["async_shm"], "-", None),
+        ("async no-op calls/s, tcp", m["async_tcp"], "-", None),
+        ("64 MiB tensor arg, shm (GB/s)", gb / m["bw_shm"], "64 MiB memcpy", gb / m["memcpy"]),
+        (
+            "64 MiB tensor arg, tcp (GB/s)",
+            gb / m["bw_tcp"],
+            "tcp socket 64 MiB",
+            gb / m["bulk_tcp"],
+        ),
+        (
+            "(64 MiB over a unix socket, GB/s)",
+            gb / m["bulk_unix"],
+            "64 MiB memcpy",
+            gb / m["memcpy"],
+        ),
     ]
+    cores = os.cpu_count()
+    print(
+        f"moolib RPC, two processes on {cores} cores (medians of {args.repeats} interleaved rounds)"
+    )
+    print(f"{'figure':<34}{'moolib':>14}{'reference':>30}{'ratio':>8}")
     for name, value, ref_name, ref in rows:
         ref_text = f"{ref_name} {ref:,.1f}" if ref is not None else ref_name
         ratio = f"{value / ref:.2f}" if ref else ""
