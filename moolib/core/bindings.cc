@@ -5,6 +5,8 @@
 
 #include <condition_variable>
 #include <deque>
+#include <cxxabi.h>
+
 #include <thread>
 
 #include "host.h"
@@ -101,26 +103,82 @@ std::vector<OutSegment> exportSegments(py::handle data, const py::list& buffers)
   return segs;
 }
 
-// Takes the GIL on a core thread. The thread keeps its Python thread state for
-// life: creating and destroying one per call costs an mmap/munmap of its frame
-// stack each time (and the TLB shootdowns that come with it).
-class CoreThreadGil {
+// Running Python on core threads.
+//
+// Each core thread keeps its Python thread state for life: creating and
+// destroying one per call costs an mmap/munmap of its frame stack each time
+// (and the TLB shootdowns that come with it).
+//
+// At interpreter exit, a thread that takes the GIL after finalization began
+// is ended by CPython with pthread_exit, a forced unwind. Unwinding our frames
+// would run destructors that touch Python objects without the GIL, so such a
+// thread is parked instead (what CPython 3.14 itself does): the process exits
+// around it. After moolib's atexit hook, core threads do not start Python
+// work at all.
+std::atomic<bool> gExiting{false};
+
+[[noreturn]] void parkForever() {
+  while (true) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+thread_local PyThreadState* tlsThreadState = nullptr;
+
+// Releases the GIL for a blocking section. Taking it back during finalization
+// ends the thread with a forced unwind, which must not escape a destructor:
+// the thread parks instead (see above).
+class GilRelease {
  public:
-  CoreThreadGil() : hasState_(ensureThreadState()) {}
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+  ~GilRelease() {
+    try {
+      PyEval_RestoreThread(state_);
+    } catch (abi::__forced_unwind&) {
+      parkForever();
+    }
+  }
 
  private:
-  static bool ensureThreadState() {
-    thread_local bool hasState = false;
-    if (!hasState) {
-      hasState = true;
-      PyGILState_Ensure();
-      PyEval_SaveThread();
-    }
-    return true;
-  }
-  bool hasState_;  // initialised before gil_: the state must exist first
-  py::gil_scoped_acquire gil_;
+  PyThreadState* state_;
 };
+
+// Calls fn(args) with the GIL held; a forced unwind stops here.
+PyObject* callParkingOnExit(PyObject* fn, PyObject* const* args, size_t n) {
+  try {
+    return PyObject_Vectorcall(fn, args, n, nullptr);
+  } catch (abi::__forced_unwind&) {
+    parkForever();
+  }
+}
+
+// Runs body with the GIL on a core thread (or not at all once exiting).
+template <typename Body>
+void withPython(Body&& body) {
+  if (gExiting.load(std::memory_order_relaxed)) return;
+  try {
+    if (tlsThreadState) {
+      PyEval_RestoreThread(tlsThreadState);
+    } else {
+      PyGILState_Ensure();
+      tlsThreadState = PyThreadState_Get();
+    }
+  } catch (abi::__forced_unwind&) {
+    parkForever();
+  }
+  struct Release {
+    ~Release() { PyEval_SaveThread(); }
+  } release;
+  body();
+}
+
+// Calls a Python callable from a core thread body (GIL held); returns its
+// result, or null with the Python error set.
+py::object callFromCore(PyObject* fn, std::initializer_list<py::handle> args) {
+  std::vector<PyObject*> argv;
+  for (auto a : args) argv.push_back(a.ptr());
+  return py::reinterpret_steal<py::object>(callParkingOnExit(fn, argv.data(), argv.size()));
+}
 
 struct PyFuture {
   FuturePtr state;
@@ -145,9 +203,19 @@ TimePoint deadlineFrom(double seconds) {
 }
 
 bool futureWait(const PyFuture& f, py::object timeout) {
-  double seconds = toDeadlineSeconds(timeout);
-  py::gil_scoped_release nogil;
-  return f.state->wait(deadlineFrom(seconds));
+  TimePoint deadline = deadlineFrom(toDeadlineSeconds(timeout));
+  // Waits in slices so that Ctrl-C (a KeyboardInterrupt) gets through.
+  while (true) {
+    TimePoint slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
+    bool done;
+    {
+      GilRelease nogil;
+      done = f.state->wait(slice);
+    }
+    if (done) return true;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (Clock::now() >= deadline) return false;
+  }
 }
 
 struct RpcErrorTag {};
@@ -229,12 +297,11 @@ class PythonLogSink {
         fn = fn_;
       }
       if (!fn || !Py_IsInitialized()) continue;
-      py::gil_scoped_acquire gil;
-      try {
-        py::handle(fn.get())(int(item.first), item.second);
-      } catch (py::error_already_set& e) {
-        e.discard_as_unraisable("moolib log sink");
-      }
+      withPython([&] {
+        py::object level = py::int_(int(item.first));
+        py::object message = py::str(item.second);
+        if (!callFromCore(fn.get(), {level, message})) PyErr_WriteUnraisable(fn.get());
+      });
     }
   }
   std::mutex mutex_;
@@ -300,12 +367,9 @@ PYBIND11_MODULE(_core, m) {
             auto held = holdObject(fn);
             auto me = holdObject(self);
             self.cast<PyFuture&>().state->onDone([held, me] {
-              CoreThreadGil gil;
-              try {
-                py::handle(held.get())(py::handle(me.get()));
-              } catch (py::error_already_set& e) {
-                e.discard_as_unraisable("moolib future callback");
-              }
+              withPython([&] {
+                if (!callFromCore(held.get(), {py::handle(me.get())})) PyErr_WriteUnraisable(held.get());
+              });
             });
           },
           "Calls fn(future) on a core thread once the call completes.");
@@ -314,12 +378,12 @@ PYBIND11_MODULE(_core, m) {
       .def("reply",
            [](Responder& r, py::handle data, py::list buffers) {
              auto segs = exportSegments(data, buffers);
-             py::gil_scoped_release nogil;
+             GilRelease nogil;
              r.reply(std::move(segs));
            })
       .def("error",
            [](Responder& r, const std::string& message) {
-             py::gil_scoped_release nogil;
+             GilRelease nogil;
              r.error(message);
            })
       .def_property_readonly("peer", &Responder::peer)
@@ -329,8 +393,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init(&Rpc::create))
       .def("set_name", &Rpc::setName)
       .def("get_name", &Rpc::name)
-      .def("listen", &Rpc::listen, py::call_guard<py::gil_scoped_release>())
-      .def("connect", &Rpc::connect, py::call_guard<py::gil_scoped_release>())
+      .def("listen", &Rpc::listen, py::call_guard<GilRelease>())
+      .def("connect", &Rpc::connect, py::call_guard<GilRelease>())
       .def("set_timeout", &Rpc::setTimeout)
       .def("get_timeout", &Rpc::timeout)
       .def("set_transports", &Rpc::setTransports)
@@ -339,30 +403,35 @@ PYBIND11_MODULE(_core, m) {
            [](Rpc& rpc, const std::string& name, py::function fn) {
              auto held = holdObject(fn);
              rpc.define(name, [held](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
-               CoreThreadGil gil;
-               DeferredReleases::instance().drain();
-               try {
-                 py::object reply;
-                 {
-                   py::list segments = wrapSegments(args);
-                   args.clear();
-                   reply = py::handle(held.get())(responder, std::move(segments));
+               withPython([&] {
+                 DeferredReleases::instance().drain();
+                 try {
+                   py::object reply;
+                   {
+                     py::object r = py::cast(responder);
+                     py::list segments = wrapSegments(args);
+                     args.clear();
+                     reply = callFromCore(held.get(), {r, segments});
+                   }
+                   if (!reply) throw py::error_already_set();
+                   // A handler may return (data, buffers) instead of replying
+                   // itself: the reply then goes out after the arguments are
+                   // released, so shared-memory segments are free for reuse
+                   // by the time the caller's next call needs one.
+                   if (!reply.is_none()) {
+                     auto tuple = reply.cast<py::tuple>();
+                     auto segs = exportSegments(tuple[0], tuple[1].cast<py::list>());
+                     responder->reply(std::move(segs));
+                   }
+                 } catch (py::error_already_set& e) {
+                   responder->error(e.what());
+                 } catch (const std::exception& e) {
+                   responder->error(e.what());
                  }
-                 // A handler may return (data, buffers) instead of replying
-                 // itself: the reply then goes out after the arguments are
-                 // released, so shared-memory segments are free for reuse
-                 // by the time the caller's next call needs one.
-                 if (!reply.is_none()) {
-                   auto tuple = reply.cast<py::tuple>();
-                   auto segs = exportSegments(tuple[0], tuple[1].cast<py::list>());
-                   responder->reply(std::move(segs));
-                 }
-               } catch (py::error_already_set& e) {
-                 responder->error(e.what());
-               }
+               });
              });
            })
-      .def("undefine", &Rpc::undefine, py::call_guard<py::gil_scoped_release>())
+      .def("undefine", &Rpc::undefine, py::call_guard<GilRelease>())
       .def("async_", &callWithArgs, "Calls fn on peer; returns a Future for the result.")
       .def(
           "sync",
@@ -376,11 +445,11 @@ PYBIND11_MODULE(_core, m) {
             return decodeSegments(f.state->result());
           },
           "Calls fn on peer and waits for the result (raises RpcError on failure).")
-      .def("close", &Rpc::close, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Rpc::close, py::call_guard<GilRelease>())
       .def("debug_info", [](Rpc& rpc) {
         DebugInfo info;
         {
-          py::gil_scoped_release nogil;
+          GilRelease nogil;
           info = rpc.debugInfo();
         }
         py::dict d;
@@ -426,7 +495,8 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "shutdown",
       [](double graceSeconds) {
-        py::gil_scoped_release nogil;
+        gExiting = true;
+        GilRelease nogil;
         Loop::instance().shutdown(std::chrono::milliseconds(int64_t(graceSeconds * 1000)));
       },
       py::arg("grace") = 2.0);

@@ -1,0 +1,362 @@
+"""Process lifecycle around live Rpcs: fork, subprocess, deleting Rpcs, and
+interpreter exit with calls in flight. Each scenario runs in a fresh interpreter
+that must exit on its own, with code 0, before a generous deadline."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from helpers.util import run_script
+
+pytestmark = pytest.mark.usefixtures("watchdog")
+
+PRELUDE = textwrap.dedent(
+    """
+    import faulthandler, gc, os, subprocess, sys, threading, time
+    faulthandler.dump_traceback_later(90, exit=True)  # a hang shows its stacks
+    import multiprocessing as mp
+    import torch
+    import moolib
+
+    def check(cond, what):
+        if not cond:
+            print("CHECK FAILED:", what, flush=True)
+            os._exit(17)
+    """
+)
+
+
+def run(tmp_path, body, **kwargs):
+    return run_script(PRELUDE + textwrap.dedent(body), tmp_path, **kwargs)
+
+
+FORK_SCRIPT = """
+parent = moolib.Rpc()
+parent.set_name("parent")
+address = parent.listen("127.0.0.1:0")
+parent.define("add", lambda a, b: a + b)
+parent.define("tensor", lambda n: torch.arange(n))
+user = moolib.Rpc()
+user.set_timeout(60)
+user.connect(address)
+check(user.sync("parent", "add", 1, 1) == 2, "call before fork")
+
+# Calls keep flowing on other threads while the process forks.
+stop = threading.Event()
+errors = []
+def background():
+    i = 0
+    while not stop.is_set():
+        try:
+            if user.sync("parent", "add", i, 1) != i + 1:
+                errors.append("wrong result")
+        except Exception as e:
+            errors.append(repr(e))
+        i += 1
+busy = threading.Thread(target=background)
+busy.start()
+
+def child_talks(addr):
+    # The inherited Rpcs belong to the parent: using them fails cleanly.
+    try:
+        user.sync("parent", "add", 1, 2)
+        os._exit(3)
+    except RuntimeError as e:
+        if "fork" not in str(e):
+            os._exit(4)
+    rpc = moolib.Rpc()
+    rpc.set_timeout(60)
+    rpc.connect(addr)
+    if rpc.sync("parent", "add", 20, 22) != 42:
+        os._exit(5)
+    if not torch.equal(rpc.sync("parent", "tensor", 100000), torch.arange(100000)):
+        os._exit(6)
+    mine = moolib.Rpc()
+    mine.define("f", lambda: "child")
+    if mine.sync(mine.get_name(), "f") != "child":
+        os._exit(7)
+    rpc.close()
+
+def child_exits():
+    pass
+
+def child_collects():
+    # Dropping the inherited Rpcs must not touch the parent's threads or loop.
+    global parent, user
+    del parent, user
+    gc.collect()
+
+ctx = mp.get_context("fork")
+for target, args in [(child_talks, (address,)), (child_exits, ()), (child_collects, ()),
+                     (child_talks, (address,))]:
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    p.join(90)
+    check(p.exitcode == 0, f"{target.__name__} exit code {p.exitcode}")
+
+# A bare os.fork() whose child exits through os._exit.
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+check(os.waitstatus_to_exitcode(status) == 0, "os.fork child")
+
+check(subprocess.run(["true"], timeout=60).returncode == 0, "subprocess.run(['true'])")
+rc = subprocess.run([sys.executable, "-c", "import moolib; moolib.Rpc()"], timeout=90).returncode
+check(rc == 0, "python subprocess creating an Rpc")
+
+stop.set()
+busy.join(60)
+check(not busy.is_alive(), "background caller finished")
+check(not errors, f"background calls failed: {errors[:3]}")
+check(user.sync("parent", "add", 3, 4) == 7, "call after the forks")
+fresh = moolib.Rpc()
+fresh.connect(address)
+check(fresh.sync("parent", "add", 5, 5) == 10, "new Rpc after the forks")
+print("FORK-OK", flush=True)
+"""
+
+
+def test_fork_children_and_subprocess(tmp_path):
+    proc = run(tmp_path, FORK_SCRIPT)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "FORK-OK" in proc.stdout
+
+
+def test_interpreter_exit_with_calls_in_flight(tmp_path):
+    proc = run(
+        tmp_path,
+        """
+        server = moolib.Rpc()
+        server.set_name("server")
+        address = server.listen("127.0.0.1:0")
+        release = threading.Event()
+        kept = []
+        server.define("block", lambda: release.wait(600))
+        server.define_deferred("never", lambda cb: kept.append(cb))
+        queue = server.define_queue("queued")
+        server.define("big", lambda n: torch.ones(n))
+        clients = []
+        futures = []
+        for transports in (None, ["shm"], ["tcp"]):
+            c = moolib.Rpc()
+            if transports:
+                c.set_transports(transports)
+            c.set_timeout(600)
+            c.connect(address)
+            check(c.sync("server", "big", 10).sum().item() == 10, "warm-up call")
+            clients.append(c)
+        # Blocked functions hold pool threads, so the warm-up calls come first.
+        for c in clients:
+            futures += [c.async_("server", "block") for _ in range(3)]
+            futures += [c.async_("server", "never") for _ in range(3)]
+            futures += [c.async_("server", "queued", i) for i in range(3)]
+            futures += [c.async_("server", "big", 1 << 20) for _ in range(3)]
+            c.async_callback("server", "block", lambda r, e: None)
+        # A Python thread blocked in sync() at exit, too.
+        threading.Thread(target=lambda: clients[0].sync("server", "block"), daemon=True).start()
+        time.sleep(1.0)
+        check(not futures[0].done(), "blocking call still in flight")
+        print("EXITING", flush=True)
+        """,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "EXITING" in proc.stdout
+
+
+def test_interpreter_exit_with_calls_to_another_process(tmp_path, spawn_peer):
+    peer = spawn_peer("exit-target")
+    proc = run(
+        tmp_path,
+        f"""
+        rpc = moolib.Rpc()
+        rpc.set_timeout(600)
+        rpc.connect({peer.address!r})
+        check(rpc.sync("exit-target", "add", 1, 2) == 3, "warm-up call")
+        futures = [rpc.async_("exit-target", "sleep", 300) for _ in range(4)]
+        futures += [rpc.async_("exit-target", "echo", torch.ones(1 << 22)) for _ in range(4)]
+        time.sleep(0.5)
+        print("EXITING", flush=True)
+        """,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "EXITING" in proc.stdout
+    assert peer.alive()  # the peer survives its caller leaving
+
+
+def test_deleting_rpcs_with_calls_in_flight(tmp_path):
+    proc = run(
+        tmp_path,
+        """
+        for round in range(4):
+            # Functions still running when their Rpc goes away run to completion
+            # (occupying pool threads): release them at the end of each round.
+            release = threading.Event()
+            server = moolib.Rpc()
+            server.set_name(f"server{round}")
+            address = server.listen("127.0.0.1:0")
+            server.define("block", lambda: release.wait(600))
+            server.define("echo", lambda x: x)
+            client = moolib.Rpc()
+            client.set_timeout(60)
+            client.connect(address)
+            check(client.sync(f"server{round}", "echo", 5) == 5, "warm-up call")
+            client.set_timeout(2)
+            pending = [client.async_(f"server{round}", "block") for _ in range(3)]
+            if round % 2 == 0:
+                del server  # the callee goes away: the client's calls time out
+                gc.collect()
+                for f in pending:
+                    check(f.wait(60), "call to a deleted peer completes")
+                    check(f.exception() is not None, "call to a deleted peer fails")
+                del client
+            else:
+                del client  # the caller goes away with its calls in flight
+                gc.collect()
+                for f in pending:
+                    check(f.wait(60), "call of a deleted Rpc completes")
+                    check(f.exception() is not None, "call of a deleted Rpc fails")
+                del server
+            gc.collect()
+            release.set()
+        # The process is still healthy.
+        a, b = moolib.Rpc(), moolib.Rpc()
+        b.set_name("b")
+        a.connect(b.listen("127.0.0.1:0"))
+        b.define("add", lambda x, y: x + y)
+        check(a.sync("b", "add", 2, 2) == 4, "call after the deletions")
+        print("DELETE-OK", flush=True)
+        """,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "DELETE-OK" in proc.stdout
+
+
+def test_sys_exit_from_a_callback_thread(tmp_path):
+    # SystemExit inside a function is reported to the caller; the process goes
+    # on and later exits normally with code 0.
+    proc = run(
+        tmp_path,
+        """
+        server = moolib.Rpc()
+        server.set_name("server")
+        address = server.listen("127.0.0.1:0")
+        server.define("leave", lambda: sys.exit(5))
+        client = moolib.Rpc()
+        client.set_timeout(60)
+        client.connect(address)
+        got = []
+        done = threading.Event()
+        def callback(result, error):
+            got.append(error)
+            done.set()
+            sys.exit(6)  # raised on a core thread: must not kill the process
+        client.async_callback("server", "leave", callback)
+        check(done.wait(60), "callback ran")
+        check(got[0] is not None and "SystemExit" in str(got[0]), f"error reported: {got}")
+        server.define("ok", lambda: "ok")
+        check(client.sync("server", "ok") == "ok", "still working")
+        print("EXIT-OK", flush=True)
+        """,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "EXIT-OK" in proc.stdout
+
+
+
+
+def test_exit_while_a_function_runs_python_code(tmp_path):
+    proc = run(
+        tmp_path,
+        """
+        server = moolib.Rpc()
+        server.set_name("server")
+        address = server.listen("127.0.0.1:0")
+
+        def naps():  # Python code that keeps dropping and retaking the GIL
+            for _ in range(2000):
+                time.sleep(0.01)
+            return "rested"
+
+        def spin():  # pure Python computation
+            end = time.monotonic() + 20
+            n = 0
+            while time.monotonic() < end:
+                n += 1
+            return n
+
+        server.define("naps", naps)
+        server.define("spin", spin)
+        client = moolib.Rpc()
+        client.set_timeout(600)
+        client.connect(address)
+        futures = [client.async_("server", "naps"), client.async_("server", "spin")]
+        time.sleep(0.5)
+        check(not any(f.done() for f in futures), "functions still running")
+        print("EXITING", flush=True)
+        """,
+    )
+    assert "EXITING" in proc.stdout
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def test_exit_while_a_callback_runs_python_code(tmp_path):
+    proc = run(
+        tmp_path,
+        """
+        rpc = moolib.Rpc()
+        rpc.set_name("me")
+        rpc.define("one", lambda: 1)
+        started = threading.Event()
+
+        def callback(result, error):
+            started.set()
+            for _ in range(2000):
+                time.sleep(0.01)
+
+        rpc.async_callback("me", "one", callback)
+        check(started.wait(60), "callback started")
+        print("EXITING", flush=True)
+        """,
+    )
+    assert "EXITING" in proc.stdout
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def test_ctrl_c_interrupts_a_waiting_call(tmp_path):
+    proc = run(
+        tmp_path,
+        """
+        import signal
+        server = moolib.Rpc()
+        server.set_name("server")
+        address = server.listen("127.0.0.1:0")
+        release = threading.Event()
+        server.define("block", lambda: release.wait(60))
+        client = moolib.Rpc()
+        client.set_timeout(5)
+        client.connect(address)
+        server.define("ping", lambda: "pong")
+        check(client.sync("server", "ping") == "pong", "warm-up call")
+        threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        outcome = None
+        try:
+            try:
+                client.sync("server", "block")
+                outcome = "returned"
+            except RuntimeError:
+                outcome = "timed-out"
+                time.sleep(0.5)  # a signal held back until now lands here
+        except KeyboardInterrupt:
+            outcome = outcome or "interrupted"
+        print(f"OUTCOME {outcome} {time.monotonic() - start:.1f}", flush=True)
+        release.set()
+        """,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    # KeyboardInterrupt, and well before the 5 s call timeout.
+    outcome, seconds = proc.stdout.split("OUTCOME ")[1].split()[:2]
+    assert outcome == "interrupted", proc.stdout
+    assert float(seconds) < 4.0, proc.stdout
