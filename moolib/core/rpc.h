@@ -158,7 +158,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   std::shared_ptr<Link> bestLinkLocked(const Peer& peer) const;
   std::vector<std::string> advertisedLocked() const;
   void ensureShmListenerLocked();
-  void maybeListenForRemoteLocked(const std::shared_ptr<Link>& link);
+  void maybeListenForPeersLocked(const std::shared_ptr<Link>& link);
 
   const uint64_t generation_;
   const std::string incarnation_;

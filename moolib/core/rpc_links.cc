@@ -176,6 +176,7 @@ void Rpc::sendIdentify(const std::shared_ptr<Link>& link) {
   Writer w;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    maybeListenForPeersLocked(link);
     w.str(name_);
     w.str(incarnation_);
     w.str(hostIdentity());
@@ -243,7 +244,6 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
         }
       }
     }
-    maybeListenForRemoteLocked(link);
   }
   MOO_LOG(kInfo, "connected to peer '", link->peerName, "' over ", link->conn->transport(), " (",
           link->conn->remoteAddress(), ")");
@@ -252,13 +252,16 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
   if (!upgrade.empty()) dial(upgrade, link->peerName);
 }
 
-void Rpc::maybeListenForRemoteLocked(const std::shared_ptr<Link>& link) {
-  // A peer that only dialed out is still reachable by the others on its host
-  // through shared memory. For peers on other hosts to reach it directly, it
-  // listens on the interface it used to reach the network.
-  if (!link->outgoing || std::string(link->conn->transport()) != "tcp" || !tcpListenAddresses_.empty()) return;
+void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
+  // A peer that only dialed out must still be reachable by name: other peers
+  // find it through discovery and dial it directly. So on its first outgoing
+  // TCP link it listens on the interface that link uses (loopback stays
+  // loopback), before telling the other side its addresses.
+  if (!link->outgoing || std::string(link->conn->transport()) != "tcp" || !tcpListenAddresses_.empty() ||
+      !allowed("tcp")) {
+    return;
+  }
   std::string local = link->conn->localAddress();
-  if (isLoopbackHostPort(local) || link->peerHost == hostIdentity()) return;
   auto colon = local.rfind(':');
   if (colon == std::string::npos) return;
   std::string address = local.substr(0, colon) + ":0";
@@ -268,7 +271,12 @@ void Rpc::maybeListenForRemoteLocked(const std::shared_ptr<Link>& link) {
       if (auto self = weak.lock()) self->adopt(std::move(conn), false, "");
     });
     tcpListenAddresses_.push_back(l->address());
-    MOO_LOG(kInfo, "listening on ", l->address(), " so that peers on other hosts can reach this one");
+    MOO_LOG(kInfo, "listening on ", l->address(), " so that other peers can reach this one by name");
+    if (authKey_.empty() && !isLoopbackHostPort(l->address())) {
+      MOO_LOG(kError, "listening on ", l->address(),
+              " without an authentication key: anyone who can reach this address can run code in this "
+              "process. Set MOOLIB_AUTH_KEY (or moolib.set_auth_key) on every peer.");
+    }
     listeners_.push_back(std::move(l));
   } catch (const std::exception& e) {
     MOO_LOG(kInfo, "could not listen on ", address, ": ", e.what());

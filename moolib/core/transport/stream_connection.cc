@@ -84,7 +84,10 @@ void StreamConnection::send(OutgoingFrame&& frame) {
   for (auto& s : inlineSegments) item.total += s.size;
   item.segments = std::move(inlineSegments);
 
-  bool corked = corkIfBatching(std::static_pointer_cast<Corkable>(shared_from_this()));
+  // Only replies are corked: a request a function sends must not wait for
+  // the rest of its batch.
+  bool corked = frame.type == FrameType::kResponse &&
+                corkIfBatching(std::static_pointer_cast<Corkable>(shared_from_this()));
   std::lock_guard<std::mutex> lock(writeMutex_);
   if (closed_) return;
   writeQueue_.push_back(std::move(item));
