@@ -146,17 +146,23 @@ std::string Rpc::listen(const std::string& address) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (ctx == tcp_.get()) {
     tcpListenAddresses_.push_back(bound);
-    if (authKey_.empty() && !isLoopbackHostPort(bound)) {
-      MOO_LOG(kError, "listening on ", bound,
-              " without an authentication key: anyone who can reach this address can run code in this "
-              "process. Set MOOLIB_AUTH_KEY (or moolib.set_auth_key) on every peer.");
-    }
+    warnIfExposedLocked(bound);
   } else {
     shmAddress_ = bound;
   }
   listeners_.push_back(std::move(listener));
   ensureShmListenerLocked();
   return bound;
+}
+
+void Rpc::warnIfExposedLocked(const std::string& address) const {
+  // Peers unpickle what they receive: an open port without a key runs code
+  // for anyone who can reach it.
+  if (authKey_.empty() && !isLoopbackHostPort(address)) {
+    MOO_LOG(kError, "listening on ", address,
+            " without an authentication key: anyone who can reach this address can run code in this "
+            "process. Set MOOLIB_AUTH_KEY (or moolib.set_auth_key) on every peer.");
+  }
 }
 
 void Rpc::ensureShmListenerLocked() {

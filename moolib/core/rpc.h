@@ -158,6 +158,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   std::shared_ptr<Link> bestLinkLocked(const Peer& peer) const;
   std::vector<std::string> advertisedLocked() const;
   void ensureShmListenerLocked();
+  void warnIfExposedLocked(const std::string& address) const;
   void maybeListenForPeersLocked(const std::shared_ptr<Link>& link);
 
   const uint64_t generation_;

@@ -272,11 +272,7 @@ void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
     });
     tcpListenAddresses_.push_back(l->address());
     MOO_LOG(kInfo, "listening on ", l->address(), " so that other peers can reach this one by name");
-    if (authKey_.empty() && !isLoopbackHostPort(l->address())) {
-      MOO_LOG(kError, "listening on ", l->address(),
-              " without an authentication key: anyone who can reach this address can run code in this "
-              "process. Set MOOLIB_AUTH_KEY (or moolib.set_auth_key) on every peer.");
-    }
+    warnIfExposedLocked(l->address());
     listeners_.push_back(std::move(l));
   } catch (const std::exception& e) {
     MOO_LOG(kInfo, "could not listen on ", address, ": ", e.what());
