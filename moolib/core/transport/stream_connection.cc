@@ -256,9 +256,12 @@ ssize_t StreamConnection::receive(void* data, size_t size) {
         std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
         receivedFds_.push_back(fd);
       }
-      // Descriptors only accompany shared segments, which need a completed
-      // handshake, and each is consumed by its frame: a backlog is abuse.
-      if (!handshaken_ || receivedFds_.size() > kMaxPendingFds) {
+      // Descriptors accompany shared segments and each is consumed by its
+      // frame, so a backlog is abuse. Before the handshake completes only
+      // one message's worth is tolerated: the read that brings the peer's
+      // identify may also bring the first frame that shares memory.
+      size_t limit = handshaken_ ? kMaxPendingFds : size_t(kMaxFdsPerMessage);
+      if (receivedFds_.size() > limit) {
         fail(handshaken_ ? "too many file descriptors in flight" : "file descriptors before the handshake");
         for (int fd : receivedFds_) ::close(fd);
         receivedFds_.clear();
