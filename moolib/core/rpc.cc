@@ -264,8 +264,10 @@ FuturePtr Rpc::call(const std::string& peer, const std::string& function, std::v
   auto& pending = calls_[id];
   pending.peer = peer;
   pending.function = function;
-  pending.deadline = deadline;
+  pending.timeoutSeconds = timeoutSeconds_;
   pending.future = future;
+  deadlines_.emplace_back(deadline, id);
+  std::push_heap(deadlines_.begin(), deadlines_.end(), std::greater<>());
   Peer& p = peers_[peer];
   p.name = peer;
   auto link = bestLinkLocked(p);
@@ -399,11 +401,14 @@ void Rpc::expireCalls(TimePoint now) {
   std::vector<std::pair<PendingCall, std::string>> expired;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = calls_.begin(); it != calls_.end();) {
-      if (it->second.deadline > now && !it->second.future->done()) {
-        ++it;
-        continue;
-      }
+    // The heap holds every call's deadline; calls answered meanwhile are
+    // skipped as their deadlines come up, so each tick costs only what expires.
+    while (!deadlines_.empty() && deadlines_.front().first <= now) {
+      uint64_t id = deadlines_.front().second;
+      std::pop_heap(deadlines_.begin(), deadlines_.end(), std::greater<>());
+      deadlines_.pop_back();
+      auto it = calls_.find(id);
+      if (it == calls_.end()) continue;
       PendingCall& c = it->second;
       std::string why;
       auto p = peers_.find(c.peer);
@@ -416,17 +421,15 @@ void Rpc::expireCalls(TimePoint now) {
       }
       if (p != peers_.end()) {
         auto& q = p->second.queued;
-        uint64_t id = it->first;
         q.erase(std::remove_if(q.begin(), q.end(), [id](const QueuedCall& x) { return x.id == id; }), q.end());
       }
       expired.emplace_back(std::move(c), std::move(why));
-      it = calls_.erase(it);
+      calls_.erase(it);
     }
   }
-  double timeout = this->timeout();
   for (auto& [c, why] : expired) {
-    c.future->setError(concat("call to peer '", c.peer, "' function '", c.function, "' timed out after ", timeout,
-                              " seconds: ", why));
+    c.future->setError(concat("call to peer '", c.peer, "' function '", c.function, "' timed out after ",
+                              c.timeoutSeconds, " seconds: ", why));
   }
 }
 
@@ -444,6 +447,7 @@ void Rpc::close() {
     links_.clear();
     listeners.swap(listeners_);
     calls.swap(calls_);
+    deadlines_.clear();
     functions.swap(functions_);
     peers.swap(peers_);
     if (tickTimer_) Loop::instance().cancelTimer(tickTimer_);

@@ -113,7 +113,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   };
   struct PendingCall {
     std::string peer, function;
-    TimePoint deadline;
+    double timeoutSeconds = 0;
     FuturePtr future;
     bool sent = false;
   };
@@ -183,6 +183,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   std::set<std::string> ownNonces_;
   std::map<std::string, Peer> peers_;
   std::unordered_map<uint64_t, PendingCall> calls_;
+  std::vector<std::pair<TimePoint, uint64_t>> deadlines_;  // min-heap of (deadline, call id)
   uint64_t nextCallId_ = 1;
   std::map<std::string, std::shared_ptr<Handler>> functions_;
   std::map<std::string, int> inFlight_;
