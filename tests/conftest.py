@@ -6,9 +6,9 @@ import faulthandler
 import sys
 
 import pytest
+from helpers.util import TRANSPORT_IDS, TRANSPORTS, PeerSpawner
 
 import moolib
-from helpers.util import TRANSPORT_IDS, TRANSPORTS, PeerSpawner
 
 
 @pytest.fixture

@@ -264,9 +264,9 @@ def test_sys_exit_from_a_callback_thread(tmp_path):
     assert "EXIT-OK" in proc.stdout
 
 
-
-
 def test_exit_while_a_function_runs_python_code(tmp_path):
+    """Regression: exit aborted (SIGABRT/SIGSEGV, 'Fatal Python error: PyEval_SaveThread')
+    when Python ended a core thread still running Python code with a forced unwind."""
     proc = run(
         tmp_path,
         """
@@ -302,6 +302,7 @@ def test_exit_while_a_function_runs_python_code(tmp_path):
 
 
 def test_exit_while_a_callback_runs_python_code(tmp_path):
+    """Regression: as above, for an async_callback callback still running at exit."""
     proc = run(
         tmp_path,
         """
@@ -325,6 +326,7 @@ def test_exit_while_a_callback_runs_python_code(tmp_path):
 
 
 def test_ctrl_c_interrupts_a_waiting_call(tmp_path):
+    """Regression: SIGINT was only honoured once the call had timed out."""
     proc = run(
         tmp_path,
         """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import socket
 import time
 
 import pytest
@@ -37,7 +38,9 @@ def server(request, module_spawn_peer):
 
 @pytest.fixture
 def client(make_rpc, server):
-    rpc = make_rpc("client-" + moolib.create_uid()[:8], transports=server.transports, timeout=DEADLINE)
+    rpc = make_rpc(
+        "client-" + moolib.create_uid()[:8], transports=server.transports, timeout=DEADLINE
+    )
     rpc.connect(server.address)
     return rpc
 
@@ -49,7 +52,9 @@ def client(make_rpc, server):
 def test_payload_roundtrip_exact(client, server):
     payload = sample_payload()
     assert_same(payload, client.sync(server.name, "echo", payload))
-    args, kwargs = client.sync(server.name, "echo_all", torch.ones(2, 2).t(), flag=True, t=(torch.zeros(1),))
+    args, kwargs = client.sync(
+        server.name, "echo_all", torch.ones(2, 2).t(), flag=True, t=(torch.zeros(1),)
+    )
     assert_same(((torch.ones(2, 2),), {"flag": True, "t": (torch.zeros(1),)}), (args, kwargs))
     assert client.sync(server.name, "pid") == server.pid
     used = transports_to(client, server.name)
@@ -71,6 +76,19 @@ def test_large_tensor_roundtrip(client, server):
     )
     zeros = client.sync(server.name, "zeros", 64 << 20)
     assert zeros.numel() == 64 << 20 and not zeros.any()
+
+
+def test_concurrent_mixed_size_payloads(client, server):
+    sizes = [1, 100, 5000, 1 << 16, 1 << 20, 16 << 20, 3, 1 << 22]
+
+    def one(i):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randint(0, 256, (sizes[i % len(sizes)],), dtype=torch.uint8, generator=g)
+        return torch.equal(client.sync(server.name, "echo", x), x)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(one, range(48), timeout=DEADLINE * 2))
+    assert all(outcomes)
 
 
 def test_remote_errors(client, server):
@@ -136,9 +154,9 @@ def test_same_host_peers_switch_to_shm_by_themselves(make_rpc, spawn_peer):
     # The other side sees us over shm too.
     remote = wait_for(
         lambda: [
-            p for p in rpc.sync("auto", "info")["peers"] if p["name"] == "auto-client" and any(
-                c["transport"] == "shm" for c in p["connections"]
-            )
+            p
+            for p in rpc.sync("auto", "info")["peers"]
+            if p["name"] == "auto-client" and any(c["transport"] == "shm" for c in p["connections"])
         ],
         what="the peer's view of an shm connection",
     )
@@ -186,21 +204,27 @@ def test_discovery_by_name_then_direct_connection(make_rpc, spawn_peer, hub, tra
         assert "shm" in used
 
 
-def test_discovery_of_connect_only_peer(make_rpc, spawn_peer, hub):
-    # C never listens: reachable by name through the hub all the same.
-    c = spawn_peer("disc-nolisten", listen=None, connect=[hub.address])
+@pytest.mark.parametrize("transports", TRANSPORTS, ids=TRANSPORT_IDS)
+def test_discovery_of_connect_only_peer(make_rpc, spawn_peer, hub, transports):
+    # C never calls listen(): reachable by name through the hub all the same,
+    # and dialed directly (both sides restricted to the same transports).
+    name = "disc-nolisten-" + moolib.create_uid()[:6]
+    c = spawn_peer(name, listen=None, connect=[hub.address], transports=transports)
     assert c.address is None
-    a = make_rpc("disc-a2", timeout=DEADLINE)
+    a = make_rpc("disc-a2-" + moolib.create_uid()[:6], transports=transports, timeout=DEADLINE)
     a.connect(hub.address)
-    assert a.sync("disc-nolisten", "pid") == c.pid
-    wait_for(lambda: connections(a, "disc-nolisten"), what="a direct connection to C")
+    assert a.sync(name, "pid") == c.pid
+    wait_for(lambda: connections(a, name), what="a direct connection to C")
+    if transports:
+        assert set(transports_to(a, name)) <= set(transports)
 
 
 def test_restarted_peer_reachable_by_name_again(make_rpc, spawn_peer, hub):
     first = spawn_peer("phoenix", connect=[hub.address])
-    a = make_rpc("watcher", timeout=5)
+    a = make_rpc("watcher", timeout=DEADLINE)
     a.connect(hub.address)
     assert a.sync("phoenix", "pid") == first.pid
+    a.set_timeout(5)  # per attempt while polling below
     assert first.kill(signal.SIGKILL) == -signal.SIGKILL
     second = spawn_peer("phoenix", connect=[hub.address])  # a new port, same name
 
@@ -217,9 +241,10 @@ def test_restarted_peer_reachable_by_name_again(make_rpc, spawn_peer, hub):
 def test_connect_redials_the_same_address(make_rpc, spawn_peer):
     first = spawn_peer("redial")
     port_address = first.address
-    a = make_rpc("redialer", timeout=5)
+    a = make_rpc("redialer", timeout=DEADLINE)
     a.connect(port_address)
     assert a.sync("redial", "pid") == first.pid
+    a.set_timeout(5)  # per attempt while polling below
     first.kill(signal.SIGKILL)
     second = wait_for(
         lambda: spawn_peer("redial", listen=port_address), timeout=DEADLINE, what="re-listening"
@@ -238,9 +263,10 @@ def test_connect_redials_the_same_address(make_rpc, spawn_peer):
 @pytest.mark.parametrize("transports", TRANSPORTS, ids=TRANSPORT_IDS)
 def test_killed_peer_calls_fail_after_timeout(make_rpc, spawn_peer, transports):
     peer = spawn_peer("doomed", transports=transports)
-    a = make_rpc("survivor", transports=transports, timeout=3)
+    a = make_rpc("survivor", transports=transports, timeout=DEADLINE)
     a.connect(peer.address)
     assert a.sync("doomed", "pid") == peer.pid
+    a.set_timeout(2)
     in_flight = a.async_("doomed", "sleep", 30)
     time.sleep(0.2)
     peer.kill(signal.SIGKILL)
@@ -268,15 +294,12 @@ def test_nested_call_through_another_process(make_rpc, spawn_peer, hub):
         assert a.sync("hub", "call", b.name, "add", i, 100) == i + 100
 
 
-@pytest.mark.xfail(
-    reason="BUG: a defined function that makes a sync call while another request read in "
-    "the same batch is queued behind it never gets its reply (its request stays corked "
-    "until the batch ends), so concurrent nested calls time out",
-    strict=True,
-)
 def test_concurrent_nested_calls_through_another_process(make_rpc, spawn_peer):
-    # The hub gives up on its inner call after 3 s; the outer caller waits longer,
-    # so a stuck inner call shows up as the hub's error.
+    # Regression: a function making a sync call while another request, read in
+    # the same batch, waited behind it had its outgoing request corked until the
+    # batch ended, so the inner call could only time out. The hub gives up on its
+    # inner call after 3 s; the outer caller waits longer, so a stuck inner call
+    # shows up as the hub's error.
     hub = spawn_peer("nest-hub", timeout=3)
     b = spawn_peer("nest-b2", connect=[hub.address])
     a = make_rpc("nest-a2", timeout=DEADLINE)
@@ -285,3 +308,37 @@ def test_concurrent_nested_calls_through_another_process(make_rpc, spawn_peer):
     for _ in range(10):
         futs = [a.async_("nest-hub", "call", b.name, "add", i, 1) for i in range(2)]
         assert [f.result(timeout=DEADLINE) for f in futs] == [1, 2]
+
+
+def test_call_waits_for_a_peer_that_joins_later(make_rpc, spawn_peer, hub):
+    a = make_rpc("early-caller", timeout=DEADLINE)
+    a.connect(hub.address)
+    assert a.sync("hub", "name") == "hub"
+    fut = a.async_("late-joiner", "pid")  # nobody by that name yet
+    time.sleep(0.5)
+    assert not fut.done()
+    late = spawn_peer("late-joiner", listen=None, connect=[hub.address])
+    assert fut.result(timeout=DEADLINE) == late.pid
+
+
+def test_connect_before_the_peer_listens(make_rpc, spawn_peer):
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{probe.getsockname()[1]}"
+    probe.close()
+    a = make_rpc("eager", timeout=DEADLINE)
+    a.connect(address)  # nothing listens there yet: it keeps trying
+    time.sleep(0.5)
+    peer = spawn_peer("latecomer", listen=address)
+    assert a.sync("latecomer", "pid") == peer.pid
+
+
+def test_peer_with_two_threads_serves_many_concurrent_calls(make_rpc, spawn_peer):
+    peer = spawn_peer("two-threads", max_threads=2)
+    a = make_rpc("many-caller", timeout=DEADLINE)
+    a.connect(peer.address)
+    futs = [a.async_("two-threads", "sleep", 0.01) for _ in range(100)]
+    assert all(f.result(timeout=DEADLINE) == 0.01 for f in futs)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        values = list(pool.map(lambda i: a.sync("two-threads", "add", i, 1), range(200)))
+    assert values == [i + 1 for i in range(200)]

@@ -50,7 +50,8 @@ int defaultThreads() {
     int n = std::atoi(env);
     if (n > 0) return n;
   }
-  return std::max(4u, std::thread::hardware_concurrency() * 2);
+  // Generous: a function that blocks in a nested call holds its thread.
+  return std::max(16u, std::thread::hardware_concurrency() * 2);
 }
 
 // Set on workers while they handle I/O: requests read then run here.

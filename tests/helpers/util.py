@@ -230,7 +230,9 @@ def run_script(code, tmp_path, timeout=DEADLINE * 2, env=None, name="script.py")
         except ProcessLookupError:
             pass
         out, _ = proc.communicate()
-        raise AssertionError(f"script hung (killed after {timeout}s); output:\n{out[-4000:]}")
+        raise AssertionError(
+            f"script hung (killed after {timeout}s); output:\n{out[-4000:]}"
+        ) from None
     finally:
         if proc.poll() is None:
             proc.kill()
