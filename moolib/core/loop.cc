@@ -387,6 +387,8 @@ void Loop::pollRound(int timeout, bool worker) {
 
 void Loop::workerMain(int index) {
   tlsWorker = true;
+  currentWaiter();  // its eventfd now, not at some later first wait
+
   while (!stopping_) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
