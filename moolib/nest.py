@@ -270,6 +270,30 @@ def _normalize_dim(ndim: int, dim: int, path: str) -> int:
     return dim % ndim
 
 
+def _cut_leaves(
+    what: str, nest: Any, count: int, dim: int, expected: int, error: str, cut_leaf: Callable
+) -> list[Any]:
+    """Cut every tensor or array leaf of ``nest`` into ``count`` pieces with
+    ``cut_leaf(leaf, dim, is_array)``, after checking that it has ``expected``
+    entries along ``dim`` (``error`` ends the message when it has not)."""
+    import torch
+
+    ndarray = _numpy_ndarray()
+
+    def cut(leaf: Any, path: str) -> Sequence[Any] | None:
+        is_array = ndarray is not None and isinstance(leaf, ndarray)
+        if not (is_array or isinstance(leaf, torch.Tensor)):
+            return None
+        d = _normalize_dim(leaf.ndim, dim, path)
+        if leaf.shape[d] != expected:
+            raise ValueError(
+                f"{what}: leaf at {path} has size {leaf.shape[d]} along dim {dim}, {error}"
+            )
+        return cut_leaf(leaf, d, is_array)
+
+    return _pieces_per_leaf(nest, count, cut)
+
+
 def split(nest: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
     """Split every tensor (or array) leaf along ``dim`` into pieces of ``sizes``.
 
@@ -280,30 +304,20 @@ def split(nest: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
     import torch
 
     sizes = [int(s) for s in sizes]
+
+    def cut_leaf(leaf: Any, d: int, is_array: bool) -> Sequence[Any]:
+        if not is_array:
+            return torch.split(leaf, sizes, d)
+        pieces, start = [], 0
+        for size in sizes:
+            index = [slice(None)] * leaf.ndim
+            index[d] = slice(start, start + size)
+            pieces.append(leaf[tuple(index)])
+            start += size
+        return pieces
+
     total = sum(sizes)
-    ndarray = _numpy_ndarray()
-
-    def cut(leaf: Any, path: str) -> Sequence[Any] | None:
-        is_array = ndarray is not None and isinstance(leaf, ndarray)
-        if not (is_array or isinstance(leaf, torch.Tensor)):
-            return None
-        d = _normalize_dim(leaf.ndim, dim, path)
-        if leaf.shape[d] != total:
-            raise ValueError(
-                f"split: leaf at {path} has size {leaf.shape[d]} along dim {dim}, "
-                f"but sizes sum to {total}"
-            )
-        if is_array:
-            pieces, start = [], 0
-            for s in sizes:
-                index = [slice(None)] * leaf.ndim
-                index[d] = slice(start, start + s)
-                pieces.append(leaf[tuple(index)])
-                start += s
-            return pieces
-        return torch.split(leaf, sizes, d)
-
-    return _pieces_per_leaf(nest, len(sizes), cut)
+    return _cut_leaves("split", nest, len(sizes), dim, total, f"but sizes sum to {total}", cut_leaf)
 
 
 def unstack(nest: Any, n: int, dim: int = 0) -> list[Any]:
@@ -313,21 +327,8 @@ def unstack(nest: Any, n: int, dim: int = 0) -> list[Any]:
     each tensor leaf (stacked numbers come back as 0-d tensors); other leaves
     are replicated. Every tensor leaf must have size ``n`` along ``dim``.
     """
-    import torch
 
-    ndarray = _numpy_ndarray()
+    def cut_leaf(leaf: Any, d: int, is_array: bool) -> Sequence[Any]:
+        return list(sys.modules["numpy"].moveaxis(leaf, d, 0)) if is_array else leaf.unbind(d)
 
-    def cut(leaf: Any, path: str) -> Sequence[Any] | None:
-        is_array = ndarray is not None and isinstance(leaf, ndarray)
-        if not (is_array or isinstance(leaf, torch.Tensor)):
-            return None
-        d = _normalize_dim(leaf.ndim, dim, path)
-        if leaf.shape[d] != n:
-            raise ValueError(
-                f"unstack: leaf at {path} has size {leaf.shape[d]} along dim {dim}, expected {n}"
-            )
-        if is_array:
-            return list(sys.modules["numpy"].moveaxis(leaf, d, 0))
-        return leaf.unbind(d)
-
-    return _pieces_per_leaf(nest, n, cut)
+    return _cut_leaves("unstack", nest, n, dim, n, f"expected {n}", cut_leaf)

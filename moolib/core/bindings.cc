@@ -14,6 +14,7 @@
 #include "rpc.h"
 
 namespace py = pybind11;
+using namespace pybind11::literals;
 using namespace moolib;
 
 namespace {
@@ -219,6 +220,28 @@ bool futureWait(const PyFuture& f, py::object timeout) {
 }
 
 struct RpcErrorTag {};
+
+// debug_info() as plain dicts and lists.
+py::dict toPython(const ConnectionInfo& c) {
+  return py::dict("transport"_a = c.transport, "local"_a = c.local, "remote"_a = c.remote,
+                  "outgoing"_a = c.outgoing, "bytes_sent"_a = c.bytesSent, "bytes_received"_a = c.bytesReceived);
+}
+
+py::dict toPython(const PeerInfo& p) {
+  py::list connections;
+  for (auto& c : p.connections) connections.append(toPython(c));
+  return py::dict("name"_a = p.name, "same_host"_a = p.sameHost, "addresses"_a = p.addresses,
+                  "queued_calls"_a = p.queuedCalls, "connections"_a = connections);
+}
+
+py::dict toPython(const DebugInfo& info) {
+  py::list peers;
+  for (auto& p : info.peers) peers.append(toPython(p));
+  return py::dict("name"_a = info.name, "listening"_a = info.listening, "advertised"_a = info.advertised,
+                  "transports"_a = info.transports, "pending_calls"_a = info.pendingCalls,
+                  "unidentified_connections"_a = info.unidentifiedConnections, "functions"_a = info.functions,
+                  "peers"_a = peers);
+}
 
 // The serialization functions of moolib.serialization, registered at import.
 struct Codec {
@@ -452,37 +475,7 @@ PYBIND11_MODULE(_core, m) {
           GilRelease nogil;
           info = rpc.debugInfo();
         }
-        py::dict d;
-        d["name"] = info.name;
-        d["listening"] = info.listening;
-        d["advertised"] = info.advertised;
-        d["transports"] = info.transports;
-        d["pending_calls"] = info.pendingCalls;
-        d["unidentified_connections"] = info.unidentifiedConnections;
-        d["functions"] = info.functions;
-        py::list peers;
-        for (auto& p : info.peers) {
-          py::dict pd;
-          pd["name"] = p.name;
-          pd["same_host"] = p.sameHost;
-          pd["addresses"] = p.addresses;
-          pd["queued_calls"] = p.queuedCalls;
-          py::list conns;
-          for (auto& c : p.connections) {
-            py::dict cd;
-            cd["transport"] = c.transport;
-            cd["local"] = c.local;
-            cd["remote"] = c.remote;
-            cd["outgoing"] = c.outgoing;
-            cd["bytes_sent"] = c.bytesSent;
-            cd["bytes_received"] = c.bytesReceived;
-            conns.append(cd);
-          }
-          pd["connections"] = conns;
-          peers.append(pd);
-        }
-        d["peers"] = peers;
-        return d;
+        return toPython(info);
       });
 
   m.def("set_log_level", [](int level) { setLogLevel(LogLevel(std::max(0, std::min(level, 4)))); });
