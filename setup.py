@@ -16,9 +16,10 @@ extra_compile_args = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvis
 extra_link_args = []
 if os.environ.get("MOOLIB_DEBUG"):
     extra_compile_args += ["-O0", "-g", "-fno-omit-frame-pointer"]
-if os.environ.get("MOOLIB_SANITIZE"):  # e.g. "address" or "thread"
-    extra_compile_args += [f"-fsanitize={os.environ['MOOLIB_SANITIZE']}", "-g", "-fno-omit-frame-pointer"]
-    extra_link_args += [f"-fsanitize={os.environ['MOOLIB_SANITIZE']}"]
+sanitizer = os.environ.get("MOOLIB_SANITIZE")  # e.g. "address" or "thread"
+if sanitizer:
+    extra_compile_args += [f"-fsanitize={sanitizer}", "-g", "-fno-omit-frame-pointer"]
+    extra_link_args += [f"-fsanitize={sanitizer}"]
 
 core = Pybind11Extension(
     "moolib._core",
