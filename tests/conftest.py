@@ -11,6 +11,15 @@ from helpers.util import TRANSPORT_IDS, TRANSPORTS, PeerSpawner
 import moolib
 
 
+@pytest.fixture(autouse=True)
+def _no_default_auth_key(monkeypatch):
+    """Every test starts without a process-wide key (tests that want one set it)."""
+    monkeypatch.delenv("MOOLIB_AUTH_KEY", raising=False)
+    moolib.set_auth_key(None)
+    yield
+    moolib.set_auth_key(None)
+
+
 @pytest.fixture
 def watchdog():
     """Dumps every thread's stack and exits if a test hangs (pytest-timeout is not installed)."""

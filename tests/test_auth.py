@@ -39,14 +39,6 @@ def evil_request(marker: Path, call_id: int = 1) -> bytes:
     return fw.request(call_id, "echo", pickle.dumps(((_Evil(str(marker)),), {}), protocol=5))
 
 
-@pytest.fixture(autouse=True)
-def _clean_keys(monkeypatch):
-    monkeypatch.delenv("MOOLIB_AUTH_KEY", raising=False)
-    moolib.set_auth_key(None)
-    yield
-    moolib.set_auth_key(None)
-
-
 @pytest.fixture
 def marker(tmp_path):
     return tmp_path / "unpickled"

@@ -263,14 +263,6 @@ def connection_payload(rng: random.Random, shm: bool = False) -> tuple[bytes, in
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(autouse=True)
-def _no_auth_key(monkeypatch):
-    monkeypatch.delenv("MOOLIB_AUTH_KEY", raising=False)
-    moolib.set_auth_key(None)
-    yield
-    moolib.set_auth_key(None)
-
-
 @pytest.fixture
 def marker(tmp_path):
     return tmp_path / "touched"
