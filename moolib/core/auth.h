@@ -2,7 +2,8 @@
 //
 // Handshake, per connection (frames kHello and kAuth, parsed without pickle):
 //  1. Each side sends kHello: wire version, a fresh 32-byte nonce, its role
-//     (the side that dialed is the client) and whether it holds a key.
+//     (the side that dialed is the client), whether it holds a key, and its
+//     host identity (so identify can leave out addresses only it can use).
 //  2. The client proves first: HMAC-SHA256(key, "moolib-auth-v1" | role |
 //     server nonce | client nonce). The server checks it, then proves with
 //     its own role and the nonces in its order.

@@ -157,6 +157,8 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void tick();
   std::shared_ptr<Link> bestLinkLocked(const Peer& peer) const;
   std::vector<std::string> advertisedLocked() const;
+  // What to advertise to a peer on peerHost (mutex_ held).
+  std::vector<std::string> addressesFor(const std::string& peerHost) const;
   void ensureShmListenerLocked();
   void warnIfExposedLocked(const std::string& address) const;
   void maybeListenForPeersLocked(const std::shared_ptr<Link>& link);
@@ -178,6 +180,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   std::string shmAddress_;
   std::map<std::string, Dialer> dialers_;
   std::set<std::string> dialing_;  // addresses being dialed for discovery
+  std::map<std::string, TimePoint> failedDials_;  // address -> when to try it again
   std::set<std::shared_ptr<Link>> links_;
   // Nonces of our handshakes in progress: a peer presenting one is reflecting it.
   std::set<std::string> ownNonces_;

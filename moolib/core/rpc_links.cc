@@ -18,6 +18,7 @@ constexpr auto kKeepaliveTimeout = std::chrono::seconds(30);
 constexpr auto kHandshakeTimeout = std::chrono::seconds(20);
 constexpr auto kDiscoveryInterval = std::chrono::milliseconds(500);
 constexpr size_t kMaxUnidentifiedLinks = 1024;
+constexpr auto kFailedDialBackoff = std::chrono::seconds(5);
 
 const char* roleName(bool outgoing) { return outgoing ? "client" : "server"; }
 
@@ -26,7 +27,11 @@ void protocolError(const std::shared_ptr<Connection>& conn, const std::string& w
   conn->close(Error(why));
 }
 
-bool sameAddressHost(const std::string& address) { return address.rfind("shm://", 0) == 0 || isLoopbackHostPort(address); }
+// Never hand a loopback or shared-memory address to a peer on another host.
+void dropHostLocal(std::vector<std::string>& addresses) {
+  auto hostLocal = [](const std::string& a) { return a.rfind("shm://", 0) == 0 || isLoopbackHostPort(a); };
+  addresses.erase(std::remove_if(addresses.begin(), addresses.end(), hostLocal), addresses.end());
+}
 
 }  // namespace
 
@@ -62,6 +67,7 @@ void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddres
   w.str(link->myNonce);
   w.u8(outgoing ? 0 : 1);
   w.u8(hasKey ? 1 : 0);
+  w.str(hostIdentity());
   conn->send(OutgoingFrame{FrameType::kHello, w.take(), {}});
   std::weak_ptr<Rpc> weak = weak_from_this();
   std::weak_ptr<Link> weakLink = link;
@@ -118,6 +124,9 @@ void Rpc::onHello(const std::shared_ptr<Link>& link, Reader& r) {
   std::string nonce = r.str(64);
   uint8_t role = r.u8();
   bool peerHasKey = r.u8() != 0;
+  // Known before identify, so that we never tell a peer on another host
+  // addresses only this host can use.
+  link->peerHost = r.str(256);
   if (version != kWireVersion) return protocolError(link->conn, concat("peer speaks protocol version ", int(version)));
   if (nonce.size() != kNonceBytes) return protocolError(link->conn, "bad nonce");
   {
@@ -180,7 +189,7 @@ void Rpc::sendIdentify(const std::shared_ptr<Link>& link) {
     w.str(name_);
     w.str(incarnation_);
     w.str(hostIdentity());
-    w.strings(advertisedLocked());
+    w.strings(addressesFor(link->peerHost));
   }
   link->conn->send(OutgoingFrame{FrameType::kIdentify, w.take(), {}});
 }
@@ -313,6 +322,12 @@ std::shared_ptr<Rpc::Link> Rpc::bestLinkLocked(const Peer& peer) const {
   return best;
 }
 
+std::vector<std::string> Rpc::addressesFor(const std::string& peerHost) const {
+  std::vector<std::string> addresses = advertisedLocked();
+  if (peerHost != hostIdentity()) dropHostLocal(addresses);
+  return addresses;
+}
+
 std::vector<std::string> Rpc::advertisedLocked() const {
   std::vector<std::string> out;
   if (!shmAddress_.empty() && allowed("shm")) out.push_back(shmAddress_);
@@ -367,10 +382,7 @@ void Rpc::onFindPeer(const std::shared_ptr<Link>& link, Reader& r) {
       host = it->second.host;
       addresses = it->second.addresses;
     }
-    if (found && host != link->peerHost) {
-      // Never hand a loopback or shared-memory address to a peer on another host.
-      addresses.erase(std::remove_if(addresses.begin(), addresses.end(), sameAddressHost), addresses.end());
-    }
+    if (found && host != link->peerHost) dropHostLocal(addresses);
     w.u8(found ? 1 : 0);
     w.str(wanted);
     w.str(incarnation);
@@ -393,17 +405,23 @@ void Rpc::onPeerInfo(Reader& r) {
     auto it = peers_.find(name);
     if (it == peers_.end() || bestLinkLocked(it->second) || it->second.queued.empty()) return;
     bool local = host == hostIdentity();
+    auto now = Clock::now();
+    // Addresses that failed lately are skipped, so that each discovery round
+    // tries the next one (a host often has interfaces the asker cannot route to).
+    auto failed = [&](const std::string& a) {
+      auto f = failedDials_.find(a);
+      return f != failedDials_.end() && f->second > now;
+    };
     for (auto& a : addresses) {
-      bool isShm = a.rfind("shm://", 0) == 0;
       if (dialing_.count(a)) return;  // already on its way
-      if (isShm && local && shm_ && allowed("shm")) {
+      if (a.rfind("shm://", 0) == 0 && local && shm_ && allowed("shm") && !failed(a)) {
         chosen = a;
         break;
       }
     }
     if (chosen.empty()) {
       for (auto& a : addresses) {
-        if (a.rfind("shm://", 0) == 0 || (!local && isLoopbackHostPort(a))) continue;
+        if (a.rfind("shm://", 0) == 0 || (!local && isLoopbackHostPort(a)) || failed(a)) continue;
         chosen = a;
         break;
       }
@@ -433,6 +451,11 @@ void Rpc::dial(const std::string& address, const std::string& forPeer) {
     {
       std::lock_guard<std::mutex> lock(self->mutex_);
       self->dialing_.erase(address);
+      if (error) {
+        self->failedDials_[address] = Clock::now() + kFailedDialBackoff;
+      } else {
+        self->failedDials_.erase(address);
+      }
     }
     if (error) {
       MOO_LOG(kVerbose, "cannot reach peer '", forPeer, "' at ", address, ": ", error.what());
@@ -486,6 +509,9 @@ void Rpc::tick() {
     if (closed_) return;
     for (auto& [address, d] : dialers_) {
       if (!d.active && now >= d.nextAttempt) redial.push_back(address);
+    }
+    for (auto it = failedDials_.begin(); it != failedDials_.end();) {
+      it = it->second <= now ? failedDials_.erase(it) : std::next(it);
     }
     for (auto& l : links_) {
       if (l->state != Link::State::kReady) {

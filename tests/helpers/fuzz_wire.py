@@ -6,7 +6,8 @@ reserved2), numSegments segment descriptors ('<QIIQ': length, kind, sharedId,
 offset), the meta bytes, then the bytes of every inline segment.
 
 Handshake metas (moolib/core/rpc_links.cc):
-  HELLO    u8 version, str nonce (u32 length + 32 bytes), u8 role (0: dialer), u8 hasKey
+  HELLO    u8 version, str nonce (u32 length + 32 bytes), u8 role (0: dialer), u8 hasKey,
+           str host identity
   AUTH     str proof, HMAC-SHA256(key, b"moolib-auth-v1|" + role + b"|" + verifier + prover)
   IDENTIFY str name, str incarnation, str host, u32 count + that many str addresses
   REQUEST  u64 call id, str function; segments: the pickle of (args, kwargs), buffers
@@ -101,7 +102,7 @@ def frame(ftype: int, meta: bytes = b"", segments: list[bytes] | tuple = ()) -> 
 def hello_meta(
     nonce: bytes, role: int = ROLE_CLIENT, has_key: bool = False, version: int = VERSION
 ) -> bytes:
-    return u8(version) + wstr(nonce) + u8(role) + u8(1 if has_key else 0)
+    return u8(version) + wstr(nonce) + u8(role) + u8(1 if has_key else 0) + wstr(b"fuzz-host")
 
 
 def hello(nonce: bytes | None = None, role: int = ROLE_CLIENT, has_key: bool = False) -> bytes:
