@@ -31,6 +31,9 @@ def namespace():
     tag = os.getpid() % 200 + 20
     name, host_if, ns_if = f"moons{tag}", f"moo{tag}h", f"moo{tag}n"
     host_ip, ns_ip = f"10.213.{tag}.1", f"10.213.{tag}.2"
+    # Leftovers of an interrupted run would make the names clash.
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
     try:
         _ip("netns", "add", name)
     except (OSError, subprocess.CalledProcessError) as e:
