@@ -11,35 +11,12 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from helpers.util import OPTIONAL_DTYPE_NAMES, all_dtypes
 
 from moolib import serialization
 from moolib.serialization import INBAND_THRESHOLD, dumps, loads
 
-BASE_DTYPES = [
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-]
-OPTIONAL_DTYPE_NAMES = [
-    "uint16",
-    "uint32",
-    "uint64",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-]
-ALL_DTYPES = BASE_DTYPES + [getattr(torch, n) for n in OPTIONAL_DTYPE_NAMES if hasattr(torch, n)]
+ALL_DTYPES = all_dtypes(OPTIONAL_DTYPE_NAMES)
 SHAPES = [(), (0,), (3, 0, 2), (7,), (2, 3, 4), (64, 67)]
 
 # How a receiver might hand buffers back: the core gives writable blocks, but

@@ -244,25 +244,35 @@ def run_script(code, tmp_path, timeout=DEADLINE * 2, env=None, name="script.py")
 # Payloads and exact comparison
 
 
-def all_dtypes():
-    dtypes = [
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    ]
-    for extra in ("uint16", "uint32", "uint64"):
-        if hasattr(torch, extra):
-            dtypes.append(getattr(torch, extra))
-    return dtypes
+# Every dtype a tensor crossing the wire may have; optional ones exist in newer torch.
+BASE_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+]
+OPTIONAL_DTYPE_NAMES = [
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+]
+
+
+def all_dtypes(optional=("uint16", "uint32", "uint64")):
+    return BASE_DTYPES + [getattr(torch, n) for n in optional if hasattr(torch, n)]
 
 
 def make_tensor(dtype, shape=(5, 7), seed=0):
