@@ -58,8 +58,8 @@ def test_same_key_calls_work(make_rpc, vault, transports, tmp_path):
         assert rpc.sync("vault", "add", 1, 1) == 2
 
 
-def test_module_default_key(vault, default_key, tmp_path):
-    moolib.set_auth_key(KEY)
+def assert_new_rpc_gets_in(vault, tmp_path):
+    """A fresh Rpc (keyed by process-wide settings) can call the vault."""
     rpc = moolib.Rpc()
     try:
         rpc.set_timeout(DEADLINE)
@@ -67,6 +67,11 @@ def test_module_default_key(vault, default_key, tmp_path):
         assert rpc.sync("vault", "touch", str(tmp_path / "ok")) is True
     finally:
         rpc.close()
+
+
+def test_module_default_key(vault, default_key, tmp_path):
+    moolib.set_auth_key(KEY)
+    assert_new_rpc_gets_in(vault, tmp_path)
     moolib.set_auth_key(None)
     keyless = moolib.Rpc()
     try:
@@ -78,13 +83,7 @@ def test_module_default_key(vault, default_key, tmp_path):
 
 def test_env_key_in_this_process(vault, monkeypatch, tmp_path):
     monkeypatch.setenv("MOOLIB_AUTH_KEY", KEY)
-    rpc = moolib.Rpc()
-    try:
-        rpc.set_timeout(DEADLINE)
-        rpc.connect(vault.address)
-        assert rpc.sync("vault", "touch", str(tmp_path / "ok")) is True
-    finally:
-        rpc.close()
+    assert_new_rpc_gets_in(vault, tmp_path)
 
 
 @pytest.mark.parametrize("transports", [None, ["tcp"]], ids=["default", "tcp"])

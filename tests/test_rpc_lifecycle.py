@@ -118,6 +118,12 @@ print("FORK-OK", flush=True)
 """
 
 
+def assert_exited_cleanly(proc):
+    """The script reached its end and the interpreter exited with code 0."""
+    assert "EXITING" in proc.stdout
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
 def test_fork_children_and_subprocess(tmp_path):
     proc = run(tmp_path, FORK_SCRIPT)
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -297,8 +303,7 @@ def test_exit_while_a_function_runs_python_code(tmp_path):
         print("EXITING", flush=True)
         """,
     )
-    assert "EXITING" in proc.stdout
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert_exited_cleanly(proc)
 
 
 def test_exit_while_a_callback_runs_python_code(tmp_path):
@@ -321,8 +326,7 @@ def test_exit_while_a_callback_runs_python_code(tmp_path):
         print("EXITING", flush=True)
         """,
     )
-    assert "EXITING" in proc.stdout
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert_exited_cleanly(proc)
 
 
 def test_ctrl_c_interrupts_a_waiting_call(tmp_path):
