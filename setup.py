@@ -42,5 +42,6 @@ setup(
     cmdclass={"build_ext": build_ext},
     install_requires=["numpy"],
     extras_require={"test": ["pytest>=7", "pytest-timeout", "ruff"]},
+    entry_points={"console_scripts": ["moolib-broker=moolib.broker:main"]},
     zip_safe=False,
 )

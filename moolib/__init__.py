@@ -1,6 +1,6 @@
 """moolib: a communications library for distributed RL and ML training.
 
-The core (transports, framing, RPC) is C++17 in moolib/core; this package is
+The core (transports, framing, RPC, group membership, all-reduce) is C++17 in moolib/core; this package is
 its Python API, compatible with the original moolib.
 """
 
@@ -11,10 +11,17 @@ import logging as _logging
 from typing import Any
 
 from . import _core
+from .accumulator import Accumulator
+from .broker import Broker
+from .group import AllReduce, Group
 from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
 
 __all__ = [
+    "Accumulator",
+    "AllReduce",
+    "Broker",
     "Future",
+    "Group",
     "Queue",
     "Rpc",
     "RpcError",

@@ -9,6 +9,7 @@
 
 #include <thread>
 
+#include "bindings.h"
 #include "host.h"
 #include "logging.h"
 #include "rpc.h"
@@ -16,6 +17,7 @@
 namespace py = pybind11;
 using namespace pybind11::literals;
 using namespace moolib;
+using namespace moolib::binding;
 
 namespace {
 
@@ -81,11 +83,14 @@ std::shared_ptr<PyObject> holdObject(py::handle h) {
   return std::shared_ptr<PyObject>(o, [](PyObject* p) { releaseFromAnyThread(nullptr, p); });
 }
 
-// Takes a buffer export of a Python object; the view stays valid until the
-// returned segment (and every copy of its keepalive) is gone.
-OutSegment exportSegment(py::handle h) {
+}  // namespace
+
+namespace moolib::binding {
+
+OutSegment exportSegment(py::handle h, bool writable) {
   auto view = std::make_unique<Py_buffer>();
-  if (PyObject_GetBuffer(h.ptr(), view.get(), PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+  int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(h.ptr(), view.get(), flags) != 0) throw py::error_already_set();
   OutSegment s;
   s.data = static_cast<const uint8_t*>(view->buf);
   s.size = size_t(view->len);
@@ -95,6 +100,14 @@ OutSegment exportSegment(py::handle h) {
   });
   return s;
 }
+
+[[noreturn]] void parkForever() {
+  while (true) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+}  // namespace moolib::binding
+
+namespace {
 
 std::vector<OutSegment> exportSegments(py::handle data, const py::list& buffers) {
   std::vector<OutSegment> segs;
@@ -118,31 +131,7 @@ std::vector<OutSegment> exportSegments(py::handle data, const py::list& buffers)
 // work at all.
 std::atomic<bool> gExiting{false};
 
-[[noreturn]] void parkForever() {
-  while (true) std::this_thread::sleep_for(std::chrono::hours(1));
-}
-
 thread_local PyThreadState* tlsThreadState = nullptr;
-
-// Releases the GIL for a blocking section. Taking it back during finalization
-// ends the thread with a forced unwind, which must not escape a destructor:
-// the thread parks instead (see above).
-class GilRelease {
- public:
-  GilRelease() : state_(PyEval_SaveThread()) {}
-  GilRelease(const GilRelease&) = delete;
-  GilRelease& operator=(const GilRelease&) = delete;
-  ~GilRelease() {
-    try {
-      PyEval_RestoreThread(state_);
-    } catch (abi::__forced_unwind&) {
-      parkForever();
-    }
-  }
-
- private:
-  PyThreadState* state_;
-};
 
 // Calls fn(args) with the GIL held; a forced unwind stops here.
 PyObject* callParkingOnExit(PyObject* fn, PyObject* const* args, size_t n) {
@@ -180,10 +169,6 @@ py::object callFromCore(PyObject* fn, std::initializer_list<py::handle> args) {
   for (auto a : args) argv.push_back(a.ptr());
   return py::reinterpret_steal<py::object>(callParkingOnExit(fn, argv.data(), argv.size()));
 }
-
-struct PyFuture {
-  FuturePtr state;
-};
 
 // A received segment as a writable Python buffer.
 struct PyBuffer {
@@ -385,6 +370,13 @@ PYBIND11_MODULE(_core, m) {
            "Gives up on the call; returns False if it had already completed.")
       .def("cancelled", [](const PyFuture& f) { return f.state->cancelled(); })
       .def(
+          "_segments",
+          [](const PyFuture& f) {
+            MOO_ENFORCE(f.state->done() && f.state->error().empty(), "the call has not succeeded");
+            return wrapSegments(f.state->result());
+          },
+          "The raw segments of a successful result.")
+      .def(
           "add_done_callback",
           [](py::object self, py::function fn) {
             auto held = holdObject(fn);
@@ -493,6 +485,7 @@ PYBIND11_MODULE(_core, m) {
         Loop::instance().shutdown(std::chrono::milliseconds(int64_t(graceSeconds * 1000)));
       },
       py::arg("grace") = 2.0);
+  bindGroup(m);
   m.def("drain_releases", [] { DeferredReleases::instance().drain(); });
   m.def(
       "set_codec",

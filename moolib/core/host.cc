@@ -55,6 +55,14 @@ std::vector<std::string> interfaceAddresses() {
   return out;
 }
 
+uint64_t randomU64() {
+  while (true) {
+    uint64_t v = 0;
+    MOO_ENFORCE(::getrandom(&v, sizeof(v), 0) == ssize_t(sizeof(v)), "getrandom failed");
+    if (v != 0) return v;
+  }
+}
+
 std::string randomHex(size_t bytes) {
   std::string raw(bytes, '\0');
   size_t got = 0;

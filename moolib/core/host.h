@@ -2,6 +2,7 @@
 // which advertised addresses are reachable.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -14,5 +15,7 @@ const std::string& hostIdentity();
 std::vector<std::string> interfaceAddresses();
 // A random hex string of n bytes of entropy.
 std::string randomHex(size_t bytes);
+// A random non-zero 64-bit number.
+uint64_t randomU64();
 
 }  // namespace moolib

@@ -1,0 +1,371 @@
+"""Accumulator: data-parallel gradients across a group, with a virtual batch size.
+
+Every member takes part in every gradient round, with gradients
+(``reduce_gradients``) or without (``skip_gradients``); a round sums
+``batch_size * grad`` and the batch sizes of all members through the group's
+all-reduce. Rounds are added up in order until the summed batch size reaches
+the virtual batch size; then every member's ``.grad`` is set to the sum divided
+by that batch size (the gradient of the mean loss over the union of the
+batches), identically everywhere, and ``has_gradients()`` is True until
+``zero_gradients()``.
+
+After every membership change the members elect a leader (the highest model
+version; the first in member order among equals) through an all-reduce of
+their model versions and lineages. A member whose (version, lineage) differs
+from the leader's -- a new peer, or one that diverged -- gets the leader's state:
+the leader sees ``wants_state()`` and calls ``set_state(obj)``; the member sees
+``has_new_state()`` and loads ``state()``. Model buffers (e.g. batch-norm
+statistics) follow the leader: each round carries the leader's buffers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from .group import Group
+from .rpc import Rpc
+
+__all__ = ["Accumulator"]
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+class _Round:
+    """One gradient round in flight: the flat buffers being reduced."""
+
+    def __init__(self, future: Any, grads: Any, meta: Any, buffers: Any) -> None:
+        self.future = future
+        self.grads = grads
+        self.meta = meta
+        self.buffers = buffers
+
+
+class Accumulator:
+    """Sums gradients of identical models across a group of peers (see module doc).
+
+    ``parameters`` and ``buffers`` are the model's (e.g. ``model.parameters()``,
+    ``model.buffers()``). Without ``group``, the accumulator makes its own Rpc
+    and a group named ``name``; ``connect(address)`` then reaches the broker.
+    """
+
+    def __init__(
+        self, name: str, parameters: Iterable, buffers: Iterable, group: Group | None = None
+    ) -> None:
+        torch = _torch()
+        self._torch = torch
+        self._name = name
+        self._params = [p for p in parameters]
+        self._buffers = [b for b in buffers]
+        if not self._params:
+            raise ValueError("Accumulator needs at least one parameter")
+        if group is None:
+            group = Group(Rpc(), name)
+        self._group = group
+        self._rpc: Rpc = group.rpc
+        self._state_function = f"__moolib_accumulator/{name}/state"
+        self._rpc.define(self._state_function, self._receive_state)
+
+        self._virtual_batch_size = 1
+        self._parallel = 1
+        self._model_version = 0
+        self._lineage = random.getrandbits(62)
+
+        self._sync_id: int | None = None
+        self._phase = "idle"  # idle | electing | waiting_state | ready
+        self._election: Any = None
+        self._election_table: Any = None
+        self._leader: str | None = None
+        self._leader_version = 0
+        self._leader_lineage = 0
+        self._needers: list[str] = []
+        self._incoming: tuple | None = None  # (sync id, version, lineage, state)
+        self._new_state: Any = None
+
+        self._rounds: deque[_Round] = deque()
+        self._sum: Any = None
+        self._sum_meta = [0.0, 0, 0]  # batch size, gradients, skipped
+        self._has_gradients = False
+        self._stats = {"batch_size": 0, "num_gradients": 0, "num_skipped": 0}
+
+        # Flat layout of parameters (by dtype) for the reductions.
+        self._dtype = self._params[0].dtype
+        for p in self._params:
+            if p.dtype != self._dtype:
+                raise ValueError("all parameters must have the same dtype")
+        self._numels = [p.numel() for p in self._params]
+        self._total = sum(self._numels)
+
+    # Connection -------------------------------------------------------------
+
+    def connect(self, address: str) -> None:
+        """Connects this accumulator's Rpc to the broker at ``address``."""
+        self._rpc.connect(address)
+
+    def connected(self) -> bool:
+        """Whether this peer is in the group, knows its leader and has its state."""
+        return self._phase == "ready" and self._group.active()
+
+    def update(self) -> None:
+        """Advances membership, leader election, state transfer and gradient rounds. Call often."""
+        self._group.update()
+        if not self._group.active():
+            if self._phase != "idle":
+                self._reset("idle")
+                self._sync_id = None
+            return
+        sync_id = self._group.sync_id()
+        if sync_id != self._sync_id:
+            self._start_election(sync_id)
+        if self._phase == "electing" and self._election.done():
+            self._finish_election()
+        if self._phase == "waiting_state" and self._incoming is not None:
+            if self._incoming[0] == self._sync_id:
+                self._new_state = self._incoming
+            self._incoming = None
+        if self._phase == "ready":
+            self._collect_rounds()
+
+    def _reset(self, phase: str) -> None:
+        self._phase = phase
+        self._rounds.clear()
+        self._sum = None
+        self._sum_meta = [0.0, 0, 0]
+        self._election = None
+        self._needers = []
+        self._new_state = None
+
+    def _start_election(self, sync_id: int) -> None:
+        torch = self._torch
+        self._reset("electing")
+        self._sync_id = sync_id
+        members = self._group.members()
+        me = members.index(self._rpc.get_name())
+        table = torch.zeros(len(members), 2, dtype=torch.int64)
+        table[me, 0] = self._model_version
+        table[me, 1] = self._lineage
+        self._election_members = members
+        self._election_table = table
+        self._election = self._group._all_reduce_in_place(f"{self._name}/elect", [table.view(-1)])
+
+    def _finish_election(self) -> None:
+        if self._election.exception() is not None:
+            # Membership changed meanwhile (update() sees the new sync id next)
+            # or the group lost the broker: start over.
+            self._sync_id = None
+            self._phase = "idle"
+            return
+        table = self._election_table.tolist()
+        members = self._election_members
+        versions = [v for v, _ in table]
+        leader = versions.index(max(versions))
+        self._leader = members[leader]
+        self._leader_version, self._leader_lineage = table[leader]
+        me = members.index(self._rpc.get_name())
+        self._needers = [
+            members[i] for i, row in enumerate(table) if i != leader and row != table[leader]
+        ]
+        if me != leader and table[me] != table[leader]:
+            self._phase = "waiting_state"
+        else:
+            self._phase = "ready"
+
+    # State --------------------------------------------------------------------
+
+    def wants_state(self) -> bool:
+        """True on the leader when peers wait for its state: call ``set_state``."""
+        return self._phase == "ready" and self.is_leader() and bool(self._needers)
+
+    def set_state(self, state: Any) -> None:
+        """Sends ``state`` (e.g. model and optimizer state dicts) to the peers that need it."""
+        needers, self._needers = self._needers, []
+        for peer in needers:
+            self._rpc.async_callback(
+                peer,
+                self._state_function,
+                lambda _result, _error: None,
+                self._sync_id,
+                self._model_version,
+                self._lineage,
+                state,
+            )
+
+    def _receive_state(self, sync_id: int, version: int, lineage: int, state: Any) -> None:
+        self._incoming = (sync_id, version, lineage, state)
+
+    def has_new_state(self) -> bool:
+        """True when the leader's state arrived: load it from ``state()``."""
+        return self._phase == "waiting_state" and self._new_state is not None
+
+    def state(self) -> Any:
+        """The leader's state; taking it makes this peer ready to train."""
+        if self._new_state is None:
+            raise RuntimeError("no new state: check has_new_state() first")
+        _, version, lineage, state = self._new_state
+        self._new_state = None
+        self._model_version = version
+        self._lineage = lineage
+        self._phase = "ready"
+        return state
+
+    # Gradients ----------------------------------------------------------------
+
+    def wants_gradients(self) -> bool:
+        """Whether to compute gradients now (and then call ``reduce_gradients``)."""
+        return (
+            self._phase == "ready"
+            and not self._has_gradients
+            and len(self._rounds) < self._parallel
+            and self._group.active()
+        )
+
+    def reduce_gradients(self, batch_size: int) -> None:
+        """Adds this peer's ``.grad`` (of a mean loss over ``batch_size`` samples) to the sum."""
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        torch = self._torch
+        grads = torch.cat(
+            [
+                (p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(n, dtype=self._dtype))
+                .to("cpu", self._dtype)
+                for p, n in zip(self._params, self._numels, strict=True)
+            ]
+        )
+        grads.mul_(batch_size)
+        self._start_round(grads, [float(batch_size), 1.0, 0.0])
+
+    def skip_gradients(self) -> None:
+        """Takes part in this round without gradients."""
+        grads = self._torch.zeros(self._total, dtype=self._dtype)
+        self._start_round(grads, [0.0, 0.0, 1.0])
+
+    def _start_round(self, grads: Any, meta: list[float]) -> None:
+        torch = self._torch
+        if self._phase != "ready":
+            raise RuntimeError("the accumulator is not connected: check connected() first")
+        if len(self._rounds) >= self._parallel:
+            raise RuntimeError("too many gradient rounds in flight: check wants_gradients() first")
+        meta_t = torch.tensor(meta, dtype=torch.float64)
+        tensors = [grads, meta_t]
+        buffers = None
+        if self._buffers:
+            leader = self.is_leader()
+            buffers = torch.cat(
+                [
+                    b.detach().reshape(-1).to("cpu", torch.float64)
+                    if leader
+                    else torch.zeros(b.numel(), dtype=torch.float64)
+                    for b in self._buffers
+                ]
+            )
+            tensors.append(buffers)
+        future = self._group._all_reduce_in_place(f"{self._name}/grads", tensors)
+        self._rounds.append(_Round(future, grads, meta_t, buffers))
+
+    def _collect_rounds(self) -> None:
+        while self._rounds and self._rounds[0].future.done():
+            r = self._rounds.popleft()
+            if r.future.exception() is not None:
+                # Only a membership change fails a round; update() re-syncs.
+                self._reset("idle")
+                self._sync_id = None
+                return
+            self._apply_buffers(r.buffers)
+            self._sum = r.grads if self._sum is None else self._sum.add_(r.grads)
+            meta = r.meta.tolist()
+            self._sum_meta = [a + b for a, b in zip(self._sum_meta, meta, strict=True)]
+        if (
+            not self._has_gradients
+            and self._sum is not None
+            and self._sum_meta[0] > 0
+            and self._sum_meta[0] >= self._virtual_batch_size
+        ):
+            self._write_gradients()
+
+    def _apply_buffers(self, flat: Any) -> None:
+        if flat is None or self.is_leader():
+            return
+        offset = 0
+        with self._torch.no_grad():
+            for b in self._buffers:
+                n = b.numel()
+                b.copy_(flat[offset : offset + n].view(b.shape).to(b.dtype))
+                offset += n
+
+    def _write_gradients(self) -> None:
+        batch_size, num_gradients, num_skipped = self._sum_meta
+        self._sum.div_(batch_size)
+        offset = 0
+        for p, n in zip(self._params, self._numels, strict=True):
+            g = self._sum[offset : offset + n].view(p.shape).to(p.device)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+            offset += n
+        self._stats = {
+            "batch_size": int(batch_size),
+            "num_gradients": int(num_gradients),
+            "num_skipped": int(num_skipped),
+        }
+        self._sum = None
+        self._sum_meta = [0.0, 0, 0]
+        self._has_gradients = True
+
+    def has_gradients(self) -> bool:
+        """Whether summed gradients reached the virtual batch size and are in ``.grad``."""
+        return self._has_gradients
+
+    def zero_gradients(self) -> None:
+        """After the optimizer step: zeroes ``.grad`` and increments the model version."""
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.zero_()
+        self._has_gradients = False
+        self._model_version += 1
+
+    def get_gradient_stats(self) -> dict[str, int]:
+        """``batch_size``, ``num_gradients``, ``num_skipped`` of the last summed gradients."""
+        return dict(self._stats)
+
+    # Settings and queries -----------------------------------------------------
+
+    def set_virtual_batch_size(self, n: int) -> None:
+        """Gradients are applied once at least ``n`` samples were summed."""
+        if n < 1:
+            raise ValueError(f"virtual batch size must be at least 1, got {n}")
+        self._virtual_batch_size = int(n)
+
+    def set_parallel_gradients(self, n: int) -> None:
+        """Lets up to ``n`` gradient rounds be in flight at once."""
+        if n < 1:
+            raise ValueError(f"parallel gradients must be at least 1, got {n}")
+        self._parallel = int(n)
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def set_model_version(self, n: int) -> None:
+        """Sets the model version (e.g. after loading a checkpoint): the highest leads."""
+        self._model_version = int(n)
+
+    def get_leader(self) -> str | None:
+        """The leader's name, once elected."""
+        return self._leader if self._phase in ("ready", "waiting_state") else None
+
+    def is_leader(self) -> bool:
+        return self.get_leader() == self._rpc.get_name()
+
+    @property
+    def group(self) -> Group:
+        return self._group
+
+    @property
+    def rpc(self) -> Rpc:
+        return self._rpc

@@ -1,0 +1,53 @@
+// What the binding files share: the GIL discipline of core threads and the
+// marshalling of futures and buffers. See bindings.cc.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cxxabi.h>
+
+#include "buffer.h"
+#include "future.h"
+
+namespace moolib::binding {
+
+namespace py = pybind11;
+
+// Where a core thread that would otherwise unwind through Python at
+// interpreter exit stays (see bindings.cc).
+[[noreturn]] void parkForever();
+
+// Releases the GIL for a blocking section. Taking it back during finalization
+// ends the thread with a forced unwind, which must not escape a destructor:
+// the thread parks instead.
+class GilRelease {
+ public:
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+  ~GilRelease() {
+    try {
+      PyEval_RestoreThread(state_);
+    } catch (abi::__forced_unwind&) {
+      parkForever();
+    }
+  }
+
+ private:
+  PyThreadState* state_;
+};
+
+// A core future as the Python object moolib.Future.
+struct PyFuture {
+  FuturePtr state;
+};
+
+// Takes a buffer export of a Python object; the view stays valid until the
+// returned segment (and every copy of its keepalive) is gone. With writable,
+// the object must allow writing through it.
+OutSegment exportSegment(py::handle h, bool writable = false);
+
+// bindings_group.cc
+void bindGroup(py::module_& m);
+
+}  // namespace moolib::binding

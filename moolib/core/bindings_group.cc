@@ -1,0 +1,73 @@
+// The binding of Broker and Group; moolib/group.py and moolib/broker.py add
+// the Python-level API (nests, custom ops, the AllReduce handle).
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "broker.h"
+#include "group.h"
+
+namespace moolib::binding {
+
+using namespace pybind11::literals;
+
+namespace {
+
+// [(writable buffer, dtype name), ...] as buffers to reduce in place.
+std::vector<TypedBuffer> typedBuffers(const py::list& items) {
+  std::vector<TypedBuffer> out;
+  out.reserve(items.size());
+  for (auto item : items) {
+    auto pair = item.cast<py::tuple>();
+    MOO_ENFORCE(pair.size() == 2, "expected (buffer, dtype name) pairs");
+    DType dtype = dtypeFromName(pair[1].cast<std::string>());
+    auto seg = exportSegment(pair[0], true);
+    out.push_back(TypedBuffer{const_cast<uint8_t*>(seg.data), seg.size, dtype, seg.keepalive});
+  }
+  return out;
+}
+
+}  // namespace
+
+void bindGroup(py::module_& m) {
+  py::class_<Broker, std::shared_ptr<Broker>>(m, "Broker", "The broker service on an Rpc; see moolib.Broker.")
+      .def(py::init([](std::shared_ptr<Rpc> rpc) { return std::make_shared<Broker>(std::move(rpc)); }),
+           py::arg("rpc"))
+      .def("update", &Broker::update, py::call_guard<GilRelease>(), "Drops members that missed their timeout.")
+      .def(
+          "groups",
+          [](Broker& b) {
+            py::dict out;
+            for (auto& [name, reply] : b.groups()) {
+              out[py::str(name)] = py::dict("sync_id"_a = reply.syncId, "members"_a = reply.members);
+            }
+            return out;
+          },
+          "{group name: {'sync_id': int, 'members': [names]}}");
+
+  py::class_<Group, std::shared_ptr<Group>>(m, "Group", "Group membership and collectives; see moolib.Group.")
+      .def(py::init([](std::shared_ptr<Rpc> rpc, const std::string& name) { return Group::create(std::move(rpc), name); }),
+           py::arg("rpc"), py::arg("name"))
+      .def("update", &Group::update, "Returns True once after each membership change.")
+      .def("members", &Group::members, "Member names, the same list on every member.")
+      .def("sync_id", &Group::syncId, "Changes whenever membership does.")
+      .def("active", &Group::active, "Whether this peer is a member of the group as the broker last said.")
+      .def("name", &Group::name)
+      .def("set_timeout", &Group::setTimeout, py::arg("seconds"),
+           "A member silent this long is dropped (also: how long the broker may be unreachable).")
+      .def("get_timeout", &Group::timeout)
+      .def("set_sort_order", &Group::setSortOrder, py::arg("order"),
+           "Members are ordered by sort order, then join order.")
+      .def("set_broker_name", &Group::setBrokerName, py::arg("name"))
+      .def("close", &Group::close, py::call_guard<GilRelease>(), "Leaves the group.")
+      .def("_all_reduce_sum",
+           [](Group& g, const std::string& name, py::list items) {
+             return PyFuture{g.allReduce(name, typedBuffers(items))};
+           })
+      .def("_all_gather", [](Group& g, const std::string& name, py::handle data, py::list buffers) {
+        std::vector<OutSegment> segs{exportSegment(data)};
+        for (auto b : buffers) segs.push_back(exportSegment(b));
+        return PyFuture{g.allGather(name, std::move(segs))};
+      });
+}
+
+}  // namespace moolib::binding

@@ -1,0 +1,179 @@
+#include "broker.h"
+
+#include <algorithm>
+
+#include "host.h"
+#include "logging.h"
+#include "wire.h"
+
+namespace moolib {
+
+namespace {
+constexpr size_t kMaxMembers = 1 << 16;
+}
+
+std::string BrokerRequest::encode() const {
+  Writer w;
+  w.u8(kind);
+  w.str(group);
+  w.u64(uint64_t(sortOrder));
+  w.f64(timeoutSeconds);
+  return w.take();
+}
+
+BrokerRequest BrokerRequest::decode(std::string_view data) {
+  Reader r(data);
+  BrokerRequest q;
+  q.kind = r.u8();
+  q.group = r.str(1024);
+  q.sortOrder = int64_t(r.u64());
+  q.timeoutSeconds = r.f64();
+  if (q.kind != kPing && q.kind != kLeave) throw WireError(concat("unknown broker request kind ", int(q.kind)));
+  if (q.group.empty()) throw WireError("broker request names no group");
+  if (!(q.timeoutSeconds > 0 && q.timeoutSeconds < 1e7)) {
+    throw WireError(concat("broker request has an invalid timeout ", q.timeoutSeconds));
+  }
+  return q;
+}
+
+std::string BrokerReply::encode() const {
+  Writer w;
+  w.u64(syncId);
+  w.strings(members);
+  return w.take();
+}
+
+BrokerReply BrokerReply::decode(std::string_view data) {
+  Reader r(data);
+  BrokerReply b;
+  b.syncId = r.u64();
+  b.members = r.strings(kMaxMembers);
+  return b;
+}
+
+struct Broker::State {
+  struct Member {
+    std::string name;
+    int64_t sortOrder;
+    uint64_t joinSeq;
+    TimePoint lastSeen;
+    double timeoutSeconds;
+  };
+  struct Group {
+    std::vector<Member> members;  // kept ordered by (sortOrder, joinSeq)
+    uint64_t syncId = 0;
+  };
+
+  std::mutex mutex;
+  std::map<std::string, Group> groups;
+  uint64_t nextJoinSeq = 0;
+
+  static void order(Group& g) {
+    std::stable_sort(g.members.begin(), g.members.end(), [](const Member& a, const Member& b) {
+      return a.sortOrder != b.sortOrder ? a.sortOrder < b.sortOrder : a.joinSeq < b.joinSeq;
+    });
+  }
+
+  // Drops members past their timeout; returns whether any was.
+  static bool expire(const std::string& name, Group& g, TimePoint now) {
+    auto dead = [&](const Member& m) {
+      return now - m.lastSeen > std::chrono::duration<double>(m.timeoutSeconds);
+    };
+    bool changed = false;
+    for (auto& m : g.members) {
+      if (dead(m)) {
+        MOO_LOG(kInfo, "broker: '", m.name, "' timed out of group '", name, "'");
+        changed = true;
+      }
+    }
+    if (changed) g.members.erase(std::remove_if(g.members.begin(), g.members.end(), dead), g.members.end());
+    return changed;
+  }
+
+  BrokerReply handle(const std::string& peer, const BrokerRequest& q) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto now = Clock::now();
+    Group& g = groups[q.group];
+    bool changed = expire(q.group, g, now);
+    auto it = std::find_if(g.members.begin(), g.members.end(), [&](const Member& m) { return m.name == peer; });
+    if (q.kind == BrokerRequest::kLeave) {
+      if (it != g.members.end()) {
+        MOO_LOG(kInfo, "broker: '", peer, "' left group '", q.group, "'");
+        g.members.erase(it);
+        changed = true;
+      }
+    } else if (it == g.members.end()) {
+      MOO_ENFORCE(g.members.size() < kMaxMembers, "group '", q.group, "' is full");
+      MOO_LOG(kInfo, "broker: '", peer, "' joined group '", q.group, "'");
+      g.members.push_back({peer, q.sortOrder, nextJoinSeq++, now, q.timeoutSeconds});
+      changed = true;
+    } else {
+      it->lastSeen = now;
+      it->timeoutSeconds = q.timeoutSeconds;
+      if (it->sortOrder != q.sortOrder) {
+        it->sortOrder = q.sortOrder;
+        changed = true;
+      }
+    }
+    if (changed || g.syncId == 0) {
+      order(g);
+      g.syncId = randomU64();
+    }
+    BrokerReply reply{g.syncId, {}};
+    for (auto& m : g.members) reply.members.push_back(m.name);
+    if (g.members.empty()) groups.erase(q.group);
+    return reply;
+  }
+};
+
+Broker::Broker(std::shared_ptr<Rpc> rpc) : rpc_(std::move(rpc)), state_(std::make_shared<State>()) {
+  std::weak_ptr<State> weak = state_;
+  rpc_->define(kBrokerFunction, [weak](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
+    auto state = weak.lock();
+    if (!state) return responder->error("the broker is closed");
+    if (args.empty()) return responder->error("empty broker request");
+    BrokerRequest q;
+    try {
+      q = BrokerRequest::decode({reinterpret_cast<const char*>(args[0]->data()), args[0]->size()});
+    } catch (const WireError& e) {
+      MOO_LOG(kError, "broker: malformed request from '", responder->peer(), "': ", e.what());
+      return responder->error(concat("malformed broker request: ", e.what()));
+    }
+    auto encoded = std::make_shared<std::string>(state->handle(responder->peer(), q).encode());
+    responder->reply({OutSegment{reinterpret_cast<const uint8_t*>(encoded->data()), encoded->size(), encoded}});
+  });
+}
+
+Broker::~Broker() {
+  try {
+    rpc_->undefine(kBrokerFunction);
+  } catch (const std::exception&) {
+    // The Rpc was closed first: nothing left to undefine.
+  }
+}
+
+void Broker::update() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  auto now = Clock::now();
+  for (auto it = state_->groups.begin(); it != state_->groups.end();) {
+    if (State::expire(it->first, it->second, now)) it->second.syncId = randomU64();
+    if (it->second.members.empty()) {
+      it = state_->groups.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::map<std::string, BrokerReply> Broker::groups() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  std::map<std::string, BrokerReply> out;
+  for (auto& [name, g] : state_->groups) {
+    auto& r = out[name];
+    r.syncId = g.syncId;
+    for (auto& m : g.members) r.members.push_back(m.name);
+  }
+  return out;
+}
+
+}  // namespace moolib

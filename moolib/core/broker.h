@@ -1,0 +1,59 @@
+// The broker: tracks groups of peers, their liveness and a sync id that
+// changes whenever a group's membership does.
+//
+// Members ping the broker (Group does, every fraction of its timeout); a
+// member that has not pinged within its timeout is dropped. Every ping is
+// answered with the group's sync id and ordered member list, so all members
+// of one sync id see the same list.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rpc.h"
+
+namespace moolib {
+
+// The broker's function, and its messages (segment 0 of a call and its reply).
+constexpr const char* kBrokerFunction = "__moolib_broker";
+
+struct BrokerRequest {
+  enum Kind : uint8_t { kPing = 1, kLeave = 2 };
+  uint8_t kind = kPing;
+  std::string group;
+  int64_t sortOrder = 0;
+  double timeoutSeconds = 10;
+  std::string encode() const;
+  static BrokerRequest decode(std::string_view data);
+};
+
+struct BrokerReply {
+  uint64_t syncId = 0;
+  std::vector<std::string> members;
+  std::string encode() const;
+  static BrokerReply decode(std::string_view data);
+};
+
+class Broker {
+ public:
+  explicit Broker(std::shared_ptr<Rpc> rpc);
+  ~Broker();
+  Broker(const Broker&) = delete;
+  Broker& operator=(const Broker&) = delete;
+
+  // Drops members that missed their timeout; call regularly.
+  void update();
+  // Groups and their current members, for inspection.
+  std::map<std::string, BrokerReply> groups();
+  std::shared_ptr<Rpc> rpc() const { return rpc_; }
+
+  struct State;
+
+ private:
+  std::shared_ptr<Rpc> rpc_;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace moolib

@@ -1,0 +1,392 @@
+#include "collective.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "logging.h"
+#include "wire.h"
+
+namespace moolib {
+
+namespace {
+// Buffers up to this size go direct (one hop, N-1 copies sent); larger ones
+// go round the ring in chunks of kChunkBytes.
+constexpr size_t kDirectMaxBytes = 64 << 10;
+constexpr size_t kDirectMaxMembers = 32;
+constexpr size_t kChunkBytes = 256 << 10;
+}  // namespace
+
+std::string CollectiveMessage::encode() const {
+  Writer w;
+  w.u8(kind);
+  w.u64(key.syncId);
+  w.str(key.name);
+  w.u64(key.seq);
+  w.u8(mode);
+  w.u8(phase);
+  w.u32(source);
+  w.u32(numMembers);
+  w.u32(numBuffers);
+  w.u32(buffer);
+  w.u32(step);
+  w.u32(segment);
+  w.u32(chunk);
+  w.u8(dtype);
+  w.u64(bufferBytes);
+  w.str(error);
+  return w.take();
+}
+
+CollectiveMessage CollectiveMessage::decode(std::string_view data) {
+  Reader r(data);
+  CollectiveMessage m;
+  m.kind = r.u8();
+  m.key.syncId = r.u64();
+  m.key.name = r.str(1024);
+  m.key.seq = r.u64();
+  m.mode = r.u8();
+  m.phase = r.u8();
+  m.source = r.u32();
+  m.numMembers = r.u32();
+  m.numBuffers = r.u32();
+  m.buffer = r.u32();
+  m.step = r.u32();
+  m.segment = r.u32();
+  m.chunk = r.u32();
+  m.dtype = r.u8();
+  m.bufferBytes = r.u64();
+  m.error = r.str(64 << 10);
+  if (m.kind != kData && m.kind != kAbort) throw WireError(concat("unknown collective message kind ", int(m.kind)));
+  if (m.mode != kSum && m.mode != kGather) throw WireError(concat("unknown collective mode ", int(m.mode)));
+  if (m.phase < kDirect || m.phase > kAllGather) throw WireError(concat("unknown collective phase ", int(m.phase)));
+  if (m.dtype >= uint8_t(DType::kCount)) throw WireError(concat("unknown element type ", int(m.dtype)));
+  return m;
+}
+
+size_t Collective::Ring::chunks(size_t segment) const {
+  size_t len = segmentBegin[segment + 1] - segmentBegin[segment];
+  return (len + chunkElements - 1) / chunkElements;
+}
+
+std::pair<size_t, size_t> Collective::Ring::chunkRange(size_t segment, size_t chunk) const {
+  size_t begin = segmentBegin[segment] + chunk * chunkElements;
+  return {begin, std::min(begin + chunkElements, segmentBegin[segment + 1])};
+}
+
+Collective::Collective(OpKey key, std::vector<std::string> members, size_t self, std::vector<TypedBuffer> buffers,
+                       SendFn send)
+    : key_(std::move(key)), members_(std::move(members)), self_(self), n_(members_.size()),
+      mode_(CollectiveMessage::kSum), buffers_(std::move(buffers)), sendFn_(std::move(send)) {
+  MOO_ENFORCE(self_ < n_, "this peer is not a member");
+  for (auto& b : buffers_) {
+    size_t e = dtypeSize(b.dtype);
+    MOO_ENFORCE(b.bytes % e == 0, "buffer of ", b.bytes, " bytes is not a whole number of ", dtypeName(b.dtype));
+    bool direct = b.bytes <= kDirectMaxBytes && n_ <= kDirectMaxMembers;
+    direct_.push_back(direct);
+    Ring ring;
+    if (!direct) {
+      size_t count = b.bytes / e;
+      ring.elementSize = e;
+      ring.chunkElements = std::max<size_t>(1, kChunkBytes / e);
+      for (size_t g = 0; g <= n_; ++g) ring.segmentBegin.push_back(count * g / n_);
+    }
+    rings_.push_back(std::move(ring));
+  }
+  contributions_.assign(buffers_.size(), std::vector<BufferPtr>(n_));
+  initCounts();
+}
+
+Collective::Collective(OpKey key, std::vector<std::string> members, size_t self, std::vector<OutSegment> segments,
+                       SendFn send)
+    : key_(std::move(key)), members_(std::move(members)), self_(self), n_(members_.size()),
+      mode_(CollectiveMessage::kGather), gatherSegments_(std::move(segments)), sendFn_(std::move(send)) {
+  MOO_ENFORCE(self_ < n_, "this peer is not a member");
+  MOO_ENFORCE(!gatherSegments_.empty(), "an all-gather needs at least one segment");
+  gathered_.resize(n_);
+  initCounts();
+}
+
+void Collective::initCounts() {
+  if (n_ == 1) return;
+  if (mode_ == CollectiveMessage::kGather) {
+    expectedReceives_ = expectedSends_ = n_ - 1;
+    return;
+  }
+  for (size_t b = 0; b != buffers_.size(); ++b) {
+    if (direct_[b]) {
+      expectedReceives_ += n_ - 1;
+      expectedSends_ += n_ - 1;
+      continue;
+    }
+    auto& ring = rings_[b];
+    for (size_t s = 0; s + 1 < n_; ++s) {
+      int64_t step = int64_t(s), me = int64_t(self_);
+      expectedReceives_ += ring.chunks(mod(me - 1 - step)) + ring.chunks(mod(me - step));
+      expectedSends_ += ring.chunks(mod(me - step)) + ring.chunks(mod(me + 1 - step));
+    }
+  }
+}
+
+std::string Collective::describe() const { return concat("all_reduce '", key_.name, "'"); }
+
+OutSegment Collective::view(size_t buffer, size_t begin, size_t end) const {
+  auto& b = buffers_[buffer];
+  size_t e = dtypeSize(b.dtype);
+  return OutSegment{b.data + begin * e, (end - begin) * e, b.keepalive};
+}
+
+void Collective::start() {
+  if (n_ == 1) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finished_ = true;
+    }
+    finish();
+    return;
+  }
+  CollectiveMessage m;
+  m.key = key_;
+  m.mode = mode_;
+  m.source = uint32_t(self_);
+  m.numMembers = uint32_t(n_);
+  if (mode_ == CollectiveMessage::kGather) {
+    m.numBuffers = uint32_t(gatherSegments_.size());
+    for (size_t dest = 0; dest != n_; ++dest) {
+      if (dest != self_) send(dest, m, gatherSegments_);
+    }
+  } else {
+    for (size_t b = 0; b != buffers_.size(); ++b) {
+      if (direct_[b]) {
+        CollectiveMessage d = m;
+        d.numBuffers = uint32_t(buffers_.size());
+        d.buffer = uint32_t(b);
+        d.dtype = uint8_t(buffers_[b].dtype);
+        d.bufferBytes = buffers_[b].bytes;
+        auto whole = view(b, 0, buffers_[b].bytes / dtypeSize(buffers_[b].dtype));
+        for (size_t dest = 0; dest != n_; ++dest) {
+          if (dest != self_) send(dest, d, {whole});
+        }
+        continue;
+      }
+      for (size_t c = 0; c != rings_[b].chunks(self_); ++c) sendChunk(CollectiveMessage::kReduceScatter, b, 0, self_, c);
+    }
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!finished_ && received_ == expectedReceives_ && sent_ == expectedSends_ && acked_ == expectedSends_) {
+    finished_ = true;
+    lock.unlock();
+    finish();
+  }
+}
+
+void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> data) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_) return;
+    ++sent_;
+  }
+  std::weak_ptr<Collective> weak = shared_from_this();
+  std::string peer = members_[dest];
+  sendFn_(peer, m.encode(), std::move(data), [weak, peer](const std::string& error) {
+    auto self = weak.lock();
+    if (!self) return;
+    if (!error.empty()) {
+      return self->fail(concat(self->describe(), " failed: member '", peer, "' did not take its data: ", error), true);
+    }
+    {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      ++self->acked_;
+    }
+    self->checkDone();
+  });
+}
+
+void Collective::sendChunk(uint8_t phase, size_t buffer, size_t step, size_t segment, size_t chunk) {
+  CollectiveMessage m;
+  m.key = key_;
+  m.mode = mode_;
+  m.phase = phase;
+  m.source = uint32_t(self_);
+  m.numMembers = uint32_t(n_);
+  m.numBuffers = uint32_t(buffers_.size());
+  m.buffer = uint32_t(buffer);
+  m.step = uint32_t(step);
+  m.segment = uint32_t(segment);
+  m.chunk = uint32_t(chunk);
+  m.dtype = uint8_t(buffers_[buffer].dtype);
+  m.bufferBytes = buffers_[buffer].bytes;
+  auto [begin, end] = rings_[buffer].chunkRange(segment, chunk);
+  send(right(), m, {view(buffer, begin, end)});
+}
+
+void Collective::onMessage(const std::string& from, const CollectiveMessage& m, std::vector<BufferPtr> data) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_) return;
+  }
+  if (m.kind == CollectiveMessage::kAbort) {
+    if (std::find(members_.begin(), members_.end(), from) == members_.end()) return;
+    return fail(concat(describe(), " failed on member '", from, "': ", m.error), false);
+  }
+  if (m.source >= n_ || members_[m.source] != from) {
+    return fail(concat(describe(), " failed: a message from '", from, "' claims to come from member ", m.source),
+                true);
+  }
+  if (m.numMembers != n_ || m.mode != mode_) {
+    return fail(concat(describe(), " failed: member '", from, "' sees ", m.numMembers,
+                       " members and a different operation (custom op on some members only?)"),
+                true);
+  }
+  if (mode_ == CollectiveMessage::kGather) {
+    return onDirect(m, std::move(data));
+  }
+  if (m.numBuffers != buffers_.size() || m.buffer >= buffers_.size() ||
+      m.dtype != uint8_t(buffers_[m.buffer].dtype) || m.bufferBytes != buffers_[m.buffer].bytes) {
+    auto mine = m.buffer < buffers_.size() ? concat(buffers_[m.buffer].bytes, " bytes of ",
+                                                    dtypeName(buffers_[m.buffer].dtype))
+                                           : std::string("nothing");
+    return fail(concat(describe(), " failed: members passed different data: member '", from, "' has ",
+                       m.numBuffers, " buffer(s), buffer ", m.buffer, " being ", m.bufferBytes, " bytes of ",
+                       dtypeName(DType(m.dtype)), ", where this member has ", buffers_.size(),
+                       " buffer(s), that one being ", mine),
+                true);
+  }
+  bool wantDirect = m.phase == CollectiveMessage::kDirect;
+  if (wantDirect != bool(direct_[m.buffer]) || data.size() != 1) {
+    return fail(concat(describe(), " failed: member '", from, "' sent an unexpected message"), true);
+  }
+  if (wantDirect) return onDirect(m, std::move(data));
+  onRing(m, data[0]);
+}
+
+void Collective::onDirect(const CollectiveMessage& m, std::vector<BufferPtr> data) {
+  bool ok;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (mode_ == CollectiveMessage::kGather) {
+      ok = gathered_[m.source].empty() && !data.empty() && data.size() == m.numBuffers;
+      if (ok) gathered_[m.source] = std::move(data);
+    } else {
+      auto& slot = contributions_[m.buffer][m.source];
+      ok = !slot && data[0]->size() == buffers_[m.buffer].bytes;
+      if (ok) slot = std::move(data[0]);
+    }
+  }
+  if (!ok) {
+    return fail(concat(describe(), " failed: member '", members_[m.source], "' sent a duplicate or malformed part"),
+                true);
+  }
+  received();
+}
+
+void Collective::onRing(const CollectiveMessage& m, const BufferPtr& data) {
+  auto& ring = rings_[m.buffer];
+  auto& b = buffers_[m.buffer];
+  int64_t step = m.step, me = int64_t(self_);
+  bool scatter = m.phase == CollectiveMessage::kReduceScatter;
+  size_t want = scatter ? mod(me - 1 - step) : mod(me - step);
+  bool ok = m.step + 1 < n_ && m.source == left() && m.segment == want && m.chunk < ring.chunks(want);
+  size_t begin = 0, end = 0;
+  if (ok) {
+    std::tie(begin, end) = ring.chunkRange(m.segment, m.chunk);
+    ok = data->size() == (end - begin) * ring.elementSize;
+  }
+  if (!ok) {
+    return fail(concat(describe(), " failed: member '", members_[m.source], "' sent an unexpected part (phase ",
+                       int(m.phase), " step ", m.step, " segment ", m.segment, " chunk ", m.chunk, ", ",
+                       data->size(), " bytes)"),
+                true);
+  }
+  uint8_t* dst = b.data + begin * ring.elementSize;
+  bool last = m.step + 2 == n_;
+  if (scatter) {
+    sumInto(b.dtype, dst, data->data(), end - begin);
+    // The segment moves on: partially reduced to the next member, or, once
+    // complete here, into the all-gather.
+    if (last) {
+      sendChunk(CollectiveMessage::kAllGather, m.buffer, 0, m.segment, m.chunk);
+    } else {
+      sendChunk(CollectiveMessage::kReduceScatter, m.buffer, m.step + 1, m.segment, m.chunk);
+    }
+  } else {
+    std::memcpy(dst, data->data(), data->size());
+    if (!last) sendChunk(CollectiveMessage::kAllGather, m.buffer, m.step + 1, m.segment, m.chunk);
+  }
+  received();
+}
+
+void Collective::received() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++received_;
+  }
+  checkDone();
+}
+
+void Collective::checkDone() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ || received_ != expectedReceives_ || sent_ != expectedSends_ || acked_ != expectedSends_) return;
+    finished_ = true;
+  }
+  finish();
+}
+
+void Collective::finish() {
+  if (mode_ == CollectiveMessage::kGather) {
+    Writer counts;
+    std::vector<BufferPtr> out{nullptr};
+    for (size_t i = 0; i != n_; ++i) {
+      if (i == self_) {
+        counts.u32(uint32_t(gatherSegments_.size()));
+        for (auto& s : gatherSegments_) out.push_back(copyToBuffer(s));
+      } else {
+        counts.u32(uint32_t(gathered_[i].size()));
+        for (auto& s : gathered_[i]) out.push_back(s);
+      }
+    }
+    std::string meta = counts.take();
+    out[0] = copyToBuffer(OutSegment{reinterpret_cast<const uint8_t*>(meta.data()), meta.size(), nullptr});
+    gathered_.clear();
+    future_->setResult(std::move(out));
+    return;
+  }
+  // Direct buffers: every member adds the contributions in member order, so
+  // every member gets the same bits.
+  for (size_t b = 0; b != buffers_.size(); ++b) {
+    if (!direct_[b] || n_ == 1) continue;
+    auto& buf = buffers_[b];
+    size_t count = buf.bytes / dtypeSize(buf.dtype);
+    auto part = [&](size_t i) { return i == self_ ? buf.data : contributions_[b][i]->data(); };
+    std::vector<uint8_t> sum(part(0), part(0) + buf.bytes);
+    for (size_t i = 1; i != n_; ++i) sumInto(buf.dtype, sum.data(), part(i), count);
+    std::memcpy(buf.data, sum.data(), buf.bytes);
+  }
+  contributions_.clear();
+  future_->setResult({});
+}
+
+void Collective::fail(const std::string& error, bool broadcast) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_) return;
+    finished_ = true;
+  }
+  MOO_LOG(kVerbose, error);
+  if (broadcast && n_ > 1) {
+    CollectiveMessage m;
+    m.kind = CollectiveMessage::kAbort;
+    m.key = key_;
+    m.mode = mode_;
+    m.source = uint32_t(self_);
+    m.numMembers = uint32_t(n_);
+    m.error = error;
+    std::string meta = m.encode();
+    for (size_t dest = 0; dest != n_; ++dest) {
+      if (dest != self_) sendFn_(members_[dest], meta, {}, [](const std::string&) {});
+    }
+  }
+  future_->setError(error);
+}
+
+}  // namespace moolib

@@ -1,0 +1,141 @@
+// One collective operation of a group (an all-reduce or an all-gather), as
+// seen by one member: what it sends, what it expects, and when it is done.
+//
+// Sum all-reduce of a typed buffer:
+// - small buffers go "direct": every member sends its buffer to every other,
+//   and each sums all contributions in member order, so results are
+//   bitwise identical everywhere in one hop;
+// - larger ones go round a ring: reduce-scatter then all-gather over N
+//   segments, each cut into chunks that are forwarded as soon as they are
+//   reduced (pipelined), so each member sends and receives about 2(N-1)/N of
+//   the buffer and the final value of each segment is computed by one member
+//   and copied to the others.
+// All-gather (used for custom reduce ops, which run in Python) sends every
+// member's opaque segments to every other member.
+//
+// Messages are group calls; the receiver acknowledges each once it has taken
+// the data, so a sender knows its memory is no longer referenced. An op is
+// done when every expected message was processed and every send
+// acknowledged. Any inconsistency (other shape, type, sender) fails the op
+// here and, through an abort message, on every other member.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "future.h"
+#include "reduce.h"
+#include "rpc.h"
+
+namespace moolib {
+
+struct OpKey {
+  uint64_t syncId = 0;
+  std::string name;
+  uint64_t seq = 0;
+  bool operator<(const OpKey& o) const {
+    return std::tie(syncId, name, seq) < std::tie(o.syncId, o.name, o.seq);
+  }
+};
+
+// Memory to reduce in place, kept valid by keepalive until the op is done.
+struct TypedBuffer {
+  uint8_t* data = nullptr;
+  size_t bytes = 0;
+  DType dtype = DType::kFloat32;
+  std::shared_ptr<const void> keepalive;
+};
+
+// Segment 0 of every group call.
+struct CollectiveMessage {
+  enum Kind : uint8_t { kData = 1, kAbort = 2 };
+  enum Mode : uint8_t { kSum = 1, kGather = 2 };
+  enum Phase : uint8_t { kDirect = 1, kReduceScatter = 2, kAllGather = 3 };
+  uint8_t kind = kData;
+  OpKey key;
+  uint8_t mode = kSum;
+  uint8_t phase = kDirect;
+  uint32_t source = 0;      // the sender's index in the member list
+  uint32_t numMembers = 0;
+  uint32_t numBuffers = 0;  // sum: buffers in the op; gather: the sender's segments
+  uint32_t buffer = 0;
+  uint32_t step = 0;
+  uint32_t segment = 0;
+  uint32_t chunk = 0;
+  uint8_t dtype = 0;
+  uint64_t bufferBytes = 0;
+  std::string error;  // kAbort
+  std::string encode() const;
+  static CollectiveMessage decode(std::string_view data);
+};
+
+class Collective : public std::enable_shared_from_this<Collective> {
+ public:
+  // Sends meta + data to a member; onAck(error) runs once it was taken
+  // (error empty) or could not be delivered.
+  using SendFn = std::function<void(const std::string& peer, std::string meta, std::vector<OutSegment> data,
+                                    std::function<void(const std::string& error)> onAck)>;
+
+  // A sum all-reduce of buffers (each reduced in place).
+  Collective(OpKey key, std::vector<std::string> members, size_t self, std::vector<TypedBuffer> buffers,
+             SendFn send);
+  // An all-gather of opaque segments. The result is segment 0 (u32 count per
+  // member) followed by every member's segments in member order.
+  Collective(OpKey key, std::vector<std::string> members, size_t self, std::vector<OutSegment> segments,
+             SendFn send);
+
+  const OpKey& key() const { return key_; }
+  FuturePtr future() const { return future_; }
+  void start();
+  // A message for this op from member `from` (already acknowledged).
+  void onMessage(const std::string& from, const CollectiveMessage& m, std::vector<BufferPtr> data);
+  // Fails the op here; with broadcast, tells every other member to fail it too.
+  void fail(const std::string& error, bool broadcast);
+  std::string describe() const;
+
+ private:
+  struct Ring {
+    size_t elementSize = 1;
+    size_t chunkElements = 1;
+    std::vector<size_t> segmentBegin;  // N+1 element offsets
+    size_t chunks(size_t segment) const;
+    std::pair<size_t, size_t> chunkRange(size_t segment, size_t chunk) const;  // element [begin, end)
+  };
+
+  void initCounts();
+  void send(size_t dest, CollectiveMessage m, std::vector<OutSegment> data);
+  void sendChunk(uint8_t phase, size_t buffer, size_t step, size_t segment, size_t chunk);
+  void onRing(const CollectiveMessage& m, const BufferPtr& data);
+  void onDirect(const CollectiveMessage& m, std::vector<BufferPtr> data);
+  void received();
+  void checkDone();
+  void finish();
+  OutSegment view(size_t buffer, size_t begin, size_t end) const;
+  size_t left() const { return (self_ + n_ - 1) % n_; }
+  size_t right() const { return (self_ + 1) % n_; }
+  size_t mod(int64_t v) const { return size_t(((v % int64_t(n_)) + int64_t(n_)) % int64_t(n_)); }
+
+  const OpKey key_;
+  const std::vector<std::string> members_;
+  const size_t self_, n_;
+  const uint8_t mode_;
+  std::vector<TypedBuffer> buffers_;
+  std::vector<OutSegment> gatherSegments_;
+  std::vector<bool> direct_;  // per buffer: direct or ring
+  std::vector<Ring> rings_;
+  SendFn sendFn_;
+  FuturePtr future_ = std::make_shared<FutureState>();
+
+  std::mutex mutex_;
+  size_t expectedReceives_ = 0, received_ = 0;
+  size_t expectedSends_ = 0, sent_ = 0, acked_ = 0;
+  bool finished_ = false;
+  // Direct sum: contributions[buffer][member]; gather: contributions[0..N)[segment].
+  std::vector<std::vector<BufferPtr>> contributions_;
+  std::vector<std::vector<BufferPtr>> gathered_;
+};
+
+}  // namespace moolib

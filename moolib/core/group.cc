@@ -1,0 +1,336 @@
+#include "group.h"
+
+#include <algorithm>
+
+#include "broker.h"
+#include "logging.h"
+#include "wire.h"
+
+namespace moolib {
+
+namespace {
+constexpr const char* kGroupFunctionPrefix = "__moolib_group/";
+// Messages held for collectives not started here yet (other members ahead).
+constexpr size_t kMaxEarly = 1 << 16;
+
+FuturePtr failedFuture(std::string error) {
+  auto f = std::make_shared<FutureState>();
+  f->setError(std::move(error));
+  return f;
+}
+
+OutSegment ownedSegment(std::string bytes) {
+  auto held = std::make_shared<std::string>(std::move(bytes));
+  return OutSegment{reinterpret_cast<const uint8_t*>(held->data()), held->size(), held};
+}
+}  // namespace
+
+std::shared_ptr<Group> Group::create(std::shared_ptr<Rpc> rpc, const std::string& name) {
+  auto group = std::make_shared<Group>(std::move(rpc), name);
+  group->start();
+  return group;
+}
+
+Group::Group(std::shared_ptr<Rpc> rpc, const std::string& name)
+    : rpc_(std::move(rpc)), name_(name), function_(kGroupFunctionPrefix + name) {
+  MOO_ENFORCE(!name.empty() && name.size() <= 512, "group name must be 1 to 512 characters");
+}
+
+Group::~Group() { close(); }
+
+void Group::start() {
+  std::weak_ptr<Group> weak = shared_from_this();
+  rpc_->define(function_, [weak](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
+    auto self = weak.lock();
+    if (!self) return responder->error("the group is closed");
+    self->onMessage(responder, std::move(args));
+  });
+  tick();
+}
+
+double Group::pingIntervalLocked() const { return std::clamp(timeoutSeconds_ / 8, 0.02, 1.0); }
+
+void Group::tick() {
+  std::vector<std::shared_ptr<Collective>> failed;
+  bool doPing = false;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return;
+    auto now = Clock::now();
+    auto interval = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(pingIntervalLocked()));
+    if (inContact_ && now - lastContact_ > std::chrono::duration<double>(timeoutSeconds_)) {
+      inContact_ = false;
+      changed_ = true;
+      why = concat("lost contact with the broker '", brokerName_, "' of group '", name_, "'");
+      MOO_LOG(kInfo, "group: ", why);
+      failAllLocked(why, failed);
+    }
+    if (!pingInFlight_ && now - lastPing_ >= interval) {
+      pingInFlight_ = true;
+      lastPing_ = now;
+      doPing = true;
+    }
+    std::weak_ptr<Group> weak = shared_from_this();
+    timer_ = Loop::instance().addTimer(now + interval, [weak] {
+      if (auto self = weak.lock()) self->tick();
+    });
+  }
+  for (auto& op : failed) op->fail(concat(op->describe(), " failed: ", why), false);
+  if (doPing) ping();
+}
+
+void Group::ping() {
+  BrokerRequest q;
+  std::string broker;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    q.group = name_;
+    q.sortOrder = sortOrder_;
+    q.timeoutSeconds = timeoutSeconds_;
+    broker = brokerName_;
+  }
+  FuturePtr reply;
+  try {
+    reply = rpc_->call(broker, kBrokerFunction, {ownedSegment(q.encode())});
+  } catch (const std::exception& e) {
+    MOO_LOG(kVerbose, "group '", name_, "': cannot ping the broker: ", e.what());
+    std::lock_guard<std::mutex> lock(mutex_);
+    pingInFlight_ = false;
+    return;
+  }
+  std::weak_ptr<Group> weak = shared_from_this();
+  reply->onDone([weak, reply] {
+    if (auto self = weak.lock()) self->onBrokerReply(reply);
+  });
+}
+
+void Group::onBrokerReply(const FuturePtr& reply) {
+  std::vector<std::shared_ptr<Collective>> failed;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pingInFlight_ = false;
+    if (closed_) return;
+    if (!reply->error().empty()) {
+      MOO_LOG(kVerbose, "group '", name_, "': broker ping failed: ", reply->error());
+      return;
+    }
+    BrokerReply r;
+    try {
+      MOO_ENFORCE(!reply->result().empty(), "empty reply");
+      auto& seg = reply->result()[0];
+      r = BrokerReply::decode({reinterpret_cast<const char*>(seg->data()), seg->size()});
+    } catch (const std::exception& e) {
+      MOO_LOG(kError, "group '", name_, "': malformed broker reply: ", e.what());
+      return;
+    }
+    lastContact_ = Clock::now();
+    if (!inContact_) changed_ = true;
+    inContact_ = true;
+    if (r.syncId == syncId_ && r.members == members_) return;
+    why = concat("the membership of group '", name_, "' changed");
+    failAllLocked(why, failed);
+    syncId_ = r.syncId;
+    members_ = std::move(r.members);
+    changed_ = true;
+    MOO_LOG(kVerbose, "group '", name_, "': sync id ", syncId_, ", ", members_.size(), " members");
+  }
+  for (auto& op : failed) op->fail(concat(op->describe(), " failed: ", why), false);
+}
+
+void Group::failAllLocked(const std::string& why, std::vector<std::shared_ptr<Collective>>& out) {
+  for (auto& [key, op] : ops_) out.push_back(op);
+  ops_.clear();
+  nextSeq_.clear();
+  aborted_.clear();
+  // Early messages of the sync id to come may already be here; keep only
+  // those not of the sync id that ends.
+  for (auto it = early_.begin(); it != early_.end();) {
+    if (it->first.syncId == syncId_) {
+      earlyCount_ -= it->second.size();
+      it = early_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  (void)why;
+}
+
+void Group::onMessage(const std::shared_ptr<Responder>& responder, std::vector<BufferPtr> args) {
+  if (args.empty()) return responder->error("empty group message");
+  CollectiveMessage m;
+  try {
+    m = CollectiveMessage::decode({reinterpret_cast<const char*>(args[0]->data()), args[0]->size()});
+  } catch (const WireError& e) {
+    MOO_LOG(kError, "group '", name_, "': malformed message from '", responder->peer(), "': ", e.what());
+    return responder->error(concat("malformed group message: ", e.what()));
+  }
+  args.erase(args.begin());
+  std::shared_ptr<Collective> op;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return responder->error(concat("group '", name_, "' is closed"));
+    auto it = ops_.find(m.key);
+    if (it != ops_.end()) {
+      op = it->second;
+    } else if (auto a = aborted_.find(m.key); a != aborted_.end()) {
+      return responder->error(concat("all_reduce '", m.key.name, "' was aborted"));
+    } else if (m.kind == CollectiveMessage::kAbort) {
+      if (aborted_.size() < kMaxEarly) aborted_[m.key] = m.error;
+    } else if (m.key.syncId == syncId_ && m.key.seq < nextSeq_[m.key.name]) {
+      return responder->error(concat("all_reduce '", m.key.name, "' is already over on '", rpc_->name(), "'"));
+    } else if (earlyCount_ >= kMaxEarly) {
+      return responder->error(concat("too many messages for collectives not started on '", rpc_->name(), "'"));
+    } else {
+      early_[m.key].push_back({responder->peer(), std::move(m), std::move(args)});
+      ++earlyCount_;
+    }
+  }
+  if (op) op->onMessage(responder->peer(), m, std::move(args));
+  responder->reply({});
+}
+
+template <typename... Args>
+FuturePtr Group::startOp(const std::string& name, Args&&... args) {
+  MOO_ENFORCE(!name.empty() && name.size() <= 1024, "all_reduce name must be 1 to 1024 characters");
+  std::shared_ptr<Collective> op;
+  std::vector<Early> early;
+  std::string abortedBy;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return failedFuture(concat("all_reduce '", name, "': group '", name_, "' is closed"));
+    auto self = std::find(members_.begin(), members_.end(), rpc_->name());
+    if (!inContact_ || self == members_.end()) {
+      return failedFuture(concat("all_reduce '", name, "': this peer is not an active member of group '", name_,
+                                 "' (call update() until active())"));
+    }
+    OpKey key{syncId_, name, nextSeq_[name]++};
+    auto send = [rpc = rpc_, function = function_](const std::string& peer, std::string meta,
+                                                    std::vector<OutSegment> data,
+                                                    std::function<void(const std::string&)> onAck) {
+      std::vector<OutSegment> segs;
+      segs.reserve(1 + data.size());
+      segs.push_back(ownedSegment(std::move(meta)));
+      for (auto& d : data) segs.push_back(std::move(d));
+      FuturePtr f;
+      try {
+        f = rpc->call(peer, function, std::move(segs));
+      } catch (const std::exception& e) {
+        return onAck(e.what());
+      }
+      f->onDone([f, onAck] { onAck(f->error()); });
+    };
+    op = std::make_shared<Collective>(key, members_, size_t(self - members_.begin()), std::forward<Args>(args)...,
+                                      std::move(send));
+    ops_[key] = op;
+    if (auto it = early_.find(key); it != early_.end()) {
+      early = std::move(it->second);
+      earlyCount_ -= early.size();
+      early_.erase(it);
+    }
+    if (auto it = aborted_.find(key); it != aborted_.end()) abortedBy = it->second;
+  }
+  std::weak_ptr<Group> weak = shared_from_this();
+  std::weak_ptr<Collective> weakOp = op;
+  op->future()->onDone([weak, weakOp] {
+    auto self = weak.lock();
+    auto done = weakOp.lock();
+    if (!self || !done) return;
+    std::lock_guard<std::mutex> lock(self->mutex_);
+    auto it = self->ops_.find(done->key());
+    if (it != self->ops_.end() && it->second == done) self->ops_.erase(it);
+  });
+  if (!abortedBy.empty()) {
+    op->fail(concat(op->describe(), " failed on another member: ", abortedBy), false);
+    return op->future();
+  }
+  op->start();
+  for (auto& e : early) op->onMessage(e.from, e.message, std::move(e.data));
+  return op->future();
+}
+
+FuturePtr Group::allReduce(const std::string& name, std::vector<TypedBuffer> buffers) {
+  return startOp(name, std::move(buffers));
+}
+
+FuturePtr Group::allGather(const std::string& name, std::vector<OutSegment> segments) {
+  return startOp(name, std::move(segments));
+}
+
+bool Group::update() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  bool changed = changed_;
+  changed_ = false;
+  return changed;
+}
+
+std::vector<std::string> Group::members() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return inContact_ ? members_ : std::vector<std::string>{};
+}
+
+uint64_t Group::syncId() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return syncId_;
+}
+
+bool Group::activeLocked() const {
+  return inContact_ && std::find(members_.begin(), members_.end(), rpc_->name()) != members_.end();
+}
+
+bool Group::active() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return activeLocked();
+}
+
+void Group::setTimeout(double seconds) {
+  MOO_ENFORCE(seconds > 0 && seconds < 1e7, "group timeout must be positive, got ", seconds);
+  std::lock_guard<std::mutex> lock(mutex_);
+  timeoutSeconds_ = seconds;
+}
+
+double Group::timeout() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return timeoutSeconds_;
+}
+
+void Group::setSortOrder(int64_t order) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sortOrder_ = order;
+}
+
+void Group::setBrokerName(const std::string& name) {
+  MOO_ENFORCE(!name.empty(), "broker name must not be empty");
+  std::lock_guard<std::mutex> lock(mutex_);
+  brokerName_ = name;
+}
+
+void Group::close() {
+  std::vector<std::shared_ptr<Collective>> failed;
+  std::string broker;
+  bool member;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return;
+    closed_ = true;
+    if (timer_) Loop::instance().cancelTimer(timer_);
+    failAllLocked("closed", failed);
+    broker = brokerName_;
+    member = inContact_;
+  }
+  for (auto& op : failed) op->fail(concat(op->describe(), " failed: group '", name_, "' was closed"), false);
+  try {
+    if (member) {
+      BrokerRequest q;
+      q.kind = BrokerRequest::kLeave;
+      q.group = name_;
+      rpc_->call(broker, kBrokerFunction, {ownedSegment(q.encode())});
+    }
+    rpc_->undefine(function_);
+  } catch (const std::exception&) {
+    // The Rpc was closed first: it has forgotten the function and the broker.
+  }
+}
+
+}  // namespace moolib

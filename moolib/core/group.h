@@ -1,0 +1,94 @@
+// A group of peers known to a broker, and the collectives among them.
+//
+// The group pings the broker from a loop timer (not only when update() is
+// called), so a member blocked waiting for an all-reduce still learns that
+// membership changed, and the all-reduce fails instead of hanging. Each
+// collective is bound to the sync id it started under; when the sync id
+// changes, or the broker has not answered for a whole timeout, every
+// collective in flight fails.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "collective.h"
+#include "rpc.h"
+
+namespace moolib {
+
+class Group : public std::enable_shared_from_this<Group> {
+ public:
+  static std::shared_ptr<Group> create(std::shared_ptr<Rpc> rpc, const std::string& name);
+  ~Group();
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  // True once after each membership change.
+  bool update();
+  std::vector<std::string> members() const;
+  uint64_t syncId() const;
+  bool active() const;
+  const std::string& name() const { return name_; }
+  void setTimeout(double seconds);
+  double timeout() const;
+  void setSortOrder(int64_t order);
+  void setBrokerName(const std::string& name);
+
+  // Sums buffers in place across the members; the future completes with no
+  // segments once every buffer holds the sum.
+  FuturePtr allReduce(const std::string& name, std::vector<TypedBuffer> buffers);
+  // Every member's segments, in member order (see Collective).
+  FuturePtr allGather(const std::string& name, std::vector<OutSegment> segments);
+  // Leaves the group (tells the broker) and fails what is in flight.
+  void close();
+
+  Group(std::shared_ptr<Rpc> rpc, const std::string& name);  // use create()
+
+ private:
+  struct Early {
+    std::string from;
+    CollectiveMessage message;
+    std::vector<BufferPtr> data;
+  };
+
+  void start();
+  void tick();
+  void ping();
+  void onBrokerReply(const FuturePtr& reply);
+  void onMessage(const std::shared_ptr<Responder>& responder, std::vector<BufferPtr> args);
+  template <typename... Args>
+  FuturePtr startOp(const std::string& name, Args&&... args);
+  void failAllLocked(const std::string& why, std::vector<std::shared_ptr<Collective>>& out);
+  bool activeLocked() const;
+  double pingIntervalLocked() const;
+
+  const std::shared_ptr<Rpc> rpc_;
+  const std::string name_;
+  const std::string function_;
+
+  mutable std::mutex mutex_;
+  std::string brokerName_ = "broker";
+  double timeoutSeconds_ = 10;
+  int64_t sortOrder_ = 0;
+  uint64_t syncId_ = 0;
+  std::vector<std::string> members_;
+  bool changed_ = false;
+  bool inContact_ = false;
+  TimePoint lastContact_;
+  bool pingInFlight_ = false;
+  TimePoint lastPing_{};
+  uint64_t timer_ = 0;
+  bool closed_ = false;
+  std::map<OpKey, std::shared_ptr<Collective>> ops_;
+  std::map<std::string, uint64_t> nextSeq_;  // per collective name, under this sync id
+  // Messages that came before their collective started here.
+  std::map<OpKey, std::vector<Early>> early_;
+  size_t earlyCount_ = 0;
+  // Collectives aborted by another member before they started here.
+  std::map<OpKey, std::string> aborted_;
+};
+
+}  // namespace moolib

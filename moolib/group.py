@@ -1,0 +1,213 @@
+"""Group: peers that a broker keeps track of, and all-reduce among them.
+
+Membership and the all-reduce protocol are in the core (moolib/core/group.cc,
+collective.cc); this module turns nests of tensors, arrays and numbers into the
+typed buffers the core sums, and runs custom reduce ops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import struct
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from . import _core, nest
+from .rpc import Rpc, _resolve
+from .serialization import dumps, loads
+
+__all__ = ["AllReduce", "Group"]
+
+_UNSET = object()
+
+
+class AllReduce:
+    """The result of ``Group.all_reduce``, with the methods of ``Future``.
+
+    ``result()`` returns the reduced data in the shape it was given: tensors on
+    their original device, numpy arrays, Python numbers.
+    """
+
+    def __init__(self, future: Any, finish: Callable[[Any], Any]) -> None:
+        self._future = future
+        self._finish = finish
+        self._result: Any = _UNSET
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        """Whether the all-reduce has completed (successfully or not)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until it completes; returns whether it did within ``timeout``."""
+        return self._future.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Waits and returns the result; raises RpcError if the all-reduce failed."""
+        if not self._future.wait(timeout):
+            raise TimeoutError("the all-reduce did not complete within the wait timeout")
+        error = self._future.exception()
+        if error is not None:
+            raise error
+        with self._lock:
+            if self._result is _UNSET:
+                self._result = self._finish(self._future)
+            return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Waits; returns the error as an RpcError, or None on success."""
+        return self._future.exception(timeout)
+
+    def cancel(self) -> bool:
+        """Stops waiting here (this peer still does its part for the others)."""
+        return self._future.cancel()
+
+    def cancelled(self) -> bool:
+        return self._future.cancelled()
+
+    def add_done_callback(self, fn: Callable[[AllReduce], Any]) -> None:
+        """Calls ``fn(self)`` on a core thread once the all-reduce completes."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def __await__(self) -> Any:
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self.add_done_callback(lambda _: loop.call_soon_threadsafe(_resolve, waiter))
+        yield from waiter.__await__()
+        return self.result()
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _SumPlan:
+    """Leaves of a nest packed into one flat working buffer per element type."""
+
+    def __init__(self, data: Any) -> None:
+        self.structure = data
+        self.leaves = nest.flatten(data)
+        torch = sys.modules.get("torch")
+        import numpy as np
+
+        self.np = np
+        self.torch = torch
+        # Per leaf: (kind, dtype key, offset, count, shape, device, original dtype)
+        self.layout: list[tuple] = []
+        groups: dict[str, list] = {}
+        for leaf in self.leaves:
+            if torch is not None and isinstance(leaf, torch.Tensor):
+                flat = leaf.detach().reshape(-1)
+                kind, key, shape, device = "torch", _dtype_name(leaf.dtype), tuple(leaf.shape), leaf.device
+            elif isinstance(leaf, np.ndarray):
+                flat = leaf.reshape(-1)
+                kind, key, shape, device = "numpy", leaf.dtype.name, leaf.shape, None
+            elif isinstance(leaf, (bool, int, float)) or isinstance(leaf, np.generic):
+                arr = np.asarray(leaf)
+                if isinstance(leaf, bool):
+                    arr = arr.astype(np.bool_)
+                elif isinstance(leaf, int):
+                    arr = arr.astype(np.int64)
+                elif isinstance(leaf, float):
+                    arr = arr.astype(np.float64)
+                flat = arr.reshape(-1)
+                kind, key, shape, device = "number", arr.dtype.name, (), None
+            else:
+                raise TypeError(
+                    f"all_reduce cannot sum a {type(leaf).__name__}: leaves must be tensors, "
+                    "numpy arrays or numbers (use op= for anything else)"
+                )
+            parts = groups.setdefault(key, [])
+            offset = sum(int(p.shape[0]) for p in parts)
+            parts.append(flat)
+            self.layout.append((kind, key, offset, int(flat.shape[0]), shape, device, leaf))
+        # One working copy per type: the core sums in place into it.
+        self.buffers: dict[str, Any] = {}
+        for key, parts in groups.items():
+            if torch is not None and isinstance(parts[0], torch.Tensor) and all(
+                isinstance(p, torch.Tensor) for p in parts
+            ):
+                self.buffers[key] = torch.cat([p.to("cpu") for p in parts])
+            else:
+                arrays = [p.cpu().numpy() if hasattr(p, "cpu") else p for p in parts]
+                self.buffers[key] = np.ascontiguousarray(np.concatenate(arrays))
+
+    def items(self) -> list[tuple[Any, str]]:
+        out = []
+        for key, buf in self.buffers.items():
+            if self.torch is not None and isinstance(buf, self.torch.Tensor):
+                view = buf.view(self.torch.uint8).numpy() if buf.numel() else bytearray()
+            else:
+                view = buf.view(self.np.uint8)
+            out.append((view, key))
+        return out
+
+    def finish(self, _future: Any) -> Any:
+        leaves = []
+        for kind, key, offset, count, shape, device, leaf in self.layout:
+            buf = self.buffers[key]
+            part = buf[offset : offset + count]
+            if kind == "torch":
+                t = part if isinstance(part, self.torch.Tensor) else self.torch.from_numpy(part)
+                t = t.view(shape)
+                leaves.append(t if device.type == "cpu" else t.to(device))
+            elif kind == "numpy":
+                arr = part.numpy() if hasattr(part, "numpy") else part
+                leaves.append(arr.reshape(shape))
+            else:
+                value = part[0].item()
+                leaves.append(type(leaf)(value) if isinstance(leaf, (bool, int, float)) else value)
+        return nest.pack_as(self.structure, leaves)
+
+
+def _gathered(future: Any) -> list:
+    segments = future._segments()
+    counts = struct.unpack(f"<{len(segments[0]) // 4}I", bytes(segments[0]))
+    values, i = [], 1
+    for n in counts:
+        values.append(loads(segments[i], segments[i + 1 : i + n]))
+        i += n
+    return values
+
+
+class Group(_core.Group):
+    """Peers that one broker tracks under one name.
+
+    Ping-based membership runs in the background; ``update()`` returns True when
+    membership changed since the last call. ``members()`` is ordered by
+    ``set_sort_order`` then join order, and is the same list on every member for
+    one ``sync_id()``. Also: ``active()``, ``name()``, ``set_timeout(s)`` (a
+    member silent this long is dropped; default 10 s), ``set_broker_name(name)``
+    (default "broker"), ``close()``.
+    """
+
+    def __init__(self, rpc: Rpc, name: str) -> None:
+        super().__init__(rpc, name)
+        self.rpc = rpc
+
+    def all_reduce(self, name: str, data: Any, op: Callable[[Any, Any], Any] | None = None) -> AllReduce:
+        """Reduces ``data`` (a tensor, array, number or a nest of them) across the members.
+
+        Every member must call it with the same ``name`` and data of the same
+        structure. With ``op=None`` the data is summed (by the core, with
+        bitwise identical results everywhere); otherwise every member's data is
+        gathered and folded with ``op(a, b)`` in member order. Fails (never hangs)
+        if membership changes before it completes.
+        """
+        if op is not None:
+            payload, buffers = dumps(data)
+            future = self._all_gather(name, payload, buffers)
+            return AllReduce(future, lambda f: functools.reduce(op, _gathered(f)))
+        plan = _SumPlan(data)
+        return AllReduce(self._all_reduce_sum(name, plan.items()), plan.finish)
+
+    def _all_reduce_in_place(self, name: str, tensors: list) -> Any:
+        """Sums flat, contiguous CPU tensors in place; returns the core future."""
+        torch = sys.modules["torch"]
+        items = [(t.view(torch.uint8).numpy(), _dtype_name(t.dtype)) for t in tensors]
+        return self._all_reduce_sum(name, items)
+
+
