@@ -1,7 +1,7 @@
 """moolib: a communications library for distributed RL and ML training.
 
-The core (transports, framing, RPC, group membership, all-reduce) is C++17 in moolib/core; this package is
-its Python API, compatible with the original moolib.
+The core (transports, framing, RPC, group membership, all-reduce) is C++17 in
+moolib/core; this package is its Python API, compatible with the original moolib.
 """
 
 from __future__ import annotations

@@ -232,8 +232,11 @@ class Accumulator:
         torch = self._torch
         grads = torch.cat(
             [
-                (p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(n, dtype=self._dtype))
-                .to("cpu", self._dtype)
+                (
+                    p.grad.detach().reshape(-1)
+                    if p.grad is not None
+                    else torch.zeros(n, dtype=self._dtype)
+                ).to("cpu", self._dtype)
                 for p, n in zip(self._params, self._numels, strict=True)
             ]
         )

@@ -61,7 +61,9 @@ class Broker:
 def main(argv: list[str] | None = None) -> int:
     """Runs a broker until Ctrl-C or SIGTERM."""
     parser = argparse.ArgumentParser(prog="moolib-broker", description="Run a moolib broker.")
-    parser.add_argument("address", nargs="?", default=DEFAULT_ADDRESS, help="host:port to listen on")
+    parser.add_argument(
+        "address", nargs="?", default=DEFAULT_ADDRESS, help="host:port to listen on"
+    )
     parser.add_argument("--name", default="broker", help="the name groups reach the broker by")
     args = parser.parse_args(argv)
 

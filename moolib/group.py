@@ -101,7 +101,12 @@ class _SumPlan:
         for leaf in self.leaves:
             if torch is not None and isinstance(leaf, torch.Tensor):
                 flat = leaf.detach().reshape(-1)
-                kind, key, shape, device = "torch", _dtype_name(leaf.dtype), tuple(leaf.shape), leaf.device
+                kind, key, shape, device = (
+                    "torch",
+                    _dtype_name(leaf.dtype),
+                    tuple(leaf.shape),
+                    leaf.device,
+                )
             elif isinstance(leaf, np.ndarray):
                 flat = leaf.reshape(-1)
                 kind, key, shape, device = "numpy", leaf.dtype.name, leaf.shape, None
@@ -127,8 +132,10 @@ class _SumPlan:
         # One working copy per type: the core sums in place into it.
         self.buffers: dict[str, Any] = {}
         for key, parts in groups.items():
-            if torch is not None and isinstance(parts[0], torch.Tensor) and all(
-                isinstance(p, torch.Tensor) for p in parts
+            if (
+                torch is not None
+                and isinstance(parts[0], torch.Tensor)
+                and all(isinstance(p, torch.Tensor) for p in parts)
             ):
                 self.buffers[key] = torch.cat([p.to("cpu") for p in parts])
             else:
@@ -188,7 +195,9 @@ class Group(_core.Group):
         super().__init__(rpc, name)
         self.rpc = rpc
 
-    def all_reduce(self, name: str, data: Any, op: Callable[[Any, Any], Any] | None = None) -> AllReduce:
+    def all_reduce(
+        self, name: str, data: Any, op: Callable[[Any, Any], Any] | None = None
+    ) -> AllReduce:
         """Reduces ``data`` (a tensor, array, number or a nest of them) across the members.
 
         Every member must call it with the same ``name`` and data of the same
@@ -209,5 +218,3 @@ class Group(_core.Group):
         torch = sys.modules["torch"]
         items = [(t.view(torch.uint8).numpy(), _dtype_name(t.dtype)) for t in tensors]
         return self._all_reduce_sum(name, items)
-
-

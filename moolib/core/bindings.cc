@@ -1,15 +1,15 @@
 // The Python binding: marshalling only. The public API is moolib/rpc.py.
+#include "bindings.h"
+
+#include <cxxabi.h>
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <condition_variable>
 #include <deque>
-#include <cxxabi.h>
-
 #include <thread>
 
-#include "bindings.h"
 #include "host.h"
 #include "logging.h"
 #include "rpc.h"
@@ -181,11 +181,14 @@ py::list wrapSegments(const std::vector<BufferPtr>& segs) {
   return out;
 }
 
-double toDeadlineSeconds(const py::object& timeout) { return timeout.is_none() ? -1.0 : timeout.cast<double>(); }
+double toDeadlineSeconds(const py::object& timeout) {
+  return timeout.is_none() ? -1.0 : timeout.cast<double>();
+}
 
 TimePoint deadlineFrom(double seconds) {
   if (seconds < 0) return kForever;
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 bool futureWait(const PyFuture& f, py::object timeout) {
@@ -209,7 +212,8 @@ struct RpcErrorTag {};
 // debug_info() as plain dicts and lists.
 py::dict toPython(const ConnectionInfo& c) {
   return py::dict("transport"_a = c.transport, "local"_a = c.local, "remote"_a = c.remote,
-                  "outgoing"_a = c.outgoing, "bytes_sent"_a = c.bytesSent, "bytes_received"_a = c.bytesReceived);
+                  "outgoing"_a = c.outgoing, "bytes_sent"_a = c.bytesSent,
+                  "bytes_received"_a = c.bytesReceived);
 }
 
 py::dict toPython(const PeerInfo& p) {
@@ -222,10 +226,11 @@ py::dict toPython(const PeerInfo& p) {
 py::dict toPython(const DebugInfo& info) {
   py::list peers;
   for (auto& p : info.peers) peers.append(toPython(p));
-  return py::dict("name"_a = info.name, "listening"_a = info.listening, "advertised"_a = info.advertised,
-                  "transports"_a = info.transports, "pending_calls"_a = info.pendingCalls,
-                  "unidentified_connections"_a = info.unidentifiedConnections, "functions"_a = info.functions,
-                  "peers"_a = peers);
+  return py::dict("name"_a = info.name, "listening"_a = info.listening,
+                  "advertised"_a = info.advertised, "transports"_a = info.transports,
+                  "pending_calls"_a = info.pendingCalls,
+                  "unidentified_connections"_a = info.unidentifiedConnections,
+                  "functions"_a = info.functions, "peers"_a = peers);
 }
 
 // The serialization functions of moolib.serialization, registered at import.
@@ -333,17 +338,21 @@ PYBIND11_MODULE(_core, m) {
 
   // Leaked: destroying it at exit would run after the interpreter is gone.
   static auto& rpcError = *new py::exception<RpcErrorTag>(m, "RpcError", PyExc_RuntimeError);
-  rpcError.doc() = "A call failed: timeout, unknown peer or function, or an exception in the remote function.";
+  rpcError.doc() =
+      "A call failed: timeout, unknown peer or function, or an exception in the remote function.";
 
   py::class_<PyFuture>(m, "Future", "The result of an asynchronous call, completed by the core.")
-      .def("done", [](const PyFuture& f) { return f.state->done(); }, "Whether the call has completed.")
+      .def(
+          "done", [](const PyFuture& f) { return f.state->done(); },
+          "Whether the call has completed.")
       .def("wait", &futureWait, py::arg("timeout") = py::none(),
            "Waits until the call completes; returns whether it did within timeout.")
       .def(
           "result",
           [](const PyFuture& f, py::object timeout) {
             if (!f.state->done() && !futureWait(f, timeout)) {
-              PyErr_SetString(PyExc_TimeoutError, "the call did not complete within the wait timeout");
+              PyErr_SetString(PyExc_TimeoutError,
+                              "the call did not complete within the wait timeout");
               throw py::error_already_set();
             }
             if (!f.state->error().empty()) {
@@ -353,21 +362,25 @@ PYBIND11_MODULE(_core, m) {
             return decodeSegments(f.state->result());
           },
           py::arg("timeout") = py::none(),
-          "Waits for the call and returns its result; raises RpcError if it failed, TimeoutError if timeout "
+          "Waits for the call and returns its result; raises RpcError if it failed, TimeoutError "
+          "if timeout "
           "seconds pass first (the call goes on).")
       .def(
           "exception",
           [](const PyFuture& f, py::object timeout) -> py::object {
             if (!f.state->done() && !futureWait(f, timeout)) {
-              PyErr_SetString(PyExc_TimeoutError, "the call did not complete within the wait timeout");
+              PyErr_SetString(PyExc_TimeoutError,
+                              "the call did not complete within the wait timeout");
               throw py::error_already_set();
             }
             if (f.state->error().empty()) return py::none();
             return py::handle(rpcError.ptr())(f.state->error());
           },
-          py::arg("timeout") = py::none(), "Waits for the call; returns its error as an RpcError, or None.")
-      .def("cancel", [](const PyFuture& f) { return f.state->cancel(); },
-           "Gives up on the call; returns False if it had already completed.")
+          py::arg("timeout") = py::none(),
+          "Waits for the call; returns its error as an RpcError, or None.")
+      .def(
+          "cancel", [](const PyFuture& f) { return f.state->cancel(); },
+          "Gives up on the call; returns False if it had already completed.")
       .def("cancelled", [](const PyFuture& f) { return f.state->cancelled(); })
       .def(
           "_segments",
@@ -383,7 +396,8 @@ PYBIND11_MODULE(_core, m) {
             auto me = holdObject(self);
             self.cast<PyFuture&>().state->onDone([held, me] {
               withPython([&] {
-                if (!callFromCore(held.get(), {py::handle(me.get())})) PyErr_WriteUnraisable(held.get());
+                if (!callFromCore(held.get(), {py::handle(me.get())}))
+                  PyErr_WriteUnraisable(held.get());
               });
             });
           },
@@ -404,7 +418,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("peer", &Responder::peer)
       .def_property_readonly("function", &Responder::function);
 
-  py::class_<Rpc, std::shared_ptr<Rpc>>(m, "Rpc", "The C++ peer; moolib.Rpc adds the Python-level API.")
+  py::class_<Rpc, std::shared_ptr<Rpc>>(m, "Rpc",
+                                        "The C++ peer; moolib.Rpc adds the Python-level API.")
       .def(py::init(&Rpc::create))
       .def("set_name", &Rpc::setName)
       .def("get_name", &Rpc::name)
@@ -417,40 +432,42 @@ PYBIND11_MODULE(_core, m) {
       .def("define",
            [](Rpc& rpc, const std::string& name, py::function fn) {
              auto held = holdObject(fn);
-             rpc.define(name, [held](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
-               withPython([&] {
-                 DeferredReleases::instance().drain();
-                 try {
-                   py::object reply;
-                   {
-                     py::object r = py::cast(responder);
-                     py::list segments = wrapSegments(args);
-                     args.clear();
-                     reply = callFromCore(held.get(), {r, segments});
-                   }
-                   if (!reply) throw py::error_already_set();
-                   // A handler may return (data, buffers) instead of replying
-                   // itself: the reply then goes out after the arguments are
-                   // released, so shared-memory segments are free for reuse
-                   // by the time the caller's next call needs one.
-                   if (!reply.is_none()) {
-                     auto tuple = reply.cast<py::tuple>();
-                     auto segs = exportSegments(tuple[0], tuple[1].cast<py::list>());
-                     responder->reply(std::move(segs));
-                   }
-                 } catch (py::error_already_set& e) {
-                   responder->error(e.what());
-                 } catch (const std::exception& e) {
-                   responder->error(e.what());
-                 }
-               });
-             });
+             rpc.define(name,
+                        [held](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
+                          withPython([&] {
+                            DeferredReleases::instance().drain();
+                            try {
+                              py::object reply;
+                              {
+                                py::object r = py::cast(responder);
+                                py::list segments = wrapSegments(args);
+                                args.clear();
+                                reply = callFromCore(held.get(), {r, segments});
+                              }
+                              if (!reply) throw py::error_already_set();
+                              // A handler may return (data, buffers) instead of replying
+                              // itself: the reply then goes out after the arguments are
+                              // released, so shared-memory segments are free for reuse
+                              // by the time the caller's next call needs one.
+                              if (!reply.is_none()) {
+                                auto tuple = reply.cast<py::tuple>();
+                                auto segs = exportSegments(tuple[0], tuple[1].cast<py::list>());
+                                responder->reply(std::move(segs));
+                              }
+                            } catch (py::error_already_set& e) {
+                              responder->error(e.what());
+                            } catch (const std::exception& e) {
+                              responder->error(e.what());
+                            }
+                          });
+                        });
            })
       .def("undefine", &Rpc::undefine, py::call_guard<GilRelease>())
       .def("async_", &callWithArgs, "Calls fn on peer; returns a Future for the result.")
       .def(
           "sync",
-          [](Rpc& rpc, const std::string& peer, const std::string& function, py::args args, py::kwargs kwargs) {
+          [](Rpc& rpc, const std::string& peer, const std::string& function, py::args args,
+             py::kwargs kwargs) {
             PyFuture f = callWithArgs(rpc, peer, function, std::move(args), std::move(kwargs));
             futureWait(f, py::none());
             if (!f.state->error().empty()) {
@@ -493,5 +510,6 @@ PYBIND11_MODULE(_core, m) {
         codec().dumps = std::move(dumps);
         codec().loads = std::move(loads);
       },
-      "Registers dumps(obj) -> (bytes, [buffers]) and loads(data, buffers) for calls made from C++.");
+      "Registers dumps(obj) -> (bytes, [buffers]) and loads(data, buffers) for calls made from "
+      "C++.");
 }

@@ -2,9 +2,8 @@
 // marshalling of futures and buffers. See bindings.cc.
 #pragma once
 
-#include <pybind11/pybind11.h>
-
 #include <cxxabi.h>
+#include <pybind11/pybind11.h>
 
 #include "buffer.h"
 #include "future.h"

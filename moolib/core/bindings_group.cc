@@ -29,28 +29,36 @@ std::vector<TypedBuffer> typedBuffers(const py::list& items) {
 }  // namespace
 
 void bindGroup(py::module_& m) {
-  py::class_<Broker, std::shared_ptr<Broker>>(m, "Broker", "The broker service on an Rpc; see moolib.Broker.")
-      .def(py::init([](std::shared_ptr<Rpc> rpc) { return std::make_shared<Broker>(std::move(rpc)); }),
+  py::class_<Broker, std::shared_ptr<Broker>>(m, "Broker",
+                                              "The broker service on an Rpc; see moolib.Broker.")
+      .def(py::init(
+               [](std::shared_ptr<Rpc> rpc) { return std::make_shared<Broker>(std::move(rpc)); }),
            py::arg("rpc"))
-      .def("update", &Broker::update, py::call_guard<GilRelease>(), "Drops members that missed their timeout.")
+      .def("update", &Broker::update, py::call_guard<GilRelease>(),
+           "Drops members that missed their timeout.")
       .def(
           "groups",
           [](Broker& b) {
             py::dict out;
             for (auto& [name, reply] : b.groups()) {
-              out[py::str(name)] = py::dict("sync_id"_a = reply.syncId, "members"_a = reply.members);
+              out[py::str(name)] =
+                  py::dict("sync_id"_a = reply.syncId, "members"_a = reply.members);
             }
             return out;
           },
           "{group name: {'sync_id': int, 'members': [names]}}");
 
-  py::class_<Group, std::shared_ptr<Group>>(m, "Group", "Group membership and collectives; see moolib.Group.")
-      .def(py::init([](std::shared_ptr<Rpc> rpc, const std::string& name) { return Group::create(std::move(rpc), name); }),
+  py::class_<Group, std::shared_ptr<Group>>(m, "Group",
+                                            "Group membership and collectives; see moolib.Group.")
+      .def(py::init([](std::shared_ptr<Rpc> rpc, const std::string& name) {
+             return Group::create(std::move(rpc), name);
+           }),
            py::arg("rpc"), py::arg("name"))
       .def("update", &Group::update, "Returns True once after each membership change.")
       .def("members", &Group::members, "Member names, the same list on every member.")
       .def("sync_id", &Group::syncId, "Changes whenever membership does.")
-      .def("active", &Group::active, "Whether this peer is a member of the group as the broker last said.")
+      .def("active", &Group::active,
+           "Whether this peer is a member of the group as the broker last said.")
       .def("name", &Group::name)
       .def("set_timeout", &Group::setTimeout, py::arg("seconds"),
            "A member silent this long is dropped (also: how long the broker may be unreachable).")

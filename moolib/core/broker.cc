@@ -18,6 +18,7 @@ std::string BrokerRequest::encode() const {
   w.str(group);
   w.u64(uint64_t(sortOrder));
   w.f64(timeoutSeconds);
+  w.str(shmKey);
   return w.take();
 }
 
@@ -28,7 +29,9 @@ BrokerRequest BrokerRequest::decode(std::string_view data) {
   q.group = r.str(1024);
   q.sortOrder = int64_t(r.u64());
   q.timeoutSeconds = r.f64();
-  if (q.kind != kPing && q.kind != kLeave) throw WireError(concat("unknown broker request kind ", int(q.kind)));
+  q.shmKey = r.str(1024);
+  if (q.kind != kPing && q.kind != kLeave)
+    throw WireError(concat("unknown broker request kind ", int(q.kind)));
   if (q.group.empty()) throw WireError("broker request names no group");
   if (!(q.timeoutSeconds > 0 && q.timeoutSeconds < 1e7)) {
     throw WireError(concat("broker request has an invalid timeout ", q.timeoutSeconds));
@@ -40,6 +43,7 @@ std::string BrokerReply::encode() const {
   Writer w;
   w.u64(syncId);
   w.strings(members);
+  w.strings(shmKeys);
   return w.take();
 }
 
@@ -48,6 +52,9 @@ BrokerReply BrokerReply::decode(std::string_view data) {
   BrokerReply b;
   b.syncId = r.u64();
   b.members = r.strings(kMaxMembers);
+  b.shmKeys = r.strings(kMaxMembers);
+  if (b.shmKeys.size() != b.members.size())
+    throw WireError("broker reply: one shm key per member expected");
   return b;
 }
 
@@ -58,6 +65,7 @@ struct Broker::State {
     uint64_t joinSeq;
     TimePoint lastSeen;
     double timeoutSeconds;
+    std::string shmKey;
   };
   struct Group {
     std::vector<Member> members;  // kept ordered by (sortOrder, joinSeq)
@@ -86,7 +94,8 @@ struct Broker::State {
         changed = true;
       }
     }
-    if (changed) g.members.erase(std::remove_if(g.members.begin(), g.members.end(), dead), g.members.end());
+    if (changed)
+      g.members.erase(std::remove_if(g.members.begin(), g.members.end(), dead), g.members.end());
     return changed;
   }
 
@@ -95,7 +104,8 @@ struct Broker::State {
     auto now = Clock::now();
     Group& g = groups[q.group];
     bool changed = expire(q.group, g, now);
-    auto it = std::find_if(g.members.begin(), g.members.end(), [&](const Member& m) { return m.name == peer; });
+    auto it = std::find_if(g.members.begin(), g.members.end(),
+                           [&](const Member& m) { return m.name == peer; });
     if (q.kind == BrokerRequest::kLeave) {
       if (it != g.members.end()) {
         MOO_LOG(kInfo, "broker: '", peer, "' left group '", q.group, "'");
@@ -105,13 +115,14 @@ struct Broker::State {
     } else if (it == g.members.end()) {
       MOO_ENFORCE(g.members.size() < kMaxMembers, "group '", q.group, "' is full");
       MOO_LOG(kInfo, "broker: '", peer, "' joined group '", q.group, "'");
-      g.members.push_back({peer, q.sortOrder, nextJoinSeq++, now, q.timeoutSeconds});
+      g.members.push_back({peer, q.sortOrder, nextJoinSeq++, now, q.timeoutSeconds, q.shmKey});
       changed = true;
     } else {
       it->lastSeen = now;
       it->timeoutSeconds = q.timeoutSeconds;
-      if (it->sortOrder != q.sortOrder) {
+      if (it->sortOrder != q.sortOrder || it->shmKey != q.shmKey) {
         it->sortOrder = q.sortOrder;
+        it->shmKey = q.shmKey;
         changed = true;
       }
     }
@@ -119,8 +130,12 @@ struct Broker::State {
       order(g);
       g.syncId = randomU64();
     }
-    BrokerReply reply{g.syncId, {}};
-    for (auto& m : g.members) reply.members.push_back(m.name);
+    BrokerReply reply;
+    reply.syncId = g.syncId;
+    for (auto& m : g.members) {
+      reply.members.push_back(m.name);
+      reply.shmKeys.push_back(m.shmKey);
+    }
     if (g.members.empty()) groups.erase(q.group);
     return reply;
   }
@@ -128,7 +143,8 @@ struct Broker::State {
 
 Broker::Broker(std::shared_ptr<Rpc> rpc) : rpc_(std::move(rpc)), state_(std::make_shared<State>()) {
   std::weak_ptr<State> weak = state_;
-  rpc_->define(kBrokerFunction, [weak](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
+  rpc_->define(kBrokerFunction, [weak](std::shared_ptr<Responder> responder,
+                                       std::vector<BufferPtr> args) {
     auto state = weak.lock();
     if (!state) return responder->error("the broker is closed");
     if (args.empty()) return responder->error("empty broker request");
@@ -140,7 +156,8 @@ Broker::Broker(std::shared_ptr<Rpc> rpc) : rpc_(std::move(rpc)), state_(std::mak
       return responder->error(concat("malformed broker request: ", e.what()));
     }
     auto encoded = std::make_shared<std::string>(state->handle(responder->peer(), q).encode());
-    responder->reply({OutSegment{reinterpret_cast<const uint8_t*>(encoded->data()), encoded->size(), encoded}});
+    responder->reply(
+        {OutSegment{reinterpret_cast<const uint8_t*>(encoded->data()), encoded->size(), encoded}});
   });
 }
 
@@ -171,7 +188,10 @@ std::map<std::string, BrokerReply> Broker::groups() {
   for (auto& [name, g] : state_->groups) {
     auto& r = out[name];
     r.syncId = g.syncId;
-    for (auto& m : g.members) r.members.push_back(m.name);
+    for (auto& m : g.members) {
+      r.members.push_back(m.name);
+      r.shmKeys.push_back(m.shmKey);
+    }
   }
   return out;
 }

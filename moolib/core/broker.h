@@ -25,6 +25,8 @@ struct BrokerRequest {
   std::string group;
   int64_t sortOrder = 0;
   double timeoutSeconds = 10;
+  // Members with equal non-empty keys can share memory (see shm_region.h).
+  std::string shmKey;
   std::string encode() const;
   static BrokerRequest decode(std::string_view data);
 };
@@ -32,6 +34,7 @@ struct BrokerRequest {
 struct BrokerReply {
   uint64_t syncId = 0;
   std::vector<std::string> members;
+  std::vector<std::string> shmKeys;  // one per member
   std::string encode() const;
   static BrokerReply decode(std::string_view data);
 };

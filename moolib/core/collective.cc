@@ -34,6 +34,10 @@ std::string CollectiveMessage::encode() const {
   w.u8(dtype);
   w.u64(bufferBytes);
   w.str(error);
+  w.u64(region.id);
+  w.u32(region.pid);
+  w.u32(region.fd);
+  w.u64(region.bytes);
   return w.take();
 }
 
@@ -56,10 +60,18 @@ CollectiveMessage CollectiveMessage::decode(std::string_view data) {
   m.dtype = r.u8();
   m.bufferBytes = r.u64();
   m.error = r.str(64 << 10);
-  if (m.kind != kData && m.kind != kAbort) throw WireError(concat("unknown collective message kind ", int(m.kind)));
-  if (m.mode != kSum && m.mode != kGather) throw WireError(concat("unknown collective mode ", int(m.mode)));
-  if (m.phase < kDirect || m.phase > kAllGather) throw WireError(concat("unknown collective phase ", int(m.phase)));
-  if (m.dtype >= uint8_t(DType::kCount)) throw WireError(concat("unknown element type ", int(m.dtype)));
+  m.region.id = r.u64();
+  m.region.pid = r.u32();
+  m.region.fd = r.u32();
+  m.region.bytes = r.u64();
+  if (m.kind != kData && m.kind != kAbort)
+    throw WireError(concat("unknown collective message kind ", int(m.kind)));
+  if (m.mode != kSum && m.mode != kGather)
+    throw WireError(concat("unknown collective mode ", int(m.mode)));
+  if (m.phase < kDirect || m.phase > kShmDone)
+    throw WireError(concat("unknown collective phase ", int(m.phase)));
+  if (m.dtype >= uint8_t(DType::kCount))
+    throw WireError(concat("unknown element type ", int(m.dtype)));
   return m;
 }
 
@@ -73,33 +85,61 @@ std::pair<size_t, size_t> Collective::Ring::chunkRange(size_t segment, size_t ch
   return {begin, std::min(begin + chunkElements, segmentBegin[segment + 1])};
 }
 
-Collective::Collective(OpKey key, std::vector<std::string> members, size_t self, std::vector<TypedBuffer> buffers,
+Collective::Collective(OpKey key, std::vector<std::string> members, size_t self,
+                       std::vector<TypedBuffer> buffers, std::shared_ptr<RegionCache> regions,
                        SendFn send)
-    : key_(std::move(key)), members_(std::move(members)), self_(self), n_(members_.size()),
-      mode_(CollectiveMessage::kSum), buffers_(std::move(buffers)), sendFn_(std::move(send)) {
+    : key_(std::move(key)),
+      members_(std::move(members)),
+      self_(self),
+      n_(members_.size()),
+      mode_(CollectiveMessage::kSum),
+      buffers_(std::move(buffers)),
+      sendFn_(std::move(send)),
+      regions_(std::move(regions)) {
   MOO_ENFORCE(self_ < n_, "this peer is not a member");
-  for (auto& b : buffers_) {
-    size_t e = dtypeSize(b.dtype);
-    MOO_ENFORCE(b.bytes % e == 0, "buffer of ", b.bytes, " bytes is not a whole number of ", dtypeName(b.dtype));
-    bool direct = b.bytes <= kDirectMaxBytes && n_ <= kDirectMaxMembers;
-    direct_.push_back(direct);
+  uint64_t layout = 1469598103934665603ull;  // FNV-1a over what must match
+  auto mix = [&](uint64_t v) { layout = (layout ^ v) * 1099511628211ull; };
+  mix(n_);
+  for (size_t b = 0; b != buffers_.size(); ++b) {
+    auto& buf = buffers_[b];
+    size_t e = dtypeSize(buf.dtype);
+    MOO_ENFORCE(buf.bytes % e == 0, "buffer of ", buf.bytes, " bytes is not a whole number of ",
+                dtypeName(buf.dtype));
+    bool small = buf.bytes <= kDirectMaxBytes && n_ <= kDirectMaxMembers;
+    Algorithm algo = small ? kDirectAlgo : regions_ && n_ > 1 ? kShmAlgo : kRingAlgo;
+    algo_.push_back(algo);
+    shmOffset_.push_back(shmBytes_);
+    if (algo == kShmAlgo) {
+      hasShm_ = true;
+      shmBytes_ += (buf.bytes + 63) / 64 * 64;
+      mix(b);
+      mix(buf.bytes);
+      mix(uint64_t(buf.dtype));
+    }
     Ring ring;
-    if (!direct) {
-      size_t count = b.bytes / e;
+    if (algo == kRingAlgo) {
+      size_t count = buf.bytes / e;
       ring.elementSize = e;
       ring.chunkElements = std::max<size_t>(1, kChunkBytes / e);
       for (size_t g = 0; g <= n_; ++g) ring.segmentBegin.push_back(count * g / n_);
     }
     rings_.push_back(std::move(ring));
   }
+  shmLayout_ = layout;
+  peerRegions_.resize(n_);
   contributions_.assign(buffers_.size(), std::vector<BufferPtr>(n_));
   initCounts();
 }
 
-Collective::Collective(OpKey key, std::vector<std::string> members, size_t self, std::vector<OutSegment> segments,
-                       SendFn send)
-    : key_(std::move(key)), members_(std::move(members)), self_(self), n_(members_.size()),
-      mode_(CollectiveMessage::kGather), gatherSegments_(std::move(segments)), sendFn_(std::move(send)) {
+Collective::Collective(OpKey key, std::vector<std::string> members, size_t self,
+                       std::vector<OutSegment> segments, SendFn send)
+    : key_(std::move(key)),
+      members_(std::move(members)),
+      self_(self),
+      n_(members_.size()),
+      mode_(CollectiveMessage::kGather),
+      gatherSegments_(std::move(segments)),
+      sendFn_(std::move(send)) {
   MOO_ENFORCE(self_ < n_, "this peer is not a member");
   MOO_ENFORCE(!gatherSegments_.empty(), "an all-gather needs at least one segment");
   gathered_.resize(n_);
@@ -112,8 +152,15 @@ void Collective::initCounts() {
     expectedReceives_ = expectedSends_ = n_ - 1;
     return;
   }
+  if (hasShm_) {
+    // ready and reduced, to and from every other member; "done" messages
+    // only retire the op (see onShm) and are not waited for here.
+    expectedReceives_ += 2 * (n_ - 1);
+    expectedSends_ += 2 * (n_ - 1);
+  }
   for (size_t b = 0; b != buffers_.size(); ++b) {
-    if (direct_[b]) {
+    if (algo_[b] == kShmAlgo) continue;
+    if (algo_[b] == kDirectAlgo) {
       expectedReceives_ += n_ - 1;
       expectedSends_ += n_ - 1;
       continue;
@@ -155,8 +202,28 @@ void Collective::start() {
       if (dest != self_) send(dest, m, gatherSegments_);
     }
   } else {
+    if (hasShm_) {
+      std::shared_ptr<OwnRegion> own;
+      try {
+        own = regions_->acquire(shmBytes_);
+      } catch (const std::exception& e) {
+        return fail(concat(describe(), " failed: ", e.what()), true);
+      }
+      for (size_t b = 0; b != buffers_.size(); ++b) {
+        if (algo_[b] == kShmAlgo)
+          std::memcpy(own->data() + shmOffset_[b], buffers_[b].data, buffers_[b].bytes);
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (finished_) return;
+        ownRegion_ = own;
+        copiedIn_ = true;
+      }
+      sendShm(CollectiveMessage::kShmReady, own->ref());
+    }
     for (size_t b = 0; b != buffers_.size(); ++b) {
-      if (direct_[b]) {
+      if (algo_[b] == kShmAlgo) continue;
+      if (algo_[b] == kDirectAlgo) {
         CollectiveMessage d = m;
         d.numBuffers = uint32_t(buffers_.size());
         d.buffer = uint32_t(b);
@@ -168,15 +235,169 @@ void Collective::start() {
         }
         continue;
       }
-      for (size_t c = 0; c != rings_[b].chunks(self_); ++c) sendChunk(CollectiveMessage::kReduceScatter, b, 0, self_, c);
+      for (size_t c = 0; c != rings_[b].chunks(self_); ++c)
+        sendChunk(CollectiveMessage::kReduceScatter, b, 0, self_, c);
     }
   }
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (!finished_ && received_ == expectedReceives_ && sent_ == expectedSends_ && acked_ == expectedSends_) {
-    finished_ = true;
-    lock.unlock();
-    finish();
+  if (hasShm_) maybeShmReduce();
+  checkDone();
+}
+
+void Collective::sendShm(uint8_t phase, const RegionRef& region) {
+  CollectiveMessage m;
+  m.key = key_;
+  m.mode = mode_;
+  m.phase = phase;
+  m.source = uint32_t(self_);
+  m.numMembers = uint32_t(n_);
+  m.numBuffers = uint32_t(buffers_.size());
+  m.bufferBytes = shmLayout_;
+  m.region = region;
+  for (size_t dest = 0; dest != n_; ++dest) {
+    if (dest == self_) continue;
+    if (phase == CollectiveMessage::kShmDone) {
+      sendFn_(members_[dest], m.encode(), {}, [](const std::string&) {});
+    } else {
+      send(dest, m, {});
+    }
   }
+}
+
+std::pair<size_t, size_t> Collective::slice(size_t buffer, size_t member) const {
+  size_t count = buffers_[buffer].bytes / dtypeSize(buffers_[buffer].dtype);
+  return {count * member / n_, count * (member + 1) / n_};
+}
+
+void Collective::onShm(const CollectiveMessage& m) {
+  if (m.phase == CollectiveMessage::kShmReady) {
+    std::shared_ptr<PeerRegion> region;
+    try {
+      MOO_ENFORCE(m.region.bytes >= shmBytes_, "its region is smaller than the data");
+      region = regions_->map(m.region);
+    } catch (const std::exception& e) {
+      return fail(concat(describe(), " failed: cannot share memory with member '",
+                         members_[m.source], "': ", e.what()),
+                  true);
+    }
+    bool duplicate;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      duplicate = peerRegions_[m.source] != nullptr;
+      if (!duplicate) {
+        peerRegions_[m.source] = std::move(region);
+        ++shmReady_;
+      }
+    }
+    if (duplicate)
+      return fail(concat(describe(), " failed: member '", members_[m.source], "' is ready twice"),
+                  true);
+    maybeShmReduce();
+  } else if (m.phase == CollectiveMessage::kShmReduced) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++shmReduced_;
+    }
+    maybeShmGather();
+  } else {
+    bool retire;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      retire = ++shmDone_ == n_ - 1 && finished_;
+    }
+    if (retire) this->retire();
+    return;
+  }
+  received();
+}
+
+void Collective::retire() {
+  std::shared_ptr<OwnRegion> own;
+  std::function<void()> onRetired;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (retired_) return;
+    retired_ = true;
+    own = std::move(ownRegion_);
+    peerRegions_.assign(n_, nullptr);
+    onRetired = std::move(onRetired_);
+  }
+  // Every member said it is done reading this region: it can be reused.
+  if (own && !failed_) regions_->release(std::move(own));
+  if (onRetired) onRetired();
+}
+
+void Collective::setOnRetired(std::function<void()> fn) {
+  bool now;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    now = retired_;
+    if (!now) onRetired_ = std::move(fn);
+  }
+  if (now) fn();
+}
+
+void Collective::maybeShmReduce() {
+  std::shared_ptr<OwnRegion> own;
+  std::vector<std::shared_ptr<PeerRegion>> peers;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ || reduceStarted_ || !copiedIn_ || shmReady_ != n_ - 1) return;
+    reduceStarted_ = true;
+    own = ownRegion_;
+    peers = peerRegions_;
+  }
+  // This member's slice of every buffer: the sum of every member's, read in
+  // place, block by block so the running sum stays in cache.
+  constexpr size_t kBlock = 32 << 10;
+  for (size_t b = 0; b != buffers_.size(); ++b) {
+    if (algo_[b] != kShmAlgo) continue;
+    size_t e = dtypeSize(buffers_[b].dtype);
+    auto [begin, end] = slice(b, self_);
+    size_t offset = shmOffset_[b] + begin * e;
+    size_t bytes = (end - begin) * e;
+    size_t step = kBlock / e * e;
+    for (size_t at = 0; at < bytes; at += step) {
+      size_t n = std::min(step, bytes - at);
+      uint8_t* dst = own->data() + offset + at;
+      for (size_t i = 0; i != n_; ++i) {
+        if (i != self_) sumInto(buffers_[b].dtype, dst, peers[i]->data() + offset + at, n / e);
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reducedHere_ = true;
+  }
+  sendShm(CollectiveMessage::kShmReduced, {});
+  maybeShmGather();
+}
+
+void Collective::maybeShmGather() {
+  std::shared_ptr<OwnRegion> own;
+  std::vector<std::shared_ptr<PeerRegion>> peers;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ || gatherStarted_ || !reducedHere_ || shmReduced_ != n_ - 1) return;
+    gatherStarted_ = true;
+    own = ownRegion_;
+    peers = peerRegions_;
+  }
+  for (size_t b = 0; b != buffers_.size(); ++b) {
+    if (algo_[b] != kShmAlgo) continue;
+    size_t e = dtypeSize(buffers_[b].dtype);
+    for (size_t i = 0; i != n_; ++i) {
+      auto [begin, end] = slice(b, i);
+      const uint8_t* src =
+          (i == self_ ? own->data() : peers[i]->data()) + shmOffset_[b] + begin * e;
+      std::memcpy(buffers_[b].data + begin * e, src, (end - begin) * e);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    gatheredHere_ = true;
+  }
+  sendShm(CollectiveMessage::kShmDone, {});
+  checkDone();
 }
 
 void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> data) {
@@ -191,7 +412,9 @@ void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> 
     auto self = weak.lock();
     if (!self) return;
     if (!error.empty()) {
-      return self->fail(concat(self->describe(), " failed: member '", peer, "' did not take its data: ", error), true);
+      return self->fail(
+          concat(self->describe(), " failed: member '", peer, "' did not take its data: ", error),
+          true);
     }
     {
       std::lock_guard<std::mutex> lock(self->mutex_);
@@ -201,7 +424,8 @@ void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> 
   });
 }
 
-void Collective::sendChunk(uint8_t phase, size_t buffer, size_t step, size_t segment, size_t chunk) {
+void Collective::sendChunk(uint8_t phase, size_t buffer, size_t step, size_t segment,
+                           size_t chunk) {
   CollectiveMessage m;
   m.key = key_;
   m.mode = mode_;
@@ -219,17 +443,19 @@ void Collective::sendChunk(uint8_t phase, size_t buffer, size_t step, size_t seg
   send(right(), m, {view(buffer, begin, end)});
 }
 
-void Collective::onMessage(const std::string& from, const CollectiveMessage& m, std::vector<BufferPtr> data) {
+void Collective::onMessage(const std::string& from, const CollectiveMessage& m,
+                           std::vector<BufferPtr> data) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (finished_) return;
+    if (retired_ || (finished_ && m.phase != CollectiveMessage::kShmDone)) return;
   }
   if (m.kind == CollectiveMessage::kAbort) {
     if (std::find(members_.begin(), members_.end(), from) == members_.end()) return;
     return fail(concat(describe(), " failed on member '", from, "': ", m.error), false);
   }
   if (m.source >= n_ || members_[m.source] != from) {
-    return fail(concat(describe(), " failed: a message from '", from, "' claims to come from member ", m.source),
+    return fail(concat(describe(), " failed: a message from '", from,
+                       "' claims to come from member ", m.source),
                 true);
   }
   if (m.numMembers != n_ || m.mode != mode_) {
@@ -240,20 +466,31 @@ void Collective::onMessage(const std::string& from, const CollectiveMessage& m, 
   if (mode_ == CollectiveMessage::kGather) {
     return onDirect(m, std::move(data));
   }
+  if (m.phase >= CollectiveMessage::kShmReady) {
+    if (!hasShm_ || m.numBuffers != buffers_.size() || m.bufferBytes != shmLayout_) {
+      return fail(concat(describe(), " failed: members passed different data (member '", from,
+                         "' has another number, size or type of buffers)"),
+                  true);
+    }
+    return onShm(m);
+  }
   if (m.numBuffers != buffers_.size() || m.buffer >= buffers_.size() ||
       m.dtype != uint8_t(buffers_[m.buffer].dtype) || m.bufferBytes != buffers_[m.buffer].bytes) {
     auto mine = m.buffer < buffers_.size() ? concat(buffers_[m.buffer].bytes, " bytes of ",
                                                     dtypeName(buffers_[m.buffer].dtype))
                                            : std::string("nothing");
-    return fail(concat(describe(), " failed: members passed different data: member '", from, "' has ",
-                       m.numBuffers, " buffer(s), buffer ", m.buffer, " being ", m.bufferBytes, " bytes of ",
-                       dtypeName(DType(m.dtype)), ", where this member has ", buffers_.size(),
-                       " buffer(s), that one being ", mine),
-                true);
+    return fail(
+        concat(describe(), " failed: members passed different data: member '", from, "' has ",
+               m.numBuffers, " buffer(s), buffer ", m.buffer, " being ", m.bufferBytes,
+               " bytes of ", dtypeName(DType(m.dtype)), ", where this member has ", buffers_.size(),
+               " buffer(s), that one being ", mine),
+        true);
   }
   bool wantDirect = m.phase == CollectiveMessage::kDirect;
-  if (wantDirect != bool(direct_[m.buffer]) || data.size() != 1) {
-    return fail(concat(describe(), " failed: member '", from, "' sent an unexpected message"), true);
+  if (wantDirect != (algo_[m.buffer] == kDirectAlgo) || algo_[m.buffer] == kShmAlgo ||
+      data.size() != 1) {
+    return fail(concat(describe(), " failed: member '", from, "' sent an unexpected message"),
+                true);
   }
   if (wantDirect) return onDirect(m, std::move(data));
   onRing(m, data[0]);
@@ -273,7 +510,8 @@ void Collective::onDirect(const CollectiveMessage& m, std::vector<BufferPtr> dat
     }
   }
   if (!ok) {
-    return fail(concat(describe(), " failed: member '", members_[m.source], "' sent a duplicate or malformed part"),
+    return fail(concat(describe(), " failed: member '", members_[m.source],
+                       "' sent a duplicate or malformed part"),
                 true);
   }
   received();
@@ -285,16 +523,17 @@ void Collective::onRing(const CollectiveMessage& m, const BufferPtr& data) {
   int64_t step = m.step, me = int64_t(self_);
   bool scatter = m.phase == CollectiveMessage::kReduceScatter;
   size_t want = scatter ? mod(me - 1 - step) : mod(me - step);
-  bool ok = m.step + 1 < n_ && m.source == left() && m.segment == want && m.chunk < ring.chunks(want);
+  bool ok =
+      m.step + 1 < n_ && m.source == left() && m.segment == want && m.chunk < ring.chunks(want);
   size_t begin = 0, end = 0;
   if (ok) {
     std::tie(begin, end) = ring.chunkRange(m.segment, m.chunk);
     ok = data->size() == (end - begin) * ring.elementSize;
   }
   if (!ok) {
-    return fail(concat(describe(), " failed: member '", members_[m.source], "' sent an unexpected part (phase ",
-                       int(m.phase), " step ", m.step, " segment ", m.segment, " chunk ", m.chunk, ", ",
-                       data->size(), " bytes)"),
+    return fail(concat(describe(), " failed: member '", members_[m.source],
+                       "' sent an unexpected part (phase ", int(m.phase), " step ", m.step,
+                       " segment ", m.segment, " chunk ", m.chunk, ", ", data->size(), " bytes)"),
                 true);
   }
   uint8_t* dst = b.data + begin * ring.elementSize;
@@ -326,7 +565,10 @@ void Collective::received() {
 void Collective::checkDone() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (finished_ || received_ != expectedReceives_ || sent_ != expectedSends_ || acked_ != expectedSends_) return;
+    if (finished_ || received_ != expectedReceives_ || sent_ != expectedSends_ ||
+        acked_ != expectedSends_)
+      return;
+    if (hasShm_ && n_ > 1 && !gatheredHere_) return;
     finished_ = true;
   }
   finish();
@@ -346,15 +588,17 @@ void Collective::finish() {
       }
     }
     std::string meta = counts.take();
-    out[0] = copyToBuffer(OutSegment{reinterpret_cast<const uint8_t*>(meta.data()), meta.size(), nullptr});
+    out[0] = copyToBuffer(
+        OutSegment{reinterpret_cast<const uint8_t*>(meta.data()), meta.size(), nullptr});
     gathered_.clear();
     future_->setResult(std::move(out));
+    retire();
     return;
   }
   // Direct buffers: every member adds the contributions in member order, so
   // every member gets the same bits.
   for (size_t b = 0; b != buffers_.size(); ++b) {
-    if (!direct_[b] || n_ == 1) continue;
+    if (algo_[b] != kDirectAlgo || n_ == 1) continue;
     auto& buf = buffers_[b];
     size_t count = buf.bytes / dtypeSize(buf.dtype);
     auto part = [&](size_t i) { return i == self_ ? buf.data : contributions_[b][i]->data(); };
@@ -363,7 +607,13 @@ void Collective::finish() {
     std::memcpy(buf.data, sum.data(), buf.bytes);
   }
   contributions_.clear();
+  bool retireNow;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    retireNow = !hasShm_ || n_ == 1 || shmDone_ == n_ - 1;
+  }
   future_->setResult({});
+  if (retireNow) retire();
 }
 
 void Collective::fail(const std::string& error, bool broadcast) {
@@ -371,6 +621,8 @@ void Collective::fail(const std::string& error, bool broadcast) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (finished_) return;
     finished_ = true;
+    // A member may still read our region: it is dropped, never reused.
+    failed_ = true;
   }
   MOO_LOG(kVerbose, error);
   if (broadcast && n_ > 1) {
@@ -387,6 +639,7 @@ void Collective::fail(const std::string& error, bool broadcast) {
     }
   }
   future_->setError(error);
+  retire();
 }
 
 }  // namespace moolib

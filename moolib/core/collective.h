@@ -10,6 +10,12 @@
 //   reduced (pipelined), so each member sends and receives about 2(N-1)/N of
 //   the buffer and the final value of each segment is computed by one member
 //   and copied to the others.
+// - when every member is on this host (and allows shared memory), large
+//   buffers go through shared memory instead: each member copies its data
+//   into a region of its own, sums its 1/N slice straight from every
+//   member's region, and copies the summed slices of the others into its
+//   result; three rounds of tiny messages order the steps (ready, reduced,
+//   done), and no data goes through a socket.
 // All-gather (used for custom reduce ops, which run in Python) sends every
 // member's opaque segments to every other member.
 //
@@ -29,6 +35,7 @@
 #include "future.h"
 #include "reduce.h"
 #include "rpc.h"
+#include "shm_region.h"
 
 namespace moolib {
 
@@ -53,12 +60,19 @@ struct TypedBuffer {
 struct CollectiveMessage {
   enum Kind : uint8_t { kData = 1, kAbort = 2 };
   enum Mode : uint8_t { kSum = 1, kGather = 2 };
-  enum Phase : uint8_t { kDirect = 1, kReduceScatter = 2, kAllGather = 3 };
+  enum Phase : uint8_t {
+    kDirect = 1,
+    kReduceScatter = 2,
+    kAllGather = 3,
+    kShmReady = 4,
+    kShmReduced = 5,
+    kShmDone = 6
+  };
   uint8_t kind = kData;
   OpKey key;
   uint8_t mode = kSum;
   uint8_t phase = kDirect;
-  uint32_t source = 0;      // the sender's index in the member list
+  uint32_t source = 0;  // the sender's index in the member list
   uint32_t numMembers = 0;
   uint32_t numBuffers = 0;  // sum: buffers in the op; gather: the sender's segments
   uint32_t buffer = 0;
@@ -68,6 +82,7 @@ struct CollectiveMessage {
   uint8_t dtype = 0;
   uint64_t bufferBytes = 0;
   std::string error;  // kAbort
+  RegionRef region;   // kShmReady
   std::string encode() const;
   static CollectiveMessage decode(std::string_view data);
 };
@@ -76,16 +91,18 @@ class Collective : public std::enable_shared_from_this<Collective> {
  public:
   // Sends meta + data to a member; onAck(error) runs once it was taken
   // (error empty) or could not be delivered.
-  using SendFn = std::function<void(const std::string& peer, std::string meta, std::vector<OutSegment> data,
-                                    std::function<void(const std::string& error)> onAck)>;
+  using SendFn =
+      std::function<void(const std::string& peer, std::string meta, std::vector<OutSegment> data,
+                         std::function<void(const std::string& error)> onAck)>;
 
-  // A sum all-reduce of buffers (each reduced in place).
-  Collective(OpKey key, std::vector<std::string> members, size_t self, std::vector<TypedBuffer> buffers,
-             SendFn send);
+  // A sum all-reduce of buffers (each reduced in place). With regions (all
+  // members on one host), large buffers go through shared memory.
+  Collective(OpKey key, std::vector<std::string> members, size_t self,
+             std::vector<TypedBuffer> buffers, std::shared_ptr<RegionCache> regions, SendFn send);
   // An all-gather of opaque segments. The result is segment 0 (u32 count per
   // member) followed by every member's segments in member order.
-  Collective(OpKey key, std::vector<std::string> members, size_t self, std::vector<OutSegment> segments,
-             SendFn send);
+  Collective(OpKey key, std::vector<std::string> members, size_t self,
+             std::vector<OutSegment> segments, SendFn send);
 
   const OpKey& key() const { return key_; }
   FuturePtr future() const { return future_; }
@@ -95,6 +112,8 @@ class Collective : public std::enable_shared_from_this<Collective> {
   // Fails the op here; with broadcast, tells every other member to fail it too.
   void fail(const std::string& error, bool broadcast);
   std::string describe() const;
+  // fn runs once no message for this op can come any more (at once if so).
+  void setOnRetired(std::function<void()> fn);
 
  private:
   struct Ring {
@@ -102,7 +121,8 @@ class Collective : public std::enable_shared_from_this<Collective> {
     size_t chunkElements = 1;
     std::vector<size_t> segmentBegin;  // N+1 element offsets
     size_t chunks(size_t segment) const;
-    std::pair<size_t, size_t> chunkRange(size_t segment, size_t chunk) const;  // element [begin, end)
+    std::pair<size_t, size_t> chunkRange(size_t segment,
+                                         size_t chunk) const;  // element [begin, end)
   };
 
   void initCounts();
@@ -110,9 +130,15 @@ class Collective : public std::enable_shared_from_this<Collective> {
   void sendChunk(uint8_t phase, size_t buffer, size_t step, size_t segment, size_t chunk);
   void onRing(const CollectiveMessage& m, const BufferPtr& data);
   void onDirect(const CollectiveMessage& m, std::vector<BufferPtr> data);
+  void onShm(const CollectiveMessage& m);
+  void sendShm(uint8_t phase, const RegionRef& region);
+  void maybeShmReduce();
+  void maybeShmGather();
+  std::pair<size_t, size_t> slice(size_t buffer, size_t member) const;  // element [begin, end)
   void received();
   void checkDone();
   void finish();
+  void retire();
   OutSegment view(size_t buffer, size_t begin, size_t end) const;
   size_t left() const { return (self_ + n_ - 1) % n_; }
   size_t right() const { return (self_ + 1) % n_; }
@@ -124,7 +150,8 @@ class Collective : public std::enable_shared_from_this<Collective> {
   const uint8_t mode_;
   std::vector<TypedBuffer> buffers_;
   std::vector<OutSegment> gatherSegments_;
-  std::vector<bool> direct_;  // per buffer: direct or ring
+  enum Algorithm : uint8_t { kDirectAlgo, kRingAlgo, kShmAlgo };
+  std::vector<Algorithm> algo_;  // per buffer
   std::vector<Ring> rings_;
   SendFn sendFn_;
   FuturePtr future_ = std::make_shared<FutureState>();
@@ -133,6 +160,19 @@ class Collective : public std::enable_shared_from_this<Collective> {
   size_t expectedReceives_ = 0, received_ = 0;
   size_t expectedSends_ = 0, sent_ = 0, acked_ = 0;
   bool finished_ = false;
+  // Shared-memory buffers: their offsets in this member's region.
+  std::shared_ptr<RegionCache> regions_;
+  std::vector<size_t> shmOffset_;
+  size_t shmBytes_ = 0;
+  uint64_t shmLayout_ = 0;  // what every member must agree on
+  bool hasShm_ = false;
+  std::shared_ptr<OwnRegion> ownRegion_;
+  std::vector<std::shared_ptr<PeerRegion>> peerRegions_;
+  size_t shmReady_ = 0, shmReduced_ = 0, shmDone_ = 0;
+  bool retired_ = false, failed_ = false;
+  std::function<void()> onRetired_;
+  bool copiedIn_ = false, reduceStarted_ = false, reducedHere_ = false, gatherStarted_ = false,
+       gatheredHere_ = false;
   // Direct sum: contributions[buffer][member]; gather: contributions[0..N)[segment].
   std::vector<std::vector<BufferPtr>> contributions_;
   std::vector<std::vector<BufferPtr>> gathered_;

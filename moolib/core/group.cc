@@ -40,12 +40,12 @@ Group::~Group() { close(); }
 
 void Group::start() {
   std::weak_ptr<Group> weak = shared_from_this();
-  rpc_->define(function_, [weak](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
-    auto self = weak.lock();
-    if (!self) return responder->error("the group is closed");
-    self->onMessage(responder, std::move(args));
-  });
-  tick();
+  rpc_->define(function_,
+               [weak](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
+                 auto self = weak.lock();
+                 if (!self) return responder->error("the group is closed");
+                 self->onMessage(responder, std::move(args));
+               });
 }
 
 double Group::pingIntervalLocked() const { return std::clamp(timeoutSeconds_ / 8, 0.02, 1.0); }
@@ -58,7 +58,8 @@ void Group::tick() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) return;
     auto now = Clock::now();
-    auto interval = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(pingIntervalLocked()));
+    auto interval = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(pingIntervalLocked()));
     if (inContact_ && now - lastContact_ > std::chrono::duration<double>(timeoutSeconds_)) {
       inContact_ = false;
       changed_ = true;
@@ -88,6 +89,7 @@ void Group::ping() {
     q.group = name_;
     q.sortOrder = sortOrder_;
     q.timeoutSeconds = timeoutSeconds_;
+    if (!shmFailed_ && rpc_->transportAllowed("shm")) q.shmKey = localShmKey();
     broker = brokerName_;
   }
   FuturePtr reply;
@@ -133,6 +135,9 @@ void Group::onBrokerReply(const FuturePtr& reply) {
     failAllLocked(why, failed);
     syncId_ = r.syncId;
     members_ = std::move(r.members);
+    sameHost_ =
+        members_.size() > 1 && !r.shmKeys[0].empty() &&
+        std::all_of(r.shmKeys.begin(), r.shmKeys.end(), [&](auto& k) { return k == r.shmKeys[0]; });
     changed_ = true;
     MOO_LOG(kVerbose, "group '", name_, "': sync id ", syncId_, ", ", members_.size(), " members");
   }
@@ -161,9 +166,11 @@ void Group::onMessage(const std::shared_ptr<Responder>& responder, std::vector<B
   if (args.empty()) return responder->error("empty group message");
   CollectiveMessage m;
   try {
-    m = CollectiveMessage::decode({reinterpret_cast<const char*>(args[0]->data()), args[0]->size()});
+    m = CollectiveMessage::decode(
+        {reinterpret_cast<const char*>(args[0]->data()), args[0]->size()});
   } catch (const WireError& e) {
-    MOO_LOG(kError, "group '", name_, "': malformed message from '", responder->peer(), "': ", e.what());
+    MOO_LOG(kError, "group '", name_, "': malformed message from '", responder->peer(),
+            "': ", e.what());
     return responder->error(concat("malformed group message: ", e.what()));
   }
   args.erase(args.begin());
@@ -179,9 +186,11 @@ void Group::onMessage(const std::shared_ptr<Responder>& responder, std::vector<B
     } else if (m.kind == CollectiveMessage::kAbort) {
       if (aborted_.size() < kMaxEarly) aborted_[m.key] = m.error;
     } else if (m.key.syncId == syncId_ && m.key.seq < nextSeq_[m.key.name]) {
-      return responder->error(concat("all_reduce '", m.key.name, "' is already over on '", rpc_->name(), "'"));
+      return responder->error(
+          concat("all_reduce '", m.key.name, "' is already over on '", rpc_->name(), "'"));
     } else if (earlyCount_ >= kMaxEarly) {
-      return responder->error(concat("too many messages for collectives not started on '", rpc_->name(), "'"));
+      return responder->error(
+          concat("too many messages for collectives not started on '", rpc_->name(), "'"));
     } else {
       early_[m.key].push_back({responder->peer(), std::move(m), std::move(args)});
       ++earlyCount_;
@@ -199,16 +208,18 @@ FuturePtr Group::startOp(const std::string& name, Args&&... args) {
   std::string abortedBy;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (closed_) return failedFuture(concat("all_reduce '", name, "': group '", name_, "' is closed"));
+    if (closed_)
+      return failedFuture(concat("all_reduce '", name, "': group '", name_, "' is closed"));
     auto self = std::find(members_.begin(), members_.end(), rpc_->name());
     if (!inContact_ || self == members_.end()) {
-      return failedFuture(concat("all_reduce '", name, "': this peer is not an active member of group '", name_,
+      return failedFuture(concat("all_reduce '", name,
+                                 "': this peer is not an active member of group '", name_,
                                  "' (call update() until active())"));
     }
     OpKey key{syncId_, name, nextSeq_[name]++};
     auto send = [rpc = rpc_, function = function_](const std::string& peer, std::string meta,
-                                                    std::vector<OutSegment> data,
-                                                    std::function<void(const std::string&)> onAck) {
+                                                   std::vector<OutSegment> data,
+                                                   std::function<void(const std::string&)> onAck) {
       std::vector<OutSegment> segs;
       segs.reserve(1 + data.size());
       segs.push_back(ownedSegment(std::move(meta)));
@@ -221,8 +232,8 @@ FuturePtr Group::startOp(const std::string& name, Args&&... args) {
       }
       f->onDone([f, onAck] { onAck(f->error()); });
     };
-    op = std::make_shared<Collective>(key, members_, size_t(self - members_.begin()), std::forward<Args>(args)...,
-                                      std::move(send));
+    op = std::make_shared<Collective>(key, members_, size_t(self - members_.begin()),
+                                      std::forward<Args>(args)..., std::move(send));
     ops_[key] = op;
     if (auto it = early_.find(key); it != early_.end()) {
       early = std::move(it->second);
@@ -233,7 +244,7 @@ FuturePtr Group::startOp(const std::string& name, Args&&... args) {
   }
   std::weak_ptr<Group> weak = shared_from_this();
   std::weak_ptr<Collective> weakOp = op;
-  op->future()->onDone([weak, weakOp] {
+  op->setOnRetired([weak, weakOp] {
     auto self = weak.lock();
     auto done = weakOp.lock();
     if (!self || !done) return;
@@ -251,7 +262,23 @@ FuturePtr Group::startOp(const std::string& name, Args&&... args) {
 }
 
 FuturePtr Group::allReduce(const std::string& name, std::vector<TypedBuffer> buffers) {
-  return startOp(name, std::move(buffers));
+  std::shared_ptr<RegionCache> regions;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (sameHost_) regions = regions_;
+  }
+  auto future = startOp(name, std::move(buffers), std::move(regions));
+  // A member that cannot map its peers' memory (other user, sandbox) stops
+  // offering it: the next membership goes through sockets.
+  std::weak_ptr<Group> weak = shared_from_this();
+  future->onDone([weak, future] {
+    auto self = weak.lock();
+    if (self && future->error().find("cannot share memory") != std::string::npos) {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      self->shmFailed_ = true;
+    }
+  });
+  return future;
 }
 
 FuturePtr Group::allGather(const std::string& name, std::vector<OutSegment> segments) {
@@ -259,9 +286,18 @@ FuturePtr Group::allGather(const std::string& name, std::vector<OutSegment> segm
 }
 
 bool Group::update() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  bool changed = changed_;
-  changed_ = false;
+  bool first;
+  bool changed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    first = !joined_;
+    joined_ = true;
+    changed = changed_;
+    changed_ = false;
+  }
+  // Joining waits for the first update(), so that settings made right after
+  // construction (sort order, timeout, broker name) apply from the start.
+  if (first) tick();
   return changed;
 }
 
@@ -319,7 +355,8 @@ void Group::close() {
     broker = brokerName_;
     member = inContact_;
   }
-  for (auto& op : failed) op->fail(concat(op->describe(), " failed: group '", name_, "' was closed"), false);
+  for (auto& op : failed)
+    op->fail(concat(op->describe(), " failed: group '", name_, "' was closed"), false);
   try {
     if (member) {
       BrokerRequest q;

@@ -1,11 +1,10 @@
 // A group of peers known to a broker, and the collectives among them.
 //
-// The group pings the broker from a loop timer (not only when update() is
-// called), so a member blocked waiting for an all-reduce still learns that
-// membership changed, and the all-reduce fails instead of hanging. Each
-// collective is bound to the sync id it started under; when the sync id
-// changes, or the broker has not answered for a whole timeout, every
-// collective in flight fails.
+// From the first update() on, the group pings the broker from a loop timer
+// (not only when update() is called), so a member blocked waiting for an all-reduce still learns
+// that membership changed, and the all-reduce fails instead of hanging. Each collective is bound to
+// the sync id it started under; when the sync id changes, or the broker has not answered for a
+// whole timeout, every collective in flight fails.
 #pragma once
 
 #include <map>
@@ -16,6 +15,7 @@
 
 #include "collective.h"
 #include "rpc.h"
+#include "shm_region.h"
 
 namespace moolib {
 
@@ -26,7 +26,7 @@ class Group : public std::enable_shared_from_this<Group> {
   Group(const Group&) = delete;
   Group& operator=(const Group&) = delete;
 
-  // True once after each membership change.
+  // Joins on the first call; then true once after each membership change.
   bool update();
   std::vector<std::string> members() const;
   uint64_t syncId() const;
@@ -75,9 +75,15 @@ class Group : public std::enable_shared_from_this<Group> {
   int64_t sortOrder_ = 0;
   uint64_t syncId_ = 0;
   std::vector<std::string> members_;
+  // Whether all members can share memory (equal shm keys), and this
+  // process's regions and mappings for it.
+  bool sameHost_ = false;
+  bool shmFailed_ = false;
+  std::shared_ptr<RegionCache> regions_ = std::make_shared<RegionCache>();
   bool changed_ = false;
   bool inContact_ = false;
   TimePoint lastContact_;
+  bool joined_ = false;
   bool pingInFlight_ = false;
   TimePoint lastPing_{};
   uint64_t timer_ = 0;

@@ -15,8 +15,9 @@ struct DTypeInfo {
 };
 
 constexpr DTypeInfo kInfo[] = {
-    {"float32", 4}, {"float64", 8}, {"float16", 2}, {"bfloat16", 2}, {"int8", 1},       {"int16", 2},
-    {"int32", 4},   {"int64", 8},   {"uint8", 1},   {"bool", 1},     {"complex64", 8}, {"complex128", 16},
+    {"float32", 4}, {"float64", 8}, {"float16", 2},   {"bfloat16", 2},
+    {"int8", 1},    {"int16", 2},   {"int32", 4},     {"int64", 8},
+    {"uint8", 1},   {"bool", 1},    {"complex64", 8}, {"complex128", 16},
 };
 static_assert(sizeof(kInfo) / sizeof(kInfo[0]) == size_t(DType::kCount), "one entry per dtype");
 
@@ -50,8 +51,8 @@ uint16_t floatToHalf(float f) {
   std::memcpy(&x, &f, 4);
   uint32_t sign = (x >> 16) & 0x8000;
   uint32_t absx = x & 0x7fffffff;
-  if (absx > 0x7f800000) return uint16_t(sign | 0x7e00);  // NaN
-  if (absx >= 0x477ff000) return uint16_t(sign | 0x7c00); // overflows to infinity
+  if (absx > 0x7f800000) return uint16_t(sign | 0x7e00);   // NaN
+  if (absx >= 0x477ff000) return uint16_t(sign | 0x7c00);  // overflows to infinity
   if (absx < 0x38800000) {
     // Subnormal or zero in half precision: round to nearest even at 2^-24.
     if (absx < 0x33000000) return uint16_t(sign);
@@ -86,7 +87,8 @@ uint16_t floatToBf16(float f) {
 // memcpy dance, the other keeps unaligned access defined.
 template <typename T>
 void sumPlain(uint8_t* dst, const uint8_t* src, size_t count) {
-  if (reinterpret_cast<uintptr_t>(dst) % alignof(T) == 0 && reinterpret_cast<uintptr_t>(src) % alignof(T) == 0) {
+  if (reinterpret_cast<uintptr_t>(dst) % alignof(T) == 0 &&
+      reinterpret_cast<uintptr_t>(src) % alignof(T) == 0) {
     T* __restrict d = reinterpret_cast<T*>(dst);
     const T* __restrict s = reinterpret_cast<const T*>(src);
     for (size_t i = 0; i != count; ++i) d[i] = T(d[i] + s[i]);
@@ -125,7 +127,9 @@ DType dtypeFromName(const std::string& name) {
   throw Exception(concat("all_reduce cannot sum elements of type '", name, "'"));
 }
 
-const char* dtypeName(DType dtype) { return size_t(dtype) < size_t(DType::kCount) ? kInfo[size_t(dtype)].name : "?"; }
+const char* dtypeName(DType dtype) {
+  return size_t(dtype) < size_t(DType::kCount) ? kInfo[size_t(dtype)].name : "?";
+}
 
 size_t dtypeSize(DType dtype) {
   MOO_ENFORCE(size_t(dtype) < size_t(DType::kCount), "unknown element type ", int(dtype));
@@ -134,22 +138,35 @@ size_t dtypeSize(DType dtype) {
 
 void sumInto(DType dtype, uint8_t* dst, const uint8_t* src, size_t count) {
   switch (dtype) {
-    case DType::kFloat32: return sumPlain<float>(dst, src, count);
-    case DType::kFloat64: return sumPlain<double>(dst, src, count);
-    case DType::kFloat16: return sumHalf<halfToFloat, floatToHalf>(dst, src, count);
-    case DType::kBFloat16: return sumHalf<bf16ToFloat, floatToBf16>(dst, src, count);
+    case DType::kFloat32:
+      return sumPlain<float>(dst, src, count);
+    case DType::kFloat64:
+      return sumPlain<double>(dst, src, count);
+    case DType::kFloat16:
+      return sumHalf<halfToFloat, floatToHalf>(dst, src, count);
+    case DType::kBFloat16:
+      return sumHalf<bf16ToFloat, floatToBf16>(dst, src, count);
     // Signed integers wrap like two's complement (unsigned arithmetic keeps
     // overflow defined).
-    case DType::kInt8: return sumPlain<uint8_t>(dst, src, count);
-    case DType::kInt16: return sumPlain<uint16_t>(dst, src, count);
-    case DType::kInt32: return sumPlain<uint32_t>(dst, src, count);
-    case DType::kInt64: return sumPlain<uint64_t>(dst, src, count);
-    case DType::kUInt8: return sumPlain<uint8_t>(dst, src, count);
-    case DType::kBool: return sumBool(dst, src, count);
+    case DType::kInt8:
+      return sumPlain<uint8_t>(dst, src, count);
+    case DType::kInt16:
+      return sumPlain<uint16_t>(dst, src, count);
+    case DType::kInt32:
+      return sumPlain<uint32_t>(dst, src, count);
+    case DType::kInt64:
+      return sumPlain<uint64_t>(dst, src, count);
+    case DType::kUInt8:
+      return sumPlain<uint8_t>(dst, src, count);
+    case DType::kBool:
+      return sumBool(dst, src, count);
     // A complex sum is the sum of its real and imaginary parts.
-    case DType::kComplex64: return sumPlain<float>(dst, src, count * 2);
-    case DType::kComplex128: return sumPlain<double>(dst, src, count * 2);
-    case DType::kCount: break;
+    case DType::kComplex64:
+      return sumPlain<float>(dst, src, count * 2);
+    case DType::kComplex128:
+      return sumPlain<double>(dst, src, count * 2);
+    case DType::kCount:
+      break;
   }
   throw Exception(concat("unknown element type ", int(dtype)));
 }

@@ -113,6 +113,11 @@ void Rpc::ensureStarted() {
 
 bool Rpc::allowed(const char* transport) const { return transports_.count(transport) != 0; }
 
+bool Rpc::transportAllowed(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return transports_.count(name) != 0;
+}
+
 Context* Rpc::contextFor(const std::string& address) {
   if (shm_ && shm_->handles(address)) return shm_.get();
   MOO_ENFORCE(address.rfind("shm://", 0) != 0, "shared memory is not available on this host");

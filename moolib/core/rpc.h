@@ -91,6 +91,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void setTimeout(double seconds);
   double timeout() const;
   void setTransports(const std::vector<std::string>& names);
+  bool transportAllowed(const std::string& name) const;
   void setAuthKey(const std::string& key);
 
   void define(const std::string& name, Handler handler);
