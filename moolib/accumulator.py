@@ -37,16 +37,6 @@ def _torch() -> Any:
     return torch
 
 
-class _Round:
-    """One gradient round in flight: the flat buffers being reduced."""
-
-    def __init__(self, future: Any, grads: Any, meta: Any, buffers: Any) -> None:
-        self.future = future
-        self.grads = grads
-        self.meta = meta
-        self.buffers = buffers
-
-
 class Accumulator:
     """Sums gradients of identical models across a group of peers (see module doc).
 
@@ -80,7 +70,6 @@ class Accumulator:
         self._sync_id: int | None = None
         self._phase = "idle"  # idle | electing | waiting_state | ready
         self._election: Any = None
-        self._election_table: Any = None
         self._leader: str | None = None
         self._leader_version = 0
         self._leader_lineage = 0
@@ -88,7 +77,7 @@ class Accumulator:
         self._incoming: tuple | None = None  # (sync id, version, lineage, state)
         self._new_state: Any = None
 
-        self._rounds: deque[_Round] = deque()
+        self._rounds: deque[Any] = deque()  # AllReduce of [grads, meta(, buffers)]
         self._sum: Any = None
         self._sum_meta = [0.0, 0, 0]  # batch size, gradients, skipped
         self._has_gradients = False
@@ -151,8 +140,7 @@ class Accumulator:
         table[me, 0] = self._model_version
         table[me, 1] = self._lineage
         self._election_members = members
-        self._election_table = table
-        self._election = self._group._all_reduce_in_place(f"{self._name}/elect", [table.view(-1)])
+        self._election = self._group.all_reduce(f"{self._name}/elect", table)
 
     def _finish_election(self) -> None:
         if self._election.exception() is not None:
@@ -161,7 +149,7 @@ class Accumulator:
             self._sync_id = None
             self._phase = "idle"
             return
-        table = self._election_table.tolist()
+        table = self._election.result().tolist()
         members = self._election_members
         versions = [v for v, _ in table]
         leader = versions.index(max(versions))
@@ -254,9 +242,7 @@ class Accumulator:
             raise RuntimeError("the accumulator is not connected: check connected() first")
         if len(self._rounds) >= self._parallel:
             raise RuntimeError("too many gradient rounds in flight: check wants_gradients() first")
-        meta_t = torch.tensor(meta, dtype=torch.float64)
-        tensors = [grads, meta_t]
-        buffers = None
+        tensors = [grads, torch.tensor(meta, dtype=torch.float64)]
         if self._buffers:
             leader = self.is_leader()
             buffers = torch.cat(
@@ -268,20 +254,20 @@ class Accumulator:
                 ]
             )
             tensors.append(buffers)
-        future = self._group._all_reduce_in_place(f"{self._name}/grads", tensors)
-        self._rounds.append(_Round(future, grads, meta_t, buffers))
+        self._rounds.append(self._group.all_reduce(f"{self._name}/grads", tensors))
 
     def _collect_rounds(self) -> None:
-        while self._rounds and self._rounds[0].future.done():
+        while self._rounds and self._rounds[0].done():
             r = self._rounds.popleft()
-            if r.future.exception() is not None:
+            if r.exception() is not None:
                 # Only a membership change fails a round; update() re-syncs.
                 self._reset("idle")
                 self._sync_id = None
                 return
-            self._apply_buffers(r.buffers)
-            self._sum = r.grads if self._sum is None else self._sum.add_(r.grads)
-            meta = r.meta.tolist()
+            grads, meta, *buffers = r.result()
+            self._apply_buffers(buffers[0] if buffers else None)
+            self._sum = grads if self._sum is None else self._sum.add_(grads)
+            meta = meta.tolist()
             self._sum_meta = [a + b for a, b in zip(self._sum_meta, meta, strict=True)]
         if (
             not self._has_gradients

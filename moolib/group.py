@@ -85,81 +85,77 @@ def _dtype_name(dtype: Any) -> str:
 
 
 class _SumPlan:
-    """Leaves of a nest packed into one flat working buffer per element type."""
+    """A nest's leaves as byte views grouped by element type, and the way back.
+
+    The core concatenates each type's views into a buffer of its own (no copy
+    here) and returns one summed buffer per type; ``finish`` cuts the leaves
+    back out of them.
+    """
 
     def __init__(self, data: Any) -> None:
-        self.structure = data
-        self.leaves = nest.flatten(data)
-        torch = sys.modules.get("torch")
         import numpy as np
 
-        self.np = np
-        self.torch = torch
-        # Per leaf: (kind, dtype key, offset, count, shape, device, original dtype)
+        self.structure = data
+        self.torch = sys.modules.get("torch")
+        torch = self.torch
+        # Per leaf: (kind, type, offset, count, shape, device, leaf)
         self.layout: list[tuple] = []
-        groups: dict[str, list] = {}
-        for leaf in self.leaves:
+        self.parts: dict[str, list] = {}
+        counts: dict[str, int] = {}
+        for leaf in nest.flatten(data):
             if torch is not None and isinstance(leaf, torch.Tensor):
-                flat = leaf.detach().reshape(-1)
-                kind, key, shape, device = (
-                    "torch",
-                    _dtype_name(leaf.dtype),
-                    tuple(leaf.shape),
-                    leaf.device,
-                )
-            elif isinstance(leaf, np.ndarray):
-                flat = leaf.reshape(-1)
-                kind, key, shape, device = "numpy", leaf.dtype.name, leaf.shape, None
-            elif isinstance(leaf, (bool, int, float)) or isinstance(leaf, np.generic):
-                arr = np.asarray(leaf)
+                t = leaf.detach()
+                kind, shape, device = "torch", tuple(t.shape), t.device
+                t = t.cpu().contiguous().reshape(-1)
+                key, count = _dtype_name(t.dtype), t.numel()
+                view = t.view(torch.uint8).numpy() if count else b""
+            elif isinstance(leaf, (np.ndarray, np.generic, bool, int, float)):
+                kind = "numpy" if isinstance(leaf, np.ndarray) else "number"
                 if isinstance(leaf, bool):
-                    arr = arr.astype(np.bool_)
+                    a = np.asarray(leaf, dtype=np.bool_)
                 elif isinstance(leaf, int):
-                    arr = arr.astype(np.int64)
+                    a = np.asarray(leaf, dtype=np.int64)
                 elif isinstance(leaf, float):
-                    arr = arr.astype(np.float64)
-                flat = arr.reshape(-1)
-                kind, key, shape, device = "number", arr.dtype.name, (), None
+                    a = np.asarray(leaf, dtype=np.float64)
+                else:
+                    a = np.asarray(leaf)
+                shape, device = a.shape, None
+                a = np.ascontiguousarray(a).reshape(-1)
+                key, count = a.dtype.name, a.size
+                view = a.view(np.uint8) if count else b""
             else:
                 raise TypeError(
                     f"all_reduce cannot sum a {type(leaf).__name__}: leaves must be tensors, "
                     "numpy arrays or numbers (use op= for anything else)"
                 )
-            parts = groups.setdefault(key, [])
-            offset = sum(int(p.shape[0]) for p in parts)
-            parts.append(flat)
-            self.layout.append((kind, key, offset, int(flat.shape[0]), shape, device, leaf))
-        # One working copy per type: the core sums in place into it.
-        self.buffers: dict[str, Any] = {}
-        for key, parts in groups.items():
-            if (
-                torch is not None
-                and isinstance(parts[0], torch.Tensor)
-                and all(isinstance(p, torch.Tensor) for p in parts)
-            ):
-                self.buffers[key] = torch.cat([p.to("cpu") for p in parts])
-            else:
-                arrays = [p.cpu().numpy() if hasattr(p, "cpu") else p for p in parts]
-                self.buffers[key] = np.ascontiguousarray(np.concatenate(arrays))
+            self.layout.append((kind, key, counts.get(key, 0), count, shape, device, leaf))
+            counts[key] = counts.get(key, 0) + count
+            self.parts.setdefault(key, []).append(view)
 
-    def items(self) -> list[tuple[Any, str]]:
-        out = []
-        for key, buf in self.buffers.items():
-            if self.torch is not None and isinstance(buf, self.torch.Tensor):
-                view = buf.view(self.torch.uint8).numpy() if buf.numel() else bytearray()
-            else:
-                view = buf.view(self.np.uint8)
-            out.append((view, key))
-        return out
+    def items(self) -> list[tuple[str, list]]:
+        return list(self.parts.items())
 
-    def finish(self, _future: Any) -> Any:
+    def _flat(self, key: str, segment: Any) -> Any:
+        torch = self.torch
+        if torch is not None:
+            dtype = getattr(torch, key)
+            if not len(segment):
+                return torch.empty(0, dtype=dtype)
+            return torch.frombuffer(segment, dtype=torch.uint8).view(dtype)
+        import numpy as np
+
+        return np.frombuffer(segment, dtype=key) if len(segment) else np.empty(0, dtype=key)
+
+    def finish(self, future: Any) -> Any:
+        flats = {
+            key: self._flat(key, seg)
+            for key, seg in zip(self.parts, future._segments(), strict=True)
+        }
         leaves = []
         for kind, key, offset, count, shape, device, leaf in self.layout:
-            buf = self.buffers[key]
-            part = buf[offset : offset + count]
+            part = flats[key][offset : offset + count]
             if kind == "torch":
-                t = part if isinstance(part, self.torch.Tensor) else self.torch.from_numpy(part)
-                t = t.view(shape)
+                t = part.view(shape)
                 leaves.append(t if device.type == "cpu" else t.to(device))
             elif kind == "numpy":
                 arr = part.numpy() if hasattr(part, "numpy") else part
@@ -212,9 +208,3 @@ class Group(_core.Group):
             return AllReduce(future, lambda f: functools.reduce(op, _gathered(f)))
         plan = _SumPlan(data)
         return AllReduce(self._all_reduce_sum(name, plan.items()), plan.finish)
-
-    def _all_reduce_in_place(self, name: str, tensors: list) -> Any:
-        """Sums flat, contiguous CPU tensors in place; returns the core future."""
-        torch = sys.modules["torch"]
-        items = [(t.view(torch.uint8).numpy(), _dtype_name(t.dtype)) for t in tensors]
-        return self._all_reduce_sum(name, items)

@@ -12,16 +12,18 @@ using namespace pybind11::literals;
 
 namespace {
 
-// [(writable buffer, dtype name), ...] as buffers to reduce in place.
+// [(dtype name, [buffer, ...]), ...]: per element type, the parts whose
+// concatenation this member contributes.
 std::vector<TypedBuffer> typedBuffers(const py::list& items) {
   std::vector<TypedBuffer> out;
   out.reserve(items.size());
   for (auto item : items) {
     auto pair = item.cast<py::tuple>();
-    MOO_ENFORCE(pair.size() == 2, "expected (buffer, dtype name) pairs");
-    DType dtype = dtypeFromName(pair[1].cast<std::string>());
-    auto seg = exportSegment(pair[0], true);
-    out.push_back(TypedBuffer{const_cast<uint8_t*>(seg.data), seg.size, dtype, seg.keepalive});
+    MOO_ENFORCE(pair.size() == 2, "expected (dtype name, [buffers]) pairs");
+    TypedBuffer b;
+    b.dtype = dtypeFromName(pair[0].cast<std::string>());
+    for (auto part : pair[1].cast<py::list>()) b.parts.push_back(exportSegment(part));
+    out.push_back(std::move(b));
   }
   return out;
 }

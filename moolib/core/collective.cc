@@ -102,12 +102,19 @@ Collective::Collective(OpKey key, std::vector<std::string> members, size_t self,
   mix(n_);
   for (size_t b = 0; b != buffers_.size(); ++b) {
     auto& buf = buffers_[b];
+    buf.bytes = 0;
+    for (auto& p : buf.parts) buf.bytes += p.size;
+    buf.result = allocateBuffer(buf.bytes);
+    buf.data = buf.result->data();
+    buf.keepalive = buf.result;
     size_t e = dtypeSize(buf.dtype);
     MOO_ENFORCE(buf.bytes % e == 0, "buffer of ", buf.bytes, " bytes is not a whole number of ",
                 dtypeName(buf.dtype));
     bool small = buf.bytes <= kDirectMaxBytes && n_ <= kDirectMaxMembers;
     Algorithm algo = small ? kDirectAlgo : regions_ && n_ > 1 ? kShmAlgo : kRingAlgo;
     algo_.push_back(algo);
+    // Shared-memory buffers are copied straight into the region instead.
+    if (algo != kShmAlgo) copyParts(buf, buf.data);
     shmOffset_.push_back(shmBytes_);
     if (algo == kShmAlgo) {
       hasShm_ = true;
@@ -174,6 +181,14 @@ void Collective::initCounts() {
   }
 }
 
+void Collective::copyParts(TypedBuffer& buf, uint8_t* dst) {
+  for (auto& p : buf.parts) {
+    if (p.size) std::memcpy(dst, p.data, p.size);
+    dst += p.size;
+  }
+  buf.parts.clear();  // the caller's memory is not needed any more
+}
+
 std::string Collective::describe() const { return concat("all_reduce '", key_.name, "'"); }
 
 OutSegment Collective::view(size_t buffer, size_t begin, size_t end) const {
@@ -211,7 +226,7 @@ void Collective::start() {
       }
       for (size_t b = 0; b != buffers_.size(); ++b) {
         if (algo_[b] == kShmAlgo)
-          std::memcpy(own->data() + shmOffset_[b], buffers_[b].data, buffers_[b].bytes);
+          copyParts(buffers_[b], own->data() + shmOffset_[b]);
       }
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -612,7 +627,9 @@ void Collective::finish() {
     std::lock_guard<std::mutex> lock(mutex_);
     retireNow = !hasShm_ || n_ == 1 || shmDone_ == n_ - 1;
   }
-  future_->setResult({});
+  std::vector<BufferPtr> results;
+  for (auto& b : buffers_) results.push_back(b.result);
+  future_->setResult(std::move(results));
   if (retireNow) retire();
 }
 

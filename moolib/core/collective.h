@@ -48,11 +48,16 @@ struct OpKey {
   }
 };
 
-// Memory to reduce in place, kept valid by keepalive until the op is done.
+// The data of one element type: this member's contribution is its parts,
+// concatenated; the op allocates the result (from the buffer cache, so
+// repeated reductions do not fault in fresh pages) and sums into it.
 struct TypedBuffer {
-  uint8_t* data = nullptr;
-  size_t bytes = 0;
   DType dtype = DType::kFloat32;
+  std::vector<OutSegment> parts;
+  // Set by the op.
+  size_t bytes = 0;
+  uint8_t* data = nullptr;
+  BufferPtr result;
   std::shared_ptr<const void> keepalive;
 };
 
@@ -95,8 +100,8 @@ class Collective : public std::enable_shared_from_this<Collective> {
       std::function<void(const std::string& peer, std::string meta, std::vector<OutSegment> data,
                          std::function<void(const std::string& error)> onAck)>;
 
-  // A sum all-reduce of buffers (each reduced in place). With regions (all
-  // members on one host), large buffers go through shared memory.
+  // A sum all-reduce; the result is one segment per buffer. With regions
+  // (all members on one host), large buffers go through shared memory.
   Collective(OpKey key, std::vector<std::string> members, size_t self,
              std::vector<TypedBuffer> buffers, std::shared_ptr<RegionCache> regions, SendFn send);
   // An all-gather of opaque segments. The result is segment 0 (u32 count per
@@ -139,6 +144,7 @@ class Collective : public std::enable_shared_from_this<Collective> {
   void checkDone();
   void finish();
   void retire();
+  static void copyParts(TypedBuffer& buf, uint8_t* dst);
   OutSegment view(size_t buffer, size_t begin, size_t end) const;
   size_t left() const { return (self_ + n_ - 1) % n_; }
   size_t right() const { return (self_ + 1) % n_; }
