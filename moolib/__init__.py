@@ -12,8 +12,7 @@ from typing import Any
 
 from . import _core
 from .accumulator import Accumulator
-from .broker import Broker
-from .group import AllReduce, Group
+from .group import AllReduce, Broker, Group
 from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
 
 __all__ = [

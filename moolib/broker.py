@@ -1,4 +1,8 @@
-"""Broker: tracks groups of peers. ``python -m moolib.broker [addr:port]`` runs one."""
+"""``python -m moolib.broker [addr:port]`` (or ``moolib-broker``): runs a broker until stopped.
+
+The Broker class lives in moolib.group, so that running this module does not
+import it twice.
+"""
 
 from __future__ import annotations
 
@@ -6,56 +10,12 @@ import argparse
 import signal
 import sys
 import threading
-from typing import Any
 
-from . import _core
-from .rpc import Rpc
+from .group import Broker
 
-__all__ = ["Broker", "main"]
+__all__ = ["main"]
 
 DEFAULT_ADDRESS = "0.0.0.0:4431"
-
-
-class Broker:
-    """A peer that keeps track of groups: members, liveness and sync ids.
-
-    Groups find it by name ("broker" unless ``Group.set_broker_name`` says
-    otherwise). Call ``update()`` regularly: it drops members that missed their
-    timeout.
-    """
-
-    def __init__(self, rpc: Rpc | None = None) -> None:
-        if rpc is None:
-            rpc = Rpc()
-            rpc.set_name("broker")
-        self.rpc = rpc
-        self._service = _core.Broker(rpc)
-
-    def set_name(self, name: str) -> None:
-        """Sets the name groups address the broker by."""
-        self.rpc.set_name(name)
-
-    def get_name(self) -> str:
-        return self.rpc.get_name()
-
-    def listen(self, address: str) -> str:
-        """Listens on ``address`` ("host:port"; port 0 picks one); returns the bound address."""
-        return self.rpc.listen(address)
-
-    def connect(self, address: str) -> None:
-        self.rpc.connect(address)
-
-    def update(self) -> None:
-        """Drops members that have not pinged within their timeout."""
-        self._service.update()
-
-    def groups(self) -> dict[str, dict[str, Any]]:
-        """``{group: {"sync_id": int, "members": [names]}}`` as the broker sees them now."""
-        return self._service.groups()
-
-    def close(self) -> None:
-        """Stops serving (closes the Rpc)."""
-        self.rpc.close()
 
 
 def main(argv: list[str] | None = None) -> int:

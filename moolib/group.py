@@ -19,7 +19,7 @@ from . import _core, nest
 from .rpc import Rpc, _resolve
 from .serialization import dumps, loads
 
-__all__ = ["AllReduce", "Group"]
+__all__ = ["AllReduce", "Broker", "Group"]
 
 _UNSET = object()
 
@@ -133,7 +133,9 @@ class _SumPlan:
             self.parts.setdefault(key, []).append(view)
 
     def items(self) -> list[tuple[str, list]]:
-        return list(self.parts.items())
+        # A nest with no leaves still exchanges an empty buffer, so a member
+        # whose data has leaves where this one has none fails on both sides.
+        return list(self.parts.items()) or [("uint8", [b""])]
 
     def _flat(self, key: str, segment: Any) -> Any:
         torch = self.torch
@@ -147,10 +149,8 @@ class _SumPlan:
         return np.frombuffer(segment, dtype=key) if len(segment) else np.empty(0, dtype=key)
 
     def finish(self, future: Any) -> Any:
-        flats = {
-            key: self._flat(key, seg)
-            for key, seg in zip(self.parts, future._segments(), strict=True)
-        }
+        segments = future._segments()[: len(self.parts)]
+        flats = {key: self._flat(key, seg) for key, seg in zip(self.parts, segments, strict=True)}
         leaves = []
         for kind, key, offset, count, shape, device, leaf in self.layout:
             part = flats[key][offset : offset + count]
@@ -179,8 +179,10 @@ def _gathered(future: Any) -> list:
 class Group(_core.Group):
     """Peers that one broker tracks under one name.
 
-    Ping-based membership runs in the background; ``update()`` returns True when
-    membership changed since the last call. ``members()`` is ordered by
+    The first ``update()`` joins; from then on, pings to the broker run in the
+    background (so membership changes reach a member even while it waits on an
+    all-reduce), and ``update()`` returns True when membership changed since
+    the last call. ``members()`` is ordered by
     ``set_sort_order`` then join order, and is the same list on every member for
     one ``sync_id()``. Also: ``active()``, ``name()``, ``set_timeout(s)`` (a
     member silent this long is dropped; default 10 s), ``set_broker_name(name)``
@@ -208,3 +210,45 @@ class Group(_core.Group):
             return AllReduce(future, lambda f: functools.reduce(op, _gathered(f)))
         plan = _SumPlan(data)
         return AllReduce(self._all_reduce_sum(name, plan.items()), plan.finish)
+
+
+class Broker:
+    """A peer that keeps track of groups: members, liveness and sync ids.
+
+    Groups find it by name ("broker" unless ``Group.set_broker_name`` says
+    otherwise). Call ``update()`` regularly: it drops members that missed their
+    timeout.
+    """
+
+    def __init__(self, rpc: Rpc | None = None) -> None:
+        if rpc is None:
+            rpc = Rpc()
+            rpc.set_name("broker")
+        self.rpc = rpc
+        self._service = _core.Broker(rpc)
+
+    def set_name(self, name: str) -> None:
+        """Sets the name groups address the broker by."""
+        self.rpc.set_name(name)
+
+    def get_name(self) -> str:
+        return self.rpc.get_name()
+
+    def listen(self, address: str) -> str:
+        """Listens on ``address`` ("host:port"; port 0 picks one); returns the bound address."""
+        return self.rpc.listen(address)
+
+    def connect(self, address: str) -> None:
+        self.rpc.connect(address)
+
+    def update(self) -> None:
+        """Drops members that have not pinged within their timeout."""
+        self._service.update()
+
+    def groups(self) -> dict[str, dict[str, Any]]:
+        """``{group: {"sync_id": int, "members": [names]}}`` as the broker sees them now."""
+        return self._service.groups()
+
+    def close(self) -> None:
+        """Stops serving (closes the Rpc)."""
+        self.rpc.close()

@@ -354,6 +354,9 @@ void Group::close() {
     failAllLocked("closed", failed);
     broker = brokerName_;
     member = inContact_;
+    inContact_ = false;
+    members_.clear();
+    syncId_ = 0;
   }
   for (auto& op : failed)
     op->fail(concat(op->describe(), " failed: group '", name_, "' was closed"), false);
