@@ -81,6 +81,9 @@ class Accumulator:
         self._sum: Any = None
         self._sum_meta = [0.0, 0, 0]  # batch size, gradients, skipped
         self._has_gradients = False
+        # Summed gradients that reached the virtual batch size, in round order,
+        # waiting for the previous ones to be applied.
+        self._ready: deque[tuple[Any, list[float]]] = deque()
         self._stats = {"batch_size": 0, "num_gradients": 0, "num_skipped": 0}
 
         # Flat layout of parameters (by dtype) for the reductions.
@@ -126,6 +129,15 @@ class Accumulator:
         self._rounds.clear()
         self._sum = None
         self._sum_meta = [0.0, 0, 0]
+        self._ready.clear()
+        # A round can complete on some members and fail on others when
+        # membership changes at its end: gradients not yet applied are
+        # dropped everywhere, so no member steps with what others lack.
+        if self._has_gradients:
+            self._has_gradients = False
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.zero_()
         self._election = None
         self._needers = []
         self._new_state = None
@@ -140,7 +152,7 @@ class Accumulator:
         table[me, 0] = self._model_version
         table[me, 1] = self._lineage
         self._election_members = members
-        self._election = self._group.all_reduce(f"{self._name}/elect", table)
+        self._election = self._group._sum_at(f"{self._name}/elect", table, sync_id)
 
     def _finish_election(self) -> None:
         if self._election.exception() is not None:
@@ -211,6 +223,7 @@ class Accumulator:
             and not self._has_gradients
             and len(self._rounds) < self._parallel
             and self._group.active()
+            and self._group.sync_id() == self._sync_id
         )
 
     def reduce_gradients(self, batch_size: int) -> None:
@@ -254,7 +267,10 @@ class Accumulator:
                 ]
             )
             tensors.append(buffers)
-        self._rounds.append(self._group.all_reduce(f"{self._name}/grads", tensors))
+        # Bound to the membership the leader was elected in: a round offered
+        # after the group moved on fails at once (update() then re-syncs)
+        # instead of pairing with other members' rounds of the next membership.
+        self._rounds.append(self._group._sum_at(f"{self._name}/grads", tensors, self._sync_id))
 
     def _collect_rounds(self) -> None:
         while self._rounds and self._rounds[0].done():
@@ -269,13 +285,15 @@ class Accumulator:
             self._sum = grads if self._sum is None else self._sum.add_(grads)
             meta = meta.tolist()
             self._sum_meta = [a + b for a, b in zip(self._sum_meta, meta, strict=True)]
-        if (
-            not self._has_gradients
-            and self._sum is not None
-            and self._sum_meta[0] > 0
-            and self._sum_meta[0] >= self._virtual_batch_size
-        ):
-            self._write_gradients()
+            # Cut after the round that reaches the virtual batch size, so
+            # every member groups the same rounds however many it collects
+            # per update().
+            if self._sum_meta[0] > 0 and self._sum_meta[0] >= self._virtual_batch_size:
+                self._ready.append((self._sum, self._sum_meta))
+                self._sum = None
+                self._sum_meta = [0.0, 0, 0]
+        if not self._has_gradients and self._ready:
+            self._write_gradients(*self._ready.popleft())
 
     def _apply_buffers(self, flat: Any) -> None:
         if flat is None or self.is_leader():
@@ -287,12 +305,12 @@ class Accumulator:
                 b.copy_(flat[offset : offset + n].view(b.shape).to(b.dtype))
                 offset += n
 
-    def _write_gradients(self) -> None:
-        batch_size, num_gradients, num_skipped = self._sum_meta
-        self._sum.div_(batch_size)
+    def _write_gradients(self, total: Any, meta: list[float]) -> None:
+        batch_size, num_gradients, num_skipped = meta
+        total.div_(batch_size)
         offset = 0
         for p, n in zip(self._params, self._numels, strict=True):
-            g = self._sum[offset : offset + n].view(p.shape).to(p.device)
+            g = total[offset : offset + n].view(p.shape).to(p.device)
             if p.grad is None:
                 p.grad = g.clone()
             else:
@@ -303,8 +321,6 @@ class Accumulator:
             "num_gradients": int(num_gradients),
             "num_skipped": int(num_skipped),
         }
-        self._sum = None
-        self._sum_meta = [0.0, 0, 0]
         self._has_gradients = True
 
     def has_gradients(self) -> bool:

@@ -208,8 +208,12 @@ class Group(_core.Group):
             payload, buffers = dumps(data)
             future = self._all_gather(name, payload, buffers)
             return AllReduce(future, lambda f: functools.reduce(op, _gathered(f)))
+        return self._sum_at(name, data, 0)
+
+    def _sum_at(self, name: str, data: Any, sync_id: int) -> AllReduce:
+        """A sum all-reduce that fails at once unless membership is still ``sync_id`` (0: any)."""
         plan = _SumPlan(data)
-        return AllReduce(self._all_reduce_sum(name, plan.items()), plan.finish)
+        return AllReduce(self._all_reduce_sum(name, plan.items(), sync_id), plan.finish)
 
 
 class Broker:

@@ -69,10 +69,12 @@ void bindGroup(py::module_& m) {
            "Members are ordered by sort order, then join order.")
       .def("set_broker_name", &Group::setBrokerName, py::arg("name"))
       .def("close", &Group::close, py::call_guard<GilRelease>(), "Leaves the group.")
-      .def("_all_reduce_sum",
-           [](Group& g, const std::string& name, py::list items) {
-             return PyFuture{g.allReduce(name, typedBuffers(items))};
-           })
+      .def(
+          "_all_reduce_sum",
+          [](Group& g, const std::string& name, py::list items, uint64_t syncId) {
+            return PyFuture{g.allReduce(name, typedBuffers(items), syncId)};
+          },
+          py::arg("name"), py::arg("items"), py::arg("sync_id") = 0)
       .def("_all_gather", [](Group& g, const std::string& name, py::handle data, py::list buffers) {
         std::vector<OutSegment> segs{exportSegment(data)};
         for (auto b : buffers) segs.push_back(exportSegment(b));

@@ -201,7 +201,7 @@ void Group::onMessage(const std::shared_ptr<Responder>& responder, std::vector<B
 }
 
 template <typename... Args>
-FuturePtr Group::startOp(const std::string& name, Args&&... args) {
+FuturePtr Group::startOp(const std::string& name, uint64_t syncId, Args&&... args) {
   MOO_ENFORCE(!name.empty() && name.size() <= 1024, "all_reduce name must be 1 to 1024 characters");
   std::shared_ptr<Collective> op;
   std::vector<Early> early;
@@ -215,6 +215,10 @@ FuturePtr Group::startOp(const std::string& name, Args&&... args) {
       return failedFuture(concat("all_reduce '", name,
                                  "': this peer is not an active member of group '", name_,
                                  "' (call update() until active())"));
+    }
+    if (syncId && syncId != syncId_) {
+      return failedFuture(
+          concat("all_reduce '", name, "': the membership of group '", name_, "' changed"));
     }
     OpKey key{syncId_, name, nextSeq_[name]++};
     auto send = [rpc = rpc_, function = function_](const std::string& peer, std::string meta,
@@ -261,13 +265,14 @@ FuturePtr Group::startOp(const std::string& name, Args&&... args) {
   return op->future();
 }
 
-FuturePtr Group::allReduce(const std::string& name, std::vector<TypedBuffer> buffers) {
+FuturePtr Group::allReduce(const std::string& name, std::vector<TypedBuffer> buffers,
+                           uint64_t syncId) {
   std::shared_ptr<RegionCache> regions;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (sameHost_) regions = regions_;
   }
-  auto future = startOp(name, std::move(buffers), std::move(regions));
+  auto future = startOp(name, syncId, std::move(buffers), std::move(regions));
   // A member that cannot map its peers' memory (other user, sandbox) stops
   // offering it: the next membership goes through sockets.
   std::weak_ptr<Group> weak = shared_from_this();
@@ -282,7 +287,7 @@ FuturePtr Group::allReduce(const std::string& name, std::vector<TypedBuffer> buf
 }
 
 FuturePtr Group::allGather(const std::string& name, std::vector<OutSegment> segments) {
-  return startOp(name, std::move(segments));
+  return startOp(name, 0, std::move(segments));
 }
 
 bool Group::update() {

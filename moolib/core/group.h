@@ -39,7 +39,9 @@ class Group : public std::enable_shared_from_this<Group> {
 
   // Sums buffers in place across the members; the future completes with no
   // segments once every buffer holds the sum.
-  FuturePtr allReduce(const std::string& name, std::vector<TypedBuffer> buffers);
+  // With syncId non-zero, fails at once unless membership is still that one.
+  FuturePtr allReduce(const std::string& name, std::vector<TypedBuffer> buffers,
+                      uint64_t syncId = 0);
   // Every member's segments, in member order (see Collective).
   FuturePtr allGather(const std::string& name, std::vector<OutSegment> segments);
   // Leaves the group (tells the broker) and fails what is in flight.
@@ -60,7 +62,7 @@ class Group : public std::enable_shared_from_this<Group> {
   void onBrokerReply(const FuturePtr& reply);
   void onMessage(const std::shared_ptr<Responder>& responder, std::vector<BufferPtr> args);
   template <typename... Args>
-  FuturePtr startOp(const std::string& name, Args&&... args);
+  FuturePtr startOp(const std::string& name, uint64_t syncId, Args&&... args);
   void failAllLocked(const std::string& why, std::vector<std::shared_ptr<Collective>>& out);
   bool activeLocked() const;
   double pingIntervalLocked() const;
