@@ -19,6 +19,7 @@ std::string BrokerRequest::encode() const {
   w.u64(uint64_t(sortOrder));
   w.f64(timeoutSeconds);
   w.str(shmKey);
+  w.u8(rejoin ? 1 : 0);
   return w.take();
 }
 
@@ -30,6 +31,7 @@ BrokerRequest BrokerRequest::decode(std::string_view data) {
   q.sortOrder = int64_t(r.u64());
   q.timeoutSeconds = r.f64();
   q.shmKey = r.str(1024);
+  q.rejoin = r.u8() != 0;
   if (q.kind != kPing && q.kind != kLeave)
     throw WireError(concat("unknown broker request kind ", int(q.kind)));
   if (q.group.empty()) throw WireError("broker request names no group");
@@ -120,7 +122,7 @@ struct Broker::State {
     } else {
       it->lastSeen = now;
       it->timeoutSeconds = q.timeoutSeconds;
-      if (it->sortOrder != q.sortOrder || it->shmKey != q.shmKey) {
+      if (it->sortOrder != q.sortOrder || it->shmKey != q.shmKey || q.rejoin) {
         it->sortOrder = q.sortOrder;
         it->shmKey = q.shmKey;
         changed = true;

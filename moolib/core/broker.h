@@ -27,6 +27,10 @@ struct BrokerRequest {
   double timeoutSeconds = 10;
   // Members with equal non-empty keys can share memory (see shm_region.h).
   std::string shmKey;
+  // Set by a member that lost track of the group (or never had it): the
+  // group gets a new sync id even if the broker still lists the member, so
+  // nobody mixes collectives from before and after.
+  bool rejoin = false;
   std::string encode() const;
   static BrokerRequest decode(std::string_view data);
 };

@@ -66,6 +66,8 @@ void Group::tick() {
       why = concat("lost contact with the broker '", brokerName_, "' of group '", name_, "'");
       MOO_LOG(kInfo, "group: ", why);
       failAllLocked(why, failed);
+      syncId_ = 0;
+      members_.clear();
     }
     if (!pingInFlight_ && now - lastPing_ >= interval) {
       pingInFlight_ = true;
@@ -90,6 +92,7 @@ void Group::ping() {
     q.sortOrder = sortOrder_;
     q.timeoutSeconds = timeoutSeconds_;
     if (!shmFailed_ && rpc_->transportAllowed("shm")) q.shmKey = localShmKey();
+    q.rejoin = !inContact_;
     broker = brokerName_;
   }
   FuturePtr reply;
