@@ -20,7 +20,7 @@ statistics) follow the leader: each round carries the leader's buffers.
 
 from __future__ import annotations
 
-import random
+import secrets
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +29,11 @@ from .group import Group
 from .rpc import Rpc
 
 __all__ = ["Accumulator"]
+
+
+def _next_lineage(lineage: int, sync_id: int) -> int:
+    """The lineage after an election: the same on every member that computes it."""
+    return ((lineage * 0x9E3779B97F4A7C15) ^ sync_id) & ((1 << 62) - 1)
 
 
 def _torch() -> Any:
@@ -65,7 +70,7 @@ class Accumulator:
         self._virtual_batch_size = 1
         self._parallel = 1
         self._model_version = 0
-        self._lineage = random.getrandbits(62)
+        self._lineage = secrets.randbits(62)
 
         self._sync_id: int | None = None
         self._phase = "idle"  # idle | electing | waiting_state | ready
@@ -174,6 +179,10 @@ class Accumulator:
         if me != leader and table[me] != table[leader]:
             self._phase = "waiting_state"
         else:
+            # The members in step with the leader start a lineage of this
+            # membership: peers that later train apart (each in a membership
+            # of its own) then differ even at equal model versions.
+            self._lineage = _next_lineage(self._leader_lineage, self._sync_id)
             self._phase = "ready"
 
     # State --------------------------------------------------------------------
