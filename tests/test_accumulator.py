@@ -1,0 +1,812 @@
+"""Tests of moolib.Accumulator: data-parallel training across peers.
+
+Most tests run real peers: a broker (``python -m moolib.broker``) and trainers
+(tests/helpers/acc_trainer.py), each in its own process, that train a small
+model (with a BatchNorm, whose buffers must follow the leader) on deterministic
+per-peer, per-step batches and print a JSON line per event with their model
+version, leader, gradient stats and a hash of their parameters. The tests
+check the parameters against one process training on the union of the batches,
+and that peers reporting the same model version always have identical
+parameters, also across faults (kill -9 of a peer, of the leader, of the
+broker) and joins.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from helpers import acc_trainer
+from helpers.util import DEADLINE, HELPERS, REPO, child_env, wait_for
+
+import moolib
+
+TRAINER = HELPERS / "acc_trainer.py"
+GROUP_TIMEOUT = 3.0  # seconds: a member silent this long is dropped
+
+
+# ---------------------------------------------------------------------------
+# Processes
+
+
+class BrokerProcess:
+    """``python -m moolib.broker ADDRESS`` in its own process; ``address`` is where it listens."""
+
+    def __init__(self, log_path, address="127.0.0.1:0"):
+        self.log_path = log_path
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moolib.broker", address],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            cwd=str(REPO),
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._listening = threading.Event()
+        self.address = None
+        threading.Thread(target=self._read, daemon=True).start()
+        end = time.monotonic() + DEADLINE
+        while not self._listening.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"broker did not start (rc={self.proc.poll()}): {self.lines}")
+
+    def _read(self):
+        with open(self.log_path, "a") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                self.lines.append(line)
+                m = re.match(r"Broker listening at (\S+)", line)
+                if m:
+                    self.address = m.group(1)
+                    self._listening.set()
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Trainer:
+    """A tests/helpers/acc_trainer.py process; ``events`` collects its JSON lines."""
+
+    def __init__(self, log_dir, broker, index, **options):
+        args = [sys.executable, str(TRAINER), "--broker", broker, "--index", str(index)]
+        options.setdefault("timeout", GROUP_TIMEOUT)
+        for key, value in options.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif value is not None and value is not False:
+                args += [flag, str(value)]
+        self.index = index
+        self.log_path = log_dir / f"trainer-{index}-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=child_env(),
+            cwd=str(REPO),
+            text=True,
+        )
+        self.events: list[dict] = []
+        self._eof = False
+        threading.Thread(target=self._read, daemon=True).start()
+        self.hello = self.wait(lambda e: e["event"] == "hello", what="hello")
+        self.name = self.hello["name"]
+
+    def _read(self):
+        for line in self.proc.stdout:
+            try:
+                self.events.append(json.loads(line))
+            except ValueError:
+                self.events.append({"event": "garbage", "line": line})
+        self._eof = True
+
+    def log(self):
+        try:
+            return self.log_path.read_text(errors="replace")[-3000:]
+        except OSError:
+            return ""
+
+    def describe(self):
+        rc, last = self.proc.poll(), self.events[-3:]
+        return f"trainer {self.index} (rc={rc}), last events {last}, stderr:\n{self.log()}"
+
+    def find(self, pred, since=0):
+        """The first event from position ``since`` on that satisfies ``pred``, or None."""
+        for e in self.events[since:]:
+            if pred(e):
+                return e
+        return None
+
+    def wait(self, pred, timeout=DEADLINE, since=0, what="event"):
+        """Waits for an event satisfying ``pred`` (fails if the process exits first)."""
+        end = time.monotonic() + timeout
+        while True:
+            e = self.find(pred, since)
+            if e is not None:
+                return e
+            if self._eof:
+                e = self.find(pred, since)
+                if e is not None:
+                    return e
+                raise AssertionError(f"trainer exited before {what}: {self.describe()}")
+            if time.monotonic() > end:
+                raise AssertionError(
+                    f"timed out after {timeout}s waiting for {what}: {self.describe()}"
+                )
+            time.sleep(0.05)
+
+    def steps(self, since=0):
+        return [e for e in self.events[since:] if e["event"] == "step"]
+
+    def version(self):
+        """The latest model version reported (-1 before any)."""
+        for e in reversed(self.events):
+            if "version" in e:
+                return e["version"]
+        return -1
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def kill(self):
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=DEADLINE)
+
+    def send(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self):
+        if self.alive():
+            self.proc.send_signal(signal.SIGCONT)  # in case a test stopped it
+        try:
+            if self.proc.stdin and not self.proc.stdin.closed:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=DEADLINE)
+        self._log.close()
+        # Kept next to the logs for whoever debugs a failure.
+        with open(self.log_path.with_suffix(".events"), "w") as f:
+            for e in list(self.events):
+                f.write(json.dumps(e) + "\n")
+
+
+class Cluster:
+    """A broker and trainers for one test; cleanup() ends every process it started."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.brokers: list[BrokerProcess] = []
+        self.trainers: list[Trainer] = []
+        self.broker = None
+
+    def start_broker(self, address="127.0.0.1:0"):
+        self.broker = BrokerProcess(self.tmp_path / f"broker-{len(self.brokers)}.log", address)
+        self.brokers.append(self.broker)
+        return self.broker
+
+    def restart_broker(self):
+        """Starts a broker on the address of the last one (retrying while the port is busy)."""
+        address = self.broker.address
+        end = time.monotonic() + DEADLINE
+        while True:
+            try:
+                return self.start_broker(address)
+            except RuntimeError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.5)
+
+    def trainer(self, index, **options):
+        t = Trainer(self.tmp_path, self.broker.address, index, **options)
+        self.trainers.append(t)
+        return t
+
+    def cleanup(self):
+        for t in self.trainers:
+            try:
+                t.stop()
+            except Exception:  # noqa: BLE001 - keep cleaning up
+                t.proc.kill()
+        for b in self.brokers:
+            b.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def cluster(tmp_path, watchdog):
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.cleanup()
+
+
+# ---------------------------------------------------------------------------
+# Checks
+
+
+# Events at which a trainer is in sync with the leader of its membership (not,
+# e.g., holding its own initial parameters before it got the leader's state).
+SYNCED_EVENTS = {"connected", "state_loaded", "state_sent", "step", "saved"}
+
+
+def assert_consistent(trainers):
+    """Members of one membership (sync id) that report the same model version
+    have identical parameters (hashes). Across memberships, histories may fork
+    (a member that lost the others may train alone); they must be reconciled
+    when members meet again, which this checks in the membership they meet in."""
+    seen: dict[tuple, tuple] = {}
+    for t in trainers:
+        for e in list(t.events):
+            if e["event"] not in SYNCED_EVENTS:
+                continue
+            key = (e["acc_sync"], e["version"])
+            first = seen.setdefault(key, (e["hash"], t.index, e["event"]))
+            assert first[0] == e["hash"], (
+                f"model version {e['version']} (membership {e['acc_sync']}): trainer {t.index} "
+                f"({e['event']}) has parameters {e['hash']} but trainer {first[1]} ({first[2]}) "
+                f"had {first[0]}"
+            )
+    return seen
+
+
+def wait_all(trainers, pred, what, since=None, timeout=DEADLINE):
+    """Waits until every trainer reported an event satisfying ``pred``; returns them."""
+    since = since or {}
+    return [t.wait(pred, timeout=timeout, since=since.get(t.index, 0), what=what) for t in trainers]
+
+
+def step_at_least(version, members=None):
+    """A step to ``version`` or later, of ``members`` members summing all their gradients."""
+
+    def pred(e):
+        return (
+            e["event"] == "step"
+            and e["version"] >= version
+            and (members is None or (e["members"], e["stats"]["num_gradients"]) == (members,) * 2)
+        )
+
+    return pred
+
+
+def load_saved(trainers):
+    saved = [
+        torch.load(t.wait(lambda e: e["event"] == "saved", what="saved")["path"]) for t in trainers
+    ]
+    return saved
+
+
+def reference_training(start, leader_index, steps, batch_size, contributions):
+    """One process training on the union of the peers' batches.
+
+    ``contributions`` lists the (peer index, round within the step) batches
+    summed at every step. BatchNorm statistics follow the leader: only its
+    forward passes update them.
+    """
+    model = acc_trainer.make_model(0)
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), start, strict=True):
+            p.copy_(s)
+    opt = acc_trainer.make_optimizer(model)
+    params = list(model.parameters())
+    total = batch_size * len(contributions)
+    for version in range(steps):
+        # The mean loss over the union: the sum of batch_size * (gradient of
+        # each batch's mean loss), over the total batch size.
+        sums = [torch.zeros_like(p) for p in params]
+        for index, sub in contributions:
+            saved = [b.clone() for b in model.buffers()]
+            opt.zero_grad()
+            x, y = acc_trainer.batch(index, version, sub, batch_size)
+            acc_trainer.loss_fn(model, x, y).backward()
+            for s, p in zip(sums, params, strict=True):
+                s.add_(p.grad * batch_size)
+            if index != leader_index:
+                with torch.no_grad():
+                    for b, s in zip(model.buffers(), saved, strict=True):
+                        b.copy_(s)
+        for s, p in zip(sums, params, strict=True):
+            p.grad = s / total
+        opt.step()
+    return model
+
+
+def check_against_reference(trainers, steps, batch_size, contributions, stats):
+    saved = load_saved(trainers)
+    by_name = {t.name: t for t in trainers}
+    leader = saved[0]["leader"]
+    assert leader in by_name, f"leader {leader} is none of the trainers {list(by_name)}"
+    for t, s in zip(trainers, saved, strict=True):
+        assert s["version"] == steps
+        assert s["leader"] == leader, f"trainer {t.index} follows {s['leader']}, not {leader}"
+        # Everyone started from the leader's initial model and ends identical.
+        assert acc_trainer.tensors_hash(s["start"]) == by_name[leader].hello["hash"]
+        for a, b in zip(saved[0]["params"], s["params"], strict=True):
+            assert torch.equal(a, b), f"trainer {t.index}: parameters differ from trainer 0's"
+        for a, b in zip(saved[0]["buffers"], s["buffers"], strict=True):
+            assert torch.equal(a, b), f"trainer {t.index}: buffers differ from trainer 0's"
+        got = [e["stats"] for e in t.steps() if e["version"] <= steps]
+        assert len(got) == steps and all(g == stats for g in got), f"trainer {t.index}: stats {got}"
+    model = reference_training(
+        saved[0]["start"], by_name[leader].index, steps, batch_size, contributions
+    )
+    for name, a, b in zip(
+        [n for n, _ in model.named_parameters()],
+        model.parameters(),
+        saved[0]["params"],
+        strict=True,
+    ):
+        assert torch.allclose(a.detach(), b, rtol=1e-4, atol=1e-5), (
+            f"parameter {name} differs from single-process training: {a} vs {b}"
+        )
+    for name, a, b in zip(
+        [n for n, _ in model.named_buffers()], model.buffers(), saved[0]["buffers"], strict=True
+    ):
+        assert torch.allclose(a.to(torch.float64), b.to(torch.float64), rtol=1e-4, atol=1e-5), (
+            f"buffer {name} does not follow the leader's: {a} vs {b}"
+        )
+    # Sanity: training did something.
+    assert not torch.equal(saved[0]["params"][0], saved[0]["start"][0])
+
+
+# ---------------------------------------------------------------------------
+# Training matches one process training on the union of the batches
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_peers_match_single_process_training(cluster, n):
+    steps, batch_size = 8, 4
+    cluster.start_broker()
+    trainers = [
+        cluster.trainer(
+            i,
+            batch=batch_size,
+            virtual_batch=n * batch_size,
+            start_members=n,
+            timeout=10,
+            save_at=steps,
+            out=cluster.tmp_path / f"out-{i}.pt",
+        )
+        for i in range(n)
+    ]
+    # Virtual batch = one round with every peer: step k sums every peer's batch k.
+    contributions = [(i, 0) for i in range(n)]
+    stats = {"batch_size": n * batch_size, "num_gradients": n, "num_skipped": 0}
+    check_against_reference(trainers, steps, batch_size, contributions, stats)
+    assert_consistent(trainers)
+
+
+def test_virtual_batch_size_is_a_lower_bound_and_skips_count(cluster):
+    # Two peers of batch 2, virtual batch 5: peer 1 skips the first round of
+    # every step, so a step sums round 0 (peer 0: 2 samples, below 5) and
+    # round 1 (both: 4 more) -> 6 samples from 3 gradients, 1 skipped.
+    steps, batch_size = 6, 2
+    cluster.start_broker()
+    options = dict(batch=batch_size, virtual_batch=5, start_members=2, timeout=10, save_at=steps)
+    trainers = [
+        cluster.trainer(0, out=cluster.tmp_path / "out-0.pt", **options),
+        cluster.trainer(1, out=cluster.tmp_path / "out-1.pt", skip_first_round=True, **options),
+    ]
+    contributions = [(0, 0), (0, 1), (1, 1)]
+    stats = {"batch_size": 6, "num_gradients": 3, "num_skipped": 1}
+    check_against_reference(trainers, steps, batch_size, contributions, stats)
+    assert_consistent(trainers)
+
+
+def test_parallel_gradients_keep_peers_identical(cluster):
+    cluster.start_broker()
+    batch_size = 4
+    trainers = [
+        cluster.trainer(
+            i,
+            batch=batch_size,
+            virtual_batch=2 * batch_size,
+            parallel=2,
+            start_members=2,
+            timeout=10,
+        )
+        for i in range(2)
+    ]
+    wait_all(trainers, step_at_least(40), "40 steps with 2 gradient rounds in flight")
+    assert_consistent(trainers)
+    # Rounds are summed in order until the virtual batch size: one round a step.
+    stats = {"batch_size": 2 * batch_size, "num_gradients": 2, "num_skipped": 0}
+    for t in trainers:
+        for e in t.steps():
+            assert e["stats"] == stats, e
+
+
+# ---------------------------------------------------------------------------
+# Leader election
+
+
+def test_highest_model_version_leads(cluster):
+    cluster.start_broker()
+    options = dict(start_members=3, timeout=10)
+    first = cluster.trainer(0, **options)
+    first.wait(lambda e: e["event"] == "connected" and e["is_leader"], what="leading alone")
+    second = cluster.trainer(1, **options)
+    loaded = second.wait(lambda e: e["event"] == "state_loaded", what="the first peer's state")
+    assert loaded["version"] == 0 and loaded["leader"] == first.name, loaded
+    assert loaded["hash"] == first.hello["hash"]
+    # A third peer with a higher model version (say, from a checkpoint) joins:
+    # it leads, and both others get its state.
+    high = cluster.trainer(2, model_version=100, **options)
+    trainers = [first, second, high]
+    wait_all(trainers, step_at_least(110, members=3), "training from version 100")
+    for t in (first, second):
+        loaded = t.wait(lambda e: e["event"] == "state_loaded" and e["version"] > 0, what="state")
+        assert loaded["version"] == 100 and loaded["leader"] == high.name, loaded
+        assert loaded["hash"] == high.hello["hash"], loaded  # its initial parameters
+    for t in trainers:
+        first_step = t.steps()[0]
+        assert first_step["version"] == 101, first_step
+        assert first_step["leader"] == high.name, first_step
+        assert first_step["is_leader"] == (t is high), first_step
+    assert_consistent(trainers)
+
+
+# ---------------------------------------------------------------------------
+# Faults
+
+
+def start_three(cluster, steps=10):
+    cluster.start_broker()
+    trainers = [cluster.trainer(i, start_members=3, step_sleep=0.005) for i in range(3)]
+    wait_all(trainers, step_at_least(steps, members=3), f"{steps} steps with 3 members")
+    return trainers
+
+
+def wait_trained_after(trainers, what, steps=10, members=None):
+    """Waits until every trainer stepped ``steps`` past the highest version seen so far."""
+    since = {t.index: len(t.events) for t in trainers}
+    target = max(t.version() for t in trainers) + steps
+    return wait_all(trainers, step_at_least(target, members), what, since=since)
+
+
+@pytest.mark.parametrize("victim", ["follower", "leader"])
+def test_training_goes_on_after_a_peer_is_killed(cluster, victim):
+    trainers = start_three(cluster)
+    leader = trainers[0].steps()[-1]["leader"]
+    assert all(t.steps()[-1]["leader"] == leader for t in trainers)
+    dead = next(t for t in trainers if (t.name == leader) == (victim == "leader"))
+    survivors = [t for t in trainers if t is not dead]
+    dead.kill()
+    last = wait_trained_after(survivors, f"training on without the {victim}", members=2)
+    assert_consistent(cluster.trainers)
+    assert last[0]["leader"] in {t.name for t in survivors}, last
+    assert last[0]["leader"] == last[1]["leader"], last
+
+
+def test_peer_joining_mid_training_gets_the_state(cluster):
+    cluster.start_broker()
+    trainers = [cluster.trainer(i, start_members=2, step_sleep=0.005) for i in range(2)]
+    wait_all(trainers, step_at_least(10, members=2), "10 steps with 2 members")
+    late = cluster.trainer(2, step_sleep=0.005)
+    loaded = late.wait(lambda e: e["event"] == "state_loaded", what="the state")
+    assert loaded["version"] >= 10 and loaded["hash"] != late.hello["hash"], loaded
+    everyone = [*trainers, late]
+    wait_trained_after(everyone, "training with the new peer", members=3)
+    # Its parameters at the version it loaded are those the others had there.
+    there = [e for t in trainers for e in list(t.events) if e.get("version") == loaded["version"]]
+    assert there and all(e["hash"] == loaded["hash"] for e in there), (loaded, there)
+    assert_consistent(everyone)
+
+
+def test_peers_that_trained_apart_are_reconciled_when_they_meet(cluster):
+    """Two peers at the same model version each train one step alone (the other
+    one frozen and dropped from the group): when they meet again, at equal model
+    versions, their parameters differ, and one must get the other's state."""
+    cluster.start_broker()
+    a, b = (cluster.trainer(i, start_members=2, stop_at=5) for i in range(2))
+    wait_all([a, b], step_at_least(5, members=2), "5 steps together")
+
+    def alone_one_step(t, other):
+        since = len(t.events)
+        other.proc.send_signal(signal.SIGSTOP)
+        t.send("stop_at 6")
+        step = t.wait(
+            lambda e: e["event"] == "step" and e["members"] == 1, since=since, what="a step alone"
+        )
+        assert step["version"] == 6, step
+        return step
+
+    try:
+        step_a = alone_one_step(a, b)
+        b.proc.send_signal(signal.SIGCONT)
+        step_b = alone_one_step(b, a)
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+        b.proc.send_signal(signal.SIGCONT)
+    assert step_a["hash"] != step_b["hash"]  # different batches: different models
+    since = {t.index: len(t.events) for t in (a, b)}
+    met = wait_all(
+        [a, b],
+        lambda e: e["event"] == "connected" and e["members"] == 2,
+        "meeting again",
+        since=since,
+    )
+    assert met[0]["version"] == met[1]["version"] == 6, met
+    assert met[0]["acc_sync"] == met[1]["acc_sync"], met
+    assert met[0]["hash"] == met[1]["hash"], f"the peers met with different models: {met}"
+    for t in (a, b):
+        t.send("stop_at none")
+    wait_trained_after([a, b], "training together again", members=2)
+    assert_consistent([a, b])
+
+
+def test_training_goes_on_after_the_broker_restarts(cluster):
+    trainers = start_three(cluster)
+    address = cluster.broker.address
+    cluster.broker.kill()
+    since = {t.index: len(t.events) for t in trainers}
+    wait_all(trainers, lambda e: e["event"] == "disconnected", "losing the broker", since=since)
+    broker = cluster.restart_broker()
+    assert broker.address == address
+    wait_trained_after(trainers, "training after the broker restarted", members=3)
+    assert_consistent(trainers)
+
+
+# ---------------------------------------------------------------------------
+# One process, several accumulators: exact values and API contracts
+
+
+class _Peer:
+    """An Accumulator over one parameter vector and one buffer, in this process."""
+
+    def __init__(self, broker_address, weight, buffer):
+        self.w = torch.nn.Parameter(torch.tensor(weight))
+        self.buf = torch.tensor(buffer)
+        self.acc = moolib.Accumulator("acc_local", [self.w], [self.buf])
+        self.acc.group.set_timeout(10)
+        self.acc.connect(broker_address)
+        self.received = []
+
+    def poll(self):
+        """One turn of a training loop, without the gradients."""
+        self.acc.update()
+        if self.acc.wants_state():
+            self.acc.set_state({"w": self.w.detach().clone(), "note": "from the leader"})
+        if self.acc.has_new_state():
+            st = self.acc.state()
+            self.received.append(st)
+            with torch.no_grad():
+                self.w.copy_(st["w"])
+
+    def reduce(self, grad, batch_size):
+        self.w.grad = torch.tensor(grad)
+        self.acc.reduce_gradients(batch_size)
+
+    def close(self):
+        self.acc.group.close()
+        self.acc.rpc.close()
+
+
+@pytest.fixture
+def local_broker():
+    broker = moolib.Broker()
+    address = broker.listen("127.0.0.1:0")
+    stop = threading.Event()
+
+    def run():
+        while not stop.wait(0.05):
+            broker.update()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield address
+    finally:
+        stop.set()
+        thread.join(timeout=DEADLINE)
+        broker.close()
+
+
+@pytest.fixture
+def make_peer(local_broker, watchdog):
+    made = []
+
+    def make(weight, buffer=(0.0,)):
+        p = _Peer(local_broker, list(weight), list(buffer))
+        made.append(p)
+        return p
+
+    try:
+        yield make
+    finally:
+        for p in made:
+            p.close()
+
+
+def poll_until(peers, cond, what):
+    def step():
+        for p in peers:
+            p.poll()
+        return cond()
+
+    return wait_for(step, what=what)
+
+
+def connect_all(peers):
+    poll_until(
+        peers,
+        lambda: all(p.acc.connected() and len(p.acc.group.members()) == len(peers) for p in peers),
+        f"{len(peers)} accumulators connected",
+    )
+
+
+def test_exact_gradients_stats_and_buffers(make_peer):
+    a = make_peer([0.0, 0.0, 0.0], [1.0, 2.0])
+    b = make_peer([9.0, 9.0, 9.0], [7.0, 8.0])
+    peers = [a, b]
+    assert not a.acc.connected() and not a.acc.wants_gradients()
+    with pytest.raises(RuntimeError):
+        a.acc.skip_gradients()
+    with pytest.raises(RuntimeError):
+        a.acc.state()
+
+    connect_all(peers)
+    leader = a.acc.get_leader()
+    assert leader == b.acc.get_leader() and leader in (a.acc.rpc.get_name(), b.acc.rpc.get_name())
+    lead, follow = (a, b) if a.acc.is_leader() else (b, a)
+    assert not follow.acc.is_leader()
+    # The follower got the leader's state.
+    assert follow.received and follow.received[-1]["note"] == "from the leader"
+    assert torch.equal(follow.w.detach(), lead.w.detach())
+    assert a.acc.model_version() == b.acc.model_version() == 0
+
+    for p in peers:
+        p.acc.set_virtual_batch_size(10)
+        with pytest.raises(ValueError):
+            p.acc.reduce_gradients(0)
+        with pytest.raises(ValueError):
+            p.acc.set_virtual_batch_size(0)
+        with pytest.raises(ValueError):
+            p.acc.set_parallel_gradients(0)
+    assert all(p.acc.wants_gradients() for p in peers)
+
+    # Round 1: the leader sends 4 samples, the follower skips: 4 < 10.
+    lead.reduce([1.0, 2.0, 3.0], 4)
+    follow.acc.skip_gradients()
+    assert not lead.acc.wants_gradients()  # one round in flight at most
+    with pytest.raises(RuntimeError):
+        lead.acc.skip_gradients()
+    poll_until(peers, lambda: all(p.acc.wants_gradients() for p in peers), "round 1")
+    assert not any(p.acc.has_gradients() for p in peers)
+    # The follower's buffers now are the leader's.
+    assert torch.equal(follow.buf, lead.buf)
+
+    # Round 2: 2 + 6 more samples: 12 >= 10, the sum is applied.
+    lead.buf += 1
+    leader_buf = lead.buf.clone()
+    lead.reduce([0.0, 0.0, 1.0], 2)
+    follow.reduce([5.0, 5.0, 5.0], 6)
+    poll_until(peers, lambda: all(p.acc.has_gradients() for p in peers), "round 2")
+    expected = (4 * torch.tensor([1.0, 2.0, 3.0]) + 2 * torch.tensor([0.0, 0.0, 1.0]) + 30) / 12
+    for p in peers:
+        assert torch.allclose(p.w.grad, expected), (p.w.grad, expected)
+        assert p.acc.get_gradient_stats() == {
+            "batch_size": 12,
+            "num_gradients": 3,
+            "num_skipped": 1,
+        }
+    assert torch.equal(a.w.grad, b.w.grad)
+    assert torch.equal(follow.buf, leader_buf)
+    # has_gradients holds until zero_gradients, which bumps the version.
+    for _ in range(5):
+        for p in peers:
+            p.poll()
+    assert all(p.acc.has_gradients() and not p.acc.wants_gradients() for p in peers)
+    for p in peers:
+        p.acc.zero_gradients()
+        assert not p.acc.has_gradients()
+        assert p.acc.model_version() == 1
+        assert torch.equal(p.w.grad, torch.zeros(3))
+    assert all(p.acc.wants_gradients() for p in peers)
+
+
+def wait_gradients(peers, expected, what):
+    """Polls until every peer has gradients; each must be ``expected`` (checked as they come)."""
+    expected = torch.tensor(expected)
+    end = time.monotonic() + DEADLINE
+    while not all(p.acc.has_gradients() for p in peers):
+        for i, p in enumerate(peers):
+            p.poll()
+            if p.acc.has_gradients():
+                got = p.w.grad.tolist()
+                assert torch.allclose(p.w.grad, expected), (
+                    f"{what}: peer {i} got gradients {got}, expected {expected.tolist()}"
+                )
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_parallel_rounds_fill_the_virtual_batch_in_order(make_peer):
+    """With 2 rounds in flight, a step takes the rounds in order up to the virtual
+    batch size: the same rounds on every peer, whenever each calls update()."""
+    a = make_peer([0.0, 0.0])
+    b = make_peer([0.0, 0.0])
+    connect_all([a, b])
+    for p in (a, b):
+        p.acc.set_virtual_batch_size(2)
+        p.acc.set_parallel_gradients(2)
+    a.reduce([1.0, 0.0], 1)
+    b.reduce([0.0, 1.0], 1)
+    assert a.acc.wants_gradients()
+    a.reduce([10.0, 0.0], 1)
+    assert not a.acc.wants_gradients()
+    # Round 1 (2 samples) completes the virtual batch; b uses it and goes on.
+    wait_gradients([b], [0.5, 0.5], "round 1 on b")
+    assert b.acc.get_gradient_stats()["batch_size"] == 2
+    b.acc.zero_gradients()
+    b.reduce([0.0, 10.0], 1)
+    wait_gradients([b], [5.0, 5.0], "round 2 on b")
+    # a calls update() only once both its rounds are done (white box: the
+    # AllReduce objects of the rounds in flight), as a busy peer may.
+    rounds = list(a.acc._rounds)
+    wait_for(lambda: all(getattr(r, "future", r).done() for r in rounds), what="a's rounds")
+    wait_gradients([a], [0.5, 0.5], "round 1 on a")
+    assert a.acc.get_gradient_stats()["batch_size"] == 2, a.acc.get_gradient_stats()
+    a.acc.zero_gradients()
+    wait_gradients([a], [5.0, 5.0], "round 2 on a")
+
+
+def test_round_started_as_a_peer_joins_does_not_shift_rounds(make_peer):
+    """A peer whose group learned of a new member in the background, before its
+    accumulator's update() noticed, starts a round: the next rounds must still
+    pair up the same way on every member."""
+    a = make_peer([0.0, 0.0, 0.0])
+    b = make_peer([0.0, 0.0, 0.0])
+    connect_all([a, b])
+    c = make_peer([0.0, 0.0, 0.0])
+    # b and c go on (c joins); a's accumulator is not updated meanwhile.
+    poll_until([b, c], lambda: len(a.acc.group.members()) == 3, "a's group seeing c")
+    if a.acc.wants_gradients():
+        # Gradients computed before noticing: a training loop does this.
+        try:
+            a.reduce([100.0, 100.0, 100.0], 1)
+        except RuntimeError:
+            pass  # refusing a round outside the elected membership is fine too
+    peers = [a, b, c]
+    poll_until(
+        peers,
+        lambda: (
+            all(p.acc.connected() and p.acc.wants_gradients() for p in peers)
+            and all(len(p.acc.group.members()) == 3 for p in peers)
+        ),
+        "3 accumulators connected",
+    )
+    for p, g in zip(peers, ([3.0, 0.0, 0.0], [0.0, 3.0, 0.0], [0.0, 0.0, 3.0]), strict=True):
+        p.reduce(g, 1)
+    wait_gradients(peers, [1.0, 1.0, 1.0], "the first round of 3 peers")
+    stats = [p.acc.get_gradient_stats() for p in peers]
+    assert stats == [{"batch_size": 3, "num_gradients": 3, "num_skipped": 0}] * 3, stats
+
+
+def test_accumulator_needs_parameters():
+    with pytest.raises(ValueError):
+        moolib.Accumulator("acc_empty", [], [])
