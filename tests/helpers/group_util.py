@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 try:  # imported as helpers.group_util by the tests, as group_util by group_peer.py
-    from helpers.util import DEADLINE, REPO, child_env, wait_for
+    from helpers.util import DEADLINE, REPO, child_env, kill_process, stop_process, wait_for
 except ImportError:  # pragma: no cover - only inside group_peer.py
-    from util import DEADLINE, REPO, child_env, wait_for
+    from util import DEADLINE, REPO, child_env, kill_process, stop_process, wait_for
 
 HELPERS = Path(__file__).resolve().parent
 GROUP_PEER = HELPERS / "group_peer.py"
@@ -94,30 +94,11 @@ class _LineProcess:
 
     def kill(self, sig=signal.SIGKILL):
         """Sends ``sig`` and waits for the exit; returns the exit status."""
-        if self.alive():
-            try:
-                self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-        try:
-            return self.proc.wait(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=DEADLINE)
+        return kill_process(self.proc, sig)
 
     def stop(self):
         """Closes stdin (the process exits on EOF), then kills it if it lingers."""
-        try:
-            if self.proc.stdin and not self.proc.stdin.closed:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        if self.alive():
-            self.kill()
+        stop_process(self.proc)
         self._log.close()
 
 

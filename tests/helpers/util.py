@@ -26,6 +26,35 @@ TRANSPORTS = [None, ["shm"], ["tcp"]]
 TRANSPORT_IDS = ["default", "shm", "tcp"]
 
 
+def kill_process(proc, sig=signal.SIGKILL):
+    """Sends ``sig`` (if it still runs) and waits for the exit; returns the exit status."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+    try:
+        return proc.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=DEADLINE)
+
+
+def stop_process(proc):
+    """Closes stdin (helper processes exit on EOF), then kills it if it lingers."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)  # in case a test stopped it
+    try:
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
+    except OSError:
+        pass
+    try:
+        return proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        return kill_process(proc)
+
+
 def wait_for(cond, timeout=DEADLINE, interval=0.05, what="condition"):
     """Polls ``cond()`` until it returns something truthy; returns that value.
 
@@ -133,28 +162,11 @@ class PeerProcess:
         return self.proc.poll() is None
 
     def kill(self, sig=signal.SIGKILL):
-        if self.alive():
-            try:
-                self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-        try:
-            return self.proc.wait(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=DEADLINE)
+        return kill_process(self.proc, sig)
 
     def stop(self):
         """Closes stdin (the peer exits on EOF), then kills it if it lingers."""
-        try:
-            if self.proc.stdin and not self.proc.stdin.closed:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        stop_process(self.proc)
         self._log.close()
 
 
