@@ -29,7 +29,7 @@ import time
 import pytest
 import torch
 from helpers import acc_trainer
-from helpers.util import DEADLINE, HELPERS, REPO, child_env, wait_for
+from helpers.util import DEADLINE, HELPERS, REPO, child_env, stop_process, wait_for
 
 import moolib
 
@@ -181,18 +181,7 @@ class Trainer:
         self.proc.stdin.flush()
 
     def stop(self):
-        if self.alive():
-            self.proc.send_signal(signal.SIGCONT)  # in case a test stopped it
-        try:
-            if self.proc.stdin and not self.proc.stdin.closed:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=DEADLINE)
+        stop_process(self.proc)
         self._log.close()
         # Kept next to the logs for whoever debugs a failure.
         with open(self.log_path.with_suffix(".events"), "w") as f:
