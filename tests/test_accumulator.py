@@ -801,6 +801,35 @@ def test_round_started_as_a_peer_joins_does_not_shift_rounds(make_peer):
     assert stats == [{"batch_size": 3, "num_gradients": 3, "num_skipped": 0}] * 3, stats
 
 
+def test_update_survives_membership_changing_under_it(make_peer):
+    """Membership changes on a core thread at any time: update() may find the
+    group active and, a moment later, a new membership without this peer (it
+    was just dropped, e.g. after a stall). It must not raise, and the
+    accumulator must recover once it is a member again."""
+    a = make_peer([0.0])
+    b = make_peer([0.0])
+    connect_all([a, b])
+    group, me = a.acc.group, a.acc.rpc.get_name()
+    real_members, real_sync_id = group.members, group.sync_id
+    # That interleaving, pinned down: the next membership, read right after
+    # active(), lacks this peer.
+    group.members = lambda: [m for m in real_members() if m != me]
+    group.sync_id = lambda: real_sync_id() + 1
+    try:
+        a.acc.update()
+    finally:
+        del group.members, group.sync_id
+    assert not a.acc.connected()
+    # Membership changes again for real (a was dropped and comes back, or, as
+    # here, another peer joins): everyone elects afresh and trains on.
+    c = make_peer([0.0])
+    peers = [a, b, c]
+    connect_all(peers)
+    for p, g in zip(peers, ([3.0], [6.0], [9.0]), strict=True):
+        p.reduce(g, 1)
+    wait_gradients(peers, [6.0], "a round after recovering")
+
+
 def test_accumulator_needs_parameters():
     with pytest.raises(ValueError):
         moolib.Accumulator("acc_empty", [], [])
