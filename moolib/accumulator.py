@@ -152,6 +152,12 @@ class Accumulator:
         self._reset("electing")
         self._sync_id = sync_id
         members = self._group.members()
+        if self._rpc.get_name() not in members:
+            # Membership moved on between update()'s check and here (e.g. this
+            # peer was dropped after a stall): try again on the next update().
+            self._reset("idle")
+            self._sync_id = None
+            return
         me = members.index(self._rpc.get_name())
         table = torch.zeros(len(members), 2, dtype=torch.int64)
         table[me, 0] = self._model_version
