@@ -6,6 +6,7 @@ import faulthandler
 import sys
 
 import pytest
+from helpers.group_util import BrokerProcess
 from helpers.util import TRANSPORT_IDS, TRANSPORTS, PeerSpawner
 
 import moolib
@@ -78,3 +79,19 @@ def module_spawn_peer(tmp_path_factory):
         yield spawner
     finally:
         spawner.cleanup()
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory, request):
+    """A folder for the logs of a module's helper processes."""
+    return tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))
+
+
+@pytest.fixture(scope="module")
+def broker(logs):
+    """A broker process (python -m moolib.broker) shared by the module's tests."""
+    b = BrokerProcess(logs / "broker.log")
+    try:
+        yield b
+    finally:
+        b.stop()

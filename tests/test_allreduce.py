@@ -17,7 +17,6 @@ import pytest
 import torch
 from helpers.group_util import (
     DTYPES,
-    BrokerProcess,
     GroupPeer,
     case_data,
     collect,
@@ -47,20 +46,6 @@ TRANSPORTS = ["shm", "tcp"]  # "shm": every transport allowed; "tcp": TCP only
 SIZES = [2, 3, 4]
 GROUPS = [f"{t}{n}" for t in TRANSPORTS for n in SIZES]
 KILL_TIMEOUT = 2.0
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("allreduce")
-
-
-@pytest.fixture(scope="module")
-def broker(logs):
-    b = BrokerProcess(logs / "broker.log")
-    try:
-        yield b
-    finally:
-        b.stop()
 
 
 @pytest.fixture(scope="module")

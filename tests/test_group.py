@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 from helpers.group_util import (
-    BrokerProcess,
     GroupPeer,
     join,
     start_group_peers,
@@ -31,20 +30,6 @@ def _drain_peers(request):
 # plus SLACK (broker and members ping every timeout/8; the machine may be loaded).
 KILL_TIMEOUT = 2.0
 SLACK = 30.0
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("group")
-
-
-@pytest.fixture(scope="module")
-def broker(logs):
-    b = BrokerProcess(logs / "broker.log")
-    try:
-        yield b
-    finally:
-        b.stop()
 
 
 @pytest.fixture(scope="module")

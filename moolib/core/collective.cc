@@ -225,8 +225,7 @@ void Collective::start() {
         return fail(concat(describe(), " failed: ", e.what()), true);
       }
       for (size_t b = 0; b != buffers_.size(); ++b) {
-        if (algo_[b] == kShmAlgo)
-          copyParts(buffers_[b], own->data() + shmOffset_[b]);
+        if (algo_[b] == kShmAlgo) copyParts(buffers_[b], own->data() + shmOffset_[b]);
       }
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -351,15 +350,22 @@ void Collective::setOnRetired(std::function<void()> fn) {
   if (now) fn();
 }
 
+bool Collective::claimShmStep(bool& started, bool ready, std::shared_ptr<OwnRegion>& own,
+                              std::vector<std::shared_ptr<PeerRegion>>& peers) {
+  if (finished_ || started || !ready) return false;
+  started = true;
+  // Copies: fail() may drop the op's references while the step runs.
+  own = ownRegion_;
+  peers = peerRegions_;
+  return true;
+}
+
 void Collective::maybeShmReduce() {
   std::shared_ptr<OwnRegion> own;
   std::vector<std::shared_ptr<PeerRegion>> peers;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (finished_ || reduceStarted_ || !copiedIn_ || shmReady_ != n_ - 1) return;
-    reduceStarted_ = true;
-    own = ownRegion_;
-    peers = peerRegions_;
+    if (!claimShmStep(reduceStarted_, copiedIn_ && shmReady_ == n_ - 1, own, peers)) return;
   }
   // This member's slice of every buffer: the sum of every member's, read in
   // place, block by block so the running sum stays in cache.
@@ -392,10 +398,7 @@ void Collective::maybeShmGather() {
   std::vector<std::shared_ptr<PeerRegion>> peers;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (finished_ || gatherStarted_ || !reducedHere_ || shmReduced_ != n_ - 1) return;
-    gatherStarted_ = true;
-    own = ownRegion_;
-    peers = peerRegions_;
+    if (!claimShmStep(gatherStarted_, reducedHere_ && shmReduced_ == n_ - 1, own, peers)) return;
   }
   for (size_t b = 0; b != buffers_.size(); ++b) {
     if (algo_[b] != kShmAlgo) continue;

@@ -137,6 +137,9 @@ class Collective : public std::enable_shared_from_this<Collective> {
   void onDirect(const CollectiveMessage& m, std::vector<BufferPtr> data);
   void onShm(const CollectiveMessage& m);
   void sendShm(uint8_t phase, const RegionRef& region);
+  // With mutex_ held: starts a shared-memory step once ready, at most once.
+  bool claimShmStep(bool& started, bool ready, std::shared_ptr<OwnRegion>& own,
+                    std::vector<std::shared_ptr<PeerRegion>>& peers);
   void maybeShmReduce();
   void maybeShmGather();
   std::pair<size_t, size_t> slice(size_t buffer, size_t member) const;  // element [begin, end)
