@@ -12,12 +12,14 @@ from typing import Any
 
 from . import _core
 from .accumulator import Accumulator
+from .batcher import Batcher
 from .group import AllReduce, Broker, Group
 from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
 
 __all__ = [
     "Accumulator",
     "AllReduce",
+    "Batcher",
     "Broker",
     "Future",
     "Group",
