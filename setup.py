@@ -36,12 +36,19 @@ setup(
     version="0.1.0",
     description="Communications library for distributed RL/ML training, and an RL toolkit",
     python_requires=">=3.10",
-    packages=["moolib"],
+    # The toolkit's top-level folders install inside the moolib namespace, so
+    # their generic names (envs, agents, ...) cannot collide with other packages.
+    packages=["moolib", "moolib.envs"],
+    package_dir={"moolib.envs": "envs"},
     package_data={"moolib": ["_core.pyi", "py.typed"]},
     ext_modules=[core],
     cmdclass={"build_ext": build_ext},
-    install_requires=["numpy"],
-    extras_require={"test": ["pytest>=7", "pytest-timeout", "ruff"]},
+    install_requires=["numpy", "cloudpickle", "gymnasium>=1.0", "ale-py>=0.9"],
+    extras_require={
+        # The envpool library's C++ Atari: a second environment backend.
+        "envpool": ["envpool"],
+        "test": ["pytest>=7", "pytest-timeout", "ruff", "envpool"],
+    },
     entry_points={"console_scripts": ["moolib-broker=moolib.broker:main"]},
     zip_safe=False,
 )

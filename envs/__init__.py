@@ -1,0 +1,1 @@
+"""Environments for moolib's toolkit, installed as ``moolib.envs``."""

@@ -1,0 +1,353 @@
+"""EnvPool: real worker processes and shared memory, checked against envs stepped by hand."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import toy_envs
+from helpers.util import wait_for
+
+import moolib
+
+
+class HandStepped:
+    """The reference: one env per (batch, index) stepped the way EnvPool promises."""
+
+    def __init__(self, make, batch_size: int, num_batches: int) -> None:
+        self.envs = [[make() for _ in range(batch_size)] for _ in range(num_batches)]
+        self.first = [True] * num_batches
+        self.ret = np.zeros((num_batches, batch_size))
+        self.len = np.zeros((num_batches, batch_size), dtype=np.int64)
+
+    @staticmethod
+    def _reset(env):
+        out = env.reset()
+        return out[0] if isinstance(out, tuple) else out
+
+    def step(self, b: int, actions) -> list[dict]:
+        rows = []
+        for i, env in enumerate(self.envs[b]):
+            row = {"episode_return": 0.0, "episode_length": 0}
+            if self.first[b]:
+                obs, reward, done = self._reset(env), 0.0, False
+                self.ret[b, i], self.len[b, i] = 0, 0
+            else:
+                out = env.step(int(actions[i]))
+                obs, reward = out[0], out[1]
+                done = bool(out[2]) or (len(out) == 5 and bool(out[3]))
+                self.ret[b, i] += np.float32(reward)
+                self.len[b, i] += 1
+                if done:
+                    row = {"episode_return": self.ret[b, i], "episode_length": self.len[b, i]}
+                    obs = self._reset(env)
+                    self.ret[b, i], self.len[b, i] = 0, 0
+            row.update(obs if isinstance(obs, dict) else {"state": obs})
+            row["reward"], row["done"] = reward, done
+            rows.append(row)
+        self.first[b] = False
+        return rows
+
+
+def assert_matches(result: dict, rows: list[dict], where: str) -> None:
+    assert set(result) == set(rows[0]), where
+    for key, tensor in result.items():
+        expected = np.stack([np.asarray(r[key]) for r in rows])
+        got = tensor.numpy()
+        assert got.shape == expected.shape, f"{where} {key}: shape {got.shape} != {expected.shape}"
+        np.testing.assert_allclose(got, expected.astype(got.dtype), err_msg=f"{where} {key}")
+
+
+@pytest.mark.parametrize(
+    "make,num_processes,batch_size,num_batches",
+    [
+        (toy_envs.ToyEnv, 2, 5, 2),
+        (toy_envs.OldGymEnv, 3, 7, 3),
+        (toy_envs.ThreeTupleEnv, 1, 4, 1),
+        (toy_envs.ToyEnv, 4, 4, 2),
+    ],
+    ids=["gymnasium", "gym-4-tuple", "gym-3-tuple", "one-env-per-process"],
+)
+def test_matches_envs_stepped_by_hand(make, num_processes, batch_size, num_batches):
+    rng = np.random.default_rng(1234)
+    reference = HandStepped(make, batch_size, num_batches)
+    episodes_seen = 0
+    with moolib.EnvPool(make, num_processes, batch_size, num_batches) as pool:
+        assert pool.action_spec == (np.dtype(np.int64).str, ())
+        for step in range(150):
+            # Every batch in flight at once, collected in a shuffled order.
+            actions = [torch.from_numpy(rng.integers(0, 7, batch_size)) for _ in range(num_batches)]
+            futures = [pool.step(b, actions[b]) for b in range(num_batches)]
+            for b in rng.permutation(num_batches):
+                result = futures[b].result()
+                rows = reference.step(b, actions[b].numpy())
+                assert_matches(result, rows, f"step {step} batch {b}")
+                assert result["reward"].dtype == torch.float32
+                assert result["done"].dtype == torch.bool
+                episodes_seen += int(result["done"].sum())
+    assert episodes_seen > 50  # resets were exercised many times
+
+
+def test_non_dict_observation_is_state_and_no_action_space_means_int64():
+    reference = HandStepped(toy_envs.ArrayEnv, 3, 1)
+    with moolib.EnvPool(toy_envs.ArrayEnv, 2, 3, 1) as pool:
+        for step in range(20):
+            action = torch.tensor([step % 3, 1, 2])
+            result = pool.step(0, action).result()
+            assert result["state"].dtype == torch.float64
+            assert_matches(result, reference.step(0, action.numpy()), f"step {step}")
+
+
+def test_large_rgb_observations():
+    with moolib.EnvPool(toy_envs.BigImageEnv, 2, 4, 2) as pool:
+        assert pool.observation_spec["state"] == (np.dtype(np.uint8).str, (480, 640, 3))
+        for b in range(2):
+            first = pool.step(b, torch.zeros(4, dtype=torch.int64)).result()
+            assert first["state"].shape == (4, 480, 640, 3)
+            assert int(first["state"].sum()) == 0
+        for t in range(1, 4):
+            for b in range(2):
+                action = torch.tensor([0, 1, 2, t % 3])
+                obs = pool.step(b, action).result()["state"]
+                for i in range(4):
+                    assert torch.all(obs[i, t, :, int(action[i])] == 200)
+                    assert int(obs[i, -1, -1, 0]) == t
+                    assert int(obs[i].sum()) == 200 * 640 + 3 * t
+
+
+def test_box_actions_reach_the_envs():
+    with moolib.EnvPool(toy_envs.BoxActionEnv, 2, 3, 1) as pool:
+        assert pool.action_spec == (np.dtype(np.float32).str, (2,))
+        pool.step(0, torch.zeros(3, 2)).result()
+        action = torch.tensor([[0.5, -0.25], [1.0, 0.0], [-1.0, 0.75]])
+        result = pool.step(0, action).result()
+        assert torch.equal(result["state"], action * 2)
+        assert torch.allclose(result["reward"], action.sum(1))
+        with pytest.raises(RuntimeError, match=r"shape must be \[3, 2\]"):
+            pool.step(0, torch.zeros(3))
+
+
+def test_numpy_actions_are_accepted():
+    with moolib.EnvPool(toy_envs.ToyEnv, 1, 2, 1) as pool:
+        pool.step(0, np.zeros(2, dtype=np.int64)).result()
+        result = pool.step(0, np.array([3, 4])).result()
+        assert result["t"].tolist() == [1, 1]
+
+
+def test_bad_actions_raise_and_the_pool_keeps_working():
+    with moolib.EnvPool(toy_envs.ToyEnv, 2, 4, 1) as pool:
+        good = torch.zeros(4, dtype=torch.int64)
+        with pytest.raises(RuntimeError, match=r"dtype must be torch.int64, got torch.float32"):
+            pool.step(0, torch.zeros(4))
+        with pytest.raises(RuntimeError, match=r"shape must be \[4\].*got \[5\]"):
+            pool.step(0, torch.zeros(5, dtype=torch.int64))
+        with pytest.raises(RuntimeError, match=r"shape must be \[4\].*got \[4, 1\]"):
+            pool.step(0, torch.zeros(4, 1, dtype=torch.int64))
+        with pytest.raises(RuntimeError, match="must be a torch.Tensor or numpy array"):
+            pool.step(0, [0, 0, 0, 0])
+        with pytest.raises(IndexError, match="batch_index 1 out of range"):
+            pool.step(1, good)
+        future = pool.step(0, good)
+        with pytest.raises(RuntimeError, match="already has a step in flight"):
+            pool.step(0, good)
+        assert future.result()["t"].tolist() == [0, 0, 0, 0]
+        assert pool.step(0, good + 1).result()["t"].tolist() == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((0, 4, 1), "num_processes must be a positive int"),
+        ((2, 0, 1), "batch_size must be a positive int"),
+        ((2, 4, 0), "num_batches must be a positive int"),
+        ((5, 4, 1), r"num_processes \(5\) exceeds batch_size \(4\)"),
+    ],
+)
+def test_bad_sizes(args, message):
+    with pytest.raises(ValueError, match=message):
+        moolib.EnvPool(toy_envs.ToyEnv, *args)
+
+
+def test_env_exception_reaches_the_caller_with_its_traceback():
+    with moolib.EnvPool(toy_envs.FailingEnv, 2, 4, 1) as pool:
+        pool.step(0, torch.zeros(4, dtype=torch.int64)).result()
+        pool.step(0, torch.ones(4, dtype=torch.int64)).result()
+        with pytest.raises(RuntimeError) as info:
+            pool.step(0, torch.tensor([1, 1, 6, 1])).result()
+        text = str(info.value)
+        assert "the toy env refuses action six" in text
+        assert "KeyError" in text and "toy_envs.py" in text and "in step" in text
+        # The rest runs on: the env that raised starts a new episode (done=True).
+        result = pool.step(0, torch.ones(4, dtype=torch.int64)).result()
+        assert result["done"].tolist() == [False, False, True, False]
+        assert result["t"].tolist()[2] == 0
+        assert pool.step(0, torch.ones(4, dtype=torch.int64)).result()["t"].tolist()[2] == 1
+
+
+def test_factory_exception_is_reported_at_construction():
+    with pytest.raises(RuntimeError, match=r"(?s)creating the envs failed.*cannot create the toy"):
+        moolib.EnvPool(toy_envs.broken_factory, 2, 2, 1)
+
+
+def test_lambda_and_closure_factories_work():
+    offset = 3
+
+    class Local(toy_envs.ToyEnv):
+        def reset(self, **kwargs):
+            obs, info = super().reset()
+            obs["t"] = np.int64(offset)
+            return obs, info
+
+    with moolib.EnvPool(lambda: Local(), 2, 2, 1) as pool:
+        assert pool.step(0, torch.zeros(2, dtype=torch.int64)).result()["t"].tolist() == [3, 3]
+
+
+def worker_pids(pool) -> list[int]:
+    return [p.pid for p in pool._procs]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_dead_worker_is_reported_not_waited_on():
+    pool = moolib.EnvPool(toy_envs.SlowEnv, 2, 2, 1)
+    try:
+        toy_envs.SlowEnv.delay = 0  # only in this process: workers keep their own class
+        pool.step(0, torch.zeros(2, dtype=torch.int64)).result()
+        future = pool.step(0, torch.zeros(2, dtype=torch.int64))
+        os.kill(worker_pids(pool)[1], signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"worker 1 \(pid \d+\) was killed by SIGKILL"):
+            future.result()
+        with pytest.raises(RuntimeError, match="killed by SIGKILL"):
+            pool.step(0, torch.zeros(2, dtype=torch.int64))
+    finally:
+        toy_envs.SlowEnv.delay = 2.0
+        pool.close()
+    assert not any(alive(pid) for pid in worker_pids(pool))
+
+
+def test_result_timeout_done_and_repeated_result():
+    with moolib.EnvPool(toy_envs.SlowEnv, 1, 1, 1) as pool:
+        first = pool.step(0, torch.zeros(1, dtype=torch.int64))
+        assert first.result()["t"].tolist() == [0]
+        assert first.done()
+        future = pool.step(0, torch.ones(1, dtype=torch.int64))
+        with pytest.raises(TimeoutError):
+            future.result(timeout=0.01)
+        wait_for(future.done, timeout=60)
+        assert future.result()["t"].tolist() == [1]
+        assert future.result()["t"].tolist() == [1]
+        pool.step(0, torch.ones(1, dtype=torch.int64))
+        with pytest.raises(RuntimeError, match="overwritten"):
+            future.result()
+
+
+def test_close_leaves_no_process_and_closed_pool_refuses():
+    pool = moolib.EnvPool(toy_envs.ToyEnv, 3, 3, 2)
+    pids = worker_pids(pool)
+    assert all(alive(pid) for pid in pids)
+    pool.close()
+    assert not any(alive(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="EnvPool is closed"):
+        pool.step(0, torch.zeros(3, dtype=torch.int64))
+    pool.close()  # idempotent
+
+
+def test_garbage_collected_pool_stops_its_workers():
+    pool = moolib.EnvPool(toy_envs.ToyEnv, 2, 2, 1)
+    pids = worker_pids(pool)
+    del pool
+    wait_for(lambda: not any(alive(pid) for pid in pids), timeout=60)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().split(") ")[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_waiting_workers_block_instead_of_spinning():
+    with moolib.EnvPool(toy_envs.ToyEnv, 2, 2, 2) as pool:
+        for b in range(2):
+            pool.step(b, torch.zeros(2, dtype=torch.int64)).result()
+        before = [cpu_seconds(pid) for pid in worker_pids(pool)]
+        time.sleep(2.0)
+        after = [cpu_seconds(pid) for pid in worker_pids(pool)]
+        # A spinning worker burns about a CPU-second per second; a blocked one none.
+        assert all(a - b < 0.5 for a, b in zip(after, before)), (before, after)
+
+
+def test_works_in_a_process_that_runs_an_rpc(make_rpc):
+    server = make_rpc(name="envpool-server", listen=True)
+    server.define("double", lambda x: 2 * x)
+    client = make_rpc()
+    client.connect(server.address)
+    assert client.sync("envpool-server", "double", 21) == 42
+    with moolib.EnvPool(toy_envs.ToyEnv, 2, 4, 2) as pool:
+        for b in range(2):
+            pool.step(b, torch.zeros(4, dtype=torch.int64)).result()
+        assert pool.step(0, torch.ones(4, dtype=torch.int64)).result()["t"].tolist() == [1] * 4
+        assert client.sync("envpool-server", "double", 4) == 8
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time, torch, moolib
+    sys.path.insert(0, {helpers!r})
+    from helpers import toy_envs
+    rpc = moolib.Rpc()
+    rpc.listen("127.0.0.1:0")
+    pool = moolib.EnvPool(toy_envs.ToyEnv, 2, 2, 1)
+    print(" ".join(str(p.pid) for p in pool._procs), flush=True)
+    action = torch.zeros(2, dtype=torch.int64)
+    mode = sys.argv[1]
+    if mode == "exit":
+        pool.step(0, action).result()
+        sys.exit(0)
+    while True:
+        pool.step(0, action).result()
+        time.sleep(0.001)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["exit", "ctrl-c", "kill-9"])
+def test_no_worker_outlives_its_parent(how, tmp_path):
+    script = tmp_path / "pool_parent.py"
+    script.write_text(SCRIPT.format(helpers=os.path.dirname(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "exit" if how == "exit" else "loop"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal would give it
+    )
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        if how == "ctrl-c":
+            time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole group
+        elif how == "kill-9":
+            proc.kill()
+        proc.wait(timeout=60)
+        wait_for(lambda: not any(alive(pid) for pid in pids), timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if how == "exit":
+        assert proc.returncode == 0
+    if how == "ctrl-c":
+        assert proc.returncode != 0  # KeyboardInterrupt ended it
