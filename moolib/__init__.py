@@ -13,6 +13,7 @@ from typing import Any
 from . import _core
 from .accumulator import Accumulator
 from .batcher import Batcher
+from .envpool import EnvPool, EnvStepperFuture
 from .group import AllReduce, Broker, Group
 from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
 
@@ -21,6 +22,8 @@ __all__ = [
     "AllReduce",
     "Batcher",
     "Broker",
+    "EnvPool",
+    "EnvStepperFuture",
     "Future",
     "Group",
     "Queue",

@@ -32,6 +32,7 @@ from . import _envpool_shared as shared
 
 __all__ = ["EnvPool", "EnvStepperFuture"]
 
+
 def _torch() -> Any:
     import torch
 
@@ -206,9 +207,7 @@ class EnvPool:
     def _expect(self, w: int, kind: int) -> bytes:
         got, _, payload = self._receive(w)
         if got == shared.FAILED:
-            raise RuntimeError(
-                f"EnvPool worker {w}: {payload.decode('utf-8', 'replace')}"
-            )
+            raise RuntimeError(f"EnvPool worker {w}: {payload.decode('utf-8', 'replace')}")
         if got != kind:
             raise RuntimeError(f"EnvPool worker {w}: unexpected message kind {got}")
         return payload

@@ -286,7 +286,7 @@ def test_waiting_workers_block_instead_of_spinning():
         time.sleep(2.0)
         after = [cpu_seconds(pid) for pid in worker_pids(pool)]
         # A spinning worker burns about a CPU-second per second; a blocked one none.
-        assert all(a - b < 0.5 for a, b in zip(after, before)), (before, after)
+        assert all(a - b < 0.5 for a, b in zip(after, before, strict=True)), (before, after)
 
 
 def test_works_in_a_process_that_runs_an_rpc(make_rpc):
