@@ -46,7 +46,7 @@ class _Spec(NamedTuple):
     """How one tensor leaf of the items goes into the batch."""
 
     dtype: Any  # torch.dtype
-    shape: tuple[int, ...]  # the item's shape (stack) or shape with the batch dim at 0 (cat)
+    shape: tuple[int, ...]  # the (first) item's shape
     dim: int  # the batch dimension in the output, non-negative
     out_shape: tuple[int, ...]
 
