@@ -1,0 +1,339 @@
+"""The envpool library's C++ Atari as a second backend, behind moolib.EnvPool's
+interface (``step(batch_index, action) -> future``).
+
+envpool is optional (``pip install 'moolib[envpool]'``): it is imported when an
+``EnvpoolAtari`` is made, not when ``moolib.envs`` is imported.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import secrets
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .atari import (
+    DEFAULT_MAX_EPISODE_FRAMES,
+    DEFAULT_NOOP_MAX,
+    DEFAULT_REPEAT_ACTION_PROBABILITY,
+    FRAME_SKIP,
+    FRAME_STACK,
+    SCREEN_SIZE,
+    check_atari_options,
+    envpool_task_id,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+_MAX_SEED = 2**31 - 1
+
+
+def import_envpool() -> ModuleType:
+    """The envpool module, or an ImportError that names the extra to install."""
+    try:
+        import envpool
+    except ImportError as e:
+        raise ImportError(
+            "The envpool backend needs the envpool library, which is not installed: "
+            "pip install 'moolib[envpool]' (or pip install envpool)"
+        ) from e
+    return envpool
+
+
+class EnvpoolFuture:
+    """The pending result of ``EnvpoolAtari.step``: ``result()`` waits for it."""
+
+    __slots__ = ("_owner", "_batch", "_future")
+
+    def __init__(self, owner: EnvpoolAtari, batch: int, future: concurrent.futures.Future) -> None:
+        self._owner = owner
+        self._batch = batch
+        self._future = future
+
+    def result(self, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """The batch as a dict of tensors ("state", "reward", "done",
+        "episode_return", "episode_length"); TimeoutError on timeout (the step
+        stays in flight; call ``result()`` again)."""
+        try:
+            out = self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"EnvpoolAtari: batch {self._batch} not stepped within {timeout} s"
+            ) from None
+        finally:
+            if self._future.done():
+                self._owner._collected(self._batch, self._future)
+        return dict(out)
+
+    def done(self) -> bool:
+        """True when ``result()`` would not block."""
+        return self._future.done()
+
+
+class EnvpoolAtari:
+    """``batch_size * num_batches`` Atari envs run by envpool's C++ threads,
+    preprocessed like ``moolib.envs.create_env`` (see ``moolib.envs.atari``):
+    up to ``noop_max`` no-op starts, frame skip 4 with max-pooling of the last
+    two frames, 84x84 grayscale, a stack of 4 frames (newest last), sticky
+    actions, unclipped rewards, episodes truncated after
+    ``max_episode_frames // 4`` agent steps, optional ``episodic_life``.
+
+    Same interface as ``moolib.EnvPool``: ``step(batch_index, action)`` sends
+    an ``int64`` action tensor (or array) of shape ``(batch_size,)`` to batch
+    ``batch_index`` and returns at once with a future whose ``result()`` waits
+    for a dict of fresh (never reused) CPU tensors:
+
+    - ``"state"``: ``uint8`` ``(batch_size, 4, 84, 84)``,
+    - ``"reward"``: ``float32`` ``(batch_size,)``,
+    - ``"done"``: ``bool`` ``(batch_size,)``, terminated or truncated,
+    - ``"episode_return"`` (``float32``) and ``"episode_length"`` (``int64``,
+      in agent steps): those of the episode that ended at this step where
+      ``done`` is True, 0 elsewhere.
+
+    Each batch is one envpool instance of ``batch_size`` envs driven through
+    envpool's async API (``async_reset``/``send``, then ``recv`` on a helper
+    thread), so the batches step concurrently. At most one step per batch may
+    be in flight: a second ``step`` on a batch before ``result()`` raises
+    RuntimeError, as do a wrong action shape or dtype and an action outside
+    ``[0, num_actions)``.
+
+    Resets, exactly as a caller sees them (envpool's auto-reset convention,
+    which differs from ``moolib.EnvPool``'s):
+
+    - The first ``step`` of each batch resets its envs and ignores the
+      action: the observation is the first one of each env's episode,
+      reward 0, done False.
+    - When an env's episode ends at step t, result t holds that episode's
+      *last* observation (not a reset one), its last reward, ``done=True``
+      and the episode's return and length.
+    - Step t+1 of that env is a reset step: its action is ignored and it
+      returns the first observation of the next episode with reward 0 and
+      ``done=False``; it does not count in any episode's return or length.
+
+    ``moolib.EnvPool`` (gymnasium backend) instead returns the *reset*
+    observation with ``done=True`` and has no reset step, so here an agent
+    sees one extra transition per episode whose action has no effect. With
+    ``episodic_life`` the same holds at every lost life, and the reset step
+    continues the game rather than starting a new one.
+
+    Other differences from the gymnasium backend: ``noop_max=0`` takes one
+    no-op frame (envpool cannot take none); and the first observation after
+    a lost life (``episodic_life``) is not preceded by an extra no-op step.
+
+    ``seed``: env ``i`` of batch ``b`` is seeded with
+    ``seed + b * batch_size + i``; without a seed a random base is drawn.
+    ``num_threads``: envpool threads per batch (default
+    ``min(batch_size, cpu count)``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        batch_size: int,
+        num_batches: int,
+        num_threads: int | None = None,
+        seed: int | None = None,
+        *,
+        noop_max: int = DEFAULT_NOOP_MAX,
+        repeat_action_probability: float = DEFAULT_REPEAT_ACTION_PROBABILITY,
+        full_action_space: bool = False,
+        max_episode_frames: int = DEFAULT_MAX_EPISODE_FRAMES,
+        episodic_life: bool = False,
+    ) -> None:
+        for arg, value in (("batch_size", batch_size), ("num_batches", num_batches)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EnvpoolAtari: {arg} must be a positive int, got {value!r}")
+        if num_threads is None:
+            num_threads = min(batch_size, os.cpu_count() or 1)
+        if not isinstance(num_threads, int) or num_threads < 1:
+            raise ValueError(
+                f"EnvpoolAtari: num_threads must be a positive int, got {num_threads!r}"
+            )
+        num_envs = batch_size * num_batches
+        if seed is None:
+            seed = secrets.randbelow(_MAX_SEED - num_envs)
+        elif not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED - num_envs:
+            raise ValueError(
+                f"EnvpoolAtari: seed must be an int in [0, {_MAX_SEED - num_envs}], got {seed!r}"
+            )
+        check_atari_options(noop_max, repeat_action_probability, max_episode_frames)
+        task = envpool_task_id(name)
+        envpool = import_envpool()
+        import torch
+
+        self._torch = torch
+        self.name = name
+        self.task_id = task
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self._closed = False
+        self._envs: list[Any] = []
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        try:
+            for b in range(num_batches):
+                self._envs.append(
+                    envpool.make(
+                        task,
+                        env_type="gymnasium",
+                        num_envs=batch_size,
+                        batch_size=batch_size,
+                        num_threads=num_threads,
+                        seed=seed + b * batch_size,
+                        max_episode_steps=max_episode_frames // FRAME_SKIP,
+                        # envpool draws 1..noop_max no-op frames, like
+                        # gymnasium, but crashes on 0.
+                        noop_max=max(noop_max, 1),
+                        frame_skip=FRAME_SKIP,
+                        stack_num=FRAME_STACK,
+                        img_height=SCREEN_SIZE,
+                        img_width=SCREEN_SIZE,
+                        gray_scale=True,
+                        use_inter_area_resize=True,
+                        reward_clip=False,
+                        episodic_life=bool(episodic_life),
+                        zero_discount_on_life_loss=False,
+                        use_fire_reset=False,
+                        repeat_action_probability=float(repeat_action_probability),
+                        full_action_space=bool(full_action_space),
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.action_space = self._envs[0].action_space
+        self.observation_space = self._envs[0].observation_space
+        self.num_actions = int(self.action_space.n)
+        self._env_ids = np.arange(batch_size, dtype=np.int32)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=num_batches, thread_name_prefix="envpool-recv"
+        )
+        self._pending: list[concurrent.futures.Future | None] = [None] * num_batches
+        self._started = [False] * num_batches
+        # Running return and length of each env's current episode, and whether
+        # its last step ended an episode (so this step is envpool's reset step).
+        self._return = [np.zeros(batch_size, np.float64) for _ in range(num_batches)]
+        self._length = [np.zeros(batch_size, np.int64) for _ in range(num_batches)]
+        self._ended = [np.zeros(batch_size, bool) for _ in range(num_batches)]
+
+    def step(self, batch_index: int, action: Any) -> EnvpoolFuture:
+        """Steps batch ``batch_index`` with ``action`` (``int64``, shape
+        ``(batch_size,)``). Returns at once; ``result()`` on the future waits."""
+        if self._closed:
+            raise RuntimeError("EnvpoolAtari is closed")
+        if not isinstance(batch_index, int) or not 0 <= batch_index < self.num_batches:
+            raise IndexError(
+                f"EnvpoolAtari.step: batch_index {batch_index!r} out of range "
+                f"[0, {self.num_batches})"
+            )
+        if self._pending[batch_index] is not None:
+            raise RuntimeError(
+                f"EnvpoolAtari.step: batch {batch_index} already has a step in flight; "
+                "call result() on its future first"
+            )
+        actions = self._check_action(action)
+        env = self._envs[batch_index]
+        first = not self._started[batch_index]
+        if first:
+            env.async_reset()
+            self._started[batch_index] = True
+        else:
+            env.send(actions, self._env_ids)
+        assert self._executor is not None
+        future = self._executor.submit(self._receive, batch_index, first)
+        self._pending[batch_index] = future
+        return EnvpoolFuture(self, batch_index, future)
+
+    def _check_action(self, action: Any) -> np.ndarray:
+        torch = self._torch
+        if isinstance(action, np.ndarray):
+            if action.dtype != np.int64:
+                raise RuntimeError(
+                    f"EnvpoolAtari.step: action dtype must be torch.int64, got numpy {action.dtype}"
+                )
+            action = torch.from_numpy(action)
+        if not isinstance(action, torch.Tensor):
+            raise RuntimeError(
+                "EnvpoolAtari.step: action must be a torch.Tensor or numpy array, "
+                f"got {type(action).__name__}"
+            )
+        if action.dtype != torch.int64:
+            raise RuntimeError(
+                f"EnvpoolAtari.step: action dtype must be torch.int64, got {action.dtype}"
+            )
+        if tuple(action.shape) != (self.batch_size,):
+            raise RuntimeError(
+                f"EnvpoolAtari.step: action shape must be [{self.batch_size}] (batch_size), "
+                f"got {list(action.shape)}"
+            )
+        actions = action.detach().cpu().numpy()
+        if actions.size and (actions.min() < 0 or actions.max() >= self.num_actions):
+            raise RuntimeError(
+                f"EnvpoolAtari.step: actions must be in [0, {self.num_actions}), got "
+                f"values from {actions.min()} to {actions.max()}"
+            )
+        return actions.astype(np.int32)
+
+    def _receive(self, b: int, first: bool) -> dict[str, torch.Tensor]:
+        """Runs on the helper thread: waits for batch b, orders it by env id and
+        keeps the episode statistics."""
+        obs, reward, terminated, truncated, info = self._envs[b].recv()
+        order = np.argsort(info["env_id"])
+        obs = np.ascontiguousarray(obs[order])  # a copy: never shared with envpool
+        reward = np.asarray(reward, np.float32)[order]
+        done = (np.asarray(terminated, bool) | np.asarray(truncated, bool))[order]
+        ret, length, ended = self._return[b], self._length[b], self._ended[b]
+        if first:
+            reward[:] = 0.0
+            done[:] = False
+            ended[:] = True  # the accumulators restart below, like after an end
+        # Envs that ended an episode at the last step were reset at this one.
+        ret[ended] = 0.0
+        length[ended] = 0
+        stepped = ~ended
+        ret[stepped] += reward[stepped]
+        length[stepped] += 1
+        episode_return = np.where(done, ret, 0.0).astype(np.float32)
+        episode_length = np.where(done, length, 0).astype(np.int64)
+        ended[:] = done
+        torch = self._torch
+        return {
+            "state": torch.from_numpy(obs),
+            "reward": torch.from_numpy(reward),
+            "done": torch.from_numpy(done),
+            "episode_return": torch.from_numpy(episode_return),
+            "episode_length": torch.from_numpy(episode_length),
+        }
+
+    def _collected(self, b: int, future: concurrent.futures.Future) -> None:
+        if self._pending[b] is future:
+            self._pending[b] = None
+
+    def close(self) -> None:
+        """Waits for steps in flight, then frees the envs. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        for env in self._envs:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
+        self._envs = []
+
+    def __enter__(self) -> EnvpoolAtari:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to at collection
+            pass
