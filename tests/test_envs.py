@@ -66,6 +66,7 @@ def zeros(batch_size):
         ("asterix", "ALE/Asterix-v5"),
         ("montezuma_revenge", "ALE/MontezumaRevenge-v5"),
         ("Space-Invaders", "ALE/SpaceInvaders-v5"),
+        ("Breakout", "ALE/Breakout-v5"),
         ("ALE/Pong-v5", "ALE/Pong-v5"),
     ],
 )
@@ -129,6 +130,19 @@ def test_factories_pickle():
             env = pickle.loads(dumps(factory))()
             obs, _ = env.reset()
             assert obs.shape == env.observation_space.shape
+
+
+def test_factory_in_moolib_envpool():
+    """moolib.EnvPool's workers get the factory through cloudpickle."""
+    import moolib
+
+    factory = functools.partial(envs.create_env, "breakout")
+    with moolib.EnvPool(factory, 2, 2, 1) as pool:
+        out = pool.step(0, zeros(2)).result()
+        assert out["state"].shape == (2, 4, 84, 84) and out["state"].dtype == torch.uint8
+        for _ in range(10):
+            out = pool.step(0, torch.randint(0, 4, (2,))).result()
+            assert out["state"].shape == (2, 4, 84, 84)
 
 
 def test_import_does_not_import_envpool_or_torch():
