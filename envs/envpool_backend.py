@@ -121,8 +121,10 @@ class EnvpoolAtari:
     continues the game rather than starting a new one.
 
     Other differences from the gymnasium backend: ``noop_max=0`` takes one
-    no-op frame (envpool cannot take none); and the first observation after
-    a lost life (``episodic_life``) is not preceded by an extra no-op step.
+    no-op frame (envpool cannot take none); and with ``episodic_life`` the
+    observation of the reset step after a lost life is envpool's own (the
+    gymnasium backend takes one no-op step and refills the frame stack with
+    its frame), so the two backends part ways at the first lost life.
 
     ``seed``: env ``i`` of batch ``b`` is seeded with
     ``seed + b * batch_size + i``; without a seed a random base is drawn.
