@@ -43,7 +43,14 @@ setup(
     package_data={"moolib": ["_core.pyi", "py.typed"]},
     ext_modules=[core],
     cmdclass={"build_ext": build_ext},
-    install_requires=["numpy", "cloudpickle", "gymnasium>=1.0", "ale-py>=0.9"],
+    install_requires=[
+        "numpy",
+        "cloudpickle",
+        "gymnasium>=1.0",
+        "ale-py>=0.9",
+        # gymnasium's AtariPreprocessing resizes frames with OpenCV.
+        "opencv-python-headless",
+    ],
     extras_require={
         # The envpool library's C++ Atari: a second environment backend.
         "envpool": ["envpool"],
