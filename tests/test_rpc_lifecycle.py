@@ -362,7 +362,7 @@ def test_ctrl_c_interrupts_a_waiting_call(tmp_path):
         """,
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
-    # KeyboardInterrupt, and well before the 5 s call timeout.
-    outcome, seconds = proc.stdout.split("OUTCOME ")[1].split()[:2]
+    # KeyboardInterrupt while waiting: a signal held back until the 5 s call
+    # timeout would land in the sleep after it and leave "timed-out".
+    outcome = proc.stdout.split("OUTCOME ")[1].split()[0]
     assert outcome == "interrupted", proc.stdout
-    assert float(seconds) < 4.0, proc.stdout
