@@ -38,9 +38,15 @@ setup(
     python_requires=">=3.10",
     # The toolkit's top-level folders install inside the moolib namespace, so
     # their generic names (envs, agents, ...) cannot collide with other packages.
-    packages=["moolib", "moolib.envs"],
-    package_dir={"moolib.envs": "envs"},
-    package_data={"moolib": ["_core.pyi", "py.typed"]},
+    packages=["moolib", "moolib.agents", "moolib.conf", "moolib.envs", "moolib.launch"],
+    package_dir={
+        "moolib.agents": "agents",
+        "moolib.conf": "conf",
+        "moolib.envs": "envs",
+        "moolib.launch": "launch",
+    },
+    # The Hydra config ships inside the package, so moolib-run works from anywhere.
+    package_data={"moolib": ["_core.pyi", "py.typed"], "moolib.conf": ["*.yaml", "*/*.yaml"]},
     ext_modules=[core],
     cmdclass={"build_ext": build_ext},
     install_requires=[
@@ -50,12 +56,23 @@ setup(
         "ale-py>=0.9",
         # gymnasium's AtariPreprocessing resizes frames with OpenCV.
         "opencv-python-headless",
+        "hydra-core>=1.3",
+        "wandb",
+        "rich",
+        "matplotlib",
+        "plotext",
     ],
     extras_require={
         # The envpool library's C++ Atari: a second environment backend.
         "envpool": ["envpool"],
         "test": ["pytest>=7", "pytest-timeout", "ruff", "envpool"],
     },
-    entry_points={"console_scripts": ["moolib-broker=moolib.broker:main"]},
+    entry_points={
+        "console_scripts": [
+            "moolib-broker=moolib.broker:main",
+            "moolib-run=moolib.launch.run:main",
+            "moolib-plot=moolib.launch.plot:main",
+        ]
+    },
     zip_safe=False,
 )

@@ -1,0 +1,1 @@
+"""RL agents on moolib (IMPALA/V-trace, A2C), installed as ``moolib.agents``."""

@@ -1,0 +1,1 @@
+"""Hydra configuration of moolib-run, shipped as package data (``moolib.conf``)."""

@@ -1,0 +1,1 @@
+"""The moolib-run launcher and the moolib-plot command, installed as ``moolib.launch``."""
