@@ -1,0 +1,277 @@
+"""Actor-critic networks for the agents: the IMPALA Atari nets and a small MLP.
+
+Every network has one interface, so an agent never needs to know which it got::
+
+    outputs, core_state = model(inputs, core_state)
+
+``inputs`` is a dict of time-major tensors:
+
+- ``"state"``: ``[T, B, *observation_shape]`` observations (uint8 frames
+  ``[T, B, C, H, W]`` for Atari, float32 vectors for CartPole);
+- ``"reward"``: ``[T, B]`` float32, the reward that led to the observation;
+- ``"done"``: ``[T, B]`` bool, true where the observation at ``t`` starts a
+  new episode (EnvPool returns the reset observation with ``done=True``);
+- ``"prev_action"``: ``[T, B]`` int64, the action taken before the observation.
+
+``outputs`` is a dict with ``"policy_logits"`` ``[T, B, A]`` (float32),
+``"baseline"`` ``[T, B]`` (float32) and ``"action"`` ``[T, B]`` (int64): sampled
+from the policy in training mode, the argmax in eval mode.
+
+``core_state`` is ``model.initial_state(batch_size)``: an empty tuple without an
+LSTM, else ``(h, c)``, each ``[1, B, hidden_size]`` (``()`` passed to an LSTM
+net means the initial state). With an LSTM the state is
+carried from one unroll to the next and zeroed at episode ends, so the acting
+loop passes it back in unchanged and never resets it itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["NETWORKS", "ImpalaNet", "MLPNet", "create_model"]
+
+CoreState = tuple[torch.Tensor, ...]
+
+
+class _ActorCritic(nn.Module):
+    """The part shared by all networks: core input, optional LSTM core and heads.
+
+    Subclasses build ``self.torso`` mapping ``[N, *observation_shape]`` to
+    ``[N, torso_size]`` and call :meth:`_build_core`.
+    """
+
+    num_actions: int
+    use_lstm: bool
+    torso: nn.Module
+
+    def _build_core(self, torso_size: int, hidden_size: int) -> None:
+        # The core also sees the clipped reward and the previous action: with an
+        # LSTM that lets the policy condition on what it just did and got.
+        core_input_size = torso_size + 1 + self.num_actions
+        if self.use_lstm:
+            self.core = nn.LSTM(core_input_size, hidden_size, num_layers=1)
+            core_output_size = hidden_size
+        else:
+            core_output_size = core_input_size
+        self.policy = nn.Linear(core_output_size, self.num_actions)
+        self.baseline = nn.Linear(core_output_size, 1)
+
+    def initial_state(self, batch_size: int = 1) -> CoreState:
+        """The core state at the start of training: ``()`` or zero ``(h, c)`` [1, B, H]."""
+        if not self.use_lstm:
+            return ()
+        # Created on the module's device so a CUDA learner gets a CUDA state.
+        device = self.policy.weight.device
+        shape = (self.core.num_layers, batch_size, self.core.hidden_size)
+        return tuple(torch.zeros(shape, device=device) for _ in range(2))
+
+    def _preprocess(self, state: torch.Tensor) -> torch.Tensor:
+        """Turns ``[N, *observation_shape]`` observations into float network input."""
+        return state.float()
+
+    def forward(
+        self, inputs: dict[str, torch.Tensor], core_state: CoreState = ()
+    ) -> tuple[dict[str, torch.Tensor], CoreState]:
+        """Runs the network on a ``[T, B]`` unroll; see the module docstring."""
+        state = inputs["state"]
+        num_steps, batch_size = state.shape[:2]
+        # The torso has no memory: fold time into the batch for one big call.
+        x = self._preprocess(state.reshape(num_steps * batch_size, *state.shape[2:]))
+        x = self.torso(x)
+
+        # Reward clipping keeps Atari's score scales out of the input features.
+        reward = inputs["reward"].reshape(num_steps * batch_size, 1).float().clamp(-1.0, 1.0)
+        prev_action = F.one_hot(
+            inputs["prev_action"].reshape(num_steps * batch_size).long(), self.num_actions
+        ).float()
+        core_input = torch.cat([x, reward, prev_action], dim=-1)
+
+        if self.use_lstm:
+            if not core_state:  # () means "from the start", as for the stateless nets
+                core_state = self.initial_state(batch_size)
+            core_input = core_input.view(num_steps, batch_size, -1)
+            # notdone[t] zeroes the state before step t when observation t starts
+            # a new episode, so no memory crosses an episode boundary.
+            notdone = (~inputs["done"].bool()).float()
+            core_output_list = []
+            for t in range(num_steps):
+                mask = notdone[t].view(1, batch_size, 1)
+                core_state = tuple(mask * s for s in core_state)
+                output, core_state = self.core(core_input[t : t + 1], core_state)
+                core_output_list.append(output)
+            core_output = torch.cat(core_output_list).view(num_steps * batch_size, -1)
+        else:
+            core_output = core_input
+
+        policy_logits = self.policy(core_output)
+        baseline = self.baseline(core_output)
+        if self.training:
+            action = torch.multinomial(F.softmax(policy_logits, dim=-1), num_samples=1)
+        else:
+            action = torch.argmax(policy_logits, dim=-1)
+
+        outputs = {
+            "policy_logits": policy_logits.view(num_steps, batch_size, self.num_actions),
+            "baseline": baseline.view(num_steps, batch_size),
+            "action": action.view(num_steps, batch_size),
+        }
+        return outputs, core_state
+
+
+class _ResidualBlock(nn.Module):
+    """``x + conv(relu(conv(relu(x))))`` with 3x3 convolutions, channels kept."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Applies the block."""
+        return x + self.conv1(F.relu(self.conv0(F.relu(x))))
+
+
+def _deep_torso(in_channels: int) -> nn.Sequential:
+    # IMPALA paper, fig. 3 (right): three sections of conv, max-pool, two
+    # residual blocks, then a final relu before the fully connected layer.
+    layers: list[nn.Module] = []
+    for channels in (16, 32, 32):
+        layers += [
+            nn.Conv2d(in_channels, channels, kernel_size=3, padding=1),
+            nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
+            _ResidualBlock(channels),
+            _ResidualBlock(channels),
+        ]
+        in_channels = channels
+    layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def _shallow_torso(in_channels: int) -> nn.Sequential:
+    # IMPALA paper, fig. 3 (left): two convolutions as in the Nature DQN.
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 16, kernel_size=8, stride=4),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, kernel_size=4, stride=2),
+        nn.ReLU(),
+    )
+
+
+class ImpalaNet(_ActorCritic):
+    """The IMPALA Atari network (Espeholt et al. 2018, fig. 3) with optional LSTM.
+
+    Args:
+        observation_shape: ``(C, H, W)`` of one observation, e.g. ``(4, 84, 84)``
+            for four stacked grayscale frames.
+        num_actions: size of the discrete action space.
+        deep: the residual network (default); ``False`` for the shallow one.
+        use_lstm: put a one-layer LSTM core between the torso and the heads.
+        hidden_size: width of the fully connected layer and of the LSTM.
+
+    Observations are uint8 frames, scaled by 1/255 here so actors can ship
+    bytes rather than floats.
+    """
+
+    def __init__(
+        self,
+        observation_shape: Sequence[int],
+        num_actions: int,
+        *,
+        deep: bool = True,
+        use_lstm: bool = False,
+        hidden_size: int = 256,
+    ) -> None:
+        super().__init__()
+        observation_shape = tuple(observation_shape)
+        if len(observation_shape) != 3:
+            raise ValueError(
+                f"ImpalaNet needs image observations (C, H, W), got shape {observation_shape}"
+            )
+        self.observation_shape = observation_shape
+        self.num_actions = num_actions
+        self.use_lstm = use_lstm
+        self.deep = deep
+        conv = _deep_torso if deep else _shallow_torso
+        conv_layers = conv(observation_shape[0])
+        # Any frame size works: measure the flattened conv output once.
+        with torch.no_grad():
+            conv_size = conv_layers(torch.zeros(1, *observation_shape)).numel()
+        self.torso = nn.Sequential(
+            conv_layers, nn.Flatten(), nn.Linear(conv_size, hidden_size), nn.ReLU()
+        )
+        self._build_core(hidden_size, hidden_size)
+
+    def _preprocess(self, state: torch.Tensor) -> torch.Tensor:
+        return state.float() / 255.0
+
+
+class MLPNet(_ActorCritic):
+    """A two-layer MLP torso for small vector observations (CartPole & co).
+
+    Args:
+        observation_shape: shape of one observation; it is flattened.
+        num_actions: size of the discrete action space.
+        hidden_size: width of both hidden layers (and of the LSTM).
+        use_lstm: put a one-layer LSTM core between the torso and the heads.
+    """
+
+    def __init__(
+        self,
+        observation_shape: Sequence[int],
+        num_actions: int,
+        *,
+        hidden_size: int = 64,
+        use_lstm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.observation_shape = tuple(observation_shape)
+        self.num_actions = num_actions
+        self.use_lstm = use_lstm
+        input_size = math.prod(self.observation_shape)
+        self.torso = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(input_size, hidden_size),
+            nn.ReLU(),
+            nn.Linear(hidden_size, hidden_size),
+            nn.ReLU(),
+        )
+        self._build_core(hidden_size, hidden_size)
+
+
+NETWORKS = ("impala_deep", "impala_shallow", "mlp")
+
+
+def create_model(
+    observation_shape: Sequence[int],
+    num_actions: int,
+    *,
+    network: str = "impala_deep",
+    use_lstm: bool = False,
+    hidden_size: int | None = None,
+) -> nn.Module:
+    """Builds a network by name (the ``network`` setting of the agent configs).
+
+    Args:
+        observation_shape: shape of one observation (without T and B).
+        num_actions: size of the discrete action space.
+        network: ``"impala_deep"``, ``"impala_shallow"`` or ``"mlp"``.
+        use_lstm: add the LSTM core.
+        hidden_size: width of the hidden layers; ``None`` takes the network's
+            default (256 for the IMPALA nets, 64 for the MLP).
+
+    Raises:
+        ValueError: for an unknown network name.
+    """
+    kwargs = {} if hidden_size is None else {"hidden_size": hidden_size}
+    if network == "impala_deep":
+        return ImpalaNet(observation_shape, num_actions, deep=True, use_lstm=use_lstm, **kwargs)
+    if network == "impala_shallow":
+        return ImpalaNet(observation_shape, num_actions, deep=False, use_lstm=use_lstm, **kwargs)
+    if network == "mlp":
+        return MLPNet(observation_shape, num_actions, use_lstm=use_lstm, **kwargs)
+    raise ValueError(f"unknown network {network!r}; expected one of {', '.join(NETWORKS)}")
