@@ -1,0 +1,443 @@
+"""moolib-plot: logs.tsv drawn in the terminal (plotext) and to a PNG (matplotlib)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from moolib.launch import plot
+
+COLUMNS = [
+    "step",
+    "sps",
+    "mean_episode_return",
+    "mean_episode_length",
+    "episodes",
+    "total_loss",
+    "policy_loss",
+    "baseline_loss",
+    "entropy_loss",
+    "grad_norm",
+    "learning_rate",
+    "virtual_batch_size",
+    "model_version",
+    "time",
+]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def write_logs(path: Path, rows: int = 50, scale: float = 1.0, blank: dict | None = None) -> Path:
+    """Writes a logs.tsv like moolib-run's; ``blank`` maps a column to row indices left empty."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blank = blank or {}
+    lines = ["\t".join(COLUMNS)]
+    for i in range(rows):
+        values = {
+            "step": i * 1000,
+            "sps": 500.0 + i,
+            "mean_episode_return": scale * 10 * math.log1p(i),
+            "mean_episode_length": 100 + i,
+            "episodes": 3 * i,
+            "total_loss": 1.0 / (i + 1),
+            "policy_loss": 0.1,
+            "baseline_loss": 0.2,
+            "entropy_loss": -0.01,
+            "grad_norm": 2.0 + math.sin(i),
+            "learning_rate": 6e-4 * (1 - i / rows),
+            "virtual_batch_size": 32,
+            "model_version": i,
+            "time": i * 2.5,
+        }
+        cells = ["" if i in blank.get(c, ()) else str(values[c]) for c in COLUMNS]
+        lines.append("\t".join(cells))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def assert_png(path: Path) -> None:
+    """The file is a real PNG image that matplotlib reads back."""
+    assert path.is_file(), path
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert image.shape[2] in (3, 4)
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = plot.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def plot_rows(out: str) -> list[str]:
+    """The lines of the terminal plot: those with the frame's vertical bars."""
+    return [line for line in out.splitlines() if "│" in line or "┤" in line]
+
+
+# --- drawing ------------------------------------------------------------------------------------
+
+
+def test_one_file_draws_in_terminal_and_writes_png_beside_it(tmp_path, capsys):
+    logs = write_logs(tmp_path / "run1" / "logs.tsv")
+    code, out, err = run_main(capsys, str(logs), "--width", "80", "--height", "20")
+    assert code == 0, err
+    png = tmp_path / "run1" / "mean_episode_return.png"
+    assert_png(png)
+    assert f"Saved {png}" in out
+    assert "mean_episode_return vs step: run1" in out  # title
+    assert "┌" in out and "└" in out  # the plot frame
+    assert re.search(r"^mean_episode_return\s+step\s*$", out, re.M)  # axis labels
+    assert "4.9e4" in out or "49000" in out  # the last x tick (steps go to 49000)
+    assert "run1: 50 points, last mean_episode_return" in out
+    assert not ANSI.search(out)  # not a terminal: no colors
+    rows = plot_rows(out)
+    assert len(rows) >= 10
+    assert all(len(row) == 80 for row in rows)
+    assert err == ""
+
+
+def test_directory_argument_means_its_logs_tsv(tmp_path, capsys):
+    write_logs(tmp_path / "run1" / "logs.tsv")
+    code, out, err = run_main(capsys, str(tmp_path / "run1"), "--width", "60", "--height", "12")
+    assert code == 0, err
+    assert_png(tmp_path / "run1" / "mean_episode_return.png")
+
+
+def test_any_numeric_column_against_another_x(tmp_path, capsys):
+    logs = write_logs(tmp_path / "r" / "logs.tsv")
+    code, out, err = run_main(
+        capsys, str(logs), "--metric", "grad_norm", "--x", "time", "--width", "60", "--height", "12"
+    )
+    assert code == 0, err
+    assert "grad_norm vs time" in out
+    assert re.search(r"^grad_norm\s+time\s*$", out, re.M)
+    assert_png(tmp_path / "r" / "grad_norm_vs_time.png")
+
+
+def test_several_files_one_line_each_labelled_by_run_folder(tmp_path, capsys):
+    a = write_logs(tmp_path / "exp" / "lr_small" / "logs.tsv", rows=40)
+    b = write_logs(tmp_path / "exp" / "lr_large" / "logs.tsv", rows=60, scale=0.5)
+    png = tmp_path / "cmp.png"
+    code, out, err = run_main(
+        capsys, str(a), str(b.parent), "--png", str(png), "--width", "90", "--height", "20"
+    )
+    assert code == 0, err
+    assert_png(png)
+    assert not (a.parent / "mean_episode_return.png").exists()
+    # The legend inside the plot names both runs, with different markers (no colors here).
+    legend = [row for row in plot_rows(out) if "lr_small" in row or "lr_large" in row]
+    assert len(legend) == 2
+    assert "lr_small: 40 points" in out and "lr_large: 60 points" in out
+
+
+def test_same_folder_names_get_parents_to_tell_them_apart(tmp_path):
+    paths = [tmp_path / "sweep1" / "0" / "logs.tsv", tmp_path / "sweep2" / "0" / "logs.tsv"]
+    assert plot.run_labels(paths) == ["sweep1/0", "sweep2/0"]
+    assert plot.run_labels([tmp_path / "a" / "logs.tsv"]) == ["a"]
+    two_in_one = plot.run_labels([tmp_path / "a" / "x.tsv", tmp_path / "a" / "y.tsv"])
+    assert len(set(two_in_one)) == 2
+
+
+def test_gaps_break_the_line(tmp_path, capsys):
+    # Empty cells and nan in the metric, and a row with no step: three gaps, four segments.
+    logs = write_logs(tmp_path / "g" / "logs.tsv", rows=30, blank={"mean_episode_return": {5, 6}})
+    text = logs.read_text().splitlines()
+    cells = text[1 + 12].split("\t")
+    cells[COLUMNS.index("mean_episode_return")] = "nan"
+    text[1 + 12] = "\t".join(cells)
+    cells = text[1 + 20].split("\t")
+    cells[0] = ""
+    text[1 + 20] = "\t".join(cells)
+    logs.write_text("\n".join(text) + "\n")
+
+    series = plot.load_series(plot.read_table(logs), "mean_episode_return", "step", "g")
+    assert [len(xs) for xs, _ in series.segments] == [5, 5, 7, 9]
+    assert series.segments[1][0][0] == 7000.0
+
+    code, out, err = run_main(capsys, str(logs), "--width", "70", "--height", "15")
+    assert code == 0, err
+    assert "g: 26 points" in out
+    assert_png(tmp_path / "g" / "mean_episode_return.png")
+
+
+def test_split_segments_and_lone_points():
+    nan = math.nan
+    xs = [0.0, 1.0, 2.0, 3.0, 4.0, nan, 6.0]
+    ys = [nan, 1.0, nan, 3.0, 4.0, 5.0, 6.0]
+    assert plot.split_segments(xs, ys) == [([1.0], [1.0]), ([3.0, 4.0], [3.0, 4.0]), ([6.0], [6.0])]
+    assert plot.split_segments([nan], [nan]) == []
+
+
+def test_lone_points_between_gaps_are_plotted(tmp_path, capsys):
+    path = tmp_path / "lone" / "logs.tsv"
+    path.parent.mkdir()
+    path.write_text("step\tv\n1\t1\n2\t\n3\t3\n4\tnan\n5\t5\n6\t6\n")
+    code, out, err = run_main(capsys, str(path), "--metric", "v", "--width", "40", "--height", "9")
+    assert code == 0, err
+    assert "lone: 4 points, last v 6 at step 6 (min 1, max 6)" in out
+    assert_png(tmp_path / "lone" / "v.png")
+
+
+def test_cells_are_parsed_generically():
+    assert plot.parse_number("1.5") == 1.5
+    assert plot.parse_number(" 2e3 ") == 2000.0
+    for cell in ["", "nan", "NaN", "inf", "-inf", "abc", "True"]:
+        assert math.isnan(plot.parse_number(cell)), cell
+
+
+def test_short_and_long_rows_and_text_columns(tmp_path, capsys):
+    # A last line still being written (short), an extra cell, and a text column.
+    path = tmp_path / "r" / "logs.tsv"
+    path.parent.mkdir()
+    path.write_text("step\tname\tloss\n1\ta\t0.5\n2\tb\t0.4\textra\n3\tc\n")
+    table = plot.read_table(path)
+    assert table.columns == ["step", "name", "loss"]
+    assert table.values("loss")[:2] == [0.5, 0.4] and math.isnan(table.values("loss")[2])
+    code, out, err = run_main(capsys, str(path), "--metric", "loss", "--no-terminal")
+    assert code == 0, err
+    assert_png(tmp_path / "r" / "loss.png")
+
+
+def test_smoothing(tmp_path, capsys):
+    assert plot.smooth([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert plot.smooth([1.0, 2.0, 3.0], 1) == [1.0, 2.0, 3.0]
+    assert plot.smooth([3.0, 6.0, 9.0, 0.0], 3) == [3.0, 4.5, 6.0, 5.0]
+    with pytest.raises(ValueError):
+        plot.smooth([1.0], 0)
+
+    logs = write_logs(tmp_path / "s" / "logs.tsv", blank={"mean_episode_return": {10}})
+    series = plot.load_series(plot.read_table(logs), "mean_episode_return", "step", "s", 4)
+    # Smoothing starts over after a gap: the first point after it is its own value.
+    assert series.segments[1][1][0] == pytest.approx(10 * math.log1p(11))
+    code, out, err = run_main(capsys, str(logs), "--smooth", "4", "--width", "70", "--height", "14")
+    assert code == 0, err
+    assert "moving average of 4" in out
+    assert_png(tmp_path / "s" / "mean_episode_return.png")
+
+
+def test_png_option_and_no_terminal(tmp_path, capsys):
+    logs = write_logs(tmp_path / "r" / "logs.tsv")
+    png = tmp_path / "new" / "dir" / "out.png"
+    code, out, err = run_main(capsys, str(logs), "--png", str(png), "--no-terminal")
+    assert code == 0, err
+    assert_png(png)
+    assert out == f"Saved {png}\n"
+    assert not (tmp_path / "r" / "mean_episode_return.png").exists()
+
+
+def test_width_and_height(tmp_path, capsys):
+    logs = write_logs(tmp_path / "r" / "logs.tsv")
+    for width, height in [(40, 10), (120, 30)]:
+        code, out, err = run_main(capsys, str(logs), "--width", str(width), "--height", str(height))
+        assert code == 0, err
+        lines = out.splitlines()
+        plot_part = lines[: lines.index("") if "" in lines else height]
+        assert len(plot_part) == height
+        assert all(len(line) == width for line in plot_part)
+
+
+def test_colors_only_when_asked():
+    series = [plot.Series("a", Path("a/logs.tsv"), [([1.0, 2.0, 3.0], [1.0, 3.0, 2.0])])]
+    colored = plot.render_terminal(series, "m", "step", 50, 12, color=True)
+    plain = plot.render_terminal(series, "m", "step", 50, 12, color=False)
+    assert ANSI.search(colored)
+    assert not ANSI.search(plain)
+    assert ANSI.sub("", colored).split() == plain.split()
+
+
+def test_default_png_path():
+    assert plot.default_png_path(Path("x/logs.tsv"), "total_loss") == Path("x/total_loss.png")
+    assert plot.default_png_path(Path("x/logs.tsv"), "a/b c", "time") == Path("x/a_b_c_vs_time.png")
+
+
+def test_list_columns(tmp_path, capsys):
+    a = write_logs(tmp_path / "a" / "logs.tsv")
+    code, out, err = run_main(capsys, str(a), "--list")
+    assert code == 0, err
+    assert out.splitlines() == COLUMNS
+    assert not (tmp_path / "a" / "mean_episode_return.png").exists()
+
+    b = tmp_path / "b" / "logs.tsv"
+    b.parent.mkdir()
+    b.write_text("step\tfoo\n1\t2\n")
+    code, out, err = run_main(capsys, str(a), str(b), "--list")
+    assert code == 0, err
+    assert out.splitlines() == [f"{a}:", *(f"  {c}" for c in COLUMNS), f"{b}:", "  step", "  foo"]
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path, capsys):
+    code, out, err = run_main(capsys, str(tmp_path / "nope.tsv"))
+    assert code == 2
+    assert f"moolib-plot: error: {tmp_path / 'nope.tsv'}: no such file" in err
+    assert out == ""
+
+
+def test_directory_without_logs(tmp_path, capsys):
+    code, _, err = run_main(capsys, str(tmp_path))
+    assert code == 2
+    assert f"{tmp_path}: directory has no logs.tsv" in err
+
+
+def test_one_missing_file_among_several(tmp_path, capsys):
+    a = write_logs(tmp_path / "a" / "logs.tsv")
+    code, _, err = run_main(capsys, str(a), str(tmp_path / "b" / "logs.tsv"))
+    assert code == 2
+    assert "b/logs.tsv: no such file" in err
+    assert not (tmp_path / "a" / "mean_episode_return.png").exists()
+
+
+def test_metric_that_is_not_a_column_lists_the_columns(tmp_path, capsys):
+    logs = write_logs(tmp_path / "r" / "logs.tsv")
+    code, out, err = run_main(capsys, str(logs), "--metric", "mean_return")
+    assert code == 2
+    assert f"{logs}: no column 'mean_return'" in err
+    assert "did you mean 'mean_episode_return'?" in err
+    assert "its columns are: " + ", ".join(COLUMNS) in err
+    assert out == ""
+    assert not (tmp_path / "r" / "mean_return.png").exists()
+
+
+def test_x_that_is_not_a_column(tmp_path, capsys):
+    logs = write_logs(tmp_path / "r" / "logs.tsv")
+    code, _, err = run_main(capsys, str(logs), "--x", "frames")
+    assert code == 2
+    assert "no column 'frames'" in err and "its columns are: step, sps" in err
+
+
+def test_metric_missing_in_one_of_several_files(tmp_path, capsys):
+    a = write_logs(tmp_path / "a" / "logs.tsv")
+    b = tmp_path / "b" / "logs.tsv"
+    b.parent.mkdir()
+    b.write_text("step\tother\n1\t2\n")
+    code, _, err = run_main(capsys, str(a), str(b))
+    assert code == 2
+    assert f"{b}: no column 'mean_episode_return'; its columns are: step, other" in err
+
+
+def test_no_numeric_rows(tmp_path, capsys):
+    path = tmp_path / "r" / "logs.tsv"
+    path.parent.mkdir()
+    path.write_text("step\tmean_episode_return\n1\t\n2\tnan\n3\tn/a\n")
+    code, out, err = run_main(capsys, str(path))
+    assert code == 2
+    assert f"{path}: no numeric rows" in err
+    assert "none of its 3 data rows has a number in both 'step' and 'mean_episode_return'" in err
+    assert out == ""
+
+
+def test_header_only(tmp_path, capsys):
+    path = tmp_path / "r" / "logs.tsv"
+    path.parent.mkdir()
+    path.write_text("\t".join(COLUMNS) + "\n")
+    code, _, err = run_main(capsys, str(path))
+    assert code == 2
+    assert "no numeric rows: none of its 0 data rows" in err
+
+
+def test_empty_file(tmp_path, capsys):
+    path = tmp_path / "logs.tsv"
+    path.write_text("")
+    code, _, err = run_main(capsys, str(path))
+    assert code == 2
+    assert "empty file (no header row)" in err
+
+
+def test_run_without_rows_is_skipped_beside_runs_with_some(tmp_path, capsys):
+    a = write_logs(tmp_path / "a" / "logs.tsv")
+    b = tmp_path / "b" / "logs.tsv"
+    b.parent.mkdir()
+    b.write_text("\t".join(COLUMNS) + "\n")
+    code, out, err = run_main(capsys, str(a), str(b), "--no-terminal")
+    assert code == 0, err
+    assert f"warning: skipped {b}: no numeric rows" in err
+    assert_png(tmp_path / "a" / "mean_episode_return.png")
+
+    code, _, err = run_main(capsys, str(b), str(b.parent))
+    assert code == 2
+    assert "no numeric rows" in err
+
+
+def test_unwritable_png(tmp_path, capsys):
+    logs = write_logs(tmp_path / "r" / "logs.tsv")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = run_main(capsys, str(logs), "--png", str(blocker / "out.png"))
+    assert code == 2
+    assert "cannot write the PNG" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "the following arguments are required: logs"),
+        (["x.tsv", "--smooth", "0"], "argument --smooth: must be at least 1, got 0"),
+        (["x.tsv", "--smooth", "two"], "argument --smooth: not an integer: 'two'"),
+        (["x.tsv", "--width", "10"], "argument --width: must be at least 30, got 10"),
+        (["x.tsv", "--height", "3"], "argument --height: must be at least 8, got 3"),
+        (["x.tsv", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_options(capsys, args, message):
+    code, _, err = run_main(capsys, *args)
+    assert code == 2
+    assert message in err
+
+
+def test_help(capsys):
+    code, out, _ = run_main(capsys, "--help")
+    assert code == 0
+    assert "--metric" in out and "--smooth" in out and "--png" in out
+
+
+# --- the installed console script ---------------------------------------------------------------
+
+
+def console_script() -> str:
+    for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        script = Path(folder) / "moolib-plot"
+        if script.is_file() and os.access(script, os.X_OK):
+            return str(script)
+    pytest.fail("the moolib-plot console script is not installed next to this Python")
+
+
+def test_console_script_draws_and_writes(tmp_path):
+    a = write_logs(tmp_path / "run_a" / "logs.tsv")
+    b = write_logs(tmp_path / "run_b" / "logs.tsv", scale=0.5, blank={"mean_episode_return": {7}})
+    proc = subprocess.run(
+        [console_script(), str(a.parent), str(b), "--width", "100", "--height", "24"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    png = tmp_path / "run_a" / "mean_episode_return.png"
+    assert_png(png)
+    assert f"Saved {png}" in proc.stdout
+    assert "mean_episode_return vs step" in proc.stdout
+    assert re.search(r"^mean_episode_return\s+step\s*$", proc.stdout, re.M)
+    assert "run_a: 50 points" in proc.stdout and "run_b: 49 points" in proc.stdout
+    assert len(plot_rows(proc.stdout)) >= 18
+
+
+def test_console_script_error_exit_code(tmp_path):
+    logs = write_logs(tmp_path / "r" / "logs.tsv")
+    proc = subprocess.run(
+        [console_script(), str(logs), "--metric", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "moolib-plot: error:" in proc.stderr and "its columns are: step" in proc.stderr
+    assert proc.stdout == ""
