@@ -60,7 +60,7 @@ setup(
         "wandb",
         "rich",
         "matplotlib",
-        "plotext",
+        "plotext>=6",
     ],
     extras_require={
         # The envpool library's C++ Atari: a second environment backend.

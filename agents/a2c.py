@@ -1,0 +1,53 @@
+"""A2C: advantage actor-critic with n-step returns.
+
+The same acting, batching and data-parallel machinery as IMPALA
+(``moolib.agents.training``); only the loss differs. The unrolls are treated as
+on-policy: no importance weights, so keep the actors close to the learner
+(small ``num_actor_batches``, a learner step per batch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def n_step_returns(
+    rewards: torch.Tensor, discounts: torch.Tensor, bootstrap: torch.Tensor
+) -> torch.Tensor:
+    """R_t = r_t + discount_t * R_{t+1}, with R_T = bootstrap; all [T, B]."""
+    returns = torch.empty_like(rewards)
+    running = bootstrap
+    for t in reversed(range(rewards.shape[0])):
+        running = rewards[t] + discounts[t] * running
+        returns[t] = running
+    return returns
+
+
+def compute_loss(cfg: Any, outputs: dict, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    """The A2C loss of one batch of T+1-step unrolls (see ``impala.compute_loss``
+    for the layout)."""
+    rewards = batch["reward"][1:]
+    if cfg.reward_clip:
+        rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
+    discounts = (~batch["done"][1:]).float() * cfg.discounting
+    values = outputs["baseline"]
+    with torch.no_grad():
+        returns = n_step_returns(rewards, discounts, values[-1])
+    advantages = returns - values[:-1]
+
+    logits = outputs["policy_logits"][:-1]
+    log_probs = F.log_softmax(logits, dim=-1)
+    action_log_probs = log_probs.gather(-1, batch["action"][:-1].unsqueeze(-1)).squeeze(-1)
+    pg_loss = -(action_log_probs * advantages.detach()).sum()
+    baseline_loss = 0.5 * advantages.pow(2).sum()
+    entropy_loss = (log_probs.exp() * log_probs).sum()  # negative entropy
+    total = pg_loss + cfg.baseline_cost * baseline_loss + cfg.entropy_cost * entropy_loss
+    return total, {
+        "total_loss": total.item(),
+        "policy_loss": pg_loss.item(),
+        "baseline_loss": baseline_loss.item(),
+        "entropy_loss": entropy_loss.item(),
+    }

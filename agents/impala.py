@@ -1,0 +1,48 @@
+"""IMPALA: the V-trace actor-critic loss (Espeholt et al., 2018)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import vtrace
+
+
+def compute_loss(cfg: Any, outputs: dict, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    """The V-trace loss of one learner batch.
+
+    ``batch`` holds unrolls of T+1 steps (time-major, [T+1, B]): at step t the
+    env output (``state``, ``reward`` earned by the previous action, ``done``)
+    and what the actor did with it (``action``, ``policy_logits``, ``baseline``).
+    ``outputs`` is the learner's forward pass over the same steps. The last
+    step only bootstraps; it is the first step of the next unroll.
+    """
+    rewards = batch["reward"][1:]
+    if cfg.reward_clip:
+        rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
+    # Discounting stops where an episode ended: the step after it starts anew.
+    discounts = (~batch["done"][1:]).float() * cfg.discounting
+    returns = vtrace.vtrace_from_logits(
+        behavior_logits=batch["policy_logits"][:-1],
+        target_logits=outputs["policy_logits"][:-1],
+        actions=batch["action"][:-1],
+        discounts=discounts,
+        rewards=rewards,
+        values=outputs["baseline"][:-1],
+        bootstrap_value=outputs["baseline"][-1],
+        clip_rho_threshold=cfg.clip_rho_threshold,
+        clip_pg_rho_threshold=cfg.clip_pg_rho_threshold,
+    )
+    pg_loss = vtrace.policy_gradient_loss(
+        outputs["policy_logits"][:-1], batch["action"][:-1], returns.pg_advantages
+    )
+    baseline_loss = vtrace.baseline_loss(returns.vs - outputs["baseline"][:-1])
+    entropy_loss = vtrace.entropy_loss(outputs["policy_logits"][:-1])
+    total = pg_loss + cfg.baseline_cost * baseline_loss + cfg.entropy_cost * entropy_loss
+    return total, {
+        "total_loss": total.item(),
+        "policy_loss": pg_loss.item(),
+        "baseline_loss": baseline_loss.item(),
+        "entropy_loss": entropy_loss.item(),
+    }

@@ -1,0 +1,425 @@
+"""One peer of a training run: acting, batching and data-parallel learning.
+
+The loop, shared by every agent (the agent contributes its loss):
+
+- an ``EnvPool`` steps ``num_actor_batches`` batches of ``actor_batch_size``
+  envs in ``num_actor_cpus`` processes; while one batch steps, the model acts
+  on another (double buffering);
+- each actor batch keeps an unroll of ``unroll_length + 1`` steps (the last step
+  of an unroll is the first of the next, for bootstrapping) with the LSTM core
+  state at its start; full unrolls go to a ``Batcher`` that cuts learner
+  batches of ``batch_size`` unrolls on the learning device;
+- gradients of each learner batch go to the ``Accumulator``, which sums them
+  across the peers of the group until ``virtual_batch_size`` unrolls and
+  writes the average back into ``.grad`` on every peer; then each peer clips
+  and takes the same optimizer step, so models stay identical;
+- the leader (the peer with the highest model version) writes checkpoints and
+  hands its state to joining peers.
+
+``steps`` counts env steps learned from across the whole group (unrolls in each
+applied update times ``unroll_length``), so every peer agrees on it, the
+learning-rate schedule and ``total_steps``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import moolib
+
+from . import a2c, checkpoint, impala
+from .logger import Clock, EpisodeStats, Progress, TsvLog, Wandb
+from .models import create_model
+
+log = logging.getLogger("moolib.agents")
+
+LOSSES = {"vtrace": impala.compute_loss, "a2c": a2c.compute_loss}
+
+# Keys of an unroll step: the env's output and what the actor did with it.
+_ENV_KEYS = ("state", "reward", "done", "prev_action")
+_ACTOR_KEYS = ("action", "policy_logits", "baseline")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; anything else as torch reads it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name}: CUDA is not available on this machine")
+    return device
+
+
+def make_envs(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
+    """The actors' env pool, the observation shape and the number of actions."""
+    from moolib.envs import create_env, create_envpool
+
+    agent, env = cfg.agent, cfg.env
+    options = OmegaConf.to_container(env.options, resolve=True) if env.get("options") else {}
+    if env.backend == "envpool":
+        pool = create_envpool(
+            env.name,
+            agent.actor_batch_size,
+            agent.num_actor_batches,
+            num_threads=agent.num_actor_cpus,
+            **options,
+        )
+        return pool, tuple(pool.observation_space.shape), int(pool.num_actions)
+    factory = functools.partial(create_env, env.name, **options)
+    probe = factory()
+    try:
+        shape = tuple(probe.observation_space.shape)
+        num_actions = int(probe.action_space.n)
+    finally:
+        probe.close()
+    pool = moolib.EnvPool(
+        factory, agent.num_actor_cpus, agent.actor_batch_size, agent.num_actor_batches
+    )
+    return pool, shape, num_actions
+
+
+class Unroll:
+    """The steps of one actor batch since its last full unroll."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.rows: dict[str, torch.Tensor] | None = None
+        self.t = 0
+        self.core_at_start: tuple = ()
+        self.core_at_last: tuple = ()
+
+    def add(self, step: dict[str, torch.Tensor], core_before: tuple) -> dict | None:
+        """Adds one step (acted on with ``core_before``); returns a full unroll
+        (to be consumed before the next add) when there is one."""
+        if self.rows is None:
+            self.rows = {
+                k: torch.empty((self.length + 1, *v.shape), dtype=v.dtype, device=v.device)
+                for k, v in step.items()
+            }
+            self.core_at_start = core_before
+        for k, v in step.items():
+            self.rows[k][self.t].copy_(v)
+        if self.t == self.length:
+            self.core_at_last = core_before
+        self.t += 1
+        if self.t <= self.length:
+            return None
+        full = {"batch": self.rows, "core": self.core_at_start}
+        return full
+
+    def roll(self) -> None:
+        """Starts the next unroll with the last step of the previous one."""
+        assert self.rows is not None
+        for v in self.rows.values():
+            v[0].copy_(v[-1])
+        self.core_at_start = self.core_at_last
+        self.t = 1
+
+
+@dataclass
+class PeerInfo:
+    """Where this peer stands in its experiment."""
+
+    rank: int
+    savedir: Path  # the experiment's folder (checkpoints, config)
+    logdir: Path  # this peer's logs
+    broker: str  # address of the broker
+
+
+class Trainer:
+    """One peer's training loop (see the module doc)."""
+
+    def __init__(self, cfg: DictConfig, peer: PeerInfo) -> None:
+        self.cfg = cfg
+        self.agent = cfg.agent
+        self.peer = peer
+        self.device = resolve_device(cfg.device)
+        if cfg.seed is not None:
+            torch.manual_seed(int(cfg.seed) + peer.rank)
+        self.loss_fn = LOSSES[self.agent.name]
+
+        self.envs, obs_shape, self.num_actions = make_envs(cfg)
+        network = self.agent.network
+        if network == "auto":  # images get the IMPALA network, vectors an MLP
+            network = "impala_deep" if len(obs_shape) == 3 else "mlp"
+        self.model = create_model(
+            obs_shape,
+            self.num_actions,
+            network=network,
+            use_lstm=self.agent.use_lstm,
+            hidden_size=self.agent.hidden_size,
+        ).to(self.device)
+        self.optimizer = self._make_optimizer()
+
+        self.accumulator = moolib.Accumulator(
+            f"moolib-run/{cfg.group}", self.model.parameters(), self.model.buffers()
+        )
+        self.accumulator.set_virtual_batch_size(self.agent.virtual_batch_size)
+        self.accumulator.connect(peer.broker)
+
+        self.batcher = moolib.Batcher(self.agent.batch_size, self.device, dim=1)
+        self.backlog = 0  # unrolls handed to the batcher, not yet learned from
+        self.max_backlog = 4 * max(self.agent.batch_size, self.agent.actor_batch_size)
+        self.steps = 0  # env steps learned from, group-wide
+        self.wandb_id: str | None = None
+        self.elapsed = 0.0
+        self._restore()
+
+    # -- setup -------------------------------------------------------------
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        opt = self.agent.optimizer
+        params = self.model.parameters()
+        if opt.name == "adam":
+            return torch.optim.Adam(
+                params, lr=opt.learning_rate, betas=(opt.beta1, opt.beta2), eps=opt.epsilon
+            )
+        if opt.name == "rmsprop":
+            return torch.optim.RMSprop(
+                params,
+                lr=opt.learning_rate,
+                alpha=opt.alpha,
+                momentum=opt.momentum,
+                eps=opt.epsilon,
+            )
+        raise ValueError(f"agent.optimizer.name must be adam or rmsprop, got {opt.name!r}")
+
+    def _state(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "steps": self.steps,
+            "model_version": self.accumulator.model_version(),
+            "elapsed": self.elapsed,
+        }
+
+    def _load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+
+    def _restore(self) -> None:
+        """Resumes from the experiment's latest checkpoint, if any."""
+        state = checkpoint.load_latest(self.peer.savedir)
+        if state is None:
+            return
+        self._load(state)
+        self.accumulator.set_model_version(int(state["model_version"]))
+        self.elapsed = float(state.get("elapsed", 0.0))
+        self.wandb_id = state.get("wandb_ids", {}).get(str(self.peer.rank))
+        log.info("resumed from %s at step %d", self.peer.savedir / checkpoint.LATEST, self.steps)
+
+    def _save(self) -> None:
+        state = self._state()
+        previous = checkpoint.load_latest(self.peer.savedir) or {}
+        ids = dict(previous.get("wandb_ids", {}))
+        if self.wandb_id:
+            ids[str(self.peer.rank)] = self.wandb_id
+        state["wandb_ids"] = ids
+        path = checkpoint.save(
+            self.peer.savedir, state, self.steps, history=self.cfg.checkpoint_history
+        )
+        log.info("checkpoint at step %d: %s", self.steps, path)
+
+    # -- the loop ------------------------------------------------------------
+
+    def _act(self, b: int, env_out: dict, cores: list, prev_actions: list) -> tuple[dict, Any]:
+        done = env_out["done"].to(self.device)
+        prev = torch.where(done, torch.zeros_like(prev_actions[b]), prev_actions[b])
+        inputs = {
+            "state": env_out["state"].to(self.device)[None],
+            "reward": env_out["reward"].to(self.device)[None],
+            "done": done[None],
+            "prev_action": prev[None],
+        }
+        with torch.no_grad():
+            out, core = self.model(inputs, cores[b])
+        step = {k: inputs[k][0] for k in _ENV_KEYS}
+        for k in _ACTOR_KEYS:
+            step[k] = out[k][0]
+        return step, core
+
+    def _learn(self, stats: dict) -> None:
+        """Feeds ready learner batches to the accumulator; applies summed gradients."""
+        acc = self.accumulator
+        while acc.wants_gradients() and not self.batcher.empty():
+            item = self.batcher.get()
+            self.backlog -= self.agent.batch_size
+            batch = item["batch"]
+            self.model.zero_grad(set_to_none=True)
+            outputs, _ = self.model({k: batch[k] for k in _ENV_KEYS}, tuple(item["core"]))
+            loss, loss_stats = self.loss_fn(self.agent, outputs, batch)
+            loss.backward()
+            acc.reduce_gradients(self.agent.batch_size)
+            for k, v in loss_stats.items():
+                stats.setdefault(k, []).append(v)
+        acc.update()
+        if acc.has_gradients():
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.agent.grad_norm_clipping
+            )
+            summed = acc.get_gradient_stats()
+            self.steps += summed["batch_size"] * self.agent.unroll_length
+            lr = self.agent.optimizer.learning_rate * max(
+                0.0, 1.0 - self.steps / self.cfg.total_steps
+            )
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            acc.zero_gradients()
+            stats.setdefault("grad_norm", []).append(float(grad_norm))
+            stats["learning_rate"] = [lr]
+            stats["virtual_batch_size"] = [summed["batch_size"]]
+            stats["num_gradients"] = [summed["num_gradients"]]
+
+    def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
+        """Trains until ``total_steps`` (or ``stop`` is set); returns the last log row."""
+        cfg, agent = self.cfg, self.agent
+        stop = stop or threading.Event()
+        logger = TsvLog(self.peer.logdir / "logs.tsv")
+        progress = Progress(cfg.total_steps, prefix=f"[peer {self.peer.rank}] ")
+        wandb_run = None
+        if cfg.wandb.enabled:
+            wandb_run = Wandb(
+                project=cfg.wandb.project,
+                group=cfg.group,
+                name=f"{cfg.name}-peer{self.peer.rank}",
+                config=OmegaConf.to_container(cfg, resolve=True),
+                savedir=self.peer.logdir,
+                run_id=self.wandb_id,
+                mode=cfg.wandb.mode,
+            )
+            self.wandb_id = wandb_run.run_id
+
+        nb = agent.num_actor_batches
+        unrolls = [Unroll(agent.unroll_length) for _ in range(nb)]
+        cores = [
+            tuple(s.to(self.device) for s in self.model.initial_state(agent.actor_batch_size))
+            for _ in range(nb)
+        ]
+        prev_actions = [
+            torch.zeros(agent.actor_batch_size, dtype=torch.int64, device=self.device)
+            for _ in range(nb)
+        ]
+        noop = torch.zeros(agent.actor_batch_size, dtype=torch.int64)
+        futures = [self.envs.step(b, noop) for b in range(nb)]
+
+        clock = Clock(self.elapsed)
+        episodes = EpisodeStats()
+        stats: dict[str, list] = {}
+        env_steps = 0
+        last_log_time, last_log_steps, last_env_steps = clock(), self.steps, 0
+        last_checkpoint = time.monotonic()
+        row: dict[str, Any] = {}
+        b = 0
+        try:
+            while self.steps < cfg.total_steps and not stop.is_set():
+                self.accumulator.update()
+                if self.accumulator.wants_state():
+                    self.accumulator.set_state(self._state())
+                if self.accumulator.has_new_state():
+                    self._load(self.accumulator.state())
+
+                env_out = futures[b].result()
+                done = env_out["done"]
+                if bool(done.any()):
+                    episodes.add(
+                        env_out["episode_return"][done].tolist(),
+                        env_out["episode_length"][done].tolist(),
+                    )
+                core_before = cores[b]
+                step, cores[b] = self._act(b, env_out, cores, prev_actions)
+                prev_actions[b] = step["action"]
+                futures[b] = self.envs.step(b, step["action"].cpu())
+                env_steps += agent.actor_batch_size
+                full = unrolls[b].add(step, core_before)
+                if full is not None:
+                    # Unrolls the learner cannot take (not in the group yet, or
+                    # falling behind) are dropped rather than queued without bound.
+                    if self.accumulator.connected() and self.backlog < self.max_backlog:
+                        self.batcher.cat(full)
+                        self.backlog += agent.actor_batch_size
+                    unrolls[b].roll()
+                b = (b + 1) % nb
+
+                if self.accumulator.connected():
+                    self._learn(stats)
+
+                now = clock()
+                if now - last_log_time >= cfg.log_interval:
+                    row = self._log_row(
+                        stats,
+                        episodes,
+                        now,
+                        now - last_log_time,
+                        self.steps - last_log_steps,
+                        env_steps - last_env_steps,
+                    )
+                    logger.write(row)
+                    progress.update(row)
+                    if wandb_run:
+                        wandb_run.log(row)
+                    stats = {}
+                    last_log_time, last_log_steps, last_env_steps = now, self.steps, env_steps
+                if (
+                    time.monotonic() - last_checkpoint >= cfg.checkpoint_interval
+                    and self.accumulator.is_leader()
+                ):
+                    self.elapsed = clock()
+                    self._save()
+                    last_checkpoint = time.monotonic()
+            now = clock()
+            row = self._log_row(
+                stats,
+                episodes,
+                now,
+                max(1e-9, now - last_log_time),
+                self.steps - last_log_steps,
+                env_steps - last_env_steps,
+            )
+            logger.write(row)
+            progress.update(row)
+            if wandb_run:
+                wandb_run.log(row)
+            self.elapsed = now
+            if self.accumulator.is_leader() or not self.accumulator.connected():
+                self._save()
+        finally:
+            progress.close()
+            logger.close()
+            if wandb_run:
+                wandb_run.close()
+            self.envs.close()
+        return row
+
+    def _log_row(
+        self,
+        stats: dict[str, list],
+        episodes: EpisodeStats,
+        now: float,
+        interval: float,
+        learned: int,
+        acted: int,
+    ) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "step": self.steps,
+            "sps": learned / interval if interval > 0 else math.nan,
+            "env_sps": acted / interval if interval > 0 else math.nan,
+            "model_version": self.accumulator.model_version(),
+            "peers": len(self.accumulator.group.members()) if self.accumulator.connected() else 0,
+            "time": now,
+        }
+        row.update(episodes.take())
+        for k, values in stats.items():
+            row[k] = sum(values) / len(values) if values else math.nan
+        return row

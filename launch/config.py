@@ -1,0 +1,138 @@
+"""Checks a composed moolib-run config and fills in what is decided at launch.
+
+Hydra already refuses unknown keys; this catches values of the wrong type or
+out of range, naming the key, before any process starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_FILE = "config.yaml"
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+def _positive_int(cfg: DictConfig, key: str) -> None:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+
+
+def _number(cfg: DictConfig, key: str, low: float, high: float | None = None) -> None:
+    value = OmegaConf.select(cfg, key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{key} must be a number {bounds}, got {value!r}")
+
+
+def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raises ConfigError naming the first bad key."""
+    for key in (
+        "agent.actor_batch_size",
+        "agent.num_actor_batches",
+        "agent.num_actor_cpus",
+        "agent.batch_size",
+        "agent.unroll_length",
+        "agent.virtual_batch_size",
+        "agent.hidden_size",
+        "total_steps",
+        "checkpoint_history",
+        "scaling.peers",
+    ):
+        _positive_int(cfg, key)
+    _number(cfg, "agent.discounting", 0.0, 1.0)
+    _number(cfg, "agent.reward_clip", 0.0)
+    _number(cfg, "agent.baseline_cost", 0.0)
+    _number(cfg, "agent.entropy_cost", 0.0)
+    _number(cfg, "agent.grad_norm_clipping", 0.0)
+    _number(cfg, "agent.optimizer.learning_rate", 0.0)
+    _number(cfg, "log_interval", 0.0)
+    _number(cfg, "checkpoint_interval", 0.0)
+    _choice(cfg, "agent.name", ("vtrace", "a2c"))
+    _choice(cfg, "agent.network", ("auto", "impala_deep", "impala_shallow", "mlp"))
+    _choice(cfg, "agent.optimizer.name", ("adam", "rmsprop"))
+    _choice(cfg, "env.backend", ("gymnasium", "envpool"))
+    _choice(cfg, "wandb.mode", ("auto", "online", "offline", "disabled"))
+    if cfg.agent.name == "vtrace":
+        for key in ("agent.clip_rho_threshold", "agent.clip_pg_rho_threshold"):
+            _number(cfg, key, 0.0)
+    if cfg.agent.num_actor_cpus > cfg.agent.actor_batch_size:
+        raise ConfigError(
+            f"agent.num_actor_cpus ({cfg.agent.num_actor_cpus}) must not exceed "
+            f"agent.actor_batch_size ({cfg.agent.actor_batch_size}): each process steps "
+            "a slice of every actor batch"
+        )
+    if cfg.device != "auto":
+        import torch
+
+        try:
+            device = torch.device(cfg.device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(
+                f"device must be auto, cpu, cuda or cuda:N; got {cfg.device!r}"
+            ) from e
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device={cfg.device}: CUDA is not available on this machine")
+    from moolib.envs import list_envs
+    from moolib.envs.atari import atari_game
+
+    name = cfg.env.name
+    if name not in list_envs() and atari_game(name) is None:
+        raise ConfigError(
+            f"env.name {name!r} is not a known environment (see moolib.envs.list_envs())"
+        )
+    if cfg.env.backend == "envpool" and name == "cartpole":
+        raise ConfigError("env.backend=envpool serves Atari games only; cartpole needs gymnasium")
+
+
+def prepare(cfg: DictConfig, savedir: Path) -> DictConfig:
+    """The run's final config: validated, resolved, with ``savedir`` and ``group``
+    filled in. A savedir that holds a config from an earlier run keeps that
+    run's group (a resumed experiment stays one experiment)."""
+    validate(cfg)
+    out = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(out, dict)
+    out.pop("hydra", None)
+    out["savedir"] = str(savedir)
+    previous = savedir / CONFIG_FILE
+    if out.get("group") is None:
+        if previous.exists():
+            out["group"] = OmegaConf.load(previous).get("group")
+        if out.get("group") is None:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            out["group"] = f"{out['name']}-{stamp}-{secrets.token_hex(2)}"
+    final = OmegaConf.create(out)
+    OmegaConf.set_struct(final, True)
+    return final
+
+
+def save(cfg: DictConfig, savedir: Path) -> Path:
+    """Writes the resolved config into the savedir (what peers and resumes read)."""
+    savedir.mkdir(parents=True, exist_ok=True)
+    path = savedir / CONFIG_FILE
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(OmegaConf.to_yaml(cfg))
+    tmp.replace(path)
+    return path
+
+
+def load(path: Path) -> DictConfig:
+    """A config written by ``save``."""
+    cfg = OmegaConf.load(path)
+    assert isinstance(cfg, DictConfig)
+    OmegaConf.set_struct(cfg, True)
+    return cfg

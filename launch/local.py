@@ -1,0 +1,94 @@
+"""``scaling=local``: a broker and N peer processes on this machine."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+import moolib
+
+from .peer import logdir_for
+
+
+class EmbeddedBroker:
+    """A broker served from this process (a thread keeps it updated)."""
+
+    def __init__(self, address: str = "127.0.0.1:0") -> None:
+        self.broker = moolib.Broker()
+        self.address = self.broker.listen(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="moolib-broker", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.wait(0.1):
+            self.broker.update()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.broker.close()
+
+
+def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
+    """Starts the peers (and a broker unless ``cfg.broker`` names one); waits for
+    them. ``stop`` (Ctrl-C/SIGTERM) is passed on to every peer. Returns 0 when
+    every peer finished cleanly."""
+    broker = None if cfg.broker else EmbeddedBroker()
+    address = cfg.broker or broker.address
+    savedir = Path(cfg.savedir)
+    print(f"moolib-run: broker at {address}; {cfg.scaling.peers} peers; savedir {savedir}")
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(cfg.scaling.peers):
+            logdir = logdir_for(savedir, rank, cfg.scaling.peers)
+            logdir.mkdir(parents=True, exist_ok=True)
+            # Peer 0 draws the progress line here; the others log to files.
+            out = None if rank == 0 else open(logdir / "stdout.log", "ab")  # noqa: SIM115
+            cmd = [
+                sys.executable,
+                "-m",
+                "moolib.launch.peer",
+                "--config",
+                str(config_path),
+                "--rank",
+                str(rank),
+                "--broker",
+                address,
+            ]
+            procs.append(
+                subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+            )
+            if out:
+                out.close()
+        signalled = False
+        while any(p.poll() is None for p in procs):
+            if stop.is_set() and not signalled:
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGTERM)
+                signalled = True
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if broker:
+            broker.close()
+    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
+    for rank, code in failed:
+        print(f"moolib-run: peer {rank} exited with code {code}", file=sys.stderr)
+    return 1 if failed else 0
