@@ -28,6 +28,7 @@ COLUMNS = (
     "virtual_batch_size",
     "num_gradients",
     "model_version",
+    "param_sum",
     "peers",
     "time",
 )

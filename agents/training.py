@@ -200,6 +200,10 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "steps": self.steps,
             "model_version": self.accumulator.model_version(),
+            # Equal on peers that hold identical parameters at equal versions.
+            "param_sum": math.fsum(
+                float(p.detach().double().sum()) for p in self.model.parameters()
+            ),
             "elapsed": self.elapsed,
         }
 
@@ -340,9 +344,11 @@ class Trainer:
                 core_before = cores[b]
                 step, cores[b] = self._act(b, env_out, cores, prev_actions)
                 prev_actions[b] = step["action"]
+                # The env's output is a view of shared memory that the next step
+                # of this batch overwrites: copy it into the unroll first.
+                full = unrolls[b].add(step, core_before)
                 futures[b] = self.envs.step(b, step["action"].cpu())
                 env_steps += agent.actor_batch_size
-                full = unrolls[b].add(step, core_before)
                 if full is not None:
                     # Unrolls the learner cannot take (not in the group yet, or
                     # falling behind) are dropped rather than queued without bound.
@@ -416,6 +422,10 @@ class Trainer:
             "sps": learned / interval if interval > 0 else math.nan,
             "env_sps": acted / interval if interval > 0 else math.nan,
             "model_version": self.accumulator.model_version(),
+            # Equal on peers that hold identical parameters at equal versions.
+            "param_sum": math.fsum(
+                float(p.detach().double().sum()) for p in self.model.parameters()
+            ),
             "peers": len(self.accumulator.group.members()) if self.accumulator.connected() else 0,
             "time": now,
         }
