@@ -60,8 +60,12 @@ def _cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.6g}"
+        return "nan" if math.isnan(value) else f"{value:.10g}"
     return str(value)
+
+
+def _short(value: Any) -> str:
+    return "-" if value is None or _is_nan(value) else f"{value:.4g}"
 
 
 def _duration(seconds: float) -> str:
@@ -93,7 +97,7 @@ class Progress:
         text = (
             f"{self.prefix}step {step:,}/{self.total_steps:,} "
             f"({100 * step / max(1, self.total_steps):.1f}%)  SPS {sps:,.0f}  "
-            f"return {ret_text}  loss {_cell(row.get('total_loss'))}  "
+            f"return {ret_text}  loss {_short(row.get('total_loss'))}  "
             f"ETA {_duration(left)}"
         )
         if self.live:
