@@ -101,24 +101,28 @@ class EnvpoolAtari:
     RuntimeError, as do a wrong action shape or dtype and an action outside
     ``[0, num_actions)``.
 
-    Resets, exactly as a caller sees them (envpool's auto-reset convention,
-    which differs from ``moolib.EnvPool``'s):
+    Resets, exactly as a caller sees them (envpool resets on the step after
+    an episode's end; ``done`` follows ``moolib.EnvPool``'s meaning: this
+    observation starts a new episode):
 
     - The first ``step`` of each batch resets its envs and ignores the
-      action: the observation is the first one of each env's episode,
-      reward 0, done False.
+      action: the first observation of each env's episode, reward 0,
+      done False.
     - When an env's episode ends at step t, result t holds that episode's
-      *last* observation (not a reset one), its last reward, ``done=True``
-      and the episode's return and length.
-    - Step t+1 of that env is a reset step: its action is ignored and it
-      returns the first observation of the next episode with reward 0 and
-      ``done=False``; it does not count in any episode's return or length.
+      *last* observation and last reward, with ``done=False``.
+    - Step t+1 of that env is the reset step: its action is ignored, it
+      returns the first observation of the next episode with reward 0,
+      ``done=True`` and the ended episode's ``episode_return`` and
+      ``episode_length`` (which count steps up to t).
 
-    ``moolib.EnvPool`` (gymnasium backend) instead returns the *reset*
-    observation with ``done=True`` and has no reset step, so here an agent
-    sees one extra transition per episode whose action has no effect. With
-    ``episodic_life`` the same holds at every lost life, and the reset step
-    continues the game rather than starting a new one.
+    So compared with ``moolib.EnvPool`` (which returns the reset observation
+    with the last reward and ``done=True`` at step t), an agent sees one
+    extra transition per episode: from the last observation, with reward 0,
+    into the new episode. Since ``done`` cuts the discounting there, that
+    last observation learns a value of 0 (an absorbing terminal state) and
+    the returns of the episode are unchanged. With ``episodic_life`` the
+    same holds at every lost life, and the reset step continues the game
+    rather than starting a new one.
 
     Other differences from the gymnasium backend: ``noop_max=0`` takes one
     no-op frame (envpool cannot take none); and with ``episodic_life`` the
@@ -288,19 +292,24 @@ class EnvpoolAtari:
         reward = np.asarray(reward, np.float32)[order]
         done = (np.asarray(terminated, bool) | np.asarray(truncated, bool))[order]
         ret, length, ended = self._return[b], self._length[b], self._ended[b]
+        # Envs whose episode ended at the previous step are reset at this one:
+        # that is where done is reported (as moolib.EnvPool does, it marks the
+        # first observation of a new episode), with the ended episode's numbers.
+        restarted = np.zeros_like(done) if first else ended.copy()
+        episode_return = np.where(restarted, ret, 0.0).astype(np.float32)
+        episode_length = np.where(restarted, length, 0).astype(np.int64)
         if first:
             reward[:] = 0.0
-            done[:] = False
-            ended[:] = True  # the accumulators restart below, like after an end
-        # Envs that ended an episode at the last step were reset at this one.
-        ret[ended] = 0.0
-        length[ended] = 0
-        stepped = ~ended
-        ret[stepped] += reward[stepped]
-        length[stepped] += 1
-        episode_return = np.where(done, ret, 0.0).astype(np.float32)
-        episode_length = np.where(done, length, 0).astype(np.int64)
+            ret[:] = 0.0
+            length[:] = 0
+        else:
+            ret[restarted] = 0.0
+            length[restarted] = 0
+            stepped = ~restarted
+            ret[stepped] += reward[stepped]
+            length[stepped] += 1
         ended[:] = done
+        done = restarted
         torch = self._torch
         return {
             "state": torch.from_numpy(obs),

@@ -319,16 +319,16 @@ def check_result(out, batch_size):
 def test_envpool_episodes_and_statistics(pools, game):
     """Random play on 2 batches (double-buffered) until every env finished an
     episode: shapes and dtypes; the first step and the step after each end are
-    resets (reward 0, done False, the 4 stacked frames equal); episode_return
-    and episode_length are the sum of the rewards and the number of steps of
-    the finished episode, 0 where done is False."""
+    resets (reward 0, the 4 stacked frames equal); done is True exactly at the
+    reset steps after an end, with episode_return and episode_length the sum of
+    the rewards and the number of steps of the ended episode (0 elsewhere)."""
     batch_size, num_batches = 3, 2
     pool = pools(game, batch_size, num_batches, seed=11)
     assert pool.num_actions == NUM_ACTIONS[game]
     rng = np.random.default_rng(0)
     running = np.zeros((num_batches, batch_size))
     length = np.zeros((num_batches, batch_size), dtype=np.int64)
-    reset_next = np.ones((num_batches, batch_size), dtype=bool)  # the first step resets
+    first = np.ones(num_batches, dtype=bool)
     finished = np.zeros((num_batches, batch_size), dtype=int)
     returns = []
     futures = [pool.step(b, zeros(batch_size)) for b in range(num_batches)]
@@ -340,16 +340,12 @@ def test_envpool_episodes_and_statistics(pools, game):
             reward = out["reward"].numpy()
             done = out["done"].numpy()
             for i in range(batch_size):
-                if reset_next[b, i]:
-                    assert reward[i] == 0 and not done[i]
+                if first[b] or done[i]:
+                    assert reward[i] == 0
                     for k in range(1, 4):
                         np.testing.assert_array_equal(state[i, k], state[i, 0])
-                    running[b, i] = 0
-                    length[b, i] = 0
-                else:
-                    running[b, i] += reward[i]
-                    length[b, i] += 1
                 if done[i]:
+                    assert not first[b]
                     assert out["episode_return"][i].item() == pytest.approx(running[b, i])
                     assert out["episode_length"][i].item() == length[b, i]
                     returns.append(running[b, i])
@@ -357,7 +353,13 @@ def test_envpool_episodes_and_statistics(pools, game):
                 else:
                     assert out["episode_return"][i].item() == 0
                     assert out["episode_length"][i].item() == 0
-            reset_next[b] = done
+                if first[b] or done[i]:
+                    running[b, i] = 0
+                    length[b, i] = 0
+                else:
+                    running[b, i] += reward[i]
+                    length[b, i] += 1
+            first[b] = False
             action = rng.integers(0, pool.num_actions, batch_size)
             futures[b] = pool.step(b, actions_of(batch_size, action))
         if finished.min() >= 1:
@@ -388,11 +390,13 @@ def test_envpool_matches_gym_backend(pools):
         out = pool.step(0, actions_of(1, [a])).result()
         np.testing.assert_array_equal(out["state"][0].numpy(), obs)
         assert out["reward"][0].item() == reward
-        assert out["done"][0].item() == (terminated or truncated)
+        assert not out["done"][0].item()  # reported at the reset step
         total += reward
         if terminated or truncated:
-            assert out["episode_return"][0].item() == total
-            assert out["episode_length"][0].item() == step
+            reset = pool.step(0, zeros(1)).result()
+            assert reset["done"][0].item()
+            assert reset["episode_return"][0].item() == total
+            assert reset["episode_length"][0].item() == step
             break
     else:
         raise AssertionError("no episode end")
@@ -475,12 +479,12 @@ def test_envpool_seed(pools):
 def test_envpool_max_episode_frames(pools):
     pool = pools("breakout", 2, 1, max_episode_frames=400, seed=0)
     pool.step(0, zeros(2)).result()
-    for step in range(1, 101):
+    for _ in range(1, 101):
         out = pool.step(0, zeros(2)).result()
-        assert out["done"].tolist() == [step == 100] * 2
+        assert not out["done"].any()
+    out = pool.step(0, zeros(2)).result()  # the reset step after step 100
+    assert out["done"].all() and (out["state"] == out["state"][:, :1]).all()
     assert out["episode_length"].tolist() == [100, 100]
-    out = pool.step(0, zeros(2)).result()  # the reset step
-    assert not out["done"].any() and (out["state"] == out["state"][:, :1]).all()
 
 
 def test_envpool_episodic_life(pools):
@@ -498,14 +502,14 @@ def test_envpool_episodic_life(pools):
         _, _, terminated, truncated, info = env.step(a)
         out = pool.step(0, actions_of(1, [a])).result()
         assert not (terminated or truncated)
-        assert out["done"][0].item() == (info["lives"] < 5)
+        assert not out["done"][0].item()
         if info["lives"] < 5:
-            assert out["episode_length"][0].item() == step
             break
     else:
         raise AssertionError("no life lost")
-    after = pool.step(0, zeros(1)).result()  # the reset step
-    assert not after["done"].any() and after["reward"][0].item() == 0
+    after = pool.step(0, zeros(1)).result()  # the reset step: the life's end
+    assert after["done"].all() and after["reward"][0].item() == 0
+    assert after["episode_length"][0].item() == step
     assert not torch.equal(after["state"], start)  # a new game would start exactly so
     fresh = pools("breakout", 1, 1, seed=6, episodic_life=False, **options)
     assert torch.equal(fresh.step(0, zeros(1)).result()["state"], start)
