@@ -1,0 +1,203 @@
+"""Running ``moolib-run`` / ``moolib-plot`` as real subprocesses, and reading what they write.
+
+Every run gets its own session (``start_new_session=True``): the session id is
+the launcher's pid, so every process it starts (peers, EnvPool workers) can be
+found in ``/proc`` afterwards -- to check that none is left, and to kill
+leftovers one by one when a test fails.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Generous: the machine may have two slow, busy cores; nothing asserts on speed.
+RUN_TIMEOUT = 300.0
+STOP_TIMEOUT = 120.0
+
+
+def run_env(extra: dict | None = None) -> dict:
+    """The environment of a moolib-run child: wandb offline and quiet, no auth key."""
+    env = dict(os.environ)
+    env.pop("MOOLIB_AUTH_KEY", None)
+    env.pop("WANDB_API_KEY", None)
+    env["WANDB_MODE"] = "offline"
+    env["WANDB_SILENT"] = "true"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["HYDRA_FULL_ERROR"] = "0"
+    # One torch thread per process: several peers (and their EnvPool workers) on a
+    # 2-core machine otherwise slow each other down many times over.
+    env["OMP_NUM_THREADS"] = "1"
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run_cmd(*args: str) -> list[str]:
+    """``moolib-run ARGS`` through the interpreter running the tests."""
+    return [sys.executable, "-m", "moolib.launch.run", *args]
+
+
+def plot_cmd(*args: str) -> list[str]:
+    """``moolib-plot ARGS``: the console script installed beside this interpreter."""
+    script = Path(sys.executable).with_name("moolib-plot")
+    if script.exists():
+        return [str(script), *args]
+    return [sys.executable, "-m", "moolib.launch.plot", *args]
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, process group, session) of ``pid``, or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return fields[0], int(fields[2]), int(fields[3])
+
+
+def cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an exited process not yet reaped)."""
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        st = _stat(int(entry))
+        if st and st[2] == sid and st[0] not in ("Z", "X"):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def kill_session(sid: int) -> None:
+    """Kills the processes of session ``sid`` (only ever one a test started), one by one."""
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Run:
+    """``moolib-run ARGS`` in the background, in its own session, output to a file."""
+
+    def __init__(self, args: list[str], cwd: Path, log: Path, env: dict | None = None) -> None:
+        self.args = args
+        self.log_path = log
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in finish()
+        self.proc = subprocess.Popen(
+            run_cmd(*args),
+            cwd=cwd,
+            env=run_env(env),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def interrupt(self) -> None:
+        """Ctrl-C: SIGINT to the whole foreground process group, as a terminal sends it."""
+        os.killpg(self.pid, signal.SIGINT)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def finish(self) -> None:
+        """Kills whatever of the run is left (the launcher and everything it started)."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        kill_session(self.pid)
+        self._log.close()
+
+
+def run(
+    args: list[str], cwd: Path, timeout: float = RUN_TIMEOUT, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Runs ``moolib-run ARGS`` to its end; returns its exit code and output (stdout+stderr)."""
+    log = Path(cwd) / f"moolib-run-{time.monotonic_ns()}.out"
+    r = Run(args, cwd, log, env)
+    try:
+        try:
+            code = r.wait(timeout)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(
+                f"moolib-run {' '.join(args)} still runs after {timeout}s; output:\n"
+                + r.output()[-5000:]
+            ) from e
+        return subprocess.CompletedProcess(r.proc.args, code, r.output(), "")
+    finally:
+        r.finish()
+
+
+# -- outputs ---------------------------------------------------------------------------------
+
+
+def number(cell: str) -> float:
+    try:
+        return float(cell)
+    except ValueError:
+        return math.nan
+
+
+def read_logs(path: Path) -> tuple[list[str], list[dict[str, float]]]:
+    """The header and the rows (cells as floats; empty cells are nan) of a logs.tsv."""
+    with open(path, newline="") as f:
+        reader = csv.reader(f, delimiter="\t")
+        header = next(reader)
+        rows = [
+            {k: number(v) for k, v in zip(header, cells, strict=False)} for cells in reader if cells
+        ]
+    return header, rows
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.5, proc: Run | None = None):
+    """Polls ``cond()`` until truthy (returns its value); fails naming ``what`` after
+    ``timeout`` seconds, or as soon as ``proc`` exits."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            value = cond()
+        except (OSError, ValueError, StopIteration, KeyError):
+            value = None
+        if value:
+            return value
+        if proc is not None and proc.proc.poll() is not None:
+            raise AssertionError(
+                f"moolib-run exited ({proc.proc.returncode}) before {what}; output:\n"
+                + proc.output()[-5000:]
+            )
+        if time.monotonic() > end:
+            extra = f"; output:\n{proc.output()[-5000:]}" if proc else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
+        time.sleep(interval)
