@@ -133,18 +133,18 @@ class Wandb:
 
         if mode in (None, "auto"):
             mode = "online" if _wandb_logged_in() else "offline"
-        self.run_id = run_id or wandb.util.generate_id()
         self.run = wandb.init(
             project=project,
             group=group,
             name=name,
-            id=self.run_id,
+            id=run_id,
             resume="allow",
             config=config,
             dir=str(savedir),
             mode=mode,
             reinit="finish_previous",
         )
+        self.run_id = self.run.id
 
     def log(self, row: dict[str, Any]) -> None:
         values = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not _is_nan(v)}

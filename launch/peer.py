@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[peer {args.rank}] %(message)s")
     cfg = config_lib.load(args.config)
     train(cfg, args.rank, args.broker, stop_on_signals())
+    # Done: a late SIGTERM from the launcher (sent after Ctrl-C reached the
+    # whole process group) must not kill the interpreter's clean exit.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     return 0
 
 
