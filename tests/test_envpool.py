@@ -81,7 +81,7 @@ def test_matches_envs_stepped_by_hand(make, num_processes, batch_size, num_batch
     episodes_seen = 0
     with moolib.EnvPool(make, num_processes, batch_size, num_batches) as pool:
         assert pool.action_spec == (np.dtype(np.int64).str, ())
-        for step in range(150):
+        for step in range(300):
             # Every batch in flight at once, collected in a shuffled order.
             actions = [torch.from_numpy(rng.integers(0, 7, batch_size)) for _ in range(num_batches)]
             futures = [pool.step(b, actions[b]) for b in range(num_batches)]
