@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -48,6 +49,12 @@ LOSSES = {"vtrace": impala.compute_loss, "a2c": a2c.compute_loss}
 # Keys of an unroll step: the env's output and what the actor did with it.
 _ENV_KEYS = ("state", "reward", "done", "prev_action")
 _ACTOR_KEYS = ("action", "policy_logits", "baseline")
+
+
+def _namespace(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return SimpleNamespace(**{k: _namespace(v) for k, v in tree.items()})
+    return tree
 
 
 def resolve_device(name: str) -> torch.device:
@@ -141,7 +148,9 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig, peer: PeerInfo) -> None:
         self.cfg = cfg
-        self.agent = cfg.agent
+        # Plain attributes: the loop reads these settings every step, and
+        # OmegaConf's attribute access is slow enough to show in profiles.
+        self.agent = _namespace(OmegaConf.to_container(cfg.agent, resolve=True))
         self.peer = peer
         self.device = resolve_device(cfg.device)
         if cfg.seed is not None:
@@ -171,6 +180,7 @@ class Trainer:
         self.backlog = 0  # unrolls handed to the batcher, not yet learned from
         self.max_backlog = 4 * max(self.agent.batch_size, self.agent.actor_batch_size)
         self.steps = 0  # env steps learned from, group-wide
+        self.total_steps = int(cfg.total_steps)
         self.wandb_id: str | None = None
         self.elapsed = 0.0
         self._restore()
@@ -274,9 +284,7 @@ class Trainer:
             )
             summed = acc.get_gradient_stats()
             self.steps += summed["batch_size"] * self.agent.unroll_length
-            lr = self.agent.optimizer.learning_rate * max(
-                0.0, 1.0 - self.steps / self.cfg.total_steps
-            )
+            lr = self.agent.optimizer.learning_rate * max(0.0, 1.0 - self.steps / self.total_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
@@ -289,6 +297,8 @@ class Trainer:
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         """Trains until ``total_steps`` (or ``stop`` is set); returns the last log row."""
         cfg, agent = self.cfg, self.agent
+        total_steps, log_interval = cfg.total_steps, cfg.log_interval
+        checkpoint_interval = cfg.checkpoint_interval
         stop = stop or threading.Event()
         logger = TsvLog(self.peer.logdir / "logs.tsv")
         progress = Progress(cfg.total_steps, prefix=f"[peer {self.peer.rank}] ")
@@ -327,7 +337,7 @@ class Trainer:
         row: dict[str, Any] = {}
         b = 0
         try:
-            while self.steps < cfg.total_steps and not stop.is_set():
+            while self.steps < total_steps and not stop.is_set():
                 self.accumulator.update()
                 if self.accumulator.wants_state():
                     self.accumulator.set_state(self._state())
@@ -362,7 +372,7 @@ class Trainer:
                     self._learn(stats)
 
                 now = clock()
-                if now - last_log_time >= cfg.log_interval:
+                if now - last_log_time >= log_interval:
                     row = self._log_row(
                         stats,
                         episodes,
@@ -378,7 +388,7 @@ class Trainer:
                     stats = {}
                     last_log_time, last_log_steps, last_env_steps = now, self.steps, env_steps
                 if (
-                    time.monotonic() - last_checkpoint >= cfg.checkpoint_interval
+                    time.monotonic() - last_checkpoint >= checkpoint_interval
                     and self.accumulator.is_leader()
                 ):
                     self.elapsed = clock()
