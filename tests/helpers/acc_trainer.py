@@ -134,6 +134,7 @@ def main() -> None:
 
     started = False  # set once the group had --start-members members
     was_connected = False
+    connected_in = None  # the membership (sync id) this peer was last connected in
     start_params = None  # parameters when first connected (after any state load)
     sub = 0  # gradient rounds started since the last step / state load
     saved = False
@@ -176,8 +177,11 @@ def main() -> None:
             sub = 0
             status("state_loaded")
         connected = acc.connected()
-        if connected != was_connected:
-            was_connected = connected
+        # A re-election can finish within one update(): the peer is then
+        # connected again, in a new membership, without ever reading False.
+        elected_in = getattr(acc, "_sync_id", None) if connected else None
+        if connected != was_connected or elected_in != connected_in:
+            was_connected, connected_in = connected, elected_in
             sub = 0  # rounds in flight were dropped
             status("connected" if connected else "disconnected")
         if not connected:
