@@ -276,13 +276,19 @@ class PythonLogSink {
     return *s;
   }
   void set(py::object fn) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    fn_ = fn.is_none() ? nullptr : holdObject(fn);
-    if (fn_ && !started_) {
-      started_ = true;
-      std::thread([this] { run(); }).detach();
+    bool enabled;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      fn_ = fn.is_none() ? nullptr : holdObject(fn);
+      enabled = bool(fn_);
+      if (enabled && !started_) {
+        started_ = true;
+        std::thread([this] { run(); }).detach();
+      }
     }
-    if (fn_) {
+    // Outside mutex_: a core thread logging holds the sink registry's lock
+    // while it calls push(), which takes mutex_ (lock order sink -> mutex_).
+    if (enabled) {
       setLogSink([this](LogLevel level, const std::string& message) { push(level, message); });
     } else {
       setLogSink(nullptr);

@@ -41,7 +41,8 @@ void StreamConnection::start(FrameFn onFrame, CloseFn onClose) {
   onFrame_ = std::move(onFrame);
   onClose_ = std::move(onClose);
   std::lock_guard<std::mutex> lock(stateMutex_);
-  token_ = Loop::instance().addFd(fd_.get(), wantedEvents(), std::weak_ptr<FdHandler>(shared_from_this()));
+  token_ = Loop::instance().addFd(fd_.get(), wantedEvents(),
+                                  std::weak_ptr<FdHandler>(shared_from_this()));
   armed_ = true;
 }
 
@@ -54,7 +55,8 @@ void StreamConnection::updateArm() {
   if (armed_ && token_) Loop::instance().rearm(fd_.get(), token_, wantedEvents());
 }
 
-bool StreamConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc, std::vector<int>&) {
+bool StreamConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc,
+                                     std::vector<int>&) {
   desc = SegmentDesc{segment.size, uint32_t(SegmentKind::kInline), 0, 0};
   return true;
 }
@@ -66,8 +68,13 @@ BufferPtr StreamConnection::decodeShared(const SegmentDesc&) {
 void StreamConnection::send(OutgoingFrame&& frame) {
   if (closed_) return;
   WriteItem item;
-  FrameHeader h{kFrameMagic, kWireVersion, uint8_t(frame.type), 0, uint32_t(frame.segments.size()),
-                uint32_t(frame.meta.size()), 0};
+  FrameHeader h{kFrameMagic,
+                kWireVersion,
+                uint8_t(frame.type),
+                0,
+                uint32_t(frame.segments.size()),
+                uint32_t(frame.meta.size()),
+                0};
   std::vector<SegmentDesc> descs(frame.segments.size());
   std::vector<OutSegment> inlineSegments;
   inlineSegments.reserve(frame.segments.size());
@@ -248,8 +255,14 @@ ssize_t StreamConnection::receive(void* data, size_t size) {
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
   ssize_t r = ::recvmsg(fd_.get(), &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  // A failed recvmsg (EAGAIN above all) leaves msg as it was: msg_controllen
+  // still spans all of control, which holds stale stack bytes (often the
+  // header of an earlier read's descriptors). Parsing it would queue stale
+  // or garbage descriptors and can read far past control. Only a successful
+  // call says how much control data there is. errno is left for the caller.
+  if (r < 0) return r;
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len >= CMSG_LEN(0)) {
       size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
       for (size_t i = 0; i != count; ++i) {
         int fd;
@@ -262,14 +275,15 @@ ssize_t StreamConnection::receive(void* data, size_t size) {
       // identify may also bring the first frame that shares memory.
       size_t limit = handshaken_ ? kMaxPendingFds : size_t(kMaxFdsPerMessage);
       if (receivedFds_.size() > limit) {
-        fail(handshaken_ ? "too many file descriptors in flight" : "file descriptors before the handshake");
+        fail(handshaken_ ? "too many file descriptors in flight"
+                         : "file descriptors before the handshake");
         for (int fd : receivedFds_) ::close(fd);
         receivedFds_.clear();
         return -1;
       }
     }
   }
-  if (r >= 0 && (msg.msg_flags & MSG_CTRUNC)) {
+  if (msg.msg_flags & MSG_CTRUNC) {
     fail("file descriptors were truncated in transit");
     return -1;
   }
@@ -333,7 +347,8 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
   if (!tryOwn()) return false;
   Waiter& waiter = currentWaiter();
   while (!done() && Clock::now() < deadline && !closed_) {
-    pollfd p[2] = {{fd_.get(), short(POLLIN | (wantWrite_ ? POLLOUT : 0)), 0}, {waiter.fd(), POLLIN, 0}};
+    pollfd p[2] = {{fd_.get(), short(POLLIN | (wantWrite_ ? POLLOUT : 0)), 0},
+                   {waiter.fd(), POLLIN, 0}};
     int n = ::poll(p, 2, timeoutMs(deadline));
     if (n <= 0) continue;
     if (p[1].revents) waiter.clear();
@@ -453,7 +468,8 @@ bool StreamConnection::parse() {
           uint64_t limit = handshaken_ ? kMaxMessageBytes : kMaxHandshakeFrame;
           uint64_t total = 0;
           for (auto& d : descs_) {
-            if (d.kind != uint32_t(SegmentKind::kInline) && d.kind != uint32_t(SegmentKind::kShared)) {
+            if (d.kind != uint32_t(SegmentKind::kInline) &&
+                d.kind != uint32_t(SegmentKind::kShared)) {
               fail(concat("unknown segment kind ", d.kind));
               return false;
             }
