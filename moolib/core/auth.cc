@@ -4,7 +4,6 @@
 #include <openssl/hmac.h>
 #include <sys/random.h>
 
-
 #include "error.h"
 
 namespace moolib {
@@ -20,13 +19,13 @@ std::string makeNonce() {
   return nonce;
 }
 
-std::string authProof(const std::string& key, const std::string& role, const std::string& verifierNonce,
-                      const std::string& proverNonce) {
+std::string authProof(const std::string& key, const std::string& role,
+                      const std::string& verifierNonce, const std::string& proverNonce) {
   std::string message = "moolib-auth-v1|" + role + "|" + verifierNonce + proverNonce;
   unsigned char out[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  HMAC(EVP_sha256(), key.data(), int(key.size()), reinterpret_cast<const unsigned char*>(message.data()),
-       message.size(), out, &len);
+  HMAC(EVP_sha256(), key.data(), int(key.size()),
+       reinterpret_cast<const unsigned char*>(message.data()), message.size(), out, &len);
   return std::string(reinterpret_cast<char*>(out), len);
 }
 

@@ -21,8 +21,8 @@ constexpr size_t kNonceBytes = 32;
 
 std::string makeNonce();
 // role is "client" or "server": the role of the side producing the proof.
-std::string authProof(const std::string& key, const std::string& role, const std::string& verifierNonce,
-                      const std::string& proverNonce);
+std::string authProof(const std::string& key, const std::string& role,
+                      const std::string& verifierNonce, const std::string& proverNonce);
 bool constantTimeEqual(const std::string& a, const std::string& b);
 
 }  // namespace moolib

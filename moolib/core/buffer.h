@@ -19,7 +19,8 @@ class Buffer {
   Buffer(uint8_t* data, size_t size, std::function<void()> release)
       : data_(data), size_(size), release_(std::move(release)) {}
   // A heap block of capacity bytes that this buffer owns (see allocateBuffer).
-  Buffer(uint8_t* block, size_t size, size_t capacity) : data_(block), size_(size), capacity_(capacity) {}
+  Buffer(uint8_t* block, size_t size, size_t capacity)
+      : data_(block), size_(size), capacity_(capacity) {}
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer();

@@ -39,7 +39,7 @@ class Error {
 
 }  // namespace moolib
 
-#define MOO_ENFORCE(cond, ...)                                                           \
-  do {                                                                                   \
-    if (!(cond)) throw ::moolib::Exception(::moolib::concat(__VA_ARGS__));               \
+#define MOO_ENFORCE(cond, ...)                                             \
+  do {                                                                     \
+    if (!(cond)) throw ::moolib::Exception(::moolib::concat(__VA_ARGS__)); \
   } while (0)

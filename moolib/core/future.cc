@@ -4,7 +4,9 @@
 
 namespace moolib {
 
-bool FutureState::setResult(std::vector<BufferPtr> segments) { return complete(std::move(segments), {}, false); }
+bool FutureState::setResult(std::vector<BufferPtr> segments) {
+  return complete(std::move(segments), {}, false);
+}
 
 bool FutureState::setError(std::string error) {
   if (error.empty()) error = "unknown error";

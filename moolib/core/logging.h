@@ -17,12 +17,14 @@ LogLevel logLevel();
 void setLogSink(std::function<void(LogLevel, const std::string&)> sink);
 void emitLog(LogLevel level, const std::string& message);
 
-inline bool logEnabled(LogLevel level) { return static_cast<int>(level) <= static_cast<int>(logLevel()); }
+inline bool logEnabled(LogLevel level) {
+  return static_cast<int>(level) <= static_cast<int>(logLevel());
+}
 
 }  // namespace moolib
 
-#define MOO_LOG(level, ...)                                                                  \
-  do {                                                                                       \
-    if (::moolib::logEnabled(::moolib::LogLevel::level))                                     \
-      ::moolib::emitLog(::moolib::LogLevel::level, ::moolib::concat(__VA_ARGS__));           \
+#define MOO_LOG(level, ...)                                                        \
+  do {                                                                             \
+    if (::moolib::logEnabled(::moolib::LogLevel::level))                           \
+      ::moolib::emitLog(::moolib::LogLevel::level, ::moolib::concat(__VA_ARGS__)); \
   } while (0)

@@ -103,7 +103,8 @@ Waiter& currentWaiter() {
 
 int timeoutMs(TimePoint deadline) {
   if (deadline == kForever) return -1;
-  auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now()).count();
+  auto left =
+      std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now()).count();
   if (left <= 0) return 0;
   return int(std::min<int64_t>((left + 999) / 1000, 3600 * 1000));
 }
@@ -132,10 +133,12 @@ Loop::Loop() : maxThreads_(defaultThreads()) {
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.u64 = kTaskToken;
-  MOO_ENFORCE(epoll_ctl(epollFd_, EPOLL_CTL_ADD, taskFd_, &ev) == 0, "epoll_ctl: ", std::strerror(errno));
+  MOO_ENFORCE(epoll_ctl(epollFd_, EPOLL_CTL_ADD, taskFd_, &ev) == 0,
+              "epoll_ctl: ", std::strerror(errno));
   ev.events = EPOLLIN | EPOLLONESHOT;
   ev.data.u64 = kTimerToken;
-  MOO_ENFORCE(epoll_ctl(epollFd_, EPOLL_CTL_ADD, timerFd_, &ev) == 0, "epoll_ctl: ", std::strerror(errno));
+  MOO_ENFORCE(epoll_ctl(epollFd_, EPOLL_CTL_ADD, timerFd_, &ev) == 0,
+              "epoll_ctl: ", std::strerror(errno));
   std::thread([this] { rescueMain(); }).detach();
   setMaxThreads(maxThreads_);
 }
@@ -270,7 +273,8 @@ void Loop::armTimerFdLocked() {
     timerFdDue_ = kForever;
   } else {
     timerFdDue_ = timerHeap_.front().when;
-    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(timerFdDue_.time_since_epoch()).count();
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(timerFdDue_.time_since_epoch())
+                  .count();
     ns = std::max<int64_t>(ns, 1);
     spec.it_value.tv_sec = ns / 1000000000;
     spec.it_value.tv_nsec = ns % 1000000000;
@@ -406,7 +410,8 @@ void Loop::workerMain(int index) {
       tlsInline = nullptr;
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        stickyWorkers_.erase(std::find(stickyWorkers_.begin(), stickyWorkers_.end(), &currentWaiter()));
+        stickyWorkers_.erase(
+            std::find(stickyWorkers_.begin(), stickyWorkers_.end(), &currentWaiter()));
       }
       if (!active) tlsSticky.reset();
       Task t;

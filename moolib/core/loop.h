@@ -138,7 +138,7 @@ class Loop {
   void runInline();
 
   int epollFd_ = -1;
-  int taskFd_ = -1;   // counts queued tasks (EFD_SEMAPHORE): wakes one worker per task
+  int taskFd_ = -1;  // counts queued tasks (EFD_SEMAPHORE): wakes one worker per task
   int timerFd_ = -1;
 
   std::mutex mutex_;

@@ -33,10 +33,14 @@ void Rpc::runHandler(const Rpc& rpc, const Handler& handler, std::shared_ptr<Res
   tlsFunction = nullptr;
 }
 
-Responder::Responder(std::weak_ptr<Rpc> rpc, std::string peer, std::weak_ptr<Connection> conn, uint64_t callId,
-                     std::string function, FuturePtr local)
-    : rpc_(std::move(rpc)), peer_(std::move(peer)), conn_(std::move(conn)), callId_(callId),
-      function_(std::move(function)), local_(std::move(local)) {}
+Responder::Responder(std::weak_ptr<Rpc> rpc, std::string peer, std::weak_ptr<Connection> conn,
+                     uint64_t callId, std::string function, FuturePtr local)
+    : rpc_(std::move(rpc)),
+      peer_(std::move(peer)),
+      conn_(std::move(conn)),
+      callId_(callId),
+      function_(std::move(function)),
+      local_(std::move(local)) {}
 
 Responder::~Responder() {
   if (!answered_) error(concat("function '", function_, "' returned without replying"));
@@ -55,7 +59,8 @@ void Responder::send(uint8_t status, const std::string& error, std::vector<OutSe
       for (auto& s : segments) copies.push_back(copyToBuffer(s));
       local_->setResult(std::move(copies));
     } else {
-      local_->setError(concat("remote function '", function_, "' on peer '", peer_, "' raised ", error));
+      local_->setError(
+          concat("remote function '", function_, "' on peer '", peer_, "' raised ", error));
     }
     if (rpc) rpc->finishCall(function_);
     return;
@@ -65,7 +70,8 @@ void Responder::send(uint8_t status, const std::string& error, std::vector<OutSe
   w.u64(callId_);
   w.u8(status);
   w.str(error);
-  rpc->sendResponse(peer_, conn_, OutgoingFrame{FrameType::kResponse, w.take(), std::move(segments)});
+  rpc->sendResponse(peer_, conn_,
+                    OutgoingFrame{FrameType::kResponse, w.take(), std::move(segments)});
   rpc->finishCall(function_);
 }
 
@@ -164,9 +170,10 @@ void Rpc::warnIfExposedLocked(const std::string& address) const {
   // Peers unpickle what they receive: an open port without a key runs code
   // for anyone who can reach it.
   if (authKey_.empty() && !isLoopbackHostPort(address)) {
-    MOO_LOG(kError, "listening on ", address,
-            " without an authentication key: anyone who can reach this address can run code in this "
-            "process. Set MOOLIB_AUTH_KEY (or moolib.set_auth_key) on every peer.");
+    MOO_LOG(
+        kError, "listening on ", address,
+        " without an authentication key: anyone who can reach this address can run code in this "
+        "process. Set MOOLIB_AUTH_KEY (or moolib.set_auth_key) on every peer.");
   }
 }
 
@@ -211,7 +218,8 @@ double Rpc::timeout() const {
 void Rpc::setTransports(const std::vector<std::string>& names) {
   std::set<std::string> chosen;
   for (auto& n : names) {
-    MOO_ENFORCE(n == "tcp" || n == "shm" || n == "ipc", "unknown transport '", n, "' (known: tcp, shm)");
+    MOO_ENFORCE(n == "tcp" || n == "shm" || n == "ipc", "unknown transport '", n,
+                "' (known: tcp, shm)");
     chosen.insert(n == "ipc" ? "shm" : n);
   }
   MOO_ENFORCE(!chosen.empty(), "at least one transport is needed");
@@ -251,7 +259,8 @@ void Rpc::finishCall(const std::string& function) {
   }
 }
 
-FuturePtr Rpc::call(const std::string& peer, const std::string& function, std::vector<OutSegment> segments) {
+FuturePtr Rpc::call(const std::string& peer, const std::string& function,
+                    std::vector<OutSegment> segments) {
   MOO_ENFORCE(generation_ == Loop::generation(),
               "this Rpc was created before the process forked; create a new Rpc in the child");
   if (!started_.load(std::memory_order_acquire)) ensureStarted();
@@ -319,8 +328,8 @@ void Rpc::callLocal(const FuturePtr& future, uint64_t id, const std::string& fun
   }
   std::vector<BufferPtr> args;
   for (auto& s : segs) args.push_back(copyToBuffer(s));
-  auto responder = std::make_shared<Responder>(weak_from_this(), self, std::weak_ptr<Connection>(), id, function,
-                                               future);
+  auto responder = std::make_shared<Responder>(weak_from_this(), self, std::weak_ptr<Connection>(),
+                                               id, function, future);
   std::weak_ptr<Rpc> weak = weak_from_this();
   Loop::instance().schedule([weak, handler, responder, function, args = std::move(args)]() mutable {
     auto rpc = weak.lock();
@@ -352,17 +361,19 @@ void Rpc::onRequest(const std::shared_ptr<Link>& link, IncomingFrame& frame) {
     link->conn->send(OutgoingFrame{FrameType::kResponse, w.take(), {}});
     return;
   }
-  auto responder = std::make_shared<Responder>(weak_from_this(), link->peerName, link->conn, id, function);
+  auto responder =
+      std::make_shared<Responder>(weak_from_this(), link->peerName, link->conn, id, function);
   std::weak_ptr<Rpc> weak = weak_from_this();
-  Loop::instance().schedule(
-      [weak, handler, responder, function = std::move(function), args = std::move(frame.segments)]() mutable {
-        auto rpc = weak.lock();
-        if (!rpc) return;
-        runHandler(*rpc, *handler, std::move(responder), function, std::move(args));
-      });
+  Loop::instance().schedule([weak, handler, responder, function = std::move(function),
+                             args = std::move(frame.segments)]() mutable {
+    auto rpc = weak.lock();
+    if (!rpc) return;
+    runHandler(*rpc, *handler, std::move(responder), function, std::move(args));
+  });
 }
 
-void Rpc::sendResponse(const std::string& peer, const std::weak_ptr<Connection>& conn, OutgoingFrame&& frame) {
+void Rpc::sendResponse(const std::string& peer, const std::weak_ptr<Connection>& conn,
+                       OutgoingFrame&& frame) {
   if (auto c = conn.lock(); c && !c->closed()) {
     c->send(std::move(frame));
     return;
@@ -398,7 +409,8 @@ void Rpc::onResponse(IncomingFrame& frame) {
   } else if (status == kNotDefined) {
     call.future->setError(error);
   } else {
-    call.future->setError(concat("remote function '", call.function, "' on peer '", call.peer, "' raised ", error));
+    call.future->setError(
+        concat("remote function '", call.function, "' on peer '", call.peer, "' raised ", error));
   }
 }
 
@@ -426,15 +438,17 @@ void Rpc::expireCalls(TimePoint now) {
       }
       if (p != peers_.end()) {
         auto& q = p->second.queued;
-        q.erase(std::remove_if(q.begin(), q.end(), [id](const QueuedCall& x) { return x.id == id; }), q.end());
+        q.erase(
+            std::remove_if(q.begin(), q.end(), [id](const QueuedCall& x) { return x.id == id; }),
+            q.end());
       }
       expired.emplace_back(std::move(c), std::move(why));
       calls_.erase(it);
     }
   }
   for (auto& [c, why] : expired) {
-    c.future->setError(concat("call to peer '", c.peer, "' function '", c.function, "' timed out after ",
-                              c.timeoutSeconds, " seconds: ", why));
+    c.future->setError(concat("call to peer '", c.peer, "' function '", c.function,
+                              "' timed out after ", c.timeoutSeconds, " seconds: ", why));
   }
 }
 
@@ -478,8 +492,9 @@ DebugInfo Rpc::debugInfo() {
   for (auto& [name, p] : peers_) {
     PeerInfo pi{name, p.host == hostIdentity(), p.addresses, {}, p.queued.size()};
     for (auto& l : p.links) {
-      pi.connections.push_back(ConnectionInfo{l->conn->transport(), l->conn->localAddress(), l->conn->remoteAddress(),
-                                              l->outgoing, l->conn->bytesSent(), l->conn->bytesReceived()});
+      pi.connections.push_back(ConnectionInfo{l->conn->transport(), l->conn->localAddress(),
+                                              l->conn->remoteAddress(), l->outgoing,
+                                              l->conn->bytesSent(), l->conn->bytesReceived()});
     }
     info.peers.push_back(std::move(pi));
   }

@@ -33,8 +33,8 @@ class Responder {
  public:
   // With local set, the call came from this very peer and the answer
   // completes that future directly.
-  Responder(std::weak_ptr<Rpc> rpc, std::string peer, std::weak_ptr<Connection> conn, uint64_t callId,
-            std::string function, FuturePtr local = nullptr);
+  Responder(std::weak_ptr<Rpc> rpc, std::string peer, std::weak_ptr<Connection> conn,
+            uint64_t callId, std::string function, FuturePtr local = nullptr);
   ~Responder();
   void reply(std::vector<OutSegment> segments);
   void error(const std::string& message);
@@ -97,7 +97,8 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void define(const std::string& name, Handler handler);
   // Waits for calls of this function in flight (not when called from one).
   void undefine(const std::string& name);
-  FuturePtr call(const std::string& peer, const std::string& function, std::vector<OutSegment> segments);
+  FuturePtr call(const std::string& peer, const std::string& function,
+                 std::vector<OutSegment> segments);
   DebugInfo debugInfo();
   void close();
 
@@ -135,11 +136,14 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
                    std::vector<OutSegment> segments);
   void onRequest(const std::shared_ptr<Link>& link, IncomingFrame& frame);
   void onResponse(IncomingFrame& frame);
-  void callLocal(const FuturePtr& future, uint64_t id, const std::string& function, std::vector<OutSegment>& segs);
-  void sendResponse(const std::string& peer, const std::weak_ptr<Connection>& conn, OutgoingFrame&& frame);
+  void callLocal(const FuturePtr& future, uint64_t id, const std::string& function,
+                 std::vector<OutSegment>& segs);
+  void sendResponse(const std::string& peer, const std::weak_ptr<Connection>& conn,
+                    OutgoingFrame&& frame);
   void finishCall(const std::string& function);
-  static void runHandler(const Rpc& rpc, const Handler& handler, std::shared_ptr<Responder> responder,
-                         const std::string& function, std::vector<BufferPtr> args);
+  static void runHandler(const Rpc& rpc, const Handler& handler,
+                         std::shared_ptr<Responder> responder, const std::string& function,
+                         std::vector<BufferPtr> args);
   void expireCalls(TimePoint now);
 
   // rpc_links.cc
@@ -180,7 +184,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   std::vector<std::string> tcpListenAddresses_;
   std::string shmAddress_;
   std::map<std::string, Dialer> dialers_;
-  std::set<std::string> dialing_;  // addresses being dialed for discovery
+  std::set<std::string> dialing_;                 // addresses being dialed for discovery
   std::map<std::string, TimePoint> failedDials_;  // address -> when to try it again
   std::set<std::shared_ptr<Link>> links_;
   // Nonces of our handshakes in progress: a peer presenting one is reflecting it.

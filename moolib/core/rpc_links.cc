@@ -23,13 +23,16 @@ constexpr auto kFailedDialBackoff = std::chrono::seconds(5);
 const char* roleName(bool outgoing) { return outgoing ? "client" : "server"; }
 
 void protocolError(const std::shared_ptr<Connection>& conn, const std::string& why) {
-  MOO_LOG(kError, "closing connection from ", conn->remoteAddress(), " (", conn->transport(), "): ", why);
+  MOO_LOG(kError, "closing connection from ", conn->remoteAddress(), " (", conn->transport(),
+          "): ", why);
   conn->close(Error(why));
 }
 
 // Never hand a loopback or shared-memory address to a peer on another host.
 void dropHostLocal(std::vector<std::string>& addresses) {
-  auto hostLocal = [](const std::string& a) { return a.rfind("shm://", 0) == 0 || isLoopbackHostPort(a); };
+  auto hostLocal = [](const std::string& a) {
+    return a.rfind("shm://", 0) == 0 || isLoopbackHostPort(a);
+  };
   addresses.erase(std::remove_if(addresses.begin(), addresses.end(), hostLocal), addresses.end());
 }
 
@@ -87,7 +90,8 @@ void Rpc::onFrame(const std::shared_ptr<Link>& link, IncomingFrame&& frame) {
   try {
     Reader r(frame.meta);
     if (link->state != Link::State::kReady) {
-      if (!frame.segments.empty()) return protocolError(link->conn, "payload before the handshake completed");
+      if (!frame.segments.empty())
+        return protocolError(link->conn, "payload before the handshake completed");
       switch (frame.type) {
         case FrameType::kHello:
           return onHello(link, r);
@@ -96,7 +100,8 @@ void Rpc::onFrame(const std::shared_ptr<Link>& link, IncomingFrame&& frame) {
         case FrameType::kIdentify:
           return onIdentify(link, r);
         default:
-          return protocolError(link->conn, concat("frame type ", int(frame.type), " before the handshake completed"));
+          return protocolError(link->conn, concat("frame type ", int(frame.type),
+                                                  " before the handshake completed"));
       }
     }
     switch (frame.type) {
@@ -127,13 +132,16 @@ void Rpc::onHello(const std::shared_ptr<Link>& link, Reader& r) {
   // Known before identify, so that we never tell a peer on another host
   // addresses only this host can use.
   link->peerHost = r.str(256);
-  if (version != kWireVersion) return protocolError(link->conn, concat("peer speaks protocol version ", int(version)));
+  if (version != kWireVersion)
+    return protocolError(link->conn, concat("peer speaks protocol version ", int(version)));
   if (nonce.size() != kNonceBytes) return protocolError(link->conn, "bad nonce");
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (ownNonces_.count(nonce)) return protocolError(link->conn, "peer replayed one of our own nonces");
+    if (ownNonces_.count(nonce))
+      return protocolError(link->conn, "peer replayed one of our own nonces");
   }
-  if (role != (link->outgoing ? 1 : 0)) return protocolError(link->conn, "both ends claim the same role");
+  if (role != (link->outgoing ? 1 : 0))
+    return protocolError(link->conn, "both ends claim the same role");
   link->peerNonce = nonce;
   std::string key;
   {
@@ -141,11 +149,13 @@ void Rpc::onHello(const std::shared_ptr<Link>& link, Reader& r) {
     key = authKey_;
   }
   if (!key.empty() && !peerHasKey) {
-    return protocolError(link->conn, "authentication required, but the peer has no key (set MOOLIB_AUTH_KEY)");
+    return protocolError(link->conn,
+                         "authentication required, but the peer has no key (set MOOLIB_AUTH_KEY)");
   }
   if (key.empty() && peerHasKey) {
-    return protocolError(link->conn, "the peer requires authentication and this process has no key "
-                                     "(set MOOLIB_AUTH_KEY or moolib.set_auth_key)");
+    return protocolError(link->conn,
+                         "the peer requires authentication and this process has no key "
+                         "(set MOOLIB_AUTH_KEY or moolib.set_auth_key)");
   }
   if (key.empty()) {
     link->state = Link::State::kIdentify;
@@ -161,7 +171,8 @@ void Rpc::onHello(const std::shared_ptr<Link>& link, Reader& r) {
 }
 
 void Rpc::onAuth(const std::shared_ptr<Link>& link, Reader& r) {
-  if (link->state != Link::State::kAuth) return protocolError(link->conn, "unexpected authentication frame");
+  if (link->state != Link::State::kAuth)
+    return protocolError(link->conn, "unexpected authentication frame");
   std::string proof = r.str(128);
   std::string key;
   {
@@ -195,7 +206,8 @@ void Rpc::sendIdentify(const std::shared_ptr<Link>& link) {
 }
 
 void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
-  if (link->state != Link::State::kIdentify) return protocolError(link->conn, "identify before authentication");
+  if (link->state != Link::State::kIdentify)
+    return protocolError(link->conn, "identify before authentication");
   link->peerName = r.str(1024);
   link->peerIncarnation = r.str(64);
   link->peerHost = r.str(256);
@@ -216,7 +228,8 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
         link->conn->close(Error("connected to self"));
         return;
       }
-      MOO_LOG(kError, "a peer at ", link->conn->remoteAddress(), " uses our own name '", name_, "'");
+      MOO_LOG(kError, "a peer at ", link->conn->remoteAddress(), " uses our own name '", name_,
+              "'");
       link->conn->close(Error("duplicate peer name"));
       return;
     }
@@ -241,10 +254,11 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
         if (it != calls_.end()) it->second.sent = true;
       }
     }
-    if (link->outgoing && std::string(link->conn->transport()) == "tcp" && link->peerHost == hostIdentity() &&
-        shm_ && allowed("shm")) {
-      bool haveShm = std::any_of(p.links.begin(), p.links.end(),
-                                 [](auto& l) { return std::string(l->conn->transport()) == "shm"; });
+    if (link->outgoing && std::string(link->conn->transport()) == "tcp" &&
+        link->peerHost == hostIdentity() && shm_ && allowed("shm")) {
+      bool haveShm = std::any_of(p.links.begin(), p.links.end(), [](auto& l) {
+        return std::string(l->conn->transport()) == "shm";
+      });
       for (auto& a : p.addresses) {
         if (!haveShm && a.rfind("shm://", 0) == 0 && !dialing_.count(a)) {
           upgrade = a;
@@ -266,8 +280,8 @@ void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
   // find it through discovery and dial it directly. So on its first outgoing
   // TCP link it listens on the interface that link uses (loopback stays
   // loopback), before telling the other side its addresses.
-  if (!link->outgoing || std::string(link->conn->transport()) != "tcp" || !tcpListenAddresses_.empty() ||
-      !allowed("tcp")) {
+  if (!link->outgoing || std::string(link->conn->transport()) != "tcp" ||
+      !tcpListenAddresses_.empty() || !allowed("tcp")) {
     return;
   }
   std::string local = link->conn->localAddress();
@@ -280,7 +294,8 @@ void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
       if (auto self = weak.lock()) self->adopt(std::move(conn), false, "");
     });
     tcpListenAddresses_.push_back(l->address());
-    MOO_LOG(kInfo, "listening on ", l->address(), " so that other peers can reach this one by name");
+    MOO_LOG(kInfo, "listening on ", l->address(),
+            " so that other peers can reach this one by name");
     warnIfExposedLocked(l->address());
     listeners_.push_back(std::move(l));
   } catch (const std::exception& e) {
@@ -309,7 +324,8 @@ void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
     }
   }
   if (link->state == Link::State::kReady) {
-    MOO_LOG(kInfo, "link to peer '", link->peerName, "' (", link->conn->transport(), ") closed: ", error.what());
+    MOO_LOG(kInfo, "link to peer '", link->peerName, "' (", link->conn->transport(),
+            ") closed: ", error.what());
   }
 }
 
@@ -546,8 +562,9 @@ void Rpc::tick() {
     });
   }
   for (auto& l : dead) {
-    protocolError(l->conn, l->state == Link::State::kReady ? "no traffic within the keepalive timeout"
-                                                           : "handshake timed out");
+    protocolError(l->conn, l->state == Link::State::kReady
+                               ? "no traffic within the keepalive timeout"
+                               : "handshake timed out");
   }
   for (auto& l : keepalive) l->conn->send(OutgoingFrame{FrameType::kKeepalive, {}, {}});
   for (auto& a : redial) dialFromDialer(a);

@@ -27,8 +27,9 @@ std::pair<std::string, std::string> splitHostPort(const std::string& address) {
   std::string host, port;
   if (!address.empty() && address[0] == '[') {
     auto close = address.find(']');
-    MOO_ENFORCE(close != std::string::npos && close + 1 < address.size() && address[close + 1] == ':',
-                "bad address '", address, "': expected [ipv6]:port");
+    MOO_ENFORCE(
+        close != std::string::npos && close + 1 < address.size() && address[close + 1] == ':',
+        "bad address '", address, "': expected [ipv6]:port");
     host = address.substr(1, close - 1);
     port = address.substr(close + 2);
   } else {
@@ -83,7 +84,8 @@ SockAddr unixAbstractAddress(const std::string& name) {
   auto* a = reinterpret_cast<sockaddr_un*>(out.get());
   a->sun_family = AF_UNIX;
   std::string path = "moolib/" + name;
-  MOO_ENFORCE(path.size() + 1 < sizeof(a->sun_path), "shared-memory endpoint name too long: ", name);
+  MOO_ENFORCE(path.size() + 1 < sizeof(a->sun_path),
+              "shared-memory endpoint name too long: ", name);
   a->sun_path[0] = '\0';
   std::memcpy(a->sun_path + 1, path.data(), path.size());
   out.length = socklen_t(offsetof(sockaddr_un, sun_path) + 1 + path.size());
@@ -128,7 +130,8 @@ bool isLoopbackHostPort(const std::string& address) {
 
 void setNonBlocking(int fd) {
   int flags = fcntl(fd, F_GETFL, 0);
-  MOO_ENFORCE(flags >= 0 && fcntl(fd, F_SETFL, flags | O_NONBLOCK) == 0, "fcntl: ", errnoString(errno));
+  MOO_ENFORCE(flags >= 0 && fcntl(fd, F_SETFL, flags | O_NONBLOCK) == 0,
+              "fcntl: ", errnoString(errno));
 }
 
 }  // namespace moolib

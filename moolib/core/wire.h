@@ -33,15 +33,15 @@ constexpr uint32_t kMaxMetaLength = 1 << 20;
 constexpr uint64_t kMaxHandshakeFrame = 64 << 10;
 
 enum class FrameType : uint8_t {
-  kHello = 1,      // protocol version, nonce, role, whether a key is required
-  kAuth = 2,       // HMAC proof over both nonces
-  kIdentify = 3,   // name, incarnation, host identity, listen addresses
-  kRequest = 4,    // call id, function name; segments: pickle + buffers
-  kResponse = 5,   // call id, status, error text; segments: pickle + buffers
-  kKeepalive = 6,  // nothing; proves the link is alive
-  kFindPeer = 7,   // name wanted
-  kPeerInfo = 8,   // name, found, host identity, addresses
-  kShmRelease = 9, // transport-internal: shared segments the receiver let go
+  kHello = 1,       // protocol version, nonce, role, whether a key is required
+  kAuth = 2,        // HMAC proof over both nonces
+  kIdentify = 3,    // name, incarnation, host identity, listen addresses
+  kRequest = 4,     // call id, function name; segments: pickle + buffers
+  kResponse = 5,    // call id, status, error text; segments: pickle + buffers
+  kKeepalive = 6,   // nothing; proves the link is alive
+  kFindPeer = 7,    // name wanted
+  kPeerInfo = 8,    // name, found, host identity, addresses
+  kShmRelease = 9,  // transport-internal: shared segments the receiver let go
   kMaxType = 9,
 };
 
@@ -61,8 +61,8 @@ enum class SegmentKind : uint32_t { kInline = 0, kShared = 1 };
 struct SegmentDesc {
   uint64_t length;
   uint32_t kind;
-  uint32_t sharedId;   // kShared: the sender's segment id
-  uint64_t offset;     // kShared: offset in that segment
+  uint32_t sharedId;  // kShared: the sender's segment id
+  uint64_t offset;    // kShared: offset in that segment
 };
 static_assert(sizeof(SegmentDesc) == 24, "wire layout");
 
@@ -107,14 +107,16 @@ class Reader {
   double f64() { return fixed<double>(); }
   std::string str(size_t maxLength = kMaxMetaLength) {
     uint32_t n = u32();
-    if (n > maxLength || n > remaining()) throw WireError(concat("string of ", n, " bytes overruns the frame"));
+    if (n > maxLength || n > remaining())
+      throw WireError(concat("string of ", n, " bytes overruns the frame"));
     std::string s(data_.substr(pos_, n));
     pos_ += n;
     return s;
   }
   std::vector<std::string> strings(size_t maxCount = 1024) {
     uint32_t n = u32();
-    if (n > maxCount || n > remaining() / 4) throw WireError(concat("list of ", n, " strings overruns the frame"));
+    if (n > maxCount || n > remaining() / 4)
+      throw WireError(concat("list of ", n, " strings overruns the frame"));
     std::vector<std::string> v;
     v.reserve(n);
     for (uint32_t i = 0; i != n; ++i) v.push_back(str());

@@ -11,11 +11,16 @@
 
 namespace moolib {
 
-SocketListener::SocketListener(Fd fd, std::string address, MakeConnection make, Context::AcceptFn onAccept)
-    : fd_(std::move(fd)), address_(std::move(address)), make_(std::move(make)), onAccept_(std::move(onAccept)) {}
+SocketListener::SocketListener(Fd fd, std::string address, MakeConnection make,
+                               Context::AcceptFn onAccept)
+    : fd_(std::move(fd)),
+      address_(std::move(address)),
+      make_(std::move(make)),
+      onAccept_(std::move(onAccept)) {}
 
 std::shared_ptr<SocketListener> SocketListener::create(const SockAddr& addr, std::string address,
-                                                       MakeConnection make, Context::AcceptFn onAccept) {
+                                                       MakeConnection make,
+                                                       Context::AcceptFn onAccept) {
   Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   MOO_ENFORCE(fd, "socket: ", errnoString(errno));
   if (addr.family() != AF_UNIX) {
@@ -27,8 +32,10 @@ std::shared_ptr<SocketListener> SocketListener::create(const SockAddr& addr, std
     throw Exception(concat("cannot listen on ", address, ": ", errnoString(err),
                            err == EADDRINUSE ? " (the address is taken by another process)" : ""));
   }
-  MOO_ENFORCE(::listen(fd.get(), 1024) == 0, "cannot listen on ", address, ": ", errnoString(errno));
-  auto l = std::make_shared<SocketListener>(std::move(fd), std::move(address), std::move(make), std::move(onAccept));
+  MOO_ENFORCE(::listen(fd.get(), 1024) == 0, "cannot listen on ", address, ": ",
+              errnoString(errno));
+  auto l = std::make_shared<SocketListener>(std::move(fd), std::move(address), std::move(make),
+                                            std::move(onAccept));
   if (addr.family() != AF_UNIX) {
     SockAddr bound;
     bound.length = sizeof(bound.storage);
@@ -61,7 +68,8 @@ void SocketListener::onEvents(uint32_t) {
       // Out of descriptors (or similar): the pending connection stays
       // queued and readiness would fire again at once. Back off instead of
       // spinning, and say so once per episode.
-      if (!backingOff_) MOO_LOG(kError, "accept on ", address_, ": ", errnoString(errno), "; retrying in 100 ms");
+      if (!backingOff_)
+        MOO_LOG(kError, "accept on ", address_, ": ", errnoString(errno), "; retrying in 100 ms");
       backingOff_ = true;
       std::weak_ptr<SocketListener> weak = shared_from_this();
       Loop::instance().addTimer(Clock::now() + std::chrono::milliseconds(100), [weak] {
@@ -86,8 +94,12 @@ namespace {
 
 class Connector : public FdHandler, public std::enable_shared_from_this<Connector> {
  public:
-  Connector(Fd fd, std::string address, std::function<ConnectionPtr(Fd)> make, Context::ConnectFn done)
-      : fd_(std::move(fd)), address_(std::move(address)), make_(std::move(make)), done_(std::move(done)) {}
+  Connector(Fd fd, std::string address, std::function<ConnectionPtr(Fd)> make,
+            Context::ConnectFn done)
+      : fd_(std::move(fd)),
+        address_(std::move(address)),
+        make_(std::move(make)),
+        done_(std::move(done)) {}
 
   void start() {
     auto self = shared_from_this();
@@ -154,8 +166,8 @@ class Connector : public FdHandler, public std::enable_shared_from_this<Connecto
 
 }  // namespace
 
-void connectSocket(const SockAddr& addr, std::string address, std::function<ConnectionPtr(Fd fd)> make,
-                   Context::ConnectFn done) {
+void connectSocket(const SockAddr& addr, std::string address,
+                   std::function<ConnectionPtr(Fd fd)> make, Context::ConnectFn done) {
   Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd) {
     Error e(concat("socket: ", errnoString(errno)));
@@ -168,7 +180,8 @@ void connectSocket(const SockAddr& addr, std::string address, std::function<Conn
     Loop::instance().addTimer(Clock::now(), [done, e] { done(e, nullptr); });
     return;
   }
-  auto c = std::make_shared<Connector>(std::move(fd), std::move(address), std::move(make), std::move(done));
+  auto c = std::make_shared<Connector>(std::move(fd), std::move(address), std::move(make),
+                                       std::move(done));
   c->start();
 }
 

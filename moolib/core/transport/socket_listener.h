@@ -14,7 +14,9 @@
 
 namespace moolib {
 
-class SocketListener : public Listener, public FdHandler, public std::enable_shared_from_this<SocketListener> {
+class SocketListener : public Listener,
+                       public FdHandler,
+                       public std::enable_shared_from_this<SocketListener> {
  public:
   using MakeConnection = std::function<ConnectionPtr(Fd fd)>;
   // Binds and listens; throws with a clear message (e.g. the address is taken).

@@ -39,14 +39,17 @@ ShmConnection::ShmConnection(Fd fd, std::string local, std::string remote)
 
 ShmConnection::~ShmConnection() = default;
 
-bool ShmConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc, std::vector<int>& fds) {
+bool ShmConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc,
+                                  std::vector<int>& fds) {
   desc = SegmentDesc{segment.size, uint32_t(SegmentKind::kInline), 0, 0};
   if (segment.size < kMinSharedSegment) return true;
   std::unique_lock<std::mutex> lock(poolMutex_);
   size_t best = pool_.size();
   for (size_t i = 0; i != pool_.size(); ++i) {
     auto& s = pool_[i];
-    if (s.busy || s.mapping->size < segment.size || s.mapping->size > 2 * segmentCapacity(segment.size)) continue;
+    if (s.busy || s.mapping->size < segment.size ||
+        s.mapping->size > 2 * segmentCapacity(segment.size))
+      continue;
     if (best == pool_.size() || s.mapping->size < pool_[best].mapping->size) best = i;
   }
   if (best == pool_.size()) {
@@ -60,7 +63,8 @@ bool ShmConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc, 
       MOO_LOG(kError, "shared memory segment of ", capacity, " bytes: ", errnoString(errno));
       return true;
     }
-    void* base = ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
+    void* base =
+        ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
     if (base == MAP_FAILED) {
       MOO_LOG(kError, "mmap of a shared segment of ", capacity, " bytes: ", errnoString(errno));
       return true;
@@ -89,13 +93,16 @@ bool ShmConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc, 
 BufferPtr ShmConnection::decodeShared(const SegmentDesc& desc) {
   auto it = received_.find(desc.sharedId);
   if (it == received_.end()) {
-    if (receivedFds_.empty()) throw WireError(concat("shared segment ", desc.sharedId, " arrived without its memory"));
+    if (receivedFds_.empty())
+      throw WireError(concat("shared segment ", desc.sharedId, " arrived without its memory"));
     Fd fd(receivedFds_.front());
     receivedFds_.pop_front();
     int seals = ::fcntl(fd.get(), F_GET_SEALS);
-    if (seals < 0 || !(seals & F_SEAL_SHRINK)) throw WireError("received a shared segment that can shrink");
+    if (seals < 0 || !(seals & F_SEAL_SHRINK))
+      throw WireError("received a shared segment that can shrink");
     struct stat st;
-    if (::fstat(fd.get(), &st) != 0 || st.st_size <= 0) throw WireError("cannot size a received shared segment");
+    if (::fstat(fd.get(), &st) != 0 || st.st_size <= 0)
+      throw WireError("cannot size a received shared segment");
     size_t size = size_t(st.st_size);
     if (size > kMaxPoolBytes || receivedBytes_ + size > kMaxPoolBytes) {
       throw WireError(concat("peer shares more than ", kMaxPoolBytes, " bytes of segments"));
@@ -103,7 +110,8 @@ BufferPtr ShmConnection::decodeShared(const SegmentDesc& desc) {
     // Not prefaulted: the sender's pages are resident already, and a sparse
     // segment must not become resident here just by being announced.
     void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-    if (base == MAP_FAILED) throw WireError(concat("cannot map a received shared segment: ", errnoString(errno)));
+    if (base == MAP_FAILED)
+      throw WireError(concat("cannot map a received shared segment: ", errnoString(errno)));
     auto m = std::make_shared<Mapping>();
     m->base = static_cast<uint8_t*>(base);
     m->size = size;
@@ -112,8 +120,8 @@ BufferPtr ShmConnection::decodeShared(const SegmentDesc& desc) {
   }
   std::shared_ptr<Mapping> m = it->second;
   if (desc.offset > m->size || desc.length > m->size - desc.offset) {
-    throw WireError(concat("shared segment reference [", desc.offset, ", +", desc.length, ") outside its ", m->size,
-                           "-byte segment"));
+    throw WireError(concat("shared segment reference [", desc.offset, ", +", desc.length,
+                           ") outside its ", m->size, "-byte segment"));
   }
   std::weak_ptr<StreamConnection> weak = shared_from_this();
   uint32_t id = desc.sharedId;

@@ -18,8 +18,8 @@ class ShmContext : public Context {
   bool handles(const std::string& address) const override { return address.rfind(kPrefix, 0) == 0; }
 
   std::unique_ptr<Listener> listen(const std::string& address, AcceptFn onAccept) override {
-    auto l = SocketListener::create(unixAbstractAddress(endpoint(address)), address, &ShmConnection::create,
-                                    std::move(onAccept));
+    auto l = SocketListener::create(unixAbstractAddress(endpoint(address)), address,
+                                    &ShmConnection::create, std::move(onAccept));
     return std::make_unique<ListenerHandle>(std::move(l));
   }
 
@@ -37,7 +37,8 @@ class ShmContext : public Context {
 
  private:
   static std::string endpoint(const std::string& address) {
-    MOO_ENFORCE(address.rfind(kPrefix, 0) == 0 && address.size() > 6, "bad shared-memory address '", address, "'");
+    MOO_ENFORCE(address.rfind(kPrefix, 0) == 0 && address.size() > 6, "bad shared-memory address '",
+                address, "'");
     return address.substr(6);
   }
 };

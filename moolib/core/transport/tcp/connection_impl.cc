@@ -17,7 +17,8 @@ ConnectionPtr TcpConnection::create(Fd fd) {
   local.length = remote.length = sizeof(sockaddr_storage);
   ::getsockname(fd.get(), local.get(), &local.length);
   ::getpeername(fd.get(), remote.get(), &remote.length);
-  return std::make_shared<TcpConnection>(std::move(fd), formatTcpAddress(local), formatTcpAddress(remote));
+  return std::make_shared<TcpConnection>(std::move(fd), formatTcpAddress(local),
+                                         formatTcpAddress(remote));
 }
 
 }  // namespace moolib

@@ -9,7 +9,9 @@ namespace {
 class TcpContext : public Context {
  public:
   const char* name() const override { return "tcp"; }
-  bool handles(const std::string& address) const override { return address.find("://") == std::string::npos; }
+  bool handles(const std::string& address) const override {
+    return address.find("://") == std::string::npos;
+  }
 
   std::unique_ptr<Listener> listen(const std::string& address, AcceptFn onAccept) override {
     SockAddr addr = parseTcpAddress(address);
