@@ -93,16 +93,16 @@ def history_steps(savedir: Path) -> list[int]:
     return sorted(steps)
 
 
-def cfg_job(tmp_path: Path, *overrides: str) -> dict:
-    """``moolib-run OVERRIDES --cfg job``: the composed job config, parsed."""
-    r = subprocess.run(
-        run_cmd(*overrides, "--cfg", "job"),
-        cwd=tmp_path,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+def run_quick(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``moolib-run ARGS`` for something short (composition, a rejected config)."""
+    return subprocess.run(
+        run_cmd(*args), cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=120
     )
+
+
+def cfg_job(tmp_path: Path, *overrides: str, part: str = "job") -> dict:
+    """``moolib-run OVERRIDES --cfg PART``: the composed config, parsed."""
+    r = run_quick(tmp_path, *overrides, "--cfg", part)
     assert r.returncode == 0, r.stdout + r.stderr
     return yaml.safe_load(r.stdout)
 
@@ -329,16 +329,8 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
     assert untuned["total_steps"] == 50_000_000
 
     # Hydra's record of the choices made, tuning file included.
-    r = subprocess.run(
-        run_cmd("agent=a2c", "env=cartpole", "--cfg", "hydra"),
-        cwd=tmp_path,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    choices = yaml.safe_load(r.stdout)["hydra"]["runtime"]["choices"]
+    hydra_cfg = cfg_job(tmp_path, "agent=a2c", "env=cartpole", part="hydra")
+    choices = hydra_cfg["hydra"]["runtime"]["choices"]
     assert choices["agent"] == "a2c" and choices["env"] == "cartpole"
     assert choices["scaling"] == "single" and choices["tuning"] == "a2c_cartpole"
 
@@ -388,14 +380,7 @@ def test_every_env_config_composes(tmp_path):
 
 def run_error(tmp_path: Path, *overrides: str) -> tuple[int, str, Path]:
     savedir = tmp_path / "err"
-    r = subprocess.run(
-        run_cmd(*overrides, f"savedir={savedir}", "total_steps=100"),
-        cwd=tmp_path,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_quick(tmp_path, *overrides, f"savedir={savedir}", "total_steps=100")
     return r.returncode, r.stdout + r.stderr, savedir
 
 
