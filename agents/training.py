@@ -182,6 +182,8 @@ class Trainer:
         self.steps = 0  # env steps learned from, group-wide
         self.total_steps = int(cfg.total_steps)
         self.wandb_id: str | None = None
+        # wandb run ids by peer rank, as the checkpoint keeps them.
+        self.wandb_ids: dict[str, str] = {}
         self.elapsed = 0.0
         self._restore()
 
@@ -230,16 +232,15 @@ class Trainer:
         self._load(state)
         self.accumulator.set_model_version(int(state["model_version"]))
         self.elapsed = float(state.get("elapsed", 0.0))
-        self.wandb_id = state.get("wandb_ids", {}).get(str(self.peer.rank))
+        self.wandb_ids = dict(state.get("wandb_ids", {}))
+        self.wandb_id = self.wandb_ids.get(str(self.peer.rank))
         log.info("resumed from %s at step %d", self.peer.savedir / checkpoint.LATEST, self.steps)
 
     def _save(self) -> None:
         state = self._state()
-        previous = checkpoint.load_latest(self.peer.savedir) or {}
-        ids = dict(previous.get("wandb_ids", {}))
         if self.wandb_id:
-            ids[str(self.peer.rank)] = self.wandb_id
-        state["wandb_ids"] = ids
+            self.wandb_ids[str(self.peer.rank)] = self.wandb_id
+        state["wandb_ids"] = dict(self.wandb_ids)
         path = checkpoint.save(
             self.peer.savedir, state, self.steps, history=self.cfg.checkpoint_history
         )
