@@ -280,23 +280,9 @@ class EnvPool:
             raise RuntimeError(self._broken)
         self._answered[w][b] += 1
 
-    def _poll(self, b: int, serial: int) -> bool:
-        if self._finished[b] >= serial:
-            return True
-        self._check_usable()
-        for w, sock in enumerate(self._socks):
-            while self._answered[w][b] < serial:
-                readable, _, _ = select.select([sock], [], [], 0)
-                if not readable:
-                    return False
-                self._absorb(w)
-        return True
-
-    def _result(self, b: int, serial: int, timeout: float | None) -> dict:
-        if self._finished[b] >= serial:
-            if self._finished[b] > serial or self._started[b] > serial:
-                raise RuntimeError(f"EnvPool: this result of batch {b} was overwritten")
-            return dict(self._results[b])
+    def _answered_all(self, b: int, serial: int, timeout: float | None) -> bool:
+        """Reads answers until every worker answered step ``serial`` of batch b;
+        False if ``timeout`` seconds (None: no limit) pass first."""
         self._check_usable()
         deadline = None if timeout is None else time.monotonic() + timeout
         for w, sock in enumerate(self._socks):
@@ -305,8 +291,20 @@ class EnvPool:
                     left = max(0.0, deadline - time.monotonic())
                     readable, _, _ = select.select([sock], [], [], left)
                     if not readable:
-                        raise TimeoutError(f"EnvPool: batch {b} not stepped within {timeout} s")
+                        return False
                 self._absorb(w)
+        return True
+
+    def _poll(self, b: int, serial: int) -> bool:
+        return self._finished[b] >= serial or self._answered_all(b, serial, 0.0)
+
+    def _result(self, b: int, serial: int, timeout: float | None) -> dict:
+        if self._finished[b] >= serial:
+            if self._finished[b] > serial or self._started[b] > serial:
+                raise RuntimeError(f"EnvPool: this result of batch {b} was overwritten")
+            return dict(self._results[b])
+        if not self._answered_all(b, serial, timeout):
+            raise TimeoutError(f"EnvPool: batch {b} not stepped within {timeout} s")
         self._finished[b] = serial
         errors, self._errors[b] = self._errors[b], []
         if errors:
