@@ -346,8 +346,8 @@ def launch(cfg: DictConfig, config_path: Path) -> dict:
         f"moolib-run: broker at {address}"
         + (f" (job {broker_job.job_id})" if broker_job else "")
         + f"; {len(jobs)} peer jobs: array {array_id} ({', '.join(j.job_id for j in jobs)})\n"
-        f"moolib-run: savedir {savedir} (must be on a filesystem every node mounts at the "
-        "same path)\n"
+        f"moolib-run: savedir {savedir} (must be on a shared filesystem, mounted at this path "
+        "on every node)\n"
         f"moolib-run: SLURM logs in {folder}/<job id>/*_log.out|err; training logs in "
         f"{savedir}/peer<rank>/logs.tsv\n"
         f"moolib-run: moolib-jobs {savedir}   # states;  moolib-jobs {savedir} --cancel   "
