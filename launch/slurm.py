@@ -168,9 +168,10 @@ class PeerJob(submitit.helpers.Checkpointable):
         import logging
 
         import torch
+        from moolib.agents.training import PeerInfo, Trainer
 
         from . import config as config_lib
-        from .peer import train
+        from .peer import logdir_for
 
         logging.basicConfig(level=logging.INFO, format=f"[peer {rank}] %(message)s")
         cpus = os.environ.get("SLURM_CPUS_PER_TASK")
@@ -181,11 +182,30 @@ class PeerJob(submitit.helpers.Checkpointable):
         address = broker or _wait_for_broker_file(savedir, launch, cfg.scaling.broker_timeout)
         print(f"peer {rank}: broker at {address}", flush=True)
         # SIGINT (moolib-jobs --cancel sends it first) stops after the current
-        # step, the leader writing a last checkpoint. SIGTERM and SIGUSR2 stay
-        # submitit's: SIGTERM comes before USR2 on preemption, and USR2 requeues.
+        # step, the leader writing a last checkpoint.
         stop = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-        row = train(cfg, rank, address, stop)
+        # SLURM signals every process of the job, the EnvPool workers included.
+        # SIGTERM comes before USR2 on preemption and must change nothing
+        # (submitit's handler only logs it): ignored here, and so in the
+        # workers, which inherit SIG_IGN. USR2 makes submitit checkpoint and
+        # requeue this job; the workers must not die of it first (their death
+        # would fail the training step): ignored while they start, then
+        # submitit's handler again for this process. A USR2 in those few
+        # seconds is lost.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        usr2 = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        peer = PeerInfo(
+            rank=rank,
+            savedir=savedir,
+            logdir=logdir_for(savedir, rank, cfg.scaling.peers),
+            broker=address,
+        )
+        try:
+            trainer = Trainer(cfg, peer)
+        finally:
+            signal.signal(signal.SIGUSR2, usr2)
+        row = trainer.run(stop)
         if not stop.is_set():
             marker = savedir / SLURM_DIR / FINISHED_DIR / launch / str(rank)
             marker.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ say() { echo "slurm-test-cluster: $*" >&2; }
 alive() {
   [ -s "$1" ] || return 1
   local stat
-  stat=$(ps -o stat= -p "$(cat "$1")" 2>/dev/null) || return 1
+  stat=$(ps -o stat= -p "$(cat "$1" 2>/dev/null)" 2>/dev/null) || return 1
   [ "${stat:0:1}" != Z ]
 }
 wait_for() {  # wait_for SECONDS COMMAND...: polls every 0.1 s
@@ -73,7 +73,8 @@ SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$SOCK
+# cred_expire: a requeued job waits this long before it starts again (default 120 s).
+AuthInfo=socket=$SOCK,cred_expire=10
 StateSaveLocation=$B/state/ctld
 SlurmdSpoolDir=$B/state/d
 SlurmctldPidFile=$B/run/slurmctld.pid
