@@ -288,7 +288,7 @@ def _wait_for_broker(job: submitit.Job, savedir: Path, launch: str, timeout: flo
             check_broker(address, max(1.0, deadline - time.monotonic()))
             return address
         state = job.state
-        if state != last_state:
+        if state != last_state and state != "UNKNOWN":  # UNKNOWN: not in sacct yet
             print(f"moolib-run: broker job {job.job_id}: {state}", flush=True)
             last_state = state
         if job.done():
@@ -393,7 +393,7 @@ def follow(entry: dict, stop: threading.Event) -> int:
             return 1
         for j in jobs:
             state = j.state
-            if states.get(j.job_id) != state:
+            if states.get(j.job_id) != state and state != "UNKNOWN":
                 states[j.job_id] = state
                 print(f"moolib-run: job {j.job_id}: {state}", flush=True)
         if all(j.done() for j in jobs):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.run_util import read_logs, run, wait_for
+from helpers.run_util import read_logs, run, run_cmd, run_env, wait_for
 
 submitit = pytest.importorskip("submitit")
 from moolib.launch import slurm as slurm_lib  # noqa: E402 - needs submitit
@@ -53,7 +53,7 @@ def _slurm_env() -> dict[str, str] | None:
 
 
 _ENV = _slurm_env()
-pytestmark = pytest.mark.skipif(_ENV is None, reason=HOW_TO_START)
+needs_slurm = pytest.mark.skipif(_ENV is None, reason=HOW_TO_START)
 
 # A2C on CartPole, one CPU per peer, one env process per peer.
 SMALL = [
@@ -74,7 +74,8 @@ FOREVER = "total_steps=1000000000"
 @pytest.fixture(autouse=True)
 def slurm_conf(monkeypatch):
     """SLURM_CONF for this process (submitit's sacct/squeue calls) and moolib-run."""
-    monkeypatch.setenv("SLURM_CONF", _ENV["SLURM_CONF"])
+    if _ENV is not None and "SLURM_CONF" in _ENV:
+        monkeypatch.setenv("SLURM_CONF", _ENV["SLURM_CONF"])
 
 
 @pytest.fixture
@@ -126,6 +127,7 @@ def all_ended(savedir: Path) -> bool:
     return all(s not in slurm_lib.ACTIVE_STATES for s in states(savedir).values())
 
 
+@needs_slurm
 def test_two_peers_train_and_log(tmp_path, savedirs):
     savedir = tmp_path / "run"
     savedirs.append(savedir)
@@ -158,6 +160,7 @@ def test_two_peers_train_and_log(tmp_path, savedirs):
     assert table.count("COMPLETED") == 3, table
 
 
+@needs_slurm
 def test_cancelled_peer_leaves_the_other_training_then_cancel_all_and_resume(tmp_path, savedirs):
     savedir = tmp_path / "run"
     savedirs.append(savedir)
@@ -198,6 +201,7 @@ def test_cancelled_peer_leaves_the_other_training_then_cancel_all_and_resume(tmp
     assert peer_rows(savedir, 0)[-1]["step"] >= goal
 
 
+@needs_slurm
 def test_interrupted_peer_is_requeued_and_rejoins(tmp_path, savedirs):
     savedir = tmp_path / "run"
     savedirs.append(savedir)
@@ -229,6 +233,7 @@ def test_interrupted_peer_is_requeued_and_rejoins(tmp_path, savedirs):
     wait_for(lambda: all_ended(savedir), 60, "every job to end")
 
 
+@needs_slurm
 def test_sweep_gives_each_point_its_own_group_and_returns(tmp_path, savedirs):
     sweep = tmp_path / "sweep"
     started = time.monotonic()
@@ -255,3 +260,69 @@ def test_sweep_gives_each_point_its_own_group_and_returns(tmp_path, savedirs):
         assert set(states(p).values()) == {"COMPLETED"}, states(p)
         for k in (0, 1):
             assert peer_rows(p, k)[-1]["step"] >= 20000
+
+
+# -- without a cluster ------------------------------------------------------------------
+
+
+def test_slurm_config_composes_and_bad_values_name_their_key(tmp_path):
+    out = subprocess.run(
+        run_cmd("scaling=slurm", "--cfg", "job"),
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    for key in ("partition", "time", "nodes", "gpus_per_task", "cpus_per_task", "mem"):
+        assert key in cfg["scaling"]
+    for key in ("constraint", "account", "qos", "additional_parameters", "wait"):
+        assert key in cfg["scaling"]
+    result = run(
+        ["agent=a2c", "env=cartpole", "scaling=slurm", "scaling.time=0", f"savedir={tmp_path}/r"],
+        tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "scaling.time must be a positive integer" in result.stdout
+
+
+def test_broker_check_fails_in_bounded_time_without_a_broker():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not answer"):
+        slurm_lib.check_broker(f"127.0.0.1:{port}", 2.0)
+    assert time.monotonic() - started < 10
+
+
+def test_broker_check_passes_against_a_broker():
+    from moolib.launch.local import EmbeddedBroker
+
+    broker = EmbeddedBroker()
+    try:
+        slurm_lib.check_broker(broker.address, 30.0)
+    finally:
+        broker.close()
+
+
+def test_moolib_jobs_without_recorded_jobs_says_so(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "moolib.launch.slurm", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "no jobs recorded" in out.stderr
+
+
+def test_broker_file_is_read_only_for_its_own_launch(tmp_path):
+    assert slurm_lib.read_broker_file(tmp_path, "abc") is None
+    slurm_lib.write_json_atomic(tmp_path / "broker.json", {"address": "h:1", "launch": "abc"})
+    assert slurm_lib.read_broker_file(tmp_path, "abc") == "h:1"
+    assert slurm_lib.read_broker_file(tmp_path, "other") is None  # a stale file from a rerun
+    assert not list(tmp_path.glob(".*.tmp"))
