@@ -234,6 +234,35 @@ def test_interrupted_peer_is_requeued_and_rejoins(tmp_path, savedirs):
 
 
 @needs_slurm
+def test_an_existing_broker_is_used_instead_of_a_broker_job(tmp_path, savedirs):
+    from moolib.launch.local import EmbeddedBroker
+
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    broker = EmbeddedBroker("127.0.0.1:0")  # the jobs run on this host
+    try:
+        result = run(
+            [
+                *SMALL,
+                "total_steps=20000",
+                "scaling.wait=true",
+                f"broker={broker.address}",
+                f"savedir={savedir}",
+            ],
+            tmp_path,
+            timeout=300,
+        )
+    finally:
+        broker.close()
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "broker job" not in result.stdout
+    assert [role for _, role in slurm_lib.recorded_jobs(savedir)] == ["peer 0", "peer 1"]
+    assert not (savedir / "broker.json").exists()
+    for k in (0, 1):
+        assert any(r["peers"] == 2 for r in peer_rows(savedir, k))
+
+
+@needs_slurm
 def test_sweep_gives_each_point_its_own_group_and_returns(tmp_path, savedirs):
     sweep = tmp_path / "sweep"
     started = time.monotonic()
