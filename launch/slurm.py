@@ -88,11 +88,14 @@ def _this_host() -> str:
     return socket.gethostname()
 
 
-class BrokerJob:
+class BrokerJob(submitit.helpers.Checkpointable):
     """The broker job: serves a broker and publishes its address in the savedir.
 
     Ends when every peer of its launch has finished training, or when none of
     the launch's peer jobs is left in the queue (all done, failed or cancelled).
+    Preempted, it is requeued: back on the same node it listens on the same
+    port, so the peers' links come back by themselves; elsewhere the peers
+    read the new address from the file.
     """
 
     def __call__(self, savedir: str, launch: str, peers: int, host: str | None) -> str:
@@ -102,13 +105,22 @@ class BrokerJob:
         stop = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         broker = moolib.Broker()
-        bound = broker.listen("0.0.0.0:0")
+        previous = read_json(savedir_path / BROKER_FILE) or {}
+        bound = None
+        if previous.get("launch") == launch and previous.get("node") == _this_host():
+            try:
+                bound = broker.listen(f"0.0.0.0:{previous['port']}")
+            except (RuntimeError, KeyError):
+                bound = None
+        if bound is None:
+            bound = broker.listen("0.0.0.0:0")
         port = int(bound.rsplit(":", 1)[1])
         address = f"{host or _this_host()}:{port}"
         write_json_atomic(
             savedir_path / BROKER_FILE,
             {
                 "address": address,
+                "port": port,
                 "launch": launch,
                 "job_id": os.environ.get("SLURM_JOB_ID"),
                 "node": _this_host(),
@@ -134,6 +146,10 @@ class BrokerJob:
         finally:
             broker.close()
         return address
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """The same call again (requeued after preemption or timeout)."""
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
 def _peers_gone(savedir: Path, launch: str) -> bool:
@@ -205,6 +221,12 @@ class PeerJob(submitit.helpers.Checkpointable):
             trainer = Trainer(cfg, peer)
         finally:
             signal.signal(signal.SIGUSR2, usr2)
+        if not broker:  # a requeued broker job may come back elsewhere
+            threading.Thread(
+                target=_follow_broker_file,
+                args=(trainer.accumulator, savedir, launch, address, stop),
+                daemon=True,
+            ).start()
         row = trainer.run(stop)
         if not stop.is_set():
             marker = savedir / SLURM_DIR / FINISHED_DIR / launch / str(rank)
@@ -217,6 +239,18 @@ class PeerJob(submitit.helpers.Checkpointable):
         (the training state comes from the leader, or its checkpoint)."""
         print("peer preempted or timed out: requeued", flush=True)
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+def _follow_broker_file(
+    accumulator: Any, savedir: Path, launch: str, address: str, stop: threading.Event
+) -> None:
+    """Connects to the broker's new address when its (requeued) job writes one."""
+    while not stop.wait(5):
+        new = read_broker_file(savedir, launch)
+        if new and new != address:
+            print(f"the broker moved to {new}: connecting", flush=True)
+            accumulator.connect(new)
+            address = new
 
 
 def _wait_for_broker_file(savedir: Path, launch: str, timeout: float) -> str:

@@ -234,6 +234,37 @@ def test_interrupted_peer_is_requeued_and_rejoins(tmp_path, savedirs):
 
 
 @needs_slurm
+def test_interrupted_broker_is_requeued_and_the_peers_train_on(tmp_path, savedirs):
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout[-5000:]
+    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    broker_id = slurm_lib.recorded_jobs(savedir)[0][0]
+    port = yaml.safe_load((savedir / "broker.json").read_text())["port"]
+    job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=broker_id)
+    job._interrupt()
+    wait_for(
+        lambda: job_log(savedir, broker_id).count("Starting with JobEnvironment") >= 2,
+        180,
+        "the broker job to be requeued and start again",
+    )
+    # Back on the same node, on the same port.
+    wait_for(lambda: job_log(savedir, broker_id).count("Broker listening") >= 2, 60, "the broker")
+    assert yaml.safe_load((savedir / "broker.json").read_text())["port"] == port
+    counts = [len(peer_rows(savedir, k)) for k in (0, 1)]
+    wait_for(
+        lambda: all(
+            any(r["peers"] == 2 for r in peer_rows(savedir, k)[counts[k] + 2 :]) for k in (0, 1)
+        ),
+        180,
+        "both peers to train together again",
+    )
+    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
+    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+
+
+@needs_slurm
 def test_an_existing_broker_is_used_instead_of_a_broker_job(tmp_path, savedirs):
     from moolib.launch.local import EmbeddedBroker
 
@@ -244,7 +275,7 @@ def test_an_existing_broker_is_used_instead_of_a_broker_job(tmp_path, savedirs):
         result = run(
             [
                 *SMALL,
-                "total_steps=20000",
+                "total_steps=60000",
                 "scaling.wait=true",
                 f"broker={broker.address}",
                 f"savedir={savedir}",
