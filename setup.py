@@ -61,6 +61,8 @@ setup(
         "rich",
         "matplotlib",
         "plotext>=6",
+        # scaling=slurm submits its jobs through submitit.
+        "submitit>=1.5",
     ],
     extras_require={
         # The envpool library's C++ Atari: a second environment backend.
@@ -72,6 +74,7 @@ setup(
             "moolib-broker=moolib.broker:main",
             "moolib-run=moolib.launch.run:main",
             "moolib-plot=moolib.launch.plot:main",
+            "moolib-jobs=moolib.launch.slurm:jobs_main",
         ]
     },
     zip_safe=False,

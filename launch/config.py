@@ -67,6 +67,17 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg, "agent.optimizer.name", ("adam", "rmsprop"))
     _choice(cfg, "env.backend", ("gymnasium", "envpool"))
     _choice(cfg, "wandb.mode", ("auto", "online", "offline", "disabled"))
+    if cfg.scaling.name == "slurm":
+        for key in (
+            "scaling.time",
+            "scaling.nodes",
+            "scaling.cpus_per_task",
+            "scaling.broker_cpus",
+        ):
+            _positive_int(cfg, key)
+        _number(cfg, "scaling.broker_timeout", 1.0)
+        if cfg.scaling.array_parallelism is not None:
+            _positive_int(cfg, "scaling.array_parallelism")
     if cfg.agent.name == "vtrace":
         for key in ("agent.clip_rho_threshold", "agent.clip_pg_rho_threshold"):
             _number(cfg, key, 0.0)

@@ -3,6 +3,7 @@
     moolib-run agent=vtrace env=breakout
     moolib-run agent=a2c env=cartpole scaling=local scaling.peers=2
     moolib-run -m agent.optimizer.learning_rate=6e-4,3e-4
+    moolib-run agent=vtrace env=breakout scaling=slurm scaling.peers=8
 
 The composed config is checked (a bad value stops the run with a message that
 names its key), resolved and written to ``<savedir>/config.yaml``; peers read it
@@ -45,6 +46,19 @@ def _run(cfg: DictConfig) -> int:
         if code:
             sys.exit(code)
         return 0
+    if mode == "slurm":
+        from . import slurm  # submitit is only needed here
+
+        try:
+            entry = slurm.launch(final, config_path)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"moolib-run: error: {e}", file=sys.stderr)
+            sys.exit(1)
+        if final.scaling.wait:
+            code = slurm.follow(entry, stop)
+            if code:
+                sys.exit(code)
+        return 0
     if mode == "single":
         broker = None if final.broker else local.EmbeddedBroker()
         try:
@@ -53,7 +67,10 @@ def _run(cfg: DictConfig) -> int:
             if broker:
                 broker.close()
         return 0
-    print(f"moolib-run: error: scaling.name {mode!r} is not one of single, local", file=sys.stderr)
+    print(
+        f"moolib-run: error: scaling.name {mode!r} is not one of single, local, slurm",
+        file=sys.stderr,
+    )
     sys.exit(2)
 
 

@@ -1,0 +1,551 @@
+"""``scaling=slurm``: a broker job and N peer jobs on SLURM, through submitit.
+
+    moolib-run agent=vtrace env=breakout scaling=slurm scaling.peers=8
+
+The launcher
+
+1. submits the broker job (unless ``broker=host:port`` names a running one),
+   which serves a ``moolib.Broker`` and writes its address atomically into
+   ``<savedir>/broker.json``;
+2. waits, bounded by ``scaling.broker_timeout``, until that broker answers (an
+   Rpc connects and a probe group joins through it);
+3. submits the peers as one job array (rank = array index), which read the
+   broker address from the file and train through ``launch.peer``;
+4. records every job in ``<savedir>/jobs.json``, prints the job ids, the
+   savedir and the log folder, and returns (``scaling.wait=true`` follows the
+   jobs instead).
+
+The savedir must be on a filesystem that every node mounts at the same path:
+nothing here can tell in general, so the launcher says so.
+
+Peer jobs are ``submitit.helpers.Checkpointable``: a preempted or timed-out
+peer is requeued and rejoins its group (the Accumulator hands it the leader's
+state); the other peers keep training meanwhile. Running the same command
+again with the same savedir resumes from the leader's checkpoint. The broker
+job ends by itself once every peer has finished training or no peer job is
+left in the queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import submitit
+from omegaconf import DictConfig, OmegaConf
+
+BROKER_FILE = "broker.json"
+JOBS_FILE = "jobs.json"
+SLURM_DIR = "slurm"  # submitit's folder: sbatch scripts, pickles, <job id>_<task>_log.out/err
+FINISHED_DIR = "finished"  # inside SLURM_DIR: one empty file per peer that reached total_steps
+
+# -- files in the savedir ---------------------------------------------------------------
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Writes ``data`` to ``path`` so a reader sees the old file or the new one, never half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def read_broker_file(savedir: Path, launch: str | None) -> str | None:
+    """The address in ``<savedir>/broker.json``, if written by this launch's broker."""
+    data = read_json(Path(savedir) / BROKER_FILE)
+    if not data or (launch is not None and data.get("launch") != launch):
+        return None
+    return data["address"]
+
+
+def record_jobs(savedir: Path, entry: dict) -> None:
+    """Appends one launch to ``<savedir>/jobs.json`` (a list, newest last)."""
+    path = Path(savedir) / JOBS_FILE
+    launches = read_json(path) or []
+    launches.append(entry)
+    write_json_atomic(path, launches)
+
+
+# -- what runs inside the jobs ----------------------------------------------------------
+
+
+def _this_host() -> str:
+    return socket.gethostname()
+
+
+class BrokerJob(submitit.helpers.Checkpointable):
+    """The broker job: serves a broker and publishes its address in the savedir.
+
+    Ends when every peer of its launch has finished training, or when none of
+    the launch's peer jobs is left in the queue (all done, failed or cancelled).
+    Preempted, it is requeued: back on the same node it listens on the same
+    port, so the peers' links come back by themselves; elsewhere the peers
+    read the new address from the file.
+    """
+
+    def __call__(self, savedir: str, launch: str, peers: int, host: str | None) -> str:
+        import moolib
+
+        savedir_path = Path(savedir)
+        stop = threading.Event()
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        broker = moolib.Broker()
+        previous = read_json(savedir_path / BROKER_FILE) or {}
+        bound = None
+        if previous.get("launch") == launch and previous.get("node") == _this_host():
+            try:
+                bound = broker.listen(f"0.0.0.0:{previous['port']}")
+            except (RuntimeError, KeyError):
+                bound = None
+        if bound is None:
+            bound = broker.listen("0.0.0.0:0")
+        port = int(bound.rsplit(":", 1)[1])
+        address = f"{host or _this_host()}:{port}"
+        write_json_atomic(
+            savedir_path / BROKER_FILE,
+            {
+                "address": address,
+                "port": port,
+                "launch": launch,
+                "job_id": os.environ.get("SLURM_JOB_ID"),
+                "node": _this_host(),
+                "written": time.time(),
+            },
+        )
+        print(f"Broker listening at {bound}; peers reach it at {address}", flush=True)
+        finished = savedir_path / SLURM_DIR / FINISHED_DIR / launch
+        last_check = 0.0
+        try:
+            while not stop.wait(0.25):
+                broker.update()
+                if time.monotonic() - last_check < 10:
+                    continue
+                last_check = time.monotonic()
+                done = len(list(finished.glob("*"))) if finished.exists() else 0
+                if done >= peers:
+                    print("every peer finished training; broker stops", flush=True)
+                    break
+                if _peers_gone(savedir_path, launch):
+                    print("no peer job left in the queue; broker stops", flush=True)
+                    break
+        finally:
+            broker.close()
+        return address
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """The same call again (requeued after preemption or timeout)."""
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+def _peers_gone(savedir: Path, launch: str) -> bool:
+    """Whether the launch's peer job array has left the queue (pending/running/requeued)."""
+    for entry in read_json(savedir / JOBS_FILE) or []:
+        if entry.get("launch") == launch and entry.get("peers"):
+            array = entry["peers"]["array_job_id"]
+            try:
+                out = subprocess.run(
+                    ["squeue", "-h", "-j", str(array), "-o", "%T"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                return False
+            if out.returncode != 0:
+                # squeue fails for an id that is no longer known: the jobs are gone.
+                return "Invalid job id" in out.stderr
+            return not out.stdout.strip()
+    return False  # peers not submitted yet
+
+
+class PeerJob(submitit.helpers.Checkpointable):
+    """One peer's job: trains as rank ``rank`` of the experiment in ``config_path``.
+
+    ``checkpoint()`` (submitit calls it on preemption and timeout) resubmits the
+    same call: the requeued peer reads the broker address again and rejoins.
+    """
+
+    def __call__(self, config_path: str, rank: int, launch: str, broker: str | None) -> dict:
+        import logging
+
+        import torch
+        from moolib.agents.training import PeerInfo, Trainer
+
+        from . import config as config_lib
+        from .peer import logdir_for
+
+        logging.basicConfig(level=logging.INFO, format=f"[peer {rank}] %(message)s")
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+        if cpus:
+            torch.set_num_threads(int(cpus))
+        cfg = config_lib.load(Path(config_path))
+        savedir = Path(cfg.savedir)
+        address = broker or _wait_for_broker_file(savedir, launch, cfg.scaling.broker_timeout)
+        print(f"peer {rank}: broker at {address}", flush=True)
+        # SIGINT (moolib-jobs --cancel sends it first) stops after the current
+        # step, the leader writing a last checkpoint.
+        stop = threading.Event()
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        # SLURM signals every process of the job, the EnvPool workers included.
+        # SIGTERM comes before USR2 on preemption and must change nothing
+        # (submitit's handler only logs it): ignored here, and so in the
+        # workers, which inherit SIG_IGN. USR2 makes submitit checkpoint and
+        # requeue this job; the workers must not die of it first (their death
+        # would fail the training step): ignored while they start, then
+        # submitit's handler again for this process. A USR2 in those few
+        # seconds is lost.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        usr2 = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        peer = PeerInfo(
+            rank=rank,
+            savedir=savedir,
+            logdir=logdir_for(savedir, rank, cfg.scaling.peers),
+            broker=address,
+        )
+        try:
+            trainer = Trainer(cfg, peer)
+        finally:
+            signal.signal(signal.SIGUSR2, usr2)
+        if not broker:  # a requeued broker job may come back elsewhere
+            threading.Thread(
+                target=_follow_broker_file,
+                args=(trainer.accumulator, savedir, launch, address, stop),
+                daemon=True,
+            ).start()
+        row = trainer.run(stop)
+        if not stop.is_set():
+            marker = savedir / SLURM_DIR / FINISHED_DIR / launch / str(rank)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        return {k: v for k, v in row.items() if isinstance(v, (int, float, str))}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """The same call again: the requeued job rejoins the group as the same rank
+        (the training state comes from the leader, or its checkpoint)."""
+        print("peer preempted or timed out: requeued", flush=True)
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+def _follow_broker_file(
+    accumulator: Any, savedir: Path, launch: str, address: str, stop: threading.Event
+) -> None:
+    """Connects to the broker's new address when its (requeued) job writes one."""
+    while not stop.wait(5):
+        new = read_broker_file(savedir, launch)
+        if new and new != address:
+            print(f"the broker moved to {new}: connecting", flush=True)
+            accumulator.connect(new)
+            address = new
+
+
+def _wait_for_broker_file(savedir: Path, launch: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        address = read_broker_file(savedir, launch)
+        if address:
+            return address
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"no broker address in {savedir / BROKER_FILE} after {timeout:.0f} s: is the "
+                "savedir on a filesystem shared by every node?"
+            )
+        time.sleep(1)
+
+
+# -- the launcher ------------------------------------------------------------------------
+
+
+def _executor(cfg: DictConfig, folder: Path) -> submitit.SlurmExecutor:
+    s = cfg.scaling
+    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=1000)
+    params: dict[str, Any] = {
+        "time": int(s.time),
+        "nodes": int(s.nodes),
+        "ntasks_per_node": 1,
+        "cpus_per_task": int(s.cpus_per_task),
+        # Also signals the requeue 90 s before the time limit (submitit's default).
+        "signal_delay_s": 90,
+    }
+    for key in ("partition", "gpus_per_task", "mem", "constraint", "account", "qos"):
+        value = s.get(key)
+        if value is not None:
+            params[key] = value
+    extra = OmegaConf.to_container(s.additional_parameters, resolve=True) or {}
+    if extra:
+        params["additional_parameters"] = extra
+    executor.update_parameters(**params)
+    return executor
+
+
+def check_broker(address: str, timeout: float) -> None:
+    """Returns once the broker at ``address`` answers (an Rpc connects and a probe
+    group joins through it); raises TimeoutError after ``timeout`` seconds."""
+    import moolib
+
+    rpc = moolib.Rpc()
+    try:
+        rpc.connect(address)
+        group = moolib.Group(rpc, f"moolib-run-probe/{secrets.token_hex(4)}")
+        group.set_timeout(5)
+        deadline = time.monotonic() + timeout
+        while not group.active():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the broker at {address} did not answer in {timeout:.0f} s")
+            group.update()
+            time.sleep(0.05)
+    finally:
+        rpc.close()
+
+
+def _wait_for_broker(job: submitit.Job, savedir: Path, launch: str, timeout: float) -> str:
+    """The address of the launch's broker job, once it runs and answers."""
+    deadline = time.monotonic() + timeout
+    last_state = None
+    while True:
+        address = read_broker_file(savedir, launch)
+        if address:
+            check_broker(address, max(1.0, deadline - time.monotonic()))
+            return address
+        state = job.state
+        if state != last_state and state != "UNKNOWN":  # UNKNOWN: not in sacct yet
+            print(f"moolib-run: broker job {job.job_id}: {state}", flush=True)
+            last_state = state
+        if job.done():
+            raise RuntimeError(
+                f"the broker job {job.job_id} ended ({state}) before writing "
+                f"{savedir / BROKER_FILE}; its log: {job.paths.stderr}"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the broker job {job.job_id} did not write {savedir / BROKER_FILE} in "
+                f"{timeout:.0f} s (state {state}); is the savedir on a shared filesystem?"
+            )
+        time.sleep(0.5)
+
+
+def launch(cfg: DictConfig, config_path: Path) -> dict:
+    """Submits the experiment's jobs; returns what is recorded in jobs.json."""
+    savedir = Path(cfg.savedir).resolve()
+    folder = savedir / SLURM_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    s = cfg.scaling
+    token = secrets.token_hex(6)
+    entry: dict[str, Any] = {
+        "launch": token,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "group": cfg.group,
+        "folder": str(folder),
+    }
+    broker_job = None
+    if cfg.broker:
+        address = cfg.broker
+        check_broker(address, float(s.broker_timeout))
+        entry["broker"] = {"address": address}
+    else:
+        executor = _executor(cfg, folder)
+        executor.update_parameters(
+            job_name=f"{cfg.name}-broker",
+            cpus_per_task=int(s.broker_cpus),
+            gpus_per_task=None,
+            **({"mem": s.broker_mem} if s.broker_mem else {}),
+        )
+        broker_job = executor.submit(BrokerJob(), str(savedir), token, int(s.peers), s.broker_host)
+        entry["broker"] = {"job_id": broker_job.job_id}
+        record_jobs(savedir, entry)
+        print(f"moolib-run: broker job {broker_job.job_id} submitted", flush=True)
+        try:
+            address = _wait_for_broker(broker_job, savedir, token, float(s.broker_timeout))
+        except BaseException:
+            broker_job.cancel(check=False)
+            raise
+        entry["broker"]["address"] = address
+
+    executor = _executor(cfg, folder)
+    executor.update_parameters(
+        job_name=cfg.name, array_parallelism=int(s.array_parallelism or s.peers)
+    )
+    ranks = list(range(int(s.peers)))
+    broker_arg = cfg.broker or None
+    jobs = executor.map_array(
+        PeerJob(),
+        [str(config_path)] * len(ranks),
+        ranks,
+        [token] * len(ranks),
+        [broker_arg] * len(ranks),
+    )
+    array_id = jobs[0].job_id.split("_")[0]
+    entry["peers"] = {"array_job_id": array_id, "job_ids": [j.job_id for j in jobs]}
+    if broker_job is None:
+        record_jobs(savedir, entry)
+    else:
+        launches = read_json(savedir / JOBS_FILE) or []
+        launches = [e for e in launches if e.get("launch") != token] + [entry]
+        write_json_atomic(savedir / JOBS_FILE, launches)
+    print(
+        f"moolib-run: broker at {address}"
+        + (f" (job {broker_job.job_id})" if broker_job else "")
+        + f"; {len(jobs)} peer jobs: array {array_id} ({', '.join(j.job_id for j in jobs)})\n"
+        f"moolib-run: savedir {savedir} (must be on a shared filesystem, mounted at this path "
+        "on every node)\n"
+        f"moolib-run: SLURM logs in {folder}/<job id>/*_log.out|err; training logs in "
+        f"{savedir}/peer<rank>/logs.tsv\n"
+        f"moolib-run: moolib-jobs {savedir}   # states;  moolib-jobs {savedir} --cancel   "
+        "# stop them",
+        flush=True,
+    )
+    entry["_jobs"] = jobs
+    entry["_broker_job"] = broker_job
+    return entry
+
+
+def follow(entry: dict, stop: threading.Event) -> int:
+    """``scaling.wait=true``: waits for the peer jobs (printing state changes), then
+    for the broker job; ``stop`` (Ctrl-C) cancels them. Returns 0 when every peer
+    job completed."""
+    jobs: list[submitit.Job] = entry["_jobs"]
+    broker_job = entry.get("_broker_job")
+    states: dict[str, str] = {}
+    while True:
+        if stop.is_set():
+            print("moolib-run: stopping: cancelling the jobs", flush=True)
+            cancel_jobs([j.job_id for j in jobs] + ([broker_job.job_id] if broker_job else []))
+            return 1
+        for j in jobs:
+            state = j.state
+            if states.get(j.job_id) != state and state != "UNKNOWN":
+                states[j.job_id] = state
+                print(f"moolib-run: job {j.job_id}: {state}", flush=True)
+        if all(j.done() for j in jobs):
+            break
+        time.sleep(2)
+    failed = []
+    for j in jobs:
+        try:
+            j.result()
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            failed.append(j.job_id)
+            print(f"moolib-run: peer job {j.job_id} failed: {e}", file=sys.stderr, flush=True)
+    if broker_job is not None:
+        deadline = time.monotonic() + 60
+        while not broker_job.done() and time.monotonic() < deadline:
+            time.sleep(2)
+        if not broker_job.done():
+            broker_job.cancel(check=False)
+    return 1 if failed else 0
+
+
+# -- monitoring -------------------------------------------------------------------------
+
+
+def recorded_jobs(savedir: Path, everything: bool = False) -> list[tuple[str, str]]:
+    """(job id, role) of the latest launch (every launch with ``everything``)."""
+    launches = read_json(Path(savedir) / JOBS_FILE) or []
+    if not everything:
+        launches = launches[-1:]
+    found = []
+    for entry in launches:
+        if entry.get("broker", {}).get("job_id"):
+            found.append((entry["broker"]["job_id"], "broker"))
+        for rank, job_id in enumerate(entry.get("peers", {}).get("job_ids", [])):
+            found.append((job_id, f"peer {rank}"))
+    return found
+
+
+def job_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
+    """State, elapsed time and node of each job, from sacct (squeue if accounting
+    is off)."""
+    if not job_ids:
+        return {}
+    fields = "JobID,State,Elapsed,NodeList"
+    out = subprocess.run(
+        ["sacct", "-X", "-P", "-n", f"--format={fields}", "-j", ",".join(job_ids)],
+        capture_output=True,
+        text=True,
+    )
+    info: dict[str, dict[str, str]] = {}
+    if out.returncode == 0:
+        for line in out.stdout.splitlines():
+            job_id, state, elapsed, nodes = line.split("|")
+            # "CANCELLED by 0" -> "CANCELLED"
+            info[job_id] = {"state": state.split()[0], "elapsed": elapsed, "node": nodes}
+    missing = [j for j in job_ids if j not in info]
+    if missing:
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i|%T|%M|%N|%r", "-j", ",".join(missing)],
+            capture_output=True,
+            text=True,
+        )
+        for line in out.stdout.splitlines():
+            job_id, state, elapsed, nodes, _reason = line.split("|")
+            info[job_id] = {"state": state, "elapsed": elapsed, "node": nodes}
+    return info
+
+
+ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED"}
+
+
+def cancel_jobs(job_ids: list[str], grace: float = 60.0) -> None:
+    """Stops the jobs: SIGINT first (peers stop after their step, the leader
+    writing a checkpoint), then ``scancel`` whatever is still there after ``grace``."""
+    if not job_ids:
+        return
+    subprocess.run(["scancel", "--signal=INT", *job_ids], capture_output=True)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        states = job_states(job_ids)
+        if not any(v["state"] in ACTIVE_STATES - {"PENDING"} for v in states.values()):
+            break
+        time.sleep(1)
+    subprocess.run(["scancel", *job_ids], capture_output=True)
+
+
+def jobs_main(argv: list[str] | None = None) -> int:
+    """``moolib-jobs <savedir> [--all] [--cancel]``: an experiment's SLURM jobs."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="moolib-jobs", description="Show (or cancel) the SLURM jobs of a moolib-run savedir."
+    )
+    parser.add_argument("savedir", type=Path)
+    parser.add_argument("--all", action="store_true", help="every launch, not only the latest")
+    parser.add_argument(
+        "--cancel", action="store_true", help="stop every job (peers checkpoint first)"
+    )
+    parser.add_argument(
+        "--grace", type=float, default=60.0, help="seconds between SIGINT and scancel"
+    )
+    args = parser.parse_args(argv)
+    found = recorded_jobs(args.savedir, args.all or args.cancel)
+    if not found:
+        print(f"moolib-jobs: no jobs recorded in {args.savedir / JOBS_FILE}", file=sys.stderr)
+        return 1
+    states = job_states([j for j, _ in found])
+    if args.cancel:
+        active = [j for j, _ in found if states.get(j, {}).get("state") in ACTIVE_STATES]
+        cancel_jobs(active, args.grace)
+        print(f"moolib-jobs: cancelled {len(active)} jobs: {' '.join(active) or '-'}")
+        states = job_states([j for j, _ in found])
+    print(f"{'job':<16} {'role':<8} {'state':<12} {'elapsed':>10}  node")
+    for job_id, role in found:
+        st = states.get(job_id, {"state": "UNKNOWN", "elapsed": "", "node": ""})
+        print(f"{job_id:<16} {role:<8} {st['state']:<12} {st['elapsed']:>10}  {st['node']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(jobs_main())

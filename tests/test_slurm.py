@@ -1,0 +1,388 @@
+"""``scaling=slurm`` against a real SLURM (a single-node test cluster).
+
+Start one with ``scripts/slurm-test-cluster.sh start`` (Debian packages: slurm,
+slurmdbd + MariaDB, munge; ~1 min the first time, then ~2 s), then
+``export SLURM_CONF=/tmp/moolib-slurm-ci/etc/slurm.conf`` (the tests also find
+it there by themselves). Without a cluster these tests are skipped.
+
+Every run is a real ``moolib-run`` with its savedir under tmp_path; every job a
+test submits is cancelled at its end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers.run_util import read_logs, run, run_cmd, run_env, wait_for
+
+submitit = pytest.importorskip("submitit")
+from moolib.launch import slurm as slurm_lib  # noqa: E402 - needs submitit
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONF = Path(os.environ.get("MOOLIB_SLURM_BASE", "/tmp/moolib-slurm-ci")) / "etc/slurm.conf"
+HOW_TO_START = (
+    "no SLURM cluster: start the test cluster with `scripts/slurm-test-cluster.sh start` "
+    f"(then export SLURM_CONF={DEFAULT_CONF})"
+)
+
+
+def _slurm_env() -> dict[str, str] | None:
+    """The environment that reaches the test cluster, or None when there is none."""
+    if not shutil.which("sinfo"):
+        return None
+    env = dict(os.environ)
+    if "SLURM_CONF" not in env and DEFAULT_CONF.exists():
+        env["SLURM_CONF"] = str(DEFAULT_CONF)
+    try:
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    usable = {"idle", "mixed", "allocated"}
+    if out.returncode != 0 or not usable & set(out.stdout.split()):
+        return None
+    return env
+
+
+_ENV = _slurm_env()
+needs_slurm = pytest.mark.skipif(_ENV is None, reason=HOW_TO_START)
+
+# A2C on CartPole, one CPU per peer, one env process per peer.
+SMALL = [
+    "agent=a2c",
+    "env=cartpole",
+    "device=cpu",
+    "scaling=slurm",
+    "scaling.peers=2",
+    "scaling.cpus_per_task=1",
+    "scaling.time=30",
+    "agent.num_actor_cpus=1",
+    "log_interval=1",
+    "checkpoint_interval=5",
+]
+FOREVER = "total_steps=1000000000"
+
+
+@pytest.fixture(autouse=True)
+def slurm_conf(monkeypatch):
+    """SLURM_CONF for this process (submitit's sacct/squeue calls) and moolib-run."""
+    if _ENV is not None and "SLURM_CONF" in _ENV:
+        monkeypatch.setenv("SLURM_CONF", _ENV["SLURM_CONF"])
+
+
+@pytest.fixture
+def savedirs():
+    """Savedirs whose recorded jobs are all cancelled at the end of the test."""
+    dirs: list[Path] = []
+    yield dirs
+    ids = [j for d in dirs for j, _ in slurm_lib.recorded_jobs(d, everything=True)]
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True)
+
+
+def moolib_jobs(*args: str) -> str:
+    """``moolib-jobs ARGS``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "moolib.launch.slurm", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def states(savedir: Path) -> dict[str, str]:
+    """role -> state of the latest launch's jobs."""
+    found = slurm_lib.recorded_jobs(savedir)
+    info = slurm_lib.job_states([j for j, _ in found])
+    return {role: info.get(j, {}).get("state", "UNKNOWN") for j, role in found}
+
+
+def peer_rows(savedir: Path, rank: int) -> list[dict[str, float]]:
+    path = savedir / f"peer{rank}" / "logs.tsv"
+    return read_logs(path)[1] if path.exists() else []
+
+
+def both_training(savedir: Path) -> bool:
+    """Both peers logged a row in a group of two."""
+    return all(any(r["peers"] == 2 for r in peer_rows(savedir, k)) for k in (0, 1))
+
+
+def job_log(savedir: Path, job_id: str) -> str:
+    return "".join(
+        p.read_text(errors="replace") for p in (savedir / "slurm" / job_id).glob("*_log.*")
+    )
+
+
+def all_ended(savedir: Path) -> bool:
+    return all(s not in slurm_lib.ACTIVE_STATES for s in states(savedir).values())
+
+
+@needs_slurm
+def test_two_peers_train_and_log(tmp_path, savedirs):
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    result = run(
+        [*SMALL, "total_steps=60000", "scaling.wait=true", f"savedir={savedir}"],
+        tmp_path,
+        timeout=300,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-5000:]
+    assert "broker job" in out and "peer jobs: array" in out, out
+    assert "shared" in out  # the savedir must be on a shared filesystem: said
+    broker = yaml.safe_load((savedir / "broker.json").read_text())
+    assert broker["address"].rsplit(":", 1)[1].isdigit()
+    last = {}
+    for k in (0, 1):
+        rows = peer_rows(savedir, k)
+        assert rows, f"peer {k} wrote no logs"
+        assert any(r["peers"] == 2 for r in rows), rows
+        last[k] = rows[-1]
+        assert last[k]["step"] >= 60000
+    # One model: the same parameters at the same version on both peers.
+    assert last[0]["model_version"] == last[1]["model_version"]
+    assert last[0]["param_sum"] == last[1]["param_sum"]
+    assert (savedir / "checkpoint.pt").exists()
+    # The broker ends by itself once both peers finished.
+    wait_for(lambda: all_ended(savedir), 60, "the broker job to end")
+    assert set(states(savedir).values()) == {"COMPLETED"}, states(savedir)
+    table = moolib_jobs(str(savedir))
+    assert table.count("COMPLETED") == 3, table
+
+
+@needs_slurm
+def test_cancelled_peer_leaves_the_other_training_then_cancel_all_and_resume(tmp_path, savedirs):
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout[-5000:]
+    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    peer1 = slurm_lib.recorded_jobs(savedir)[2][0]
+    subprocess.run(["scancel", peer1], check=True)
+    # submitit sees the cancelled job end (through sacct: slurmdbd is needed).
+    job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=peer1)
+    wait_for(job.done, 90, "submitit to see the cancelled peer job end")
+    assert states(savedir)["peer 1"] == "CANCELLED"
+    # Peer 0 drops peer 1 from its group and keeps training alone.
+    wait_for(lambda: any(r["peers"] == 1 for r in peer_rows(savedir, 0)[-3:]), 90, "peer 0 alone")
+    step = peer_rows(savedir, 0)[-1]["step"]
+    wait_for(lambda: peer_rows(savedir, 0)[-1]["step"] > step, 60, "peer 0 to keep training")
+    assert states(savedir)["peer 0"] == "RUNNING"
+
+    # Cancel everything: peer 0, the leader, writes a last checkpoint (SIGINT first).
+    table = moolib_jobs(str(savedir), "--cancel", "--grace", "60")
+    assert "cancelled 2 jobs" in table, table
+    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+    assert "checkpoint at step" in job_log(savedir, slurm_lib.recorded_jobs(savedir)[1][0])
+    stopped_at = peer_rows(savedir, 0)[-1]["step"]
+
+    # The same command again resumes from the leader's checkpoint.
+    goal = int(stopped_at) + 20000
+    result = run(
+        [*SMALL, f"total_steps={goal}", "scaling.wait=true", f"savedir={savedir}"],
+        tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-5000:]
+    found = slurm_lib.recorded_jobs(savedir)
+    assert len(slurm_lib.read_json(savedir / "jobs.json")) == 2
+    for job_id, role in found[1:]:
+        assert "resumed from" in job_log(savedir, job_id), role
+    assert peer_rows(savedir, 0)[-1]["step"] >= goal
+
+
+@needs_slurm
+def test_interrupted_peer_is_requeued_and_rejoins(tmp_path, savedirs):
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout[-5000:]
+    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    peer1 = slurm_lib.recorded_jobs(savedir)[2][0]
+    job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=peer1)
+    before = len(peer_rows(savedir, 1))
+    job._interrupt()  # preemption: SIGTERM, then USR2 (checkpoint + requeue)
+    wait_for(
+        lambda: job_log(savedir, peer1).count("Starting with JobEnvironment") >= 2,
+        180,
+        "the interrupted peer to be requeued and start again",
+    )
+    assert "requeued" in job_log(savedir, peer1)
+    # It rejoins the group, with the group's state (not from step 0).
+    step_at_interrupt = peer_rows(savedir, 0)[-1]["step"]
+    wait_for(
+        lambda: any(
+            r["peers"] == 2 and r["step"] >= step_at_interrupt
+            for r in peer_rows(savedir, 1)[before:]
+        ),
+        180,
+        "the requeued peer to train in the group again",
+    )
+    assert states(savedir) == {"broker": "RUNNING", "peer 0": "RUNNING", "peer 1": "RUNNING"}
+    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
+    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+
+
+@needs_slurm
+def test_interrupted_broker_is_requeued_and_the_peers_train_on(tmp_path, savedirs):
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout[-5000:]
+    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    broker_id = slurm_lib.recorded_jobs(savedir)[0][0]
+    port = yaml.safe_load((savedir / "broker.json").read_text())["port"]
+    job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=broker_id)
+    job._interrupt()
+    wait_for(
+        lambda: job_log(savedir, broker_id).count("Starting with JobEnvironment") >= 2,
+        180,
+        "the broker job to be requeued and start again",
+    )
+    # Back on the same node, on the same port.
+    wait_for(lambda: job_log(savedir, broker_id).count("Broker listening") >= 2, 60, "the broker")
+    assert yaml.safe_load((savedir / "broker.json").read_text())["port"] == port
+    counts = [len(peer_rows(savedir, k)) for k in (0, 1)]
+    wait_for(
+        lambda: all(
+            any(r["peers"] == 2 for r in peer_rows(savedir, k)[counts[k] + 2 :]) for k in (0, 1)
+        ),
+        180,
+        "both peers to train together again",
+    )
+    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
+    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+
+
+@needs_slurm
+def test_an_existing_broker_is_used_instead_of_a_broker_job(tmp_path, savedirs):
+    from moolib.launch.local import EmbeddedBroker
+
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    broker = EmbeddedBroker("127.0.0.1:0")  # the jobs run on this host
+    try:
+        result = run(
+            [
+                *SMALL,
+                "total_steps=60000",
+                "scaling.wait=true",
+                f"broker={broker.address}",
+                f"savedir={savedir}",
+            ],
+            tmp_path,
+            timeout=300,
+        )
+    finally:
+        broker.close()
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "broker job" not in result.stdout
+    assert [role for _, role in slurm_lib.recorded_jobs(savedir)] == ["peer 0", "peer 1"]
+    assert not (savedir / "broker.json").exists()
+    for k in (0, 1):
+        assert any(r["peers"] == 2 for r in peer_rows(savedir, k))
+
+
+@needs_slurm
+def test_sweep_gives_each_point_its_own_group_and_returns(tmp_path, savedirs):
+    sweep = tmp_path / "sweep"
+    started = time.monotonic()
+    result = run(
+        [
+            "-m",
+            *SMALL,
+            "total_steps=20000",
+            f"hydra.sweep.dir={sweep}",
+            "agent.optimizer.learning_rate=2e-3,1e-3",
+        ],
+        tmp_path,
+        timeout=240,
+    )
+    points = [sweep / "0", sweep / "1"]
+    savedirs.extend(points)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert time.monotonic() - started < 240
+    configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in points]
+    assert configs[0]["group"] != configs[1]["group"]
+    assert [c["agent"]["optimizer"]["learning_rate"] for c in configs] == [2e-3, 1e-3]
+    for p in points:
+        wait_for(lambda p=p: all_ended(p), 240, f"the jobs of {p.name} to end")
+        assert set(states(p).values()) == {"COMPLETED"}, states(p)
+        for k in (0, 1):
+            assert peer_rows(p, k)[-1]["step"] >= 20000
+
+
+# -- without a cluster ------------------------------------------------------------------
+
+
+def test_slurm_config_composes_and_bad_values_name_their_key(tmp_path):
+    out = subprocess.run(
+        run_cmd("scaling=slurm", "--cfg", "job"),
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    for key in ("partition", "time", "nodes", "gpus_per_task", "cpus_per_task", "mem"):
+        assert key in cfg["scaling"]
+    for key in ("constraint", "account", "qos", "additional_parameters", "wait"):
+        assert key in cfg["scaling"]
+    result = run(
+        ["agent=a2c", "env=cartpole", "scaling=slurm", "scaling.time=0", f"savedir={tmp_path}/r"],
+        tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "scaling.time must be a positive integer" in result.stdout
+
+
+def test_broker_check_fails_in_bounded_time_without_a_broker():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not answer"):
+        slurm_lib.check_broker(f"127.0.0.1:{port}", 2.0)
+    assert time.monotonic() - started < 10
+
+
+def test_broker_check_passes_against_a_broker():
+    from moolib.launch.local import EmbeddedBroker
+
+    broker = EmbeddedBroker()
+    try:
+        slurm_lib.check_broker(broker.address, 30.0)
+    finally:
+        broker.close()
+
+
+def test_moolib_jobs_without_recorded_jobs_says_so(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "moolib.launch.slurm", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "no jobs recorded" in out.stderr
+
+
+def test_broker_file_is_read_only_for_its_own_launch(tmp_path):
+    assert slurm_lib.read_broker_file(tmp_path, "abc") is None
+    slurm_lib.write_json_atomic(tmp_path / "broker.json", {"address": "h:1", "launch": "abc"})
+    assert slurm_lib.read_broker_file(tmp_path, "abc") == "h:1"
+    assert slurm_lib.read_broker_file(tmp_path, "other") is None  # a stale file from a rerun
+    assert not list(tmp_path.glob(".*.tmp"))
