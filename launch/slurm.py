@@ -18,6 +18,12 @@ The launcher
 The savedir must be on a filesystem that every node mounts at the same path:
 nothing here can tell in general, so the launcher says so.
 
+The broker and peers listen on every interface, and peers unpickle what they
+receive: every launch has an authentication key (``MOOLIB_AUTH_KEY`` if set,
+else a fresh random one), kept in ``<savedir>/slurm/auth/<launch>`` readable
+by its owner only; the jobs read it from there. With ``broker=host:port`` the
+key is ``MOOLIB_AUTH_KEY`` (or none): it has to be the running broker's.
+
 Peer jobs are ``submitit.helpers.Checkpointable``: a preempted or timed-out
 peer is requeued and rejoins its group (the Accumulator hands it the leader's
 state); the other peers keep training meanwhile. Running the same command
@@ -47,6 +53,7 @@ BROKER_FILE = "broker.json"
 JOBS_FILE = "jobs.json"
 SLURM_DIR = "slurm"  # submitit's folder: sbatch scripts, pickles, <job id>_<task>_log.out/err
 FINISHED_DIR = "finished"  # inside SLURM_DIR: one empty file per peer that reached total_steps
+AUTH_DIR = "auth"  # inside SLURM_DIR: one key file per launch, mode 0600
 
 # -- files in the savedir ---------------------------------------------------------------
 
@@ -81,6 +88,30 @@ def record_jobs(savedir: Path, entry: dict) -> None:
     write_json_atomic(path, launches)
 
 
+def write_auth_key(savedir: Path, launch: str, key: str) -> Path:
+    """Stores the launch's key where its jobs read it, readable by the owner only."""
+    folder = Path(savedir) / SLURM_DIR / AUTH_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    path = folder / launch
+    # Created 0600 (not chmod-ed after): the key is never readable by others.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    return path
+
+
+def use_auth_key(savedir: Path, launch: str) -> bool:
+    """Makes every Rpc of this process use the launch's key, if it has one."""
+    import moolib
+
+    path = Path(savedir) / SLURM_DIR / AUTH_DIR / launch
+    if not path.exists():
+        return False
+    moolib.set_auth_key(path.read_text())
+    return True
+
+
 # -- what runs inside the jobs ----------------------------------------------------------
 
 
@@ -104,6 +135,7 @@ class BrokerJob(submitit.helpers.Checkpointable):
         savedir_path = Path(savedir)
         stop = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
+        use_auth_key(savedir_path, launch)
         broker = moolib.Broker()
         previous = read_json(savedir_path / BROKER_FILE) or {}
         bound = None
@@ -195,6 +227,7 @@ class PeerJob(submitit.helpers.Checkpointable):
             torch.set_num_threads(int(cpus))
         cfg = config_lib.load(Path(config_path))
         savedir = Path(cfg.savedir)
+        use_auth_key(savedir, launch)
         address = broker or _wait_for_broker_file(savedir, launch, cfg.scaling.broker_timeout)
         print(f"peer {rank}: broker at {address}", flush=True)
         # SIGINT (moolib-jobs --cancel sends it first) stops after the current
@@ -292,12 +325,15 @@ def _executor(cfg: DictConfig, folder: Path) -> submitit.SlurmExecutor:
     return executor
 
 
-def check_broker(address: str, timeout: float) -> None:
+def check_broker(address: str, timeout: float, auth_key: str | None = None) -> None:
     """Returns once the broker at ``address`` answers (an Rpc connects and a probe
-    group joins through it); raises TimeoutError after ``timeout`` seconds."""
+    group joins through it); raises TimeoutError after ``timeout`` seconds.
+    ``auth_key`` overrides the process's key (``MOOLIB_AUTH_KEY``)."""
     import moolib
 
     rpc = moolib.Rpc()
+    if auth_key is not None:
+        rpc.set_auth_key(auth_key)
     try:
         rpc.connect(address)
         group = moolib.Group(rpc, f"moolib-run-probe/{secrets.token_hex(4)}")
@@ -312,14 +348,16 @@ def check_broker(address: str, timeout: float) -> None:
         rpc.close()
 
 
-def _wait_for_broker(job: submitit.Job, savedir: Path, launch: str, timeout: float) -> str:
+def _wait_for_broker(
+    job: submitit.Job, savedir: Path, launch: str, timeout: float, auth_key: str
+) -> str:
     """The address of the launch's broker job, once it runs and answers."""
     deadline = time.monotonic() + timeout
     last_state = None
     while True:
         address = read_broker_file(savedir, launch)
         if address:
-            check_broker(address, max(1.0, deadline - time.monotonic()))
+            check_broker(address, max(1.0, deadline - time.monotonic()), auth_key)
             return address
         state = job.state
         if state != last_state and state != "UNKNOWN":  # UNKNOWN: not in sacct yet
@@ -352,11 +390,16 @@ def launch(cfg: DictConfig, config_path: Path) -> dict:
         "folder": str(folder),
     }
     broker_job = None
+    key = os.environ.get("MOOLIB_AUTH_KEY") or None
     if cfg.broker:
         address = cfg.broker
-        check_broker(address, float(s.broker_timeout))
+        check_broker(address, float(s.broker_timeout), key)
         entry["broker"] = {"address": address}
+        if key:
+            write_auth_key(savedir, token, key)
     else:
+        key = key or secrets.token_urlsafe(32)
+        write_auth_key(savedir, token, key)
         executor = _executor(cfg, folder)
         executor.update_parameters(
             job_name=f"{cfg.name}-broker",
@@ -369,7 +412,7 @@ def launch(cfg: DictConfig, config_path: Path) -> dict:
         record_jobs(savedir, entry)
         print(f"moolib-run: broker job {broker_job.job_id} submitted", flush=True)
         try:
-            address = _wait_for_broker(broker_job, savedir, token, float(s.broker_timeout))
+            address = _wait_for_broker(broker_job, savedir, token, float(s.broker_timeout), key)
         except BaseException:
             broker_job.cancel(check=False)
             raise

@@ -167,6 +167,17 @@ def test_cancelled_peer_leaves_the_other_training_then_cancel_all_and_resume(tmp
     result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
     assert result.returncode == 0, result.stdout[-5000:]
     wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    # The jobs listen on every interface: only holders of the launch's key get in.
+    launch = slurm_lib.read_json(savedir / "jobs.json")[-1]["launch"]
+    key_file = savedir / "slurm" / "auth" / launch
+    assert key_file.stat().st_mode & 0o077 == 0
+    address = slurm_lib.read_broker_file(savedir, launch)
+    slurm_lib.check_broker(address, 60.0, key_file.read_text())
+    for wrong in ("not-the-key", None):  # None: this process's key, here none
+        with pytest.raises(TimeoutError):
+            slurm_lib.check_broker(address, 3.0, wrong)
+    for job_id, _ in slurm_lib.recorded_jobs(savedir):
+        assert "without an authentication key" not in job_log(savedir, job_id)
     peer1 = slurm_lib.recorded_jobs(savedir)[2][0]
     subprocess.run(["scancel", peer1], check=True)
     # submitit sees the cancelled job end (through sacct: slurmdbd is needed).
@@ -378,6 +389,34 @@ def test_moolib_jobs_without_recorded_jobs_says_so(tmp_path):
         timeout=60,
     )
     assert out.returncode == 1 and "no jobs recorded" in out.stderr
+
+
+def test_auth_key_file_is_private_and_sets_the_key_of_new_rpcs(tmp_path):
+    from moolib.launch.local import EmbeddedBroker
+
+    import moolib
+
+    assert not slurm_lib.use_auth_key(tmp_path, "abc")  # no key for this launch
+    path = slurm_lib.write_auth_key(tmp_path, "abc", "s3cret")
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    keyless = EmbeddedBroker()
+    try:
+        with pytest.raises(TimeoutError):  # a keyless broker and a keyed peer: no link
+            slurm_lib.check_broker(keyless.address, 3.0, "s3cret")
+    finally:
+        keyless.close()
+    assert slurm_lib.use_auth_key(tmp_path, "abc")
+    try:
+        keyed = EmbeddedBroker()  # its Rpc is created after use_auth_key: it has the key
+        try:
+            slurm_lib.check_broker(keyed.address, 60.0, "s3cret")
+            with pytest.raises(TimeoutError):
+                slurm_lib.check_broker(keyed.address, 3.0, "wrong")
+        finally:
+            keyed.close()
+    finally:
+        moolib.set_auth_key(None)
 
 
 def test_broker_file_is_read_only_for_its_own_launch(tmp_path):
