@@ -71,10 +71,17 @@ def validate(cfg: DictConfig) -> None:
         for key in (
             "scaling.time",
             "scaling.nodes",
+            "scaling.tasks_per_node",
             "scaling.cpus_per_task",
             "scaling.broker_cpus",
         ):
             _positive_int(cfg, key)
+        per_job = cfg.scaling.nodes * cfg.scaling.tasks_per_node
+        if cfg.scaling.peers % per_job:
+            raise ConfigError(
+                f"scaling.peers ({cfg.scaling.peers}) must be a multiple of the peers per job, "
+                f"scaling.nodes x scaling.tasks_per_node ({per_job})"
+            )
         _number(cfg, "scaling.broker_timeout", 1.0)
         if cfg.scaling.array_parallelism is not None:
             _positive_int(cfg, "scaling.array_parallelism")
@@ -96,7 +103,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"device must be auto, cpu, cuda or cuda:N; got {cfg.device!r}"
             ) from e
-        if device.type == "cuda" and not torch.cuda.is_available():
+        # On SLURM the peers run on other nodes: this one (a login node) may have no GPU.
+        local = cfg.scaling.name != "slurm"
+        if local and device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={cfg.device}: CUDA is not available on this machine")
     from moolib.envs import list_envs
     from moolib.envs.atari import atari_game

@@ -9,8 +9,10 @@ The launcher
    ``<savedir>/broker.json``;
 2. waits, bounded by ``scaling.broker_timeout``, until that broker answers (an
    Rpc connects and a probe group joins through it);
-3. submits the peers as one job array (rank = array index), which read the
-   broker address from the file and train through ``launch.peer``;
+3. submits the peers as one job array, each job running ``nodes x
+   tasks_per_node`` peers, one per task (rank = array index x peers per job +
+   the task's rank), which read the broker address from the file and train
+   through ``launch.peer``;
 4. records every job in ``<savedir>/jobs.json``, prints the job ids, the
    savedir and the log folder, and returns (``scaling.wait=true`` follows the
    jobs instead).
@@ -206,13 +208,14 @@ def _peers_gone(savedir: Path, launch: str) -> bool:
 
 
 class PeerJob(submitit.helpers.Checkpointable):
-    """One peer's job: trains as rank ``rank`` of the experiment in ``config_path``.
+    """A peer job's task: trains as one peer of the experiment in ``config_path``,
+    rank ``index x peers per job + the task's global rank``.
 
     ``checkpoint()`` (submitit calls it on preemption and timeout) resubmits the
     same call: the requeued peer reads the broker address again and rejoins.
     """
 
-    def __call__(self, config_path: str, rank: int, launch: str, broker: str | None) -> dict:
+    def __call__(self, config_path: str, index: int, launch: str, broker: str | None) -> dict:
         import logging
 
         import torch
@@ -221,11 +224,12 @@ class PeerJob(submitit.helpers.Checkpointable):
         from . import config as config_lib
         from .peer import logdir_for
 
+        cfg = config_lib.load(Path(config_path))
+        rank = index * peers_per_job(cfg) + submitit.JobEnvironment().global_rank
         logging.basicConfig(level=logging.INFO, format=f"[peer {rank}] %(message)s")
         cpus = os.environ.get("SLURM_CPUS_PER_TASK")
         if cpus:
             torch.set_num_threads(int(cpus))
-        cfg = config_lib.load(Path(config_path))
         savedir = Path(cfg.savedir)
         use_auth_key(savedir, launch)
         address = broker or _wait_for_broker_file(savedir, launch, cfg.scaling.broker_timeout)
@@ -268,10 +272,15 @@ class PeerJob(submitit.helpers.Checkpointable):
         return {k: v for k, v in row.items() if isinstance(v, (int, float, str))}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
-        """The same call again: the requeued job rejoins the group as the same rank
-        (the training state comes from the leader, or its checkpoint)."""
+        """The same call again: the requeued job's peers rejoin the group as the
+        same ranks (the training state comes from the leader, or its checkpoint)."""
         print("peer preempted or timed out: requeued", flush=True)
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+def peers_per_job(cfg: DictConfig) -> int:
+    """Peers in one peer job: one per task."""
+    return int(cfg.scaling.nodes) * int(cfg.scaling.tasks_per_node)
 
 
 def _follow_broker_file(
@@ -309,7 +318,7 @@ def _executor(cfg: DictConfig, folder: Path) -> submitit.SlurmExecutor:
     params: dict[str, Any] = {
         "time": int(s.time),
         "nodes": int(s.nodes),
-        "ntasks_per_node": 1,
+        "ntasks_per_node": int(s.tasks_per_node),
         "cpus_per_task": int(s.cpus_per_task),
         # Also signals the requeue 90 s before the time limit (submitit's default).
         "signal_delay_s": 90,
@@ -403,6 +412,8 @@ def launch(cfg: DictConfig, config_path: Path) -> dict:
         executor = _executor(cfg, folder)
         executor.update_parameters(
             job_name=f"{cfg.name}-broker",
+            nodes=1,
+            ntasks_per_node=1,
             cpus_per_task=int(s.broker_cpus),
             gpus_per_task=None,
             **({"mem": s.broker_mem} if s.broker_mem else {}),
@@ -422,17 +433,22 @@ def launch(cfg: DictConfig, config_path: Path) -> dict:
     executor.update_parameters(
         job_name=cfg.name, array_parallelism=int(s.array_parallelism or s.peers)
     )
-    ranks = list(range(int(s.peers)))
+    per_job = peers_per_job(cfg)
+    indices = list(range(int(s.peers) // per_job))
     broker_arg = cfg.broker or None
     jobs = executor.map_array(
         PeerJob(),
-        [str(config_path)] * len(ranks),
-        ranks,
-        [token] * len(ranks),
-        [broker_arg] * len(ranks),
+        [str(config_path)] * len(indices),
+        indices,
+        [token] * len(indices),
+        [broker_arg] * len(indices),
     )
     array_id = jobs[0].job_id.split("_")[0]
-    entry["peers"] = {"array_job_id": array_id, "job_ids": [j.job_id for j in jobs]}
+    entry["peers"] = {
+        "array_job_id": array_id,
+        "job_ids": [j.job_id for j in jobs],
+        "peers_per_job": per_job,
+    }
     if broker_job is None:
         record_jobs(savedir, entry)
     else:
@@ -442,7 +458,9 @@ def launch(cfg: DictConfig, config_path: Path) -> dict:
     print(
         f"moolib-run: broker at {address}"
         + (f" (job {broker_job.job_id})" if broker_job else "")
-        + f"; {len(jobs)} peer jobs: array {array_id} ({', '.join(j.job_id for j in jobs)})\n"
+        + f"; {len(jobs)} peer jobs"
+        + (f" of {per_job} peers (one per task)" if per_job > 1 else "")
+        + f": array {array_id} ({', '.join(j.job_id for j in jobs)})\n"
         f"moolib-run: savedir {savedir} (must be on a shared filesystem, mounted at this path "
         "on every node)\n"
         f"moolib-run: SLURM logs in {folder}/<job id>/*_log.out|err; training logs in "
@@ -479,7 +497,7 @@ def follow(entry: dict, stop: threading.Event) -> int:
     failed = []
     for j in jobs:
         try:
-            j.result()
+            j.results()  # one per task
         except Exception as e:  # noqa: BLE001 - reported, not raised
             failed.append(j.job_id)
             print(f"moolib-run: peer job {j.job_id} failed: {e}", file=sys.stderr, flush=True)
@@ -504,8 +522,12 @@ def recorded_jobs(savedir: Path, everything: bool = False) -> list[tuple[str, st
     for entry in launches:
         if entry.get("broker", {}).get("job_id"):
             found.append((entry["broker"]["job_id"], "broker"))
-        for rank, job_id in enumerate(entry.get("peers", {}).get("job_ids", [])):
-            found.append((job_id, f"peer {rank}"))
+        peers = entry.get("peers", {})
+        per_job = peers.get("peers_per_job", 1)
+        for index, job_id in enumerate(peers.get("job_ids", [])):
+            first = index * per_job
+            role = f"peer {first}" if per_job == 1 else f"peers {first}-{first + per_job - 1}"
+            found.append((job_id, role))
     return found
 
 
@@ -583,10 +605,10 @@ def jobs_main(argv: list[str] | None = None) -> int:
         cancel_jobs(active, args.grace)
         print(f"moolib-jobs: cancelled {len(active)} jobs: {' '.join(active) or '-'}")
         states = job_states([j for j, _ in found])
-    print(f"{'job':<16} {'role':<8} {'state':<12} {'elapsed':>10}  node")
+    print(f"{'job':<16} {'role':<10} {'state':<12} {'elapsed':>10}  node")
     for job_id, role in found:
         st = states.get(job_id, {"state": "UNKNOWN", "elapsed": "", "node": ""})
-        print(f"{job_id:<16} {role:<8} {st['state']:<12} {st['elapsed']:>10}  {st['node']}")
+        print(f"{job_id:<16} {role:<10} {st['state']:<12} {st['elapsed']:>10}  {st['node']}")
     return 0
 
 

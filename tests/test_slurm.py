@@ -276,6 +276,34 @@ def test_interrupted_broker_is_requeued_and_the_peers_train_on(tmp_path, savedir
 
 
 @needs_slurm
+def test_one_job_runs_two_peers_one_per_task(tmp_path, savedirs):
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    result = run(
+        [
+            *SMALL,
+            "scaling.tasks_per_node=2",
+            "total_steps=20000",
+            "scaling.wait=true",
+            f"savedir={savedir}",
+        ],
+        tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "1 peer jobs of 2 peers (one per task)" in result.stdout, result.stdout
+    assert [role for _, role in slurm_lib.recorded_jobs(savedir)] == ["broker", "peers 0-1"]
+    peer_job = slurm_lib.recorded_jobs(savedir)[1][0]
+    # Two tasks of one job, each its own peer (rank from the task), in one group.
+    assert len(list((savedir / "slurm" / peer_job).glob("*_log.out"))) == 2
+    for k in (0, 1):
+        assert any(r["peers"] == 2 for r in peer_rows(savedir, k)), k
+        assert peer_rows(savedir, k)[-1]["step"] >= 20000
+    wait_for(lambda: all_ended(savedir), 60, "the broker job to end")
+    assert "peers 0-1" in moolib_jobs(str(savedir))
+
+
+@needs_slurm
 def test_an_existing_broker_is_used_instead_of_a_broker_job(tmp_path, savedirs):
     from moolib.launch.local import EmbeddedBroker
 
@@ -357,6 +385,37 @@ def test_slurm_config_composes_and_bad_values_name_their_key(tmp_path):
         timeout=120,
     )
     assert result.returncode == 2 and "scaling.time must be a positive integer" in result.stdout
+    result = run(
+        [
+            "agent=a2c",
+            "env=cartpole",
+            "scaling=slurm",
+            "scaling.peers=3",
+            "scaling.tasks_per_node=2",
+            f"savedir={tmp_path}/r",
+        ],
+        tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout
+    assert "scaling.peers (3) must be a multiple of the peers per job" in result.stdout
+
+
+def test_slurm_config_accepts_cuda_without_a_local_gpu():
+    """The launcher may run on a login node without GPUs; the jobs have them."""
+    import moolib.launch.run  # noqa: F401 - registers the config's resolvers
+    import torch
+    from hydra import compose, initialize_config_module
+    from moolib.launch import config
+
+    overrides = ["agent=a2c", "env=cartpole", "device=cuda:0"]
+    with initialize_config_module("moolib.conf", version_base=None):
+        slurm = compose("config", [*overrides, "scaling=slurm"])
+        single = compose("config", overrides)
+    config.validate(slurm)
+    if not torch.cuda.is_available():
+        with pytest.raises(config.ConfigError, match="CUDA is not available"):
+            config.validate(single)
 
 
 def test_broker_check_fails_in_bounded_time_without_a_broker():
