@@ -243,21 +243,22 @@ class PeerJob(submitit.helpers.Checkpointable):
         # (submitit's handler only logs it): ignored here, and so in the
         # workers, which inherit SIG_IGN. USR2 makes submitit checkpoint and
         # requeue this job; the workers must not die of it first (their death
-        # would fail the training step): ignored while they start, then
-        # submitit's handler again for this process. A USR2 in those few
-        # seconds is lost.
+        # would fail the training step): blocked in this thread while the
+        # Trainer starts, so the workers it spawns inherit it blocked. A USR2
+        # meanwhile is not lost: Python runs submitit's handler in this thread
+        # (whichever thread took the signal), at the latest once unblocked.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        usr2 = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         peer = PeerInfo(
             rank=rank,
             savedir=savedir,
             logdir=logdir_for(savedir, rank, cfg.scaling.peers),
             broker=address,
         )
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
         try:
             trainer = Trainer(cfg, peer)
         finally:
-            signal.signal(signal.SIGUSR2, usr2)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
         if not broker:  # a requeued broker job may come back elsewhere
             threading.Thread(
                 target=_follow_broker_file,
