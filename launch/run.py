@@ -50,7 +50,7 @@ def _run(cfg: DictConfig) -> int:
         from . import slurm  # submitit is only needed here
 
         try:
-            entry = slurm.launch(final, config_path)
+            entry = slurm.launch(final, config_path, stop)
         except (RuntimeError, TimeoutError) as e:
             print(f"moolib-run: error: {e}", file=sys.stderr)
             sys.exit(1)

@@ -359,12 +359,19 @@ def check_broker(address: str, timeout: float, auth_key: str | None = None) -> N
 
 
 def _wait_for_broker(
-    job: submitit.Job, savedir: Path, launch: str, timeout: float, auth_key: str
+    job: submitit.Job,
+    savedir: Path,
+    launch: str,
+    timeout: float,
+    auth_key: str,
+    stop: threading.Event,
 ) -> str:
     """The address of the launch's broker job, once it runs and answers."""
     deadline = time.monotonic() + timeout
     last_state = None
     while True:
+        if stop.is_set():
+            raise RuntimeError(f"interrupted while waiting for the broker job {job.job_id}")
         address = read_broker_file(savedir, launch)
         if address:
             check_broker(address, max(1.0, deadline - time.monotonic()), auth_key)
@@ -386,8 +393,9 @@ def _wait_for_broker(
         time.sleep(0.5)
 
 
-def launch(cfg: DictConfig, config_path: Path) -> dict:
-    """Submits the experiment's jobs; returns what is recorded in jobs.json."""
+def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> dict:
+    """Submits the experiment's jobs; returns what is recorded in jobs.json.
+    ``stop`` (Ctrl-C) while the broker job starts cancels it."""
     savedir = Path(cfg.savedir).resolve()
     folder = savedir / SLURM_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -424,9 +432,12 @@ def launch(cfg: DictConfig, config_path: Path) -> dict:
         record_jobs(savedir, entry)
         print(f"moolib-run: broker job {broker_job.job_id} submitted", flush=True)
         try:
-            address = _wait_for_broker(broker_job, savedir, token, float(s.broker_timeout), key)
+            address = _wait_for_broker(
+                broker_job, savedir, token, float(s.broker_timeout), key, stop
+            )
         except BaseException:
             broker_job.cancel(check=False)
+            print(f"moolib-run: broker job {broker_job.job_id} cancelled", flush=True)
             raise
         entry["broker"]["address"] = address
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.run_util import read_logs, run, run_cmd, run_env, wait_for
+from helpers.run_util import Run, read_logs, run, run_cmd, run_env, wait_for
 
 submitit = pytest.importorskip("submitit")
 from moolib.launch import slurm as slurm_lib  # noqa: E402 - needs submitit
@@ -210,6 +210,47 @@ def test_cancelled_peer_leaves_the_other_training_then_cancel_all_and_resume(tmp
     for job_id, role in found[1:]:
         assert "resumed from" in job_log(savedir, job_id), role
     assert peer_rows(savedir, 0)[-1]["step"] >= goal
+
+
+@needs_slurm
+def test_wait_follows_the_jobs_and_ctrl_c_stops_them(tmp_path, savedirs):
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    r = Run([*SMALL, FOREVER, "scaling.wait=true", f"savedir={savedir}"], tmp_path, tmp_path / "o")
+    try:
+        wait_for(lambda: both_training(savedir), 180, "both peers to train together", proc=r)
+        # It follows the jobs, printing their state changes.
+        wait_for(lambda: "RUNNING" in r.output(), 120, "a job state to be printed", proc=r)
+        r.interrupt()
+        assert r.wait(150) == 1, r.output()[-3000:]
+        out = r.output()
+    finally:
+        r.finish()
+    assert "cancelling the jobs" in out
+    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+    # SIGINT first: the leader stopped after its step and wrote a checkpoint.
+    leader = slurm_lib.recorded_jobs(savedir)[1][0]
+    assert "checkpoint at step" in job_log(savedir, leader)
+
+
+@needs_slurm
+def test_ctrl_c_while_the_broker_job_is_pending_cancels_it(tmp_path, savedirs):
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    # A broker job that cannot start for an hour.
+    args = [*SMALL, "+scaling.additional_parameters.begin=now+3600", f"savedir={savedir}"]
+    r = Run(args, tmp_path, tmp_path / "o")
+    try:
+        wait_for(lambda: "PENDING" in r.output(), 120, "the broker job to be pending", proc=r)
+        r.interrupt()
+        assert r.wait(60) == 1, r.output()[-3000:]
+        out = r.output()
+    finally:
+        r.finish()
+    assert "interrupted while waiting for the broker job" in out
+    assert "cancelled" in out
+    assert [role for _, role in slurm_lib.recorded_jobs(savedir)] == ["broker"]
+    wait_for(lambda: states(savedir) == {"broker": "CANCELLED"}, 60, "the broker job cancelled")
 
 
 @needs_slurm
