@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -317,6 +318,36 @@ def test_interrupted_broker_is_requeued_and_the_peers_train_on(tmp_path, savedir
         180,
         "both peers to train together again",
     )
+
+    # Interrupted again, and its port taken meanwhile (as if requeued on
+    # another node): it listens elsewhere, and the peers follow broker.json.
+    job._interrupt()
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+        def take_port() -> bool:
+            try:
+                squatter.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+            squatter.listen()
+            return True
+
+        wait_for(take_port, 120, "the interrupted broker to free its port", interval=0.05)
+        wait_for(lambda: job_log(savedir, broker_id).count("Broker listening") >= 3, 180, "broker")
+    new = yaml.safe_load((savedir / "broker.json").read_text())
+    assert new["port"] != port
+    moved = f"the broker moved to {new['address']}"
+    for job_id, role in slurm_lib.recorded_jobs(savedir)[1:]:
+        wait_for(lambda j=job_id: moved in job_log(savedir, j), 60, f"{role} to follow the broker")
+    counts = [len(peer_rows(savedir, k)) for k in (0, 1)]
+    wait_for(
+        lambda: all(
+            any(r["peers"] == 2 for r in peer_rows(savedir, k)[counts[k] + 2 :]) for k in (0, 1)
+        ),
+        180,
+        "both peers to train together through the moved broker",
+    )
     moolib_jobs(str(savedir), "--cancel", "--grace", "30")
     wait_for(lambda: all_ended(savedir), 60, "every job to end")
 
@@ -465,8 +496,6 @@ def test_slurm_config_accepts_cuda_without_a_local_gpu():
 
 
 def test_broker_check_fails_in_bounded_time_without_a_broker():
-    import socket
-
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
