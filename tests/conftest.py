@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import signal
 import sys
 
 import pytest
@@ -10,6 +11,12 @@ from helpers.group_util import BrokerProcess
 from helpers.util import TRANSPORT_IDS, TRANSPORTS, PeerSpawner
 
 import moolib
+
+# A shell runs background commands (`cmd &`) with SIGINT ignored, and children
+# inherit that: the Ctrl-C tests' processes would then never see their SIGINT.
+# A handler (unlike SIG_IGN) is reset on exec, so children start as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
