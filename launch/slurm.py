@@ -17,8 +17,9 @@ The launcher
    savedir and the log folder, and returns (``scaling.wait=true`` follows the
    jobs instead).
 
-The savedir must be on a filesystem that every node mounts at the same path:
-nothing here can tell in general, so the launcher says so.
+The savedir must be on a filesystem that every node mounts at the same path.
+The launcher says so, and stops with that diagnosis when the broker job runs
+but the log its node writes into the savedir does not show up here.
 
 The broker and peers listen on every interface, and peers unpickle what they
 receive: every launch has an authentication key (``MOOLIB_AUTH_KEY`` if set,
@@ -56,6 +57,9 @@ JOBS_FILE = "jobs.json"
 SLURM_DIR = "slurm"  # submitit's folder: sbatch scripts, pickles, <job id>_<task>_log.out/err
 FINISHED_DIR = "finished"  # inside SLURM_DIR: one empty file per peer that reached total_steps
 AUTH_DIR = "auth"  # inside SLURM_DIR: one key file per launch, mode 0600
+# Seconds a broker job may run before its log (written by its node into the
+# savedir) must be visible to the launcher; if not, the savedir is not shared.
+SHARED_FS_GRACE = 60.0
 
 # -- files in the savedir ---------------------------------------------------------------
 
@@ -369,6 +373,7 @@ def _wait_for_broker(
     """The address of the launch's broker job, once it runs and answers."""
     deadline = time.monotonic() + timeout
     last_state = None
+    running_since = None
     while True:
         if stop.is_set():
             raise RuntimeError(f"interrupted while waiting for the broker job {job.job_id}")
@@ -385,6 +390,18 @@ def _wait_for_broker(
                 f"the broker job {job.job_id} ended ({state}) before writing "
                 f"{savedir / BROKER_FILE}; its log: {job.paths.stderr}"
             )
+        if state == "RUNNING":
+            running_since = running_since or time.monotonic()
+            # Its node writes the job's log into the savedir as the job starts.
+            if not job.paths.stdout.exists() and (
+                time.monotonic() - running_since > SHARED_FS_GRACE
+            ):
+                raise RuntimeError(
+                    f"the broker job {job.job_id} has run for {SHARED_FS_GRACE:.0f} s but its "
+                    f"log {job.paths.stdout} does not appear on this machine: the savedir "
+                    f"{savedir} is not on a filesystem shared with the compute nodes; give "
+                    "savedir=<a path on a shared filesystem, mounted at the same path everywhere>"
+                )
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"the broker job {job.job_id} did not write {savedir / BROKER_FILE} in "

@@ -495,6 +495,28 @@ def test_slurm_config_accepts_cuda_without_a_local_gpu():
             config.validate(single)
 
 
+def test_a_running_broker_job_whose_log_never_shows_means_no_shared_savedir(tmp_path, monkeypatch):
+    """As when the compute node writes the savedir on its own disk: the job runs
+    (sacct says so) but nothing it writes reaches the launcher."""
+    import threading
+    from types import SimpleNamespace
+
+    job = SimpleNamespace(
+        job_id="42",
+        state="RUNNING",
+        done=lambda: False,
+        paths=SimpleNamespace(stdout=tmp_path / "slurm/42/42_0_log.out", stderr=None),
+    )
+    monkeypatch.setattr(slurm_lib, "SHARED_FS_GRACE", 1.0)
+    with pytest.raises(RuntimeError, match="not on a filesystem shared with the compute nodes"):
+        slurm_lib._wait_for_broker(job, tmp_path, "abc", 60.0, "key", threading.Event())
+    # Once the log is there, the launcher keeps waiting for the broker file instead.
+    job.paths.stdout.parent.mkdir(parents=True)
+    job.paths.stdout.touch()
+    with pytest.raises(TimeoutError, match="did not write"):
+        slurm_lib._wait_for_broker(job, tmp_path, "abc", 3.0, "key", threading.Event())
+
+
 def test_broker_check_fails_in_bounded_time_without_a_broker():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
