@@ -19,10 +19,11 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
 
 
-def _positive_int(cfg: DictConfig, key: str) -> None:
+def _int_at_least(cfg: DictConfig, key: str, low: int = 1) -> None:
     value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise ConfigError(f"{key} must be {kind}, got {value!r}")
 
 
 def _number(cfg: DictConfig, key: str, low: float, high: float | None = None) -> None:
@@ -53,7 +54,7 @@ def validate(cfg: DictConfig) -> None:
         "checkpoint_history",
         "scaling.peers",
     ):
-        _positive_int(cfg, key)
+        _int_at_least(cfg, key)
     _number(cfg, "agent.discounting", 0.0, 1.0)
     _number(cfg, "agent.reward_clip", 0.0)
     _number(cfg, "agent.baseline_cost", 0.0)
@@ -75,7 +76,7 @@ def validate(cfg: DictConfig) -> None:
             "scaling.cpus_per_task",
             "scaling.broker_cpus",
         ):
-            _positive_int(cfg, key)
+            _int_at_least(cfg, key)
         per_job = cfg.scaling.nodes * cfg.scaling.tasks_per_node
         if cfg.scaling.peers % per_job:
             raise ConfigError(
@@ -83,8 +84,9 @@ def validate(cfg: DictConfig) -> None:
                 f"scaling.nodes x scaling.tasks_per_node ({per_job})"
             )
         _number(cfg, "scaling.broker_timeout", 1.0)
+        _int_at_least(cfg, "scaling.max_failures", low=0)
         if cfg.scaling.array_parallelism is not None:
-            _positive_int(cfg, "scaling.array_parallelism")
+            _int_at_least(cfg, "scaling.array_parallelism")
     if cfg.agent.name == "vtrace":
         for key in ("agent.clip_rho_threshold", "agent.clip_pg_rho_threshold"):
             _number(cfg, key, 0.0)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -51,6 +52,8 @@ from typing import Any
 
 import submitit
 from omegaconf import DictConfig, OmegaConf
+
+from . import slurm_requeue
 
 BROKER_FILE = "broker.json"
 JOBS_FILE = "jobs.json"
@@ -280,6 +283,9 @@ class PeerJob(submitit.helpers.Checkpointable):
         """The same call again: the requeued job's peers rejoin the group as the
         same ranks (the training state comes from the leader, or its checkpoint)."""
         print("peer preempted or timed out: requeued", flush=True)
+        # This run then exits non-zero: tell the batch script it is no failure.
+        marker = slurm_requeue.REQUEUED_MARKER.format(restart=slurm_requeue.restart_count())
+        (submitit.JobEnvironment().paths.folder / marker).touch()
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
@@ -328,13 +334,15 @@ def _executor(cfg: DictConfig, folder: Path) -> submitit.SlurmExecutor:
         # Also signals the requeue 90 s before the time limit (submitit's default).
         "signal_delay_s": 90,
     }
+    # Requeueable whatever the cluster's default (JobRequeue): by submitit, by
+    # slurm_requeue after a failure, by SLURM after a node failure.
+    extra: dict[str, Any] = {"requeue": True}
     for key in ("partition", "gpus_per_task", "mem", "constraint", "account", "qos"):
         value = s.get(key)
         if value is not None:
             params[key] = value
-    extra = OmegaConf.to_container(s.additional_parameters, resolve=True) or {}
-    if extra:
-        params["additional_parameters"] = extra
+    extra.update(OmegaConf.to_container(s.additional_parameters, resolve=True) or {})
+    params["additional_parameters"] = extra
     executor.update_parameters(**params)
     return executor
 
@@ -460,7 +468,15 @@ def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> dict:
 
     executor = _executor(cfg, folder)
     executor.update_parameters(
-        job_name=cfg.name, array_parallelism=int(s.array_parallelism or s.peers)
+        job_name=cfg.name,
+        array_parallelism=int(s.array_parallelism or s.peers),
+        # A failing peer ends the job's step at once (its tasks requeue together).
+        srun_args=["--kill-on-bad-exit=1"],
+        teardown=[
+            "moolib_status=$?  # srun's: the peers'",
+            f"{shlex.quote(sys.executable)} -m moolib.launch.slurm_requeue "
+            f"{shlex.quote(str(folder))} $moolib_status {int(s.max_failures)}",
+        ],
     )
     per_job = peers_per_job(cfg)
     indices = list(range(int(s.peers) // per_job))

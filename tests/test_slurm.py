@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -287,6 +288,62 @@ def test_interrupted_peer_is_requeued_and_rejoins(tmp_path, savedirs):
         "the requeued peer to train in the group again",
     )
     assert states(savedir) == {"broker": "RUNNING", "peer 0": "RUNNING", "peer 1": "RUNNING"}
+    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
+    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+
+
+def trainer_pid(savedir: Path, job_id: str) -> int | None:
+    """The pid of the training process (submitit's) of peer job ``job_id``."""
+    array, index = job_id.split("_")
+    want = {f"SLURM_ARRAY_JOB_ID={array}", f"SLURM_ARRAY_TASK_ID={index}"}
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = set((entry / "environ").read_bytes().decode(errors="replace").split("\0"))
+        except (OSError, ValueError):
+            continue
+        args = [a.decode(errors="replace") for a in cmdline]
+        if "submitit.core._submit" in args and str(savedir) in " ".join(args) and want <= environ:
+            return int(entry.name)
+    return None
+
+
+@needs_slurm
+def test_failed_peer_is_requeued_until_max_failures(tmp_path, savedirs):
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    args = [*SMALL, FOREVER, "scaling.max_failures=1", f"savedir={savedir}"]
+    result = run(args, tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout[-5000:]
+    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    peer1 = slurm_lib.recorded_jobs(savedir)[2][0]
+
+    def crash() -> None:  # as the OOM killer would
+        pid = wait_for(lambda: trainer_pid(savedir, peer1), 60, "the training process")
+        os.kill(pid, signal.SIGKILL)
+
+    crash()
+    wait_for(
+        lambda: (
+            "failed (exit status" in job_log(savedir, peer1)
+            and job_log(savedir, peer1).count("broker at") >= 2
+        ),
+        180,
+        "the failed peer job to be requeued and start again",
+    )
+    assert "requeued (1 of scaling.max_failures=1)" in job_log(savedir, peer1)
+    before = len(peer_rows(savedir, 1))
+    wait_for(
+        lambda: any(r["peers"] == 2 for r in peer_rows(savedir, 1)[before:]),
+        180,
+        "the requeued peer to train in the group again",
+    )
+    # Its failures are used up: the next one ends the job; peer 0 trains on alone.
+    crash()
+    wait_for(lambda: states(savedir)["peer 1"] == "FAILED", 120, "the peer job to fail")
+    assert "not requeued" in job_log(savedir, peer1)
+    wait_for(lambda: any(r["peers"] == 1 for r in peer_rows(savedir, 0)[-3:]), 90, "peer 0 alone")
+    assert states(savedir)["peer 0"] == "RUNNING"
     moolib_jobs(str(savedir), "--cancel", "--grace", "30")
     wait_for(lambda: all_ended(savedir), 60, "every job to end")
 
