@@ -128,7 +128,33 @@ def _this_host() -> str:
     return socket.gethostname()
 
 
-class BrokerJob(submitit.helpers.Checkpointable):
+class _RequeueableJob(submitit.helpers.Checkpointable):
+    """A job that submitit requeues on preemption or time-out (the same call
+    again), and its batch script after a failure (see slurm_requeue)."""
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """The same call again, once the job is requeued."""
+        print(f"{type(self).__name__}: preempted or timed out: requeued", flush=True)
+        # This run then exits non-zero: tell the batch script it is no failure.
+        marker = slurm_requeue.REQUEUED_MARKER.format(restart=slurm_requeue.restart_count())
+        (submitit.JobEnvironment().paths.folder / marker).touch()
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+def _requeue_on_failure(executor: submitit.SlurmExecutor, folder: Path, max_failures: int) -> None:
+    """Makes the jobs' batch scripts requeue them when srun ends non-zero."""
+    executor.update_parameters(
+        # A failing task ends the job's step at once (its tasks requeue together).
+        srun_args=["--kill-on-bad-exit=1"],
+        teardown=[
+            "moolib_status=$?  # srun's: the tasks'",
+            f"{shlex.quote(sys.executable)} -m moolib.launch.slurm_requeue "
+            f"{shlex.quote(str(folder))} $moolib_status {max_failures}",
+        ],
+    )
+
+
+class BrokerJob(_RequeueableJob):
     """The broker job: serves a broker and publishes its address in the savedir.
 
     Ends when every peer of its launch has finished training, or when none of
@@ -188,10 +214,6 @@ class BrokerJob(submitit.helpers.Checkpointable):
             broker.close()
         return address
 
-    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
-        """The same call again (requeued after preemption or timeout)."""
-        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
-
 
 def _peers_gone(savedir: Path, launch: str) -> bool:
     """Whether the launch's peer job array has left the queue (pending/running/requeued)."""
@@ -214,12 +236,12 @@ def _peers_gone(savedir: Path, launch: str) -> bool:
     return False  # peers not submitted yet
 
 
-class PeerJob(submitit.helpers.Checkpointable):
+class PeerJob(_RequeueableJob):
     """A peer job's task: trains as one peer of the experiment in ``config_path``,
     rank ``index x peers per job + the task's global rank``.
 
-    ``checkpoint()`` (submitit calls it on preemption and timeout) resubmits the
-    same call: the requeued peer reads the broker address again and rejoins.
+    Requeued (preempted, timed out or failed), its peers rejoin the group as
+    the same ranks, with the leader's state (or its checkpoint).
     """
 
     def __call__(self, config_path: str, index: int, launch: str, broker: str | None) -> dict:
@@ -279,15 +301,6 @@ class PeerJob(submitit.helpers.Checkpointable):
             marker.touch()
         return {k: v for k, v in row.items() if isinstance(v, (int, float, str))}
 
-    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
-        """The same call again: the requeued job's peers rejoin the group as the
-        same ranks (the training state comes from the leader, or its checkpoint)."""
-        print("peer preempted or timed out: requeued", flush=True)
-        # This run then exits non-zero: tell the batch script it is no failure.
-        marker = slurm_requeue.REQUEUED_MARKER.format(restart=slurm_requeue.restart_count())
-        (submitit.JobEnvironment().paths.folder / marker).touch()
-        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
-
 
 def peers_per_job(cfg: DictConfig) -> int:
     """Peers in one peer job: one per task."""
@@ -344,6 +357,7 @@ def _executor(cfg: DictConfig, folder: Path) -> submitit.SlurmExecutor:
     extra.update(OmegaConf.to_container(s.additional_parameters, resolve=True) or {})
     params["additional_parameters"] = extra
     executor.update_parameters(**params)
+    _requeue_on_failure(executor, folder, int(s.max_failures))
     return executor
 
 
@@ -468,15 +482,7 @@ def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> dict:
 
     executor = _executor(cfg, folder)
     executor.update_parameters(
-        job_name=cfg.name,
-        array_parallelism=int(s.array_parallelism or s.peers),
-        # A failing peer ends the job's step at once (its tasks requeue together).
-        srun_args=["--kill-on-bad-exit=1"],
-        teardown=[
-            "moolib_status=$?  # srun's: the peers'",
-            f"{shlex.quote(sys.executable)} -m moolib.launch.slurm_requeue "
-            f"{shlex.quote(str(folder))} $moolib_status {int(s.max_failures)}",
-        ],
+        job_name=cfg.name, array_parallelism=int(s.array_parallelism or s.peers)
     )
     per_job = peers_per_job(cfg)
     indices = list(range(int(s.peers) // per_job))

@@ -1,12 +1,12 @@
-"""Requeues a SLURM peer job whose peers failed; run by the job's batch script
-after ``srun`` returns:
+"""Requeues a SLURM job (peers or broker) whose tasks failed; run by the job's
+batch script after ``srun`` returns:
 
     python -m moolib.launch.slurm_requeue <submitit folder> <exit status> <max failures>
 
-submitit requeues a job that is preempted or timed out (USR2); a peer that
+submitit requeues a job that is preempted or timed out (USR2); a task that
 fails (an exception, a crash, the OOM killer) ends its ``srun`` with a non-zero
 status instead, and this requeues the job, at most ``max failures`` times per
-job. The requeued peers rejoin their group like preempted ones. The failures
+job. Requeued peers rejoin their group like preempted ones. The failures
 are counted in the job's folder (``<submitit folder>/<job id>/failures``, one
 line each).
 """
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Written into the job folder by PeerJob.checkpoint(): submitit requeued this
+# Written into the job folder by the job's checkpoint(): submitit requeued this
 # run of the job itself, so its non-zero exit status is no failure.
 REQUEUED_MARKER = ".requeued-by-submitit-{restart}"
 
@@ -47,7 +47,7 @@ def after_srun(submitit_folder: Path, status: int, max_failures: int) -> int:
     failed = len(failures.read_text().splitlines()) if failures.exists() else 0
     if failed >= max_failures:
         print(
-            f"moolib: peer job {name} failed (exit status {status}) after {failed} requeues "
+            f"moolib: job {name} failed (exit status {status}) after {failed} requeues "
             f"for failures (scaling.max_failures={max_failures}): not requeued",
             flush=True,
         )
@@ -55,7 +55,7 @@ def after_srun(submitit_folder: Path, status: int, max_failures: int) -> int:
     with failures.open("a") as f:
         f.write(f"{status}\n")
     print(
-        f"moolib: peer job {name} failed (exit status {status}): requeued "
+        f"moolib: job {name} failed (exit status {status}): requeued "
         f"({failed + 1} of scaling.max_failures={max_failures})",
         flush=True,
     )
