@@ -292,10 +292,13 @@ def test_interrupted_peer_is_requeued_and_rejoins(tmp_path, savedirs):
     wait_for(lambda: all_ended(savedir), 60, "every job to end")
 
 
-def trainer_pid(savedir: Path, job_id: str) -> int | None:
-    """The pid of the training process (submitit's) of peer job ``job_id``."""
-    array, index = job_id.split("_")
-    want = {f"SLURM_ARRAY_JOB_ID={array}", f"SLURM_ARRAY_TASK_ID={index}"}
+def job_pid(savedir: Path, job_id: str) -> int | None:
+    """The pid of the process submitit runs the job in (a peer's: the trainer)."""
+    if "_" in job_id:
+        array, index = job_id.split("_")
+        want = {f"SLURM_ARRAY_JOB_ID={array}", f"SLURM_ARRAY_TASK_ID={index}"}
+    else:
+        want = {f"SLURM_JOB_ID={job_id}"}
     for entry in Path("/proc").iterdir():
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
@@ -319,7 +322,7 @@ def test_failed_peer_is_requeued_until_max_failures(tmp_path, savedirs):
     peer1 = slurm_lib.recorded_jobs(savedir)[2][0]
 
     def crash() -> None:  # as the OOM killer would
-        pid = wait_for(lambda: trainer_pid(savedir, peer1), 60, "the training process")
+        pid = wait_for(lambda: job_pid(savedir, peer1), 60, "the training process")
         os.kill(pid, signal.SIGKILL)
 
     crash()
@@ -344,6 +347,34 @@ def test_failed_peer_is_requeued_until_max_failures(tmp_path, savedirs):
     assert "not requeued" in job_log(savedir, peer1)
     wait_for(lambda: any(r["peers"] == 1 for r in peer_rows(savedir, 0)[-3:]), 90, "peer 0 alone")
     assert states(savedir)["peer 0"] == "RUNNING"
+    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
+    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+
+
+@needs_slurm
+def test_failed_broker_is_requeued_and_the_peers_train_on(tmp_path, savedirs):
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout[-5000:]
+    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    broker_id = slurm_lib.recorded_jobs(savedir)[0][0]
+    pid = wait_for(lambda: job_pid(savedir, broker_id), 60, "the broker process")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(
+        lambda: job_log(savedir, broker_id).count("Broker listening") >= 2,
+        180,
+        "the failed broker job to be requeued and listen again",
+    )
+    assert "failed (exit status" in job_log(savedir, broker_id)
+    counts = [len(peer_rows(savedir, k)) for k in (0, 1)]
+    wait_for(
+        lambda: all(
+            any(r["peers"] == 2 for r in peer_rows(savedir, k)[counts[k] + 2 :]) for k in (0, 1)
+        ),
+        180,
+        "both peers to train together again",
+    )
     moolib_jobs(str(savedir), "--cancel", "--grace", "30")
     wait_for(lambda: all_ended(savedir), 60, "every job to end")
 
