@@ -542,28 +542,19 @@ def test_slurm_config_composes_and_bad_values_name_their_key(tmp_path):
     cfg = yaml.safe_load(out.stdout)
     for key in ("partition", "time", "nodes", "gpus_per_task", "cpus_per_task", "mem"):
         assert key in cfg["scaling"]
-    for key in ("constraint", "account", "qos", "additional_parameters", "wait"):
+    for key in ("constraint", "account", "qos", "additional_parameters", "wait", "max_failures"):
         assert key in cfg["scaling"]
-    result = run(
-        ["agent=a2c", "env=cartpole", "scaling=slurm", "scaling.time=0", f"savedir={tmp_path}/r"],
-        tmp_path,
-        timeout=120,
-    )
-    assert result.returncode == 2 and "scaling.time must be a positive integer" in result.stdout
-    result = run(
-        [
-            "agent=a2c",
-            "env=cartpole",
-            "scaling=slurm",
-            "scaling.peers=3",
-            "scaling.tasks_per_node=2",
-            f"savedir={tmp_path}/r",
-        ],
-        tmp_path,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stdout
-    assert "scaling.peers (3) must be a multiple of the peers per job" in result.stdout
+    for bad, message in [
+        (["scaling.time=0"], "scaling.time must be a positive integer"),
+        (["scaling.max_failures=-1"], "scaling.max_failures must be an integer >= 0"),
+        (
+            ["scaling.peers=3", "scaling.tasks_per_node=2"],
+            "scaling.peers (3) must be a multiple of the peers per job",
+        ),
+    ]:
+        base = ["agent=a2c", "env=cartpole", "scaling=slurm", f"savedir={tmp_path}/r"]
+        result = run([*base, *bad], tmp_path, timeout=120)
+        assert result.returncode == 2 and message in result.stdout, (bad, result.stdout)
 
 
 def test_slurm_config_accepts_cuda_without_a_local_gpu():
