@@ -16,7 +16,6 @@ bool FutureState::setError(std::string error) {
 bool FutureState::cancel() { return complete({}, "the call was cancelled", true); }
 
 bool FutureState::complete(std::vector<BufferPtr> segments, std::string error, bool cancelled) {
-  std::vector<Waiter*> waiters;
   std::vector<Task> callbacks;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -25,13 +24,16 @@ bool FutureState::complete(std::vector<BufferPtr> segments, std::string error, b
     error_ = std::move(error);
     cancelled_ = cancelled;
     done_.store(true, std::memory_order_release);
-    waiters.swap(waiters_);
+    // Notified under the lock: a waiter leaves wait() only after taking it, so
+    // its (thread-local) Waiter cannot be gone, its eventfd closed and the
+    // number reused, while it is written to here.
+    Waiter* self = &currentWaiter();
+    for (Waiter* w : waiters_) {
+      // The poller re-checks its own condition after each round anyway.
+      if (w != self) w->notify();
+    }
+    waiters_.clear();
     callbacks.swap(callbacks_);
-  }
-  Waiter* self = &currentWaiter();
-  for (Waiter* w : waiters) {
-    // The poller re-checks its own condition after each round anyway.
-    if (w != self) w->notify();
   }
   for (auto& cb : callbacks) Loop::instance().schedule(std::move(cb));
   return true;
