@@ -366,3 +366,52 @@ def test_ctrl_c_interrupts_a_waiting_call(tmp_path):
     # timeout would land in the sleep after it and leave "timed-out".
     outcome = proc.stdout.split("OUTCOME ")[1].split()[0]
     assert outcome == "interrupted", proc.stdout
+
+
+def test_threads_a_smaller_pool_ends_free_their_python_thread_states(tmp_path):
+    """Regression: core threads ended by set_max_threads kept their Python
+    thread state forever (one leaked per thread)."""
+    proc = run(
+        tmp_path,
+        """
+        import ctypes
+        api = ctypes.pythonapi  # called with the GIL held
+        api.PyInterpreterState_Main.restype = ctypes.c_void_p
+        api.PyInterpreterState_ThreadHead.argtypes = [ctypes.c_void_p]
+        api.PyInterpreterState_ThreadHead.restype = ctypes.c_void_p
+        api.PyThreadState_Next.argtypes = [ctypes.c_void_p]
+        api.PyThreadState_Next.restype = ctypes.c_void_p
+
+        def thread_states():
+            n, t = 0, api.PyInterpreterState_ThreadHead(api.PyInterpreterState_Main())
+            while t:
+                n, t = n + 1, api.PyThreadState_Next(t)
+            return n
+
+        moolib.set_max_threads(8)
+        server = moolib.Rpc()
+        server.set_name("server")
+        address = server.listen("127.0.0.1:0")
+        server.define("nap", lambda: time.sleep(0.05) or threading.get_ident())
+        client = moolib.Rpc()
+        client.set_timeout(60)
+        client.connect(address)
+        # Calls that overlap run Python on many of the pool's threads.
+        idents = set()
+        for _ in range(10):
+            idents |= {f.result() for f in [client.async_("server", "nap") for _ in range(32)]}
+        before = thread_states()
+        print("python threads", len(idents), "thread states", before, flush=True)
+        check(len(idents) >= 4, f"only {len(idents)} core threads ran Python")
+        moolib.set_max_threads(1)
+        deadline = time.monotonic() + 60
+        # Ended threads go once they wake up: calls wake them.
+        while thread_states() > before - (len(idents) - 2) and time.monotonic() < deadline:
+            [f.result() for f in [client.async_("server", "nap") for _ in range(8)]]
+        after = thread_states()
+        print("after the pool shrank: thread states", after, flush=True)
+        check(after <= before - (len(idents) - 2), f"{before} thread states, then {after}")
+        check(client.sync("server", "nap"), "calls still work")
+        """,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]

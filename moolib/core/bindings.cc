@@ -131,7 +131,26 @@ std::vector<OutSegment> exportSegments(py::handle data, const py::list& buffers)
 // work at all.
 std::atomic<bool> gExiting{false};
 
-thread_local PyThreadState* tlsThreadState = nullptr;
+// The Python thread state of a thread that runs Python for the core. One we
+// created (a core thread's) is freed when the thread ends, since a pool that
+// shrinks ends threads, unless the interpreter is going away. A Python
+// thread's own state (one serving I/O while it waits) is Python's to free.
+struct CoreThreadState {
+  PyThreadState* state = nullptr;
+  bool owned = false;
+  ~CoreThreadState() {
+    if (!state || !owned || gExiting.load(std::memory_order_relaxed)) return;
+    try {
+      PyEval_RestoreThread(state);
+      // Balances the PyGILState_Ensure that made it: clears and deletes it,
+      // releasing the GIL.
+      PyGILState_Release(PyGILState_UNLOCKED);
+    } catch (abi::__forced_unwind&) {
+      parkForever();
+    }
+  }
+};
+thread_local CoreThreadState tlsThreadState;
 
 // Calls fn(args) with the GIL held; a forced unwind stops here.
 PyObject* callParkingOnExit(PyObject* fn, PyObject* const* args, size_t n) {
@@ -147,11 +166,12 @@ template <typename Body>
 void withPython(Body&& body) {
   if (gExiting.load(std::memory_order_relaxed)) return;
   try {
-    if (tlsThreadState) {
-      PyEval_RestoreThread(tlsThreadState);
+    if (tlsThreadState.state) {
+      PyEval_RestoreThread(tlsThreadState.state);
     } else {
+      tlsThreadState.owned = PyGILState_GetThisThreadState() == nullptr;
       PyGILState_Ensure();
-      tlsThreadState = PyThreadState_Get();
+      tlsThreadState.state = PyThreadState_Get();
     }
   } catch (abi::__forced_unwind&) {
     parkForever();
