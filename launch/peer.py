@@ -37,8 +37,8 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def train(cfg: Any, rank: int, broker: str, stop: threading.Event) -> dict:
-    """Runs one peer of the experiment described by ``cfg`` until done or stopped."""
+def make_trainer(cfg: Any, rank: int, broker: str) -> Any:
+    """The Trainer of peer ``rank`` of the experiment described by ``cfg``."""
     from moolib.agents.training import PeerInfo, Trainer
 
     savedir = Path(cfg.savedir)
@@ -48,7 +48,12 @@ def train(cfg: Any, rank: int, broker: str, stop: threading.Event) -> dict:
         logdir=logdir_for(savedir, rank, cfg.scaling.peers),
         broker=broker,
     )
-    return Trainer(cfg, peer).run(stop)
+    return Trainer(cfg, peer)
+
+
+def train(cfg: Any, rank: int, broker: str, stop: threading.Event) -> dict:
+    """Runs one peer of the experiment described by ``cfg`` until done or stopped."""
+    return make_trainer(cfg, rank, broker).run(stop)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -248,10 +248,9 @@ class PeerJob(_RequeueableJob):
         import logging
 
         import torch
-        from moolib.agents.training import PeerInfo, Trainer
 
         from . import config as config_lib
-        from .peer import logdir_for
+        from .peer import make_trainer
 
         cfg = config_lib.load(Path(config_path))
         rank = index * peers_per_job(cfg) + submitit.JobEnvironment().global_rank
@@ -277,15 +276,9 @@ class PeerJob(_RequeueableJob):
         # meanwhile is not lost: Python runs submitit's handler in this thread
         # (whichever thread took the signal), at the latest once unblocked.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        peer = PeerInfo(
-            rank=rank,
-            savedir=savedir,
-            logdir=logdir_for(savedir, rank, cfg.scaling.peers),
-            broker=address,
-        )
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
         try:
-            trainer = Trainer(cfg, peer)
+            trainer = make_trainer(cfg, rank, address)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
         if not broker:  # a requeued broker job may come back elsewhere
