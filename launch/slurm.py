@@ -558,8 +558,20 @@ def follow(entry: dict, stop: threading.Event) -> int:
 
 
 def recorded_jobs(savedir: Path, everything: bool = False) -> list[tuple[str, str]]:
-    """(job id, role) of the latest launch (every launch with ``everything``)."""
-    launches = read_json(Path(savedir) / JOBS_FILE) or []
+    """(job id, role) of the latest launch (every launch with ``everything``).
+
+    A folder without jobs.json but with experiments in its subfolders (a ``-m``
+    sweep's folder) gives theirs, each role prefixed with its subfolder.
+    """
+    savedir = Path(savedir)
+    if not (savedir / JOBS_FILE).exists() and savedir.is_dir():
+        return [
+            (job_id, f"{point.name}: {role}")
+            for point in sorted(savedir.iterdir(), key=_natural)
+            if (point / JOBS_FILE).exists()
+            for job_id, role in recorded_jobs(point, everything)
+        ]
+    launches = read_json(savedir / JOBS_FILE) or []
     if not everything:
         launches = launches[-1:]
     found = []
@@ -573,6 +585,11 @@ def recorded_jobs(savedir: Path, everything: bool = False) -> list[tuple[str, st
             role = f"peer {first}" if per_job == 1 else f"peers {first}-{first + per_job - 1}"
             found.append((job_id, role))
     return found
+
+
+def _natural(path: Path) -> tuple[int, str]:
+    """Sweep points in order: 2 before 10."""
+    return (int(path.name), "") if path.name.isdigit() else (1 << 62, path.name)
 
 
 def job_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
@@ -624,13 +641,15 @@ def cancel_jobs(job_ids: list[str], grace: float = 60.0) -> None:
 
 
 def jobs_main(argv: list[str] | None = None) -> int:
-    """``moolib-jobs <savedir> [--all] [--cancel]``: an experiment's SLURM jobs."""
+    """``moolib-jobs <savedir> [--all] [--cancel]``: an experiment's SLURM jobs
+    (or a sweep's: given its folder, every point's)."""
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="moolib-jobs", description="Show (or cancel) the SLURM jobs of a moolib-run savedir."
+        prog="moolib-jobs",
+        description="Show (or cancel) the SLURM jobs of a moolib-run savedir or sweep folder.",
     )
-    parser.add_argument("savedir", type=Path)
+    parser.add_argument("savedir", type=Path, help="a savedir, or a -m sweep's folder")
     parser.add_argument("--all", action="store_true", help="every launch, not only the latest")
     parser.add_argument(
         "--cancel", action="store_true", help="stop every job (peers checkpoint first)"
@@ -641,7 +660,11 @@ def jobs_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     found = recorded_jobs(args.savedir, args.all or args.cancel)
     if not found:
-        print(f"moolib-jobs: no jobs recorded in {args.savedir / JOBS_FILE}", file=sys.stderr)
+        print(
+            f"moolib-jobs: no jobs recorded in {args.savedir} (no {JOBS_FILE} there or in its "
+            "subfolders)",
+            file=sys.stderr,
+        )
         return 1
     states = job_states([j for j, _ in found])
     if args.cancel:
@@ -649,10 +672,11 @@ def jobs_main(argv: list[str] | None = None) -> int:
         cancel_jobs(active, args.grace)
         print(f"moolib-jobs: cancelled {len(active)} jobs: {' '.join(active) or '-'}")
         states = job_states([j for j, _ in found])
-    print(f"{'job':<16} {'role':<10} {'state':<12} {'elapsed':>10}  node")
+    width = max(10, *(len(role) for _, role in found))
+    print(f"{'job':<16} {'role':<{width}} {'state':<12} {'elapsed':>10}  node")
     for job_id, role in found:
         st = states.get(job_id, {"state": "UNKNOWN", "elapsed": "", "node": ""})
-        print(f"{job_id:<16} {role:<10} {st['state']:<12} {st['elapsed']:>10}  {st['node']}")
+        print(f"{job_id:<16} {role:<{width}} {st['state']:<12} {st['elapsed']:>10}  {st['node']}")
     return 0
 
 

@@ -524,6 +524,9 @@ def test_sweep_gives_each_point_its_own_group_and_returns(tmp_path, savedirs):
         assert set(states(p).values()) == {"COMPLETED"}, states(p)
         for k in (0, 1):
             assert peer_rows(p, k)[-1]["step"] >= 20000
+    # The sweep's folder shows every point's jobs.
+    table = moolib_jobs(str(sweep))
+    assert table.count("COMPLETED") == 6 and "0: broker" in table and "1: peer 1" in table, table
 
 
 # -- without a cluster ------------------------------------------------------------------
