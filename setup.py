@@ -74,7 +74,7 @@ setup(
             "moolib-broker=moolib.broker:main",
             "moolib-run=moolib.launch.run:main",
             "moolib-plot=moolib.launch.plot:main",
-            "moolib-jobs=moolib.launch.slurm:jobs_main",
+            "moolib-jobs=moolib.launch.jobs:main",
         ]
     },
     zip_safe=False,

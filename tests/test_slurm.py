@@ -26,7 +26,9 @@ import yaml
 from helpers.run_util import Run, read_logs, run, run_cmd, run_env, wait_for
 
 submitit = pytest.importorskip("submitit")
-from moolib.launch import slurm as slurm_lib  # noqa: E402 - needs submitit
+from moolib.launch import jobs as jobs_lib  # noqa: E402 - needs submitit
+from moolib.launch import slurm as slurm_lib  # noqa: E402
+from moolib.launch import slurm_files  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONF = Path(os.environ.get("MOOLIB_SLURM_BASE", "/tmp/moolib-slurm-ci")) / "etc/slurm.conf"
@@ -89,7 +91,7 @@ def savedirs():
     """Savedirs whose recorded jobs are all cancelled at the end of the test."""
     dirs: list[Path] = []
     yield dirs
-    ids = [j for d in dirs for j, _ in slurm_lib.recorded_jobs(d, everything=True)]
+    ids = [j for d in dirs for j, _ in jobs_lib.recorded_jobs(d, everything=True)]
     if ids:
         subprocess.run(["scancel", *ids], capture_output=True)
 
@@ -97,7 +99,7 @@ def savedirs():
 def moolib_jobs(*args: str) -> str:
     """``moolib-jobs ARGS``."""
     out = subprocess.run(
-        [sys.executable, "-m", "moolib.launch.slurm", *args],
+        [sys.executable, "-m", "moolib.launch.jobs", *args],
         capture_output=True,
         text=True,
         timeout=180,
@@ -108,8 +110,8 @@ def moolib_jobs(*args: str) -> str:
 
 def states(savedir: Path) -> dict[str, str]:
     """role -> state of the latest launch's jobs."""
-    found = slurm_lib.recorded_jobs(savedir)
-    info = slurm_lib.job_states([j for j, _ in found])
+    found = jobs_lib.recorded_jobs(savedir)
+    info = jobs_lib.job_states([j for j, _ in found])
     return {role: info.get(j, {}).get("state", "UNKNOWN") for j, role in found}
 
 
@@ -130,7 +132,7 @@ def job_log(savedir: Path, job_id: str) -> str:
 
 
 def all_ended(savedir: Path) -> bool:
-    return all(s not in slurm_lib.ACTIVE_STATES for s in states(savedir).values())
+    return all(s not in jobs_lib.ACTIVE_STATES for s in states(savedir).values())
 
 
 @needs_slurm
@@ -174,17 +176,17 @@ def test_cancelled_peer_leaves_the_other_training_then_cancel_all_and_resume(tmp
     assert result.returncode == 0, result.stdout[-5000:]
     wait_for(lambda: both_training(savedir), 180, "both peers to train together")
     # The jobs listen on every interface: only holders of the launch's key get in.
-    launch = slurm_lib.read_json(savedir / "jobs.json")[-1]["launch"]
+    launch = slurm_files.read_json(savedir / "jobs.json")[-1]["launch"]
     key_file = savedir / "slurm" / "auth" / launch
     assert key_file.stat().st_mode & 0o077 == 0
-    address = slurm_lib.read_broker_file(savedir, launch)
+    address = slurm_files.read_broker_file(savedir, launch)
     slurm_lib.check_broker(address, 60.0, key_file.read_text())
     for wrong in ("not-the-key", None):  # None: this process's key, here none
         with pytest.raises(TimeoutError):
             slurm_lib.check_broker(address, 3.0, wrong)
-    for job_id, _ in slurm_lib.recorded_jobs(savedir):
+    for job_id, _ in jobs_lib.recorded_jobs(savedir):
         assert "without an authentication key" not in job_log(savedir, job_id)
-    peer1 = slurm_lib.recorded_jobs(savedir)[2][0]
+    peer1 = jobs_lib.recorded_jobs(savedir)[2][0]
     subprocess.run(["scancel", peer1], check=True)
     # submitit sees the cancelled job end (through sacct: slurmdbd is needed).
     job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=peer1)
@@ -200,7 +202,7 @@ def test_cancelled_peer_leaves_the_other_training_then_cancel_all_and_resume(tmp
     table = moolib_jobs(str(savedir), "--cancel", "--grace", "60")
     assert "cancelled 2 jobs" in table, table
     wait_for(lambda: all_ended(savedir), 60, "every job to end")
-    assert "checkpoint at step" in job_log(savedir, slurm_lib.recorded_jobs(savedir)[1][0])
+    assert "checkpoint at step" in job_log(savedir, jobs_lib.recorded_jobs(savedir)[1][0])
     stopped_at = peer_rows(savedir, 0)[-1]["step"]
 
     # The same command again resumes from the leader's checkpoint.
@@ -211,8 +213,8 @@ def test_cancelled_peer_leaves_the_other_training_then_cancel_all_and_resume(tmp
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-5000:]
-    found = slurm_lib.recorded_jobs(savedir)
-    assert len(slurm_lib.read_json(savedir / "jobs.json")) == 2
+    found = jobs_lib.recorded_jobs(savedir)
+    assert len(slurm_files.read_json(savedir / "jobs.json")) == 2
     for job_id, role in found[1:]:
         assert "resumed from" in job_log(savedir, job_id), role
     assert peer_rows(savedir, 0)[-1]["step"] >= goal
@@ -237,7 +239,7 @@ def test_wait_follows_the_jobs_and_ctrl_c_stops_them(tmp_path, savedirs):
     # SIGINT first: the leader (either peer) stopped after its step and wrote a
     # last checkpoint, at the step of its last log row.
     final = []
-    for k, (job_id, _) in enumerate(slurm_lib.recorded_jobs(savedir)[1:]):
+    for k, (job_id, _) in enumerate(jobs_lib.recorded_jobs(savedir)[1:]):
         saved = re.findall(r"checkpoint at step (\d+)", job_log(savedir, job_id))
         if saved:
             final.append(int(saved[-1]) == peer_rows(savedir, k)[-1]["step"])
@@ -260,7 +262,7 @@ def test_ctrl_c_while_the_broker_job_is_pending_cancels_it(tmp_path, savedirs):
         r.finish()
     assert "interrupted while waiting for the broker job" in out
     assert "cancelled" in out
-    assert [role for _, role in slurm_lib.recorded_jobs(savedir)] == ["broker"]
+    assert [role for _, role in jobs_lib.recorded_jobs(savedir)] == ["broker"]
     wait_for(lambda: states(savedir) == {"broker": "CANCELLED"}, 60, "the broker job cancelled")
 
 
@@ -271,7 +273,7 @@ def test_interrupted_peer_is_requeued_and_rejoins(tmp_path, savedirs):
     result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
     assert result.returncode == 0, result.stdout[-5000:]
     wait_for(lambda: both_training(savedir), 180, "both peers to train together")
-    peer1 = slurm_lib.recorded_jobs(savedir)[2][0]
+    peer1 = jobs_lib.recorded_jobs(savedir)[2][0]
     job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=peer1)
     before = len(peer_rows(savedir, 1))
 
@@ -328,7 +330,7 @@ def test_failed_peer_is_requeued_until_max_failures(tmp_path, savedirs):
     result = run(args, tmp_path, timeout=180)
     assert result.returncode == 0, result.stdout[-5000:]
     wait_for(lambda: both_training(savedir), 180, "both peers to train together")
-    peer1 = slurm_lib.recorded_jobs(savedir)[2][0]
+    peer1 = jobs_lib.recorded_jobs(savedir)[2][0]
 
     def crash() -> None:  # as the OOM killer would
         pid = wait_for(lambda: job_pid(savedir, peer1), 60, "the training process")
@@ -367,7 +369,7 @@ def test_failed_broker_is_requeued_and_the_peers_train_on(tmp_path, savedirs):
     result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
     assert result.returncode == 0, result.stdout[-5000:]
     wait_for(lambda: both_training(savedir), 180, "both peers to train together")
-    broker_id = slurm_lib.recorded_jobs(savedir)[0][0]
+    broker_id = jobs_lib.recorded_jobs(savedir)[0][0]
     pid = wait_for(lambda: job_pid(savedir, broker_id), 60, "the broker process")
     os.kill(pid, signal.SIGKILL)
     wait_for(
@@ -395,7 +397,7 @@ def test_interrupted_broker_is_requeued_and_the_peers_train_on(tmp_path, savedir
     result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
     assert result.returncode == 0, result.stdout[-5000:]
     wait_for(lambda: both_training(savedir), 180, "both peers to train together")
-    broker_id = slurm_lib.recorded_jobs(savedir)[0][0]
+    broker_id = jobs_lib.recorded_jobs(savedir)[0][0]
     port = yaml.safe_load((savedir / "broker.json").read_text())["port"]
     job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=broker_id)
     job._interrupt()
@@ -435,7 +437,7 @@ def test_interrupted_broker_is_requeued_and_the_peers_train_on(tmp_path, savedir
     new = yaml.safe_load((savedir / "broker.json").read_text())
     assert new["port"] != port
     moved = f"the broker moved to {new['address']}"
-    for job_id, role in slurm_lib.recorded_jobs(savedir)[1:]:
+    for job_id, role in jobs_lib.recorded_jobs(savedir)[1:]:
         wait_for(lambda j=job_id: moved in job_log(savedir, j), 60, f"{role} to follow the broker")
     counts = [len(peer_rows(savedir, k)) for k in (0, 1)]
     wait_for(
@@ -457,10 +459,10 @@ def test_one_job_runs_two_peers_one_per_task(tmp_path, savedirs):
     result = run(args, tmp_path, timeout=180)
     assert result.returncode == 0, result.stdout[-5000:]
     assert "1 peer jobs of 2 peers (one per task)" in result.stdout, result.stdout
-    assert [role for _, role in slurm_lib.recorded_jobs(savedir)] == ["broker", "peers 0-1"]
+    assert [role for _, role in jobs_lib.recorded_jobs(savedir)] == ["broker", "peers 0-1"]
     # Two tasks of one job, each its own peer (rank from the task), in one group.
     wait_for(lambda: both_training(savedir), 180, "both peers to train together")
-    peer_job = slurm_lib.recorded_jobs(savedir)[1][0]
+    peer_job = jobs_lib.recorded_jobs(savedir)[1][0]
     assert len(list((savedir / "slurm" / peer_job).glob("*_log.out"))) == 2
     table = moolib_jobs(str(savedir))
     assert "peers 0-1" in table and "RUNNING" in table, table
@@ -491,7 +493,7 @@ def test_an_existing_broker_is_used_instead_of_a_broker_job(tmp_path, savedirs):
         broker.close()
     assert result.returncode == 0, result.stdout[-5000:]
     assert "broker job" not in result.stdout
-    assert [role for _, role in slurm_lib.recorded_jobs(savedir)] == ["peer 0", "peer 1"]
+    assert [role for _, role in jobs_lib.recorded_jobs(savedir)] == ["peer 0", "peer 1"]
     assert not (savedir / "broker.json").exists()
     for k in (0, 1):
         assert any(r["peers"] == 2 for r in peer_rows(savedir, k))
@@ -621,7 +623,7 @@ def test_broker_check_passes_against_a_broker():
 
 def test_moolib_jobs_without_recorded_jobs_says_so(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "moolib.launch.slurm", str(tmp_path)],
+        [sys.executable, "-m", "moolib.launch.jobs", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -634,8 +636,8 @@ def test_auth_key_file_is_private_and_sets_the_key_of_new_rpcs(tmp_path):
 
     import moolib
 
-    assert not slurm_lib.use_auth_key(tmp_path, "abc")  # no key for this launch
-    path = slurm_lib.write_auth_key(tmp_path, "abc", "s3cret")
+    assert not slurm_files.use_auth_key(tmp_path, "abc")  # no key for this launch
+    path = slurm_files.write_auth_key(tmp_path, "abc", "s3cret")
     assert path.stat().st_mode & 0o777 == 0o600
     assert path.parent.stat().st_mode & 0o777 == 0o700
     keyless = EmbeddedBroker()
@@ -644,7 +646,7 @@ def test_auth_key_file_is_private_and_sets_the_key_of_new_rpcs(tmp_path):
             slurm_lib.check_broker(keyless.address, 3.0, "s3cret")
     finally:
         keyless.close()
-    assert slurm_lib.use_auth_key(tmp_path, "abc")
+    assert slurm_files.use_auth_key(tmp_path, "abc")
     try:
         keyed = EmbeddedBroker()  # its Rpc is created after use_auth_key: it has the key
         try:
@@ -658,8 +660,8 @@ def test_auth_key_file_is_private_and_sets_the_key_of_new_rpcs(tmp_path):
 
 
 def test_broker_file_is_read_only_for_its_own_launch(tmp_path):
-    assert slurm_lib.read_broker_file(tmp_path, "abc") is None
-    slurm_lib.write_json_atomic(tmp_path / "broker.json", {"address": "h:1", "launch": "abc"})
-    assert slurm_lib.read_broker_file(tmp_path, "abc") == "h:1"
-    assert slurm_lib.read_broker_file(tmp_path, "other") is None  # a stale file from a rerun
+    assert slurm_files.read_broker_file(tmp_path, "abc") is None
+    slurm_files.write_json_atomic(tmp_path / "broker.json", {"address": "h:1", "launch": "abc"})
+    assert slurm_files.read_broker_file(tmp_path, "abc") == "h:1"
+    assert slurm_files.read_broker_file(tmp_path, "other") is None  # a stale file from a rerun
     assert not list(tmp_path.glob(".*.tmp"))

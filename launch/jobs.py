@@ -1,0 +1,138 @@
+"""``moolib-jobs <savedir>``: the SLURM jobs of an experiment (or of a sweep's
+points), their states, and cancelling them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .slurm_files import JOBS_FILE, read_json
+
+
+def recorded_jobs(savedir: Path, everything: bool = False) -> list[tuple[str, str]]:
+    """(job id, role) of the latest launch (every launch with ``everything``).
+
+    A folder without jobs.json but with experiments in its subfolders (a ``-m``
+    sweep's folder) gives theirs, each role prefixed with its subfolder.
+    """
+    savedir = Path(savedir)
+    if not (savedir / JOBS_FILE).exists() and savedir.is_dir():
+        return [
+            (job_id, f"{point.name}: {role}")
+            for point in sorted(savedir.iterdir(), key=_natural)
+            if (point / JOBS_FILE).exists()
+            for job_id, role in recorded_jobs(point, everything)
+        ]
+    launches = read_json(savedir / JOBS_FILE) or []
+    if not everything:
+        launches = launches[-1:]
+    found = []
+    for entry in launches:
+        if entry.get("broker", {}).get("job_id"):
+            found.append((entry["broker"]["job_id"], "broker"))
+        peers = entry.get("peers", {})
+        per_job = peers.get("peers_per_job", 1)
+        for index, job_id in enumerate(peers.get("job_ids", [])):
+            first = index * per_job
+            role = f"peer {first}" if per_job == 1 else f"peers {first}-{first + per_job - 1}"
+            found.append((job_id, role))
+    return found
+
+
+def _natural(path: Path) -> tuple[int, str]:
+    """Sweep points in order: 2 before 10."""
+    return (int(path.name), "") if path.name.isdigit() else (1 << 62, path.name)
+
+
+def job_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
+    """State, elapsed time and node of each job, from sacct (squeue if accounting
+    is off)."""
+    if not job_ids:
+        return {}
+    fields = "JobID,State,Elapsed,NodeList"
+    out = subprocess.run(
+        ["sacct", "-X", "-P", "-n", f"--format={fields}", "-j", ",".join(job_ids)],
+        capture_output=True,
+        text=True,
+    )
+    info: dict[str, dict[str, str]] = {}
+    if out.returncode == 0:
+        for line in out.stdout.splitlines():
+            job_id, state, elapsed, nodes = line.split("|")
+            # "CANCELLED by 0" -> "CANCELLED"
+            info[job_id] = {"state": state.split()[0], "elapsed": elapsed, "node": nodes}
+    missing = [j for j in job_ids if j not in info]
+    if missing:
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i|%T|%M|%N|%r", "-j", ",".join(missing)],
+            capture_output=True,
+            text=True,
+        )
+        for line in out.stdout.splitlines():
+            job_id, state, elapsed, nodes, _reason = line.split("|")
+            info[job_id] = {"state": state, "elapsed": elapsed, "node": nodes}
+    return info
+
+
+ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED"}
+
+
+def cancel_jobs(job_ids: list[str], grace: float = 60.0) -> None:
+    """Stops the jobs: SIGINT first (peers stop after their step, the leader
+    writing a checkpoint), then ``scancel`` whatever is still there after ``grace``."""
+    if not job_ids:
+        return
+    subprocess.run(["scancel", "--signal=INT", *job_ids], capture_output=True)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        states = job_states(job_ids)
+        if not any(v["state"] in ACTIVE_STATES - {"PENDING"} for v in states.values()):
+            break
+        time.sleep(1)
+    subprocess.run(["scancel", *job_ids], capture_output=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``moolib-jobs <savedir> [--all] [--cancel]``: an experiment's SLURM jobs
+    (or a sweep's: given its folder, every point's)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="moolib-jobs",
+        description="Show (or cancel) the SLURM jobs of a moolib-run savedir or sweep folder.",
+    )
+    parser.add_argument("savedir", type=Path, help="a savedir, or a -m sweep's folder")
+    parser.add_argument("--all", action="store_true", help="every launch, not only the latest")
+    parser.add_argument(
+        "--cancel", action="store_true", help="stop every job (peers checkpoint first)"
+    )
+    parser.add_argument(
+        "--grace", type=float, default=60.0, help="seconds between SIGINT and scancel"
+    )
+    args = parser.parse_args(argv)
+    found = recorded_jobs(args.savedir, args.all or args.cancel)
+    if not found:
+        print(
+            f"moolib-jobs: no jobs recorded in {args.savedir} (no {JOBS_FILE} there or in its "
+            "subfolders)",
+            file=sys.stderr,
+        )
+        return 1
+    states = job_states([j for j, _ in found])
+    if args.cancel:
+        active = [j for j, _ in found if states.get(j, {}).get("state") in ACTIVE_STATES]
+        cancel_jobs(active, args.grace)
+        print(f"moolib-jobs: cancelled {len(active)} jobs: {' '.join(active) or '-'}")
+        states = job_states([j for j, _ in found])
+    width = max(10, *(len(role) for _, role in found))
+    print(f"{'job':<16} {'role':<{width}} {'state':<12} {'elapsed':>10}  node")
+    for job_id, role in found:
+        st = states.get(job_id, {"state": "UNKNOWN", "elapsed": "", "node": ""})
+        print(f"{job_id:<16} {role:<{width}} {st['state']:<12} {st['elapsed']:>10}  {st['node']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
