@@ -22,12 +22,13 @@ from helpers.run_util import (
     STOP_TIMEOUT,
     Run,
     alive,
+    cfg_job,
     cmdline,
     plot_cmd,
     read_logs,
     run,
-    run_cmd,
     run_env,
+    run_quick,
     session_pids,
     wait_for,
 )
@@ -91,20 +92,6 @@ def history_steps(savedir: Path) -> list[int]:
         assert m, f"unexpected file in checkpoints/: {name}"
         steps.append(int(m.group(1)))
     return sorted(steps)
-
-
-def run_quick(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """``moolib-run ARGS`` for something short (composition, a rejected config)."""
-    return subprocess.run(
-        run_cmd(*args), cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=120
-    )
-
-
-def cfg_job(tmp_path: Path, *overrides: str, part: str = "job") -> dict:
-    """``moolib-run OVERRIDES --cfg PART``: the composed config, parsed."""
-    r = run_quick(tmp_path, *overrides, "--cfg", part)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return yaml.safe_load(r.stdout)
 
 
 # -- a run, and a resumed run --------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.run_util import Run, read_logs, run, run_cmd, run_env, wait_for
+from helpers.run_util import Run, cfg_job, read_logs, run, wait_for
 
 submitit = pytest.importorskip("submitit")
 from moolib.launch import jobs as jobs_lib  # noqa: E402 - needs submitit
@@ -135,6 +135,35 @@ def all_ended(savedir: Path) -> bool:
     return all(s not in jobs_lib.ACTIVE_STATES for s in states(savedir).values())
 
 
+def train_forever(tmp_path: Path, savedirs: list[Path], *extra: str) -> tuple[Path, str]:
+    """Launches a run that trains until cancelled and waits until both peers
+    train together; returns its savedir and moolib-run's output."""
+    savedir = tmp_path / "run"
+    savedirs.append(savedir)
+    result = run([*SMALL, FOREVER, *extra, f"savedir={savedir}"], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout[-5000:]
+    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    return savedir, result.stdout
+
+
+def wait_training_together_again(savedir: Path, what: str) -> None:
+    """Waits until both peers log rows in a group of two again, after their current rows."""
+    counts = [len(peer_rows(savedir, k)) for k in (0, 1)]
+    wait_for(
+        lambda: all(
+            any(r["peers"] == 2 for r in peer_rows(savedir, k)[counts[k] + 2 :]) for k in (0, 1)
+        ),
+        180,
+        what,
+    )
+
+
+def cancel_all(savedir: Path) -> None:
+    """``moolib-jobs --cancel``, then every job has ended."""
+    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
+    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+
+
 @needs_slurm
 def test_two_peers_train_and_log(tmp_path, savedirs):
     savedir = tmp_path / "run"
@@ -170,11 +199,7 @@ def test_two_peers_train_and_log(tmp_path, savedirs):
 
 @needs_slurm
 def test_cancelled_peer_leaves_the_other_training_then_cancel_all_and_resume(tmp_path, savedirs):
-    savedir = tmp_path / "run"
-    savedirs.append(savedir)
-    result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
-    assert result.returncode == 0, result.stdout[-5000:]
-    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    savedir, _ = train_forever(tmp_path, savedirs)
     # The jobs listen on every interface: only holders of the launch's key get in.
     launch = slurm_files.read_json(savedir / "jobs.json")[-1]["launch"]
     key_file = savedir / "slurm" / "auth" / launch
@@ -268,11 +293,7 @@ def test_ctrl_c_while_the_broker_job_is_pending_cancels_it(tmp_path, savedirs):
 
 @needs_slurm
 def test_interrupted_peer_is_requeued_and_rejoins(tmp_path, savedirs):
-    savedir = tmp_path / "run"
-    savedirs.append(savedir)
-    result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
-    assert result.returncode == 0, result.stdout[-5000:]
-    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    savedir, _ = train_forever(tmp_path, savedirs)
     peer1 = jobs_lib.recorded_jobs(savedir)[2][0]
     job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=peer1)
     before = len(peer_rows(savedir, 1))
@@ -299,8 +320,7 @@ def test_interrupted_peer_is_requeued_and_rejoins(tmp_path, savedirs):
         "the requeued peer to train in the group again",
     )
     assert states(savedir) == {"broker": "RUNNING", "peer 0": "RUNNING", "peer 1": "RUNNING"}
-    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
-    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+    cancel_all(savedir)
 
 
 def job_pid(savedir: Path, job_id: str) -> int | None:
@@ -324,12 +344,7 @@ def job_pid(savedir: Path, job_id: str) -> int | None:
 
 @needs_slurm
 def test_failed_peer_is_requeued_until_max_failures(tmp_path, savedirs):
-    savedir = tmp_path / "run"
-    savedirs.append(savedir)
-    args = [*SMALL, FOREVER, "scaling.max_failures=1", f"savedir={savedir}"]
-    result = run(args, tmp_path, timeout=180)
-    assert result.returncode == 0, result.stdout[-5000:]
-    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    savedir, _ = train_forever(tmp_path, savedirs, "scaling.max_failures=1")
     peer1 = jobs_lib.recorded_jobs(savedir)[2][0]
 
     def crash() -> None:  # as the OOM killer would
@@ -358,17 +373,12 @@ def test_failed_peer_is_requeued_until_max_failures(tmp_path, savedirs):
     assert "not requeued" in job_log(savedir, peer1)
     wait_for(lambda: any(r["peers"] == 1 for r in peer_rows(savedir, 0)[-3:]), 90, "peer 0 alone")
     assert states(savedir)["peer 0"] == "RUNNING"
-    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
-    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+    cancel_all(savedir)
 
 
 @needs_slurm
 def test_failed_broker_is_requeued_and_the_peers_train_on(tmp_path, savedirs):
-    savedir = tmp_path / "run"
-    savedirs.append(savedir)
-    result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
-    assert result.returncode == 0, result.stdout[-5000:]
-    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    savedir, _ = train_forever(tmp_path, savedirs)
     broker_id = jobs_lib.recorded_jobs(savedir)[0][0]
     pid = wait_for(lambda: job_pid(savedir, broker_id), 60, "the broker process")
     os.kill(pid, signal.SIGKILL)
@@ -378,25 +388,13 @@ def test_failed_broker_is_requeued_and_the_peers_train_on(tmp_path, savedirs):
         "the failed broker job to be requeued and listen again",
     )
     assert "failed (exit status" in job_log(savedir, broker_id)
-    counts = [len(peer_rows(savedir, k)) for k in (0, 1)]
-    wait_for(
-        lambda: all(
-            any(r["peers"] == 2 for r in peer_rows(savedir, k)[counts[k] + 2 :]) for k in (0, 1)
-        ),
-        180,
-        "both peers to train together again",
-    )
-    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
-    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+    wait_training_together_again(savedir, "both peers to train together again")
+    cancel_all(savedir)
 
 
 @needs_slurm
 def test_interrupted_broker_is_requeued_and_the_peers_train_on(tmp_path, savedirs):
-    savedir = tmp_path / "run"
-    savedirs.append(savedir)
-    result = run([*SMALL, FOREVER, f"savedir={savedir}"], tmp_path, timeout=180)
-    assert result.returncode == 0, result.stdout[-5000:]
-    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    savedir, _ = train_forever(tmp_path, savedirs)
     broker_id = jobs_lib.recorded_jobs(savedir)[0][0]
     port = yaml.safe_load((savedir / "broker.json").read_text())["port"]
     job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=broker_id)
@@ -409,14 +407,7 @@ def test_interrupted_broker_is_requeued_and_the_peers_train_on(tmp_path, savedir
     # Back on the same node, on the same port.
     wait_for(lambda: job_log(savedir, broker_id).count("Broker listening") >= 2, 60, "the broker")
     assert yaml.safe_load((savedir / "broker.json").read_text())["port"] == port
-    counts = [len(peer_rows(savedir, k)) for k in (0, 1)]
-    wait_for(
-        lambda: all(
-            any(r["peers"] == 2 for r in peer_rows(savedir, k)[counts[k] + 2 :]) for k in (0, 1)
-        ),
-        180,
-        "both peers to train together again",
-    )
+    wait_training_together_again(savedir, "both peers to train together again")
 
     # Interrupted again, and its port taken meanwhile (as if requeued on
     # another node): it listens elsewhere, and the peers follow broker.json.
@@ -439,35 +430,21 @@ def test_interrupted_broker_is_requeued_and_the_peers_train_on(tmp_path, savedir
     moved = f"the broker moved to {new['address']}"
     for job_id, role in jobs_lib.recorded_jobs(savedir)[1:]:
         wait_for(lambda j=job_id: moved in job_log(savedir, j), 60, f"{role} to follow the broker")
-    counts = [len(peer_rows(savedir, k)) for k in (0, 1)]
-    wait_for(
-        lambda: all(
-            any(r["peers"] == 2 for r in peer_rows(savedir, k)[counts[k] + 2 :]) for k in (0, 1)
-        ),
-        180,
-        "both peers to train together through the moved broker",
-    )
-    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
-    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+    wait_training_together_again(savedir, "both peers to train together through the moved broker")
+    cancel_all(savedir)
 
 
 @needs_slurm
 def test_one_job_runs_two_peers_one_per_task(tmp_path, savedirs):
-    savedir = tmp_path / "run"
-    savedirs.append(savedir)
-    args = [*SMALL, "scaling.tasks_per_node=2", FOREVER, f"savedir={savedir}"]
-    result = run(args, tmp_path, timeout=180)
-    assert result.returncode == 0, result.stdout[-5000:]
-    assert "1 peer jobs of 2 peers (one per task)" in result.stdout, result.stdout
-    assert [role for _, role in jobs_lib.recorded_jobs(savedir)] == ["broker", "peers 0-1"]
     # Two tasks of one job, each its own peer (rank from the task), in one group.
-    wait_for(lambda: both_training(savedir), 180, "both peers to train together")
+    savedir, out = train_forever(tmp_path, savedirs, "scaling.tasks_per_node=2")
+    assert "1 peer jobs of 2 peers (one per task)" in out, out
+    assert [role for _, role in jobs_lib.recorded_jobs(savedir)] == ["broker", "peers 0-1"]
     peer_job = jobs_lib.recorded_jobs(savedir)[1][0]
     assert len(list((savedir / "slurm" / peer_job).glob("*_log.out"))) == 2
     table = moolib_jobs(str(savedir))
     assert "peers 0-1" in table and "RUNNING" in table, table
-    moolib_jobs(str(savedir), "--cancel", "--grace", "30")
-    wait_for(lambda: all_ended(savedir), 60, "every job to end")
+    cancel_all(savedir)
 
 
 @needs_slurm
@@ -535,16 +512,7 @@ def test_sweep_gives_each_point_its_own_group_and_returns(tmp_path, savedirs):
 
 
 def test_slurm_config_composes_and_bad_values_name_their_key(tmp_path):
-    out = subprocess.run(
-        run_cmd("scaling=slurm", "--cfg", "job"),
-        cwd=tmp_path,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    cfg = yaml.safe_load(out.stdout)
+    cfg = cfg_job(tmp_path, "scaling=slurm")
     for key in ("partition", "time", "nodes", "gpus_per_task", "cpus_per_task", "mem"):
         assert key in cfg["scaling"]
     for key in ("constraint", "account", "qos", "additional_parameters", "wait", "max_failures"):

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 # Generous: the machine may have two slow, busy cores; nothing asserts on speed.
 RUN_TIMEOUT = 300.0
 STOP_TIMEOUT = 120.0
@@ -158,6 +160,20 @@ def run(
         return subprocess.CompletedProcess(r.proc.args, code, r.output(), "")
     finally:
         r.finish()
+
+
+def run_quick(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``moolib-run ARGS`` for something short (composition, a rejected config)."""
+    return subprocess.run(
+        run_cmd(*args), cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=120
+    )
+
+
+def cfg_job(tmp_path: Path, *overrides: str, part: str = "job") -> dict:
+    """``moolib-run OVERRIDES --cfg PART``: the composed config, parsed."""
+    r = run_quick(tmp_path, *overrides, "--cfg", part)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return yaml.safe_load(r.stdout)
 
 
 # -- outputs ---------------------------------------------------------------------------------
