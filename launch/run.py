@@ -50,12 +50,12 @@ def _run(cfg: DictConfig) -> int:
         from . import slurm  # submitit is only needed here
 
         try:
-            entry = slurm.launch(final, config_path, stop)
+            launched = slurm.launch(final, config_path, stop)
         except (RuntimeError, TimeoutError) as e:
             print(f"moolib-run: error: {e}", file=sys.stderr)
             sys.exit(1)
         if final.scaling.wait:
-            code = slurm.follow(entry, stop)
+            code = slurm.follow(launched, stop)
             if code:
                 sys.exit(code)
         return 0

@@ -43,6 +43,7 @@ import shlex
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,10 @@ from omegaconf import DictConfig, OmegaConf
 from .jobs import cancel_jobs
 from .slurm_files import (
     BROKER_FILE,
-    JOBS_FILE,
     SLURM_DIR,
     read_broker_file,
-    read_json,
     record_jobs,
     write_auth_key,
-    write_json_atomic,
 )
 from .slurm_jobs import BrokerJob, PeerJob, peers_per_job
 
@@ -176,9 +174,17 @@ def _wait_for_broker(
         time.sleep(0.5)
 
 
-def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> dict:
-    """Submits the experiment's jobs; returns what is recorded in jobs.json.
-    ``stop`` (Ctrl-C) while the broker job starts cancels it."""
+@dataclass
+class Launched:
+    """The jobs one launch submitted (what ``follow`` watches)."""
+
+    peer_jobs: list[submitit.Job]
+    broker_job: submitit.Job | None  # None with broker=host:port
+
+
+def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> Launched:
+    """Submits the experiment's jobs and records them in jobs.json. ``stop``
+    (Ctrl-C) while the broker job starts cancels it."""
     savedir = Path(cfg.savedir).resolve()
     folder = savedir / SLURM_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -244,12 +250,7 @@ def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> dict:
         "job_ids": [j.job_id for j in jobs],
         "peers_per_job": per_job,
     }
-    if broker_job is None:
-        record_jobs(savedir, entry)
-    else:
-        launches = read_json(savedir / JOBS_FILE) or []
-        launches = [e for e in launches if e.get("launch") != token] + [entry]
-        write_json_atomic(savedir / JOBS_FILE, launches)
+    record_jobs(savedir, entry)
     print(
         f"moolib-run: broker at {address}"
         + (f" (job {broker_job.job_id})" if broker_job else "")
@@ -264,17 +265,14 @@ def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> dict:
         "# stop them",
         flush=True,
     )
-    entry["_jobs"] = jobs
-    entry["_broker_job"] = broker_job
-    return entry
+    return Launched(jobs, broker_job)
 
 
-def follow(entry: dict, stop: threading.Event) -> int:
+def follow(launched: Launched, stop: threading.Event) -> int:
     """``scaling.wait=true``: waits for the peer jobs (printing state changes), then
     for the broker job; ``stop`` (Ctrl-C) cancels them. Returns 0 when every peer
     job completed."""
-    jobs: list[submitit.Job] = entry["_jobs"]
-    broker_job = entry.get("_broker_job")
+    jobs, broker_job = launched.peer_jobs, launched.broker_job
     states: dict[str, str] = {}
     while True:
         if stop.is_set():

@@ -39,11 +39,11 @@ def read_broker_file(savedir: Path, launch: str | None) -> str | None:
 
 
 def record_jobs(savedir: Path, entry: dict) -> None:
-    """Appends one launch to ``<savedir>/jobs.json`` (a list, newest last)."""
+    """Records one launch in ``<savedir>/jobs.json`` (a list, newest last),
+    replacing what an earlier call recorded for the same launch."""
     path = Path(savedir) / JOBS_FILE
-    launches = read_json(path) or []
-    launches.append(entry)
-    write_json_atomic(path, launches)
+    launches = [e for e in read_json(path) or [] if e.get("launch") != entry["launch"]]
+    write_json_atomic(path, [*launches, entry])
 
 
 def write_auth_key(savedir: Path, launch: str, key: str) -> Path:
