@@ -388,7 +388,6 @@ def test_threads_a_smaller_pool_ends_free_their_python_thread_states(tmp_path):
                 n, t = n + 1, api.PyThreadState_Next(t)
             return n
 
-        moolib.set_max_threads(8)
         server = moolib.Rpc()
         server.set_name("server")
         address = server.listen("127.0.0.1:0")
@@ -413,5 +412,49 @@ def test_threads_a_smaller_pool_ends_free_their_python_thread_states(tmp_path):
         check(after <= before - (len(idents) - 2), f"{before} thread states, then {after}")
         check(client.sync("server", "nap"), "calls still work")
         """,
+        env={"MOOLIB_MAX_THREADS": "8"},  # from the start: a pool shrunk later still serves
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def test_pool_grows_while_no_descriptor_is_left(tmp_path):
+    """Regression: a core thread that could not open its eventfd (descriptors
+    exhausted, e.g. by a flood of connections) threw out of the thread and
+    ended the process. It now waits for a descriptor; the pool serves meanwhile."""
+    proc = run(
+        tmp_path,
+        """
+        import resource
+        moolib.set_log_level("info")
+        server = moolib.Rpc()
+        server.set_name("server")
+        address = server.listen("127.0.0.1:0")
+        server.define("ident", threading.get_ident)
+        client = moolib.Rpc()
+        client.set_timeout(60)
+        client.connect(address)
+        check(client.sync("server", "ident"), "a call before")
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        spare = []
+        try:  # use up every descriptor
+            while True:
+                spare.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        moolib.set_max_threads(6)  # four workers cannot open their eventfd
+        print("set_max_threads returned", flush=True)
+        for fd in spare:
+            os.close(fd)
+        idents = set()
+        deadline = time.monotonic() + 60
+        while len(idents) < 3 and time.monotonic() < deadline:
+            futures = [client.async_("server", "ident") for _ in range(16)]
+            idents |= {f.result() for f in futures}
+        print("threads that served", len(idents), flush=True)
+        check(len(idents) >= 3, f"only {len(idents)} threads served calls")
+        """,
+        env={"MOOLIB_MAX_THREADS": "2"},  # the pool starts small, before the Rpcs
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "it starts once a descriptor is free" in proc.stdout
+    assert "got its descriptor and starts" in proc.stdout

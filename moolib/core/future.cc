@@ -27,7 +27,7 @@ bool FutureState::complete(std::vector<BufferPtr> segments, std::string error, b
     // Notified under the lock: a waiter leaves wait() only after taking it, so
     // its (thread-local) Waiter cannot be gone, its eventfd closed and the
     // number reused, while it is written to here.
-    Waiter* self = &currentWaiter();
+    Waiter* self = existingWaiter();  // not created here: completing must not need a descriptor
     for (Waiter* w : waiters_) {
       // The poller re-checks its own condition after each round anyway.
       if (w != self) w->notify();

@@ -96,10 +96,16 @@ void Waiter::sleepUntil(TimePoint deadline) {
   if (r > 0) clear();
 }
 
+namespace {
+thread_local std::unique_ptr<Waiter> tlsWaiter;
+}  // namespace
+
 Waiter& currentWaiter() {
-  thread_local Waiter waiter;
-  return waiter;
+  if (!tlsWaiter) tlsWaiter = std::make_unique<Waiter>();
+  return *tlsWaiter;
 }
+
+Waiter* existingWaiter() { return tlsWaiter.get(); }
 
 int timeoutMs(TimePoint deadline) {
   if (deadline == kForever) return -1;
@@ -151,12 +157,14 @@ Loop::~Loop() {
 
 void Loop::setMaxThreads(int n) {
   MOO_ENFORCE(n >= 1, "max threads must be at least 1, got ", n);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   maxThreads_ = n;
   while (liveWorkers_ < maxThreads_ && !stopping_) {
     int index = liveWorkers_++;
+    ++startingWorkers_;
     std::thread([this, index] { workerMain(index); }).detach();
   }
+  workersStarted_.wait(lock, [this] { return startingWorkers_ == 0; });
 }
 
 void Loop::shutdown(std::chrono::milliseconds grace) {
@@ -389,10 +397,36 @@ void Loop::pollRound(int timeout, bool worker) {
   }
 }
 
+bool Loop::tryCreateWaiter(int index, bool firstTry) {
+  try {
+    currentWaiter();
+    if (!firstTry) MOO_LOG(kInfo, "worker thread ", index, " got its descriptor and starts");
+    return true;
+  } catch (const Exception& e) {
+    if (firstTry) {
+      MOO_LOG(kError, "worker thread ", index, ": ", e.what(),
+              "; it starts once a descriptor is free");
+    }
+    return false;
+  }
+}
+
 void Loop::workerMain(int index) {
   tlsWorker = true;
-  currentWaiter();  // its eventfd now, not at some later first wait
-
+  // Its eventfd now, not at some later first wait, and setMaxThreads() waits
+  // for that: once an Rpc exists, its process has all its descriptors open.
+  // Without a descriptor left (a flood of connections can use them all up) the
+  // worker waits for one: an exception escaping a thread would end the process.
+  bool ready = tryCreateWaiter(index, true);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --startingWorkers_;
+  }
+  workersStarted_.notify_all();
+  while (!ready && !stopping_) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ready = tryCreateWaiter(index, false);
+  }
   while (!stopping_) {
     {
       std::lock_guard<std::mutex> lock(mutex_);

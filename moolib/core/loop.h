@@ -66,7 +66,12 @@ class Waiter {
   int fd_ = -1;
 };
 
+// This thread's Waiter, created (an eventfd opened) on first use; throws if
+// no descriptor is left.
 Waiter& currentWaiter();
+// This thread's Waiter if it has one: for code that only compares against it
+// and must not fail when descriptors run out.
+Waiter* existingWaiter();
 
 // While a worker runs a batch of requests it read, the replies they send are
 // corked: queued per connection and written together when the batch ends.
@@ -128,6 +133,9 @@ class Loop {
   };
 
   void workerMain(int index);
+  // Creates this worker's Waiter; false (logged on the first try) when no
+  // descriptor is left.
+  bool tryCreateWaiter(int index, bool firstTry);
   void rescueMain();
   // One epoll_wait round; returns false on shutdown.
   void pollRound(int timeout, bool worker);
@@ -146,6 +154,8 @@ class Loop {
   std::atomic<bool> stopping_{false};
   int maxThreads_;
   int liveWorkers_ = 0;
+  int startingWorkers_ = 0;  // spawned, not yet past creating their Waiter
+  std::condition_variable workersStarted_;
   std::atomic<int> idleWorkers_{0};
   std::atomic<int> queued_{0};
   std::vector<Waiter*> stickyWorkers_;
