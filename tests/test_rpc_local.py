@@ -615,6 +615,59 @@ def test_set_max_threads_then_many_concurrent_calls(make_rpc):
         moolib.set_max_threads(original)
 
 
+def test_calls_sent_together_run_together(pair):
+    """Requests read in one batch must not wait for each other: a function that
+    blocks (here until all four calls are in) once held the rest of its batch."""
+    client, server = pair
+    barrier = threading.Barrier(4, timeout=DEADLINE)
+    server.define("meet", lambda: barrier.wait() >= 0)
+    for _ in range(10):  # the barrier resets after each round
+        futures = [client.async_("server", "meet") for _ in range(4)]
+        assert [result(f) for f in futures] == [True] * 4
+
+
+def test_a_quick_reply_does_not_wait_for_a_blocked_call(pair):
+    """Nor may a reply that is ready wait (corked) behind a blocked function."""
+    client, server = pair
+    release = threading.Event()
+    server.define("block", lambda: release.wait(DEADLINE))
+    server.define("quick", lambda x: x)
+    try:
+        for i in range(10):
+            blocked = client.async_("server", "block")
+            quick = [client.async_("server", "quick", k) for k in range(3)]
+            assert [result(f) for f in quick] == [0, 1, 2], f"round {i}"
+            assert not blocked.done()
+            release.set()
+            assert result(blocked) is True
+            release.clear()
+    finally:
+        release.set()
+
+
+def test_a_pool_shrunk_then_grown_has_all_its_threads(make_rpc):
+    """Threads a smaller pool ended leave when they next wake up, in any order:
+    growing it again must start exactly the missing ones."""
+    original = moolib._core.get_max_threads()
+    try:
+        moolib.set_max_threads(4)
+        server = make_rpc("server", listen=True, timeout=DEADLINE)
+        client = make_rpc("client", timeout=DEADLINE)
+        client.connect(server.address)
+        server.define("ident", threading.get_ident)
+        barrier = threading.Barrier(4, timeout=DEADLINE)
+        server.define("meet", lambda: barrier.wait() >= 0)
+        for round_ in range(3):
+            moolib.set_max_threads(1)
+            for _ in range(20):  # wake some of the ended threads, not all
+                [result(f) for f in [client.async_("server", "ident") for _ in range(4)]]
+            moolib.set_max_threads(4)
+            futures = [client.async_("server", "meet") for _ in range(4)]
+            assert [result(f) for f in futures] == [True] * 4, f"round {round_}"
+    finally:
+        moolib.set_max_threads(original)
+
+
 # ---------------------------------------------------------------------------
 # Logging
 

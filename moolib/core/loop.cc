@@ -56,18 +56,46 @@ int defaultThreads() {
 
 // Set on workers while they handle I/O: requests read then run here.
 thread_local bool tlsWorker = false;
-thread_local std::deque<Task>* tlsInline = nullptr;
+thread_local InlineBatch* tlsInline = nullptr;
+// A worker's own batch, for its whole life.
+thread_local InlineBatch* tlsBatch = nullptr;
 thread_local std::weak_ptr<FdHandler> tlsSticky;
-thread_local std::vector<std::shared_ptr<Corkable>>* tlsCorked = nullptr;
+// The batch whose task runs on this thread, while its replies are corked.
+thread_local InlineBatch* tlsCorked = nullptr;
+
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+// The requests a worker read and runs itself (see Loop::runInline). The rescue
+// thread takes the rest of a batch whose task runs too long (blocks, say)
+// and flushes its corked replies, hence the lock.
+struct InlineBatch {
+  std::mutex mutex;
+  std::deque<Task> tasks;
+  bool corking = false;
+  std::vector<std::shared_ptr<Corkable>> corked;
+  std::atomic<int64_t> taskStartNs{0};  // when the running task began; 0: none runs
+};
+
+namespace {
+
+size_t queuedIn(InlineBatch& batch) {
+  std::lock_guard<std::mutex> lock(batch.mutex);
+  return batch.tasks.size();
+}
 
 }  // namespace
 
 bool corkIfBatching(const std::shared_ptr<Corkable>& c) {
   if (!tlsCorked) return false;
-  for (auto& x : *tlsCorked) {
-    if (x == c) return true;
-  }
-  tlsCorked->push_back(c);
+  std::lock_guard<std::mutex> lock(tlsCorked->mutex);
+  if (!tlsCorked->corking) return false;  // the rescue thread uncorked the batch
+  auto& corked = tlsCorked->corked;
+  if (std::find(corked.begin(), corked.end(), c) == corked.end()) corked.push_back(c);
   return true;
 }
 
@@ -159,8 +187,13 @@ void Loop::setMaxThreads(int n) {
   MOO_ENFORCE(n >= 1, "max threads must be at least 1, got ", n);
   std::unique_lock<std::mutex> lock(mutex_);
   maxThreads_ = n;
-  while (liveWorkers_ < maxThreads_ && !stopping_) {
-    int index = liveWorkers_++;
+  // Indices, not a count: the threads a smaller pool ended leave when they
+  // next wake up, in any order, and may still be there.
+  if (workerLive_.size() < size_t(n)) workerLive_.resize(n, false);
+  for (int index = 0; index < n && !stopping_; ++index) {
+    if (workerLive_[index]) continue;
+    workerLive_[index] = true;
+    ++liveWorkers_;
     ++startingWorkers_;
     std::thread([this, index] { workerMain(index); }).detach();
   }
@@ -222,24 +255,37 @@ void Loop::removeFd(int fd, uint64_t token) {
 void Loop::schedule(Task task) {
   if (stopping_) return;
   if (tlsInline) {
-    tlsInline->push_back(std::move(task));
+    std::lock_guard<std::mutex> lock(tlsInline->mutex);
+    tlsInline->tasks.push_back(std::move(task));
     return;
   }
+  std::deque<Task> one;
+  one.push_back(std::move(task));
+  enqueue(one);
+}
+
+void Loop::enqueue(std::deque<Task>& tasks) {
+  uint64_t n = tasks.size();
+  if (n == 0) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    tasks_.push_back(std::move(task));
-    queued_.fetch_add(1);
+    for (auto& t : tasks) tasks_.push_back(std::move(t));
+    queued_.fetch_add(int(n));
     // Workers serving a connection by themselves do not see the task fd.
     if (idleWorkers_.load() == 0) {
       for (Waiter* w : stickyWorkers_) w->notify();
     }
   }
-  uint64_t one = 1;
-  ssize_t r = ::write(taskFd_, &one, sizeof(one));
+  tasks.clear();
+  ssize_t r = ::write(taskFd_, &n, sizeof(n));
   (void)r;
 }
 
-bool Loop::hasInlineTasks() { return tlsInline && !tlsInline->empty(); }
+bool Loop::hasInlineTasks() {
+  if (!tlsInline) return false;
+  std::lock_guard<std::mutex> lock(tlsInline->mutex);
+  return !tlsInline->tasks.empty();
+}
 
 bool Loop::onWorkerThread() { return tlsWorker; }
 
@@ -331,40 +377,66 @@ std::shared_ptr<FdHandler> Loop::dispatch(uint64_t token, uint32_t events) {
 }
 
 void Loop::runInline() {
-  std::deque<Task>& tasks = *tlsInline;
-  if (tasks.empty()) return;
-  std::vector<std::shared_ptr<Corkable>> corked;
+  InlineBatch& batch = *tlsInline;
+  {
+    std::lock_guard<std::mutex> lock(batch.mutex);
+    if (batch.tasks.empty()) return;
+    batch.corking = batch.tasks.size() > 1;
+  }
   struct Uncork {
-    std::vector<std::shared_ptr<Corkable>>& corked;
+    InlineBatch& batch;
     ~Uncork() {
-      tlsCorked = nullptr;
+      std::vector<std::shared_ptr<Corkable>> corked;
+      {
+        std::lock_guard<std::mutex> lock(batch.mutex);
+        batch.corking = false;
+        corked.swap(batch.corked);
+      }
       for (auto& c : corked) c->uncork();
     }
-  } uncork{corked};
-  if (tasks.size() > 1) tlsCorked = &corked;
+  } uncork{batch};
   TimePoint start = Clock::now();
-  while (!tasks.empty()) {
-    if (Clock::now() - start > kInlineBudget && tasks.size() > 1) {
-      // Long-running work: let idle workers take the rest.
-      size_t n;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        n = tasks.size();
-        for (auto& t : tasks) tasks_.push_back(std::move(t));
-        queued_.fetch_add(int(n));
+  while (true) {
+    Task t;
+    {
+      std::lock_guard<std::mutex> lock(batch.mutex);
+      if (batch.tasks.empty()) break;
+      if (Clock::now() - start > kInlineBudget && batch.tasks.size() > 1) {
+        // Long-running work: let idle workers take the rest.
+        enqueue(batch.tasks);
+        break;
       }
-      tasks.clear();
-      uint64_t count = n;
-      ssize_t r = ::write(taskFd_, &count, sizeof(count));
-      (void)r;
-      return;
+      t = std::move(batch.tasks.front());
+      batch.tasks.pop_front();
+      batch.taskStartNs = nowNs();
     }
-    Task t = std::move(tasks.front());
-    tasks.pop_front();
     tlsInline = nullptr;  // what this task schedules goes to the shared queue
+    tlsCorked = &batch;
     t();
-    tlsInline = &tasks;
+    tlsCorked = nullptr;
+    tlsInline = &batch;
+    batch.taskStartNs = 0;
   }
+}
+
+void Loop::rescueStuckBatches() {
+  // A task that blocks (a function waiting for another call, say) must not
+  // hold up the requests read with it, nor the replies already corked.
+  int64_t stuckSince = nowNs() - std::chrono::nanoseconds(kInlineBudget).count();
+  std::vector<std::shared_ptr<Corkable>> corked;
+  {
+    std::lock_guard<std::mutex> lock(batchesMutex_);
+    for (InlineBatch* batch : batches_) {
+      int64_t started = batch->taskStartNs.load();
+      if (started == 0 || started > stuckSince) continue;
+      std::lock_guard<std::mutex> batchLock(batch->mutex);
+      enqueue(batch->tasks);
+      batch->corking = false;
+      for (auto& c : batch->corked) corked.push_back(std::move(c));
+      batch->corked.clear();
+    }
+  }
+  for (auto& c : corked) c->uncork();
 }
 
 void Loop::pollRound(int timeout, bool worker) {
@@ -372,17 +444,17 @@ void Loop::pollRound(int timeout, bool worker) {
   if (worker) idleWorkers_.fetch_add(1);
   int n = epoll_wait(epollFd_, events, worker ? 4 : 16, timeout);
   if (worker) idleWorkers_.fetch_sub(1);
-  std::deque<Task> inlineTasks;
-  if (worker) tlsInline = &inlineTasks;
+  InlineBatch* batch = worker ? tlsBatch : nullptr;
+  tlsInline = batch;
   bool taskSignal = false;
   for (int i = 0; i < n; ++i) {
     if (events[i].data.u64 == kTaskToken) {
       taskSignal = true;
       continue;
     }
-    size_t before = inlineTasks.size();
+    size_t before = batch ? queuedIn(*batch) : 0;
     auto handler = dispatch(events[i].data.u64, events[i].events);
-    if (worker && inlineTasks.size() > before && handler) tlsSticky = handler;
+    if (batch && handler && queuedIn(*batch) > before) tlsSticky = handler;
   }
   if (worker) {
     runInline();
@@ -427,18 +499,28 @@ void Loop::workerMain(int index) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     ready = tryCreateWaiter(index, false);
   }
-  while (!stopping_) {
+  auto batch = std::make_unique<InlineBatch>();
+  tlsBatch = batch.get();
+  {
+    std::lock_guard<std::mutex> lock(batchesMutex_);
+    batches_.push_back(tlsBatch);
+  }
+  while (true) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (index >= maxThreads_) break;
+      // Decided and recorded at once, so setMaxThreads never counts on a
+      // worker that is leaving.
+      if (stopping_ || index >= maxThreads_) {
+        workerLive_[index] = false;
+        break;
+      }
     }
     if (auto sticky = tlsSticky.lock()) {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         stickyWorkers_.push_back(&currentWaiter());
       }
-      std::deque<Task> inlineTasks;
-      tlsInline = &inlineTasks;
+      tlsInline = tlsBatch;
       bool active = sticky->serveSticky(Clock::now() + kStickyWindow);
       runInline();
       tlsInline = nullptr;
@@ -455,6 +537,11 @@ void Loop::workerMain(int index) {
     pollRound(-1, true);
   }
   tlsSticky.reset();
+  {
+    std::lock_guard<std::mutex> lock(batchesMutex_);
+    batches_.erase(std::find(batches_.begin(), batches_.end(), tlsBatch));
+  }
+  tlsBatch = nullptr;
   std::lock_guard<std::mutex> lock(mutex_);
   --liveWorkers_;
 }
@@ -465,6 +552,7 @@ void Loop::rescueMain() {
     std::this_thread::sleep_for(kRescueInterval);
     if (stopping_) break;
     if (idleWorkers_.load() == 0) pollRound(0, false);
+    rescueStuckBatches();
   }
 }
 

@@ -13,7 +13,9 @@
 // round trip on virtual machines; this design avoids them on the fast path.
 //
 // If every worker is busy in a long callback, a rescue thread polls in their
-// place every few milliseconds, so I/O, timers and keepalives never stall.
+// place every few milliseconds, so I/O, timers and keepalives never stall. It
+// also hands the requests a worker read along with one that runs long (or
+// blocks) to other workers, and sends the replies already made.
 //
 // Nothing here takes the Python GIL.
 #pragma once
@@ -85,6 +87,8 @@ bool corkIfBatching(const std::shared_ptr<Corkable>& c);
 // Milliseconds for poll/epoll until the deadline (-1: forever), rounded up.
 int timeoutMs(TimePoint deadline);
 
+struct InlineBatch;
+
 class Loop {
  public:
   // The loop of this process. A child created by fork() gets a fresh one; the
@@ -144,6 +148,10 @@ class Loop {
   void armTimerFdLocked();
   bool popTask(Task& out);
   void runInline();
+  // Moves tasks to the shared queue and wakes workers for them.
+  void enqueue(std::deque<Task>& tasks);
+  // Rescue thread: hands the rest of a batch whose task runs too long to the pool.
+  void rescueStuckBatches();
 
   int epollFd_ = -1;
   int taskFd_ = -1;  // counts queued tasks (EFD_SEMAPHORE): wakes one worker per task
@@ -154,11 +162,15 @@ class Loop {
   std::atomic<bool> stopping_{false};
   int maxThreads_;
   int liveWorkers_ = 0;
-  int startingWorkers_ = 0;  // spawned, not yet past creating their Waiter
+  std::vector<bool> workerLive_;  // by worker index
+  int startingWorkers_ = 0;       // spawned, not yet past creating their Waiter
   std::condition_variable workersStarted_;
   std::atomic<int> idleWorkers_{0};
   std::atomic<int> queued_{0};
   std::vector<Waiter*> stickyWorkers_;
+
+  std::mutex batchesMutex_;  // taken before a batch's own mutex, then mutex_
+  std::vector<InlineBatch*> batches_;
 
   std::mutex timerMutex_;
   std::vector<Timer> timerHeap_;
