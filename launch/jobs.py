@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .slurm_files import JOBS_FILE, read_json
+from .slurm_files import JOBS_FILE, SLURM_DIR, read_json
 
 
 def recorded_jobs(savedir: Path, everything: bool = False) -> list[tuple[str, str]]:
@@ -76,6 +76,20 @@ def job_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
     return info
 
 
+def failure_counts(folder: Path) -> dict[str, int]:
+    """Job id -> how many times its batch script requeued it because its tasks
+    failed (slurm_requeue's count; preemptions are not counted), for a savedir
+    or a sweep's folder."""
+    folder = Path(folder)
+    counts: dict[str, int] = {}
+    for path in [
+        *folder.glob(f"{SLURM_DIR}/*/failures"),
+        *folder.glob(f"*/{SLURM_DIR}/*/failures"),
+    ]:
+        counts[path.parent.name] = len(path.read_text().splitlines())
+    return counts
+
+
 ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED"}
 
 
@@ -126,11 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         cancel_jobs(active, args.grace)
         print(f"moolib-jobs: cancelled {len(active)} jobs: {' '.join(active) or '-'}")
         states = job_states([j for j, _ in found])
+    failures = failure_counts(args.savedir)
     width = max(10, *(len(role) for _, role in found))
-    print(f"{'job':<16} {'role':<{width}} {'state':<12} {'elapsed':>10}  node")
+    print(
+        f"{'job':<16} {'role':<{width}} {'state':<12} {'elapsed':>10} {'fail-requeues':>13}  node"
+    )
     for job_id, role in found:
         st = states.get(job_id, {"state": "UNKNOWN", "elapsed": "", "node": ""})
-        print(f"{job_id:<16} {role:<{width}} {st['state']:<12} {st['elapsed']:>10}  {st['node']}")
+        print(
+            f"{job_id:<16} {role:<{width}} {st['state']:<12} {st['elapsed']:>10} "
+            f"{failures.get(job_id, 0):>13}  {st['node']}"
+        )
     return 0
 
 

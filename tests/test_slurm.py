@@ -371,6 +371,8 @@ def test_failed_peer_is_requeued_until_max_failures(tmp_path, savedirs):
     crash()
     wait_for(lambda: states(savedir)["peer 1"] == "FAILED", 120, "the peer job to fail")
     assert "not requeued" in job_log(savedir, peer1)
+    row = next(line.split() for line in moolib_jobs(str(savedir)).splitlines() if peer1 in line)
+    assert row[3] == "FAILED" and row[5] == "1", row  # job peer 1 state elapsed fail-requeues
     wait_for(lambda: any(r["peers"] == 1 for r in peer_rows(savedir, 0)[-3:]), 90, "peer 0 alone")
     assert states(savedir)["peer 0"] == "RUNNING"
     cancel_all(savedir)
