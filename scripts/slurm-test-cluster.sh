@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# A real single-node SLURM for moolib's tests (tests/test_slurm.py), from Debian
-# packages, with everything under one folder: no systemd, nothing in /etc.
+# A real SLURM for moolib's tests (tests/test_slurm.py), from Debian packages,
+# with everything under one folder: no systemd, nothing in /etc. Two nodes run
+# on this one machine: "node1" (partition debug, the default) and "node2"
+# (another port); partition "two" has both, for jobs that span nodes.
+# (Not "localhost": slurmd takes any name for a lone node of that name, so a
+# second node clashes with it.)
 #
 #   scripts/slurm-test-cluster.sh start    # installs packages if missing (~1 min once), starts (~3 s)
 #   eval "$(scripts/slurm-test-cluster.sh env)"   # SLURM_CONF for sbatch/sacct/submitit
@@ -9,9 +13,10 @@
 #   scripts/slurm-test-cluster.sh clean    # stop, then remove the folder
 #
 # MOOLIB_SLURM_BASE (default /tmp/moolib-slurm-ci) holds config, state, logs and
-# the accounting database; MOOLIB_SLURM_PORT (default 16817) is the first of four
-# ports (slurmctld, slurmd, slurmdbd, MariaDB), away from SLURM's defaults so a
-# test cluster does not collide with another one on the same machine.
+# the accounting database; MOOLIB_SLURM_PORT (default 16817) is the first of five
+# ports (slurmctld, node1's slurmd, slurmdbd, MariaDB, node2's slurmd), away from
+# SLURM's defaults so a test cluster does not collide with another one on the
+# same machine.
 set -euo pipefail
 
 B=${MOOLIB_SLURM_BASE:-/tmp/moolib-slurm-ci}
@@ -37,10 +42,15 @@ wait_for() {  # wait_for SECONDS COMMAND...: polls every 0.1 s
   for _ in $(seq "$n"); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done
   return 1
 }
-# The node is up when slurmctld runs and reports it usable (sinfo alone would
-# retry for ~10 s when slurmctld is down).
+NODES="node1 node2"
+# The cluster is up when slurmctld runs and reports every node usable (sinfo
+# alone would retry for ~10 s when slurmctld is down).
 up() {
-  alive "$B/run/slurmctld.pid" && sinfo -h -o %T 2>/dev/null | grep -qE '^(idle|mixed|allocated)'
+  alive "$B/run/slurmctld.pid" || return 1
+  local n
+  for n in $NODES; do
+    sinfo -h -N -n "$n" -o %T 2>/dev/null | grep -qE '^(idle|mixed|allocated)' || return 1
+  done
 }
 
 install_packages() {
@@ -53,7 +63,7 @@ install_packages() {
 }
 
 write_config() {
-  mkdir -p "$B"/{etc,log,run,state/ctld,state/d,munge}
+  mkdir -p "$B"/{etc,log,run,state/ctld,state/d-node1,state/d-node2,munge}
   chmod 700 "$B/munge"
   [ -s "$B/munge/munge.key" ] || {
     head -c 1024 /dev/urandom >"$B/munge/munge.key"
@@ -76,11 +86,11 @@ CredType=cred/munge
 # cred_expire: a requeued job waits this long before it starts again (default 120 s).
 AuthInfo=socket=$SOCK,cred_expire=10
 StateSaveLocation=$B/state/ctld
-SlurmdSpoolDir=$B/state/d
+SlurmdSpoolDir=$B/state/d-%n
 SlurmctldPidFile=$B/run/slurmctld.pid
-SlurmdPidFile=$B/run/slurmd.pid
+SlurmdPidFile=$B/run/slurmd-%n.pid
 SlurmctldLogFile=$B/log/slurmctld.log
-SlurmdLogFile=$B/log/slurmd.log
+SlurmdLogFile=$B/log/slurmd-%n.log
 MailProg=/bin/true
 # No cgroups in a container: track processes by /proc, no task binding.
 ProctrackType=proctrack/linuxproc
@@ -104,8 +114,10 @@ AccountingStorageHost=localhost
 AccountingStoragePort=$((PORT + 2))
 # The slurmctld-slurmdbd link ignores AuthInfo; this is where it finds munge.
 AccountingStoragePass=$SOCK
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=$NCPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$NCPUS ThreadsPerCore=1 RealMemory=16000 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+NodeName=node1 NodeAddr=127.0.0.1 CPUs=$NCPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$NCPUS ThreadsPerCore=1 RealMemory=16000 State=UNKNOWN
+NodeName=node2 NodeAddr=127.0.0.1 Port=$((PORT + 4)) CPUs=4 Boards=1 SocketsPerBoard=1 CoresPerSocket=4 ThreadsPerCore=1 RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=node1 Default=YES MaxTime=INFINITE State=UP
+PartitionName=two Nodes=node1,node2 MaxTime=INFINITE State=UP
 EOF
   # slurmdbd reads slurmdbd.conf beside slurm.conf; it must be private.
   cat >"$B/etc/slurmdbd.conf" <<EOF
@@ -160,13 +172,16 @@ start() {
   wait_for 30 sacctmgr -n show cluster \
     || { say "slurmdbd did not answer:"; tail -20 "$B/log/slurmdbd.log" >&2; exit 1; }
   alive "$B/run/slurmctld.pid" || slurmctld
-  alive "$B/run/slurmd.pid" || slurmd
-  wait_for 60 up || { say "the node did not come up:"; tail -20 "$B"/log/slurm*.log >&2; exit 1; }
+  local n
+  for n in $NODES; do
+    alive "$B/run/slurmd-$n.pid" || slurmd -N "$n"
+  done
+  wait_for 60 up || { say "the nodes did not come up:"; tail -n 20 "$B"/log/slurm*.log >&2; exit 1; }
   # slurmctld registers the cluster with slurmdbd by itself; sacct works after that.
   wait_for 30 sh -c "sacctmgr -n -P show cluster format=cluster | grep -qx moolibci" \
     || { say "the cluster did not register with slurmdbd"; exit 1; }
   sacct -n >/dev/null
-  say "up: $NCPUS CPUs on partition debug; state under $B"
+  say "up: $NCPUS CPUs on partition debug (node node1), partition two adds node2; state under $B"
   echo "export SLURM_CONF=$CONF"
 }
 
@@ -189,7 +204,9 @@ stop() {
     scancel --full --user="$(id -un)" 2>/dev/null || true
     wait_for 15 sh -c '[ -z "$(squeue -h -t R,CG -o %i)" ]' || true
   fi
-  stop_pid "$B/run/slurmd.pid"
+  local n
+  for n in $NODES; do stop_pid "$B/run/slurmd-$n.pid"; done
+  stop_pid "$B/run/slurmd.pid"  # a cluster started by an older version of this script
   stop_pid "$B/run/slurmctld.pid"
   stop_pid "$B/run/slurmdbd.pid"
   stop_pid "$B/run/mysqld.pid"

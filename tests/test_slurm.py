@@ -450,6 +450,21 @@ def test_one_job_runs_two_peers_one_per_task(tmp_path, savedirs):
 
 
 @needs_slurm
+def test_one_job_spans_two_nodes_one_peer_per_node(tmp_path, savedirs):
+    # The test cluster's partition "two" has a second node (a second slurmd on
+    # this machine): srun starts one task on each, and the ranks come from them.
+    savedir, out = train_forever(tmp_path, savedirs, "scaling.nodes=2", "scaling.partition=two")
+    assert "1 peer jobs of 2 peers (one per task)" in out, out
+    peer_job = jobs_lib.recorded_jobs(savedir)[1][0]
+    assert jobs_lib.job_states([peer_job])[peer_job]["node"] == "node[1-2]"
+    logs = sorted(p.read_text() for p in (savedir / "slurm" / peer_job).glob("*_log.out"))
+    assert len(logs) == 2
+    assert any("node=0(2)" in log and "peer 0:" in log for log in logs), logs
+    assert any("node=1(2)" in log and "peer 1:" in log for log in logs), logs
+    cancel_all(savedir)
+
+
+@needs_slurm
 def test_an_existing_broker_is_used_instead_of_a_broker_job(tmp_path, savedirs):
     from moolib.launch.local import EmbeddedBroker
 
