@@ -281,11 +281,7 @@ void Loop::enqueue(std::deque<Task>& tasks) {
   (void)r;
 }
 
-bool Loop::hasInlineTasks() {
-  if (!tlsInline) return false;
-  std::lock_guard<std::mutex> lock(tlsInline->mutex);
-  return !tlsInline->tasks.empty();
-}
+bool Loop::hasInlineTasks() { return tlsInline && queuedIn(*tlsInline) > 0; }
 
 bool Loop::onWorkerThread() { return tlsWorker; }
 
