@@ -259,24 +259,28 @@ void Loop::schedule(Task task) {
     tlsInline->tasks.push_back(std::move(task));
     return;
   }
-  std::deque<Task> one;
-  one.push_back(std::move(task));
-  enqueue(one);
+  pushShared(1, [&task](std::deque<Task>& shared) { shared.push_back(std::move(task)); });
 }
 
 void Loop::enqueue(std::deque<Task>& tasks) {
-  uint64_t n = tasks.size();
-  if (n == 0) return;
+  if (tasks.empty()) return;
+  pushShared(tasks.size(), [&tasks](std::deque<Task>& shared) {
+    for (auto& t : tasks) shared.push_back(std::move(t));
+  });
+  tasks.clear();
+}
+
+template <typename Push>
+void Loop::pushShared(uint64_t n, Push&& push) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& t : tasks) tasks_.push_back(std::move(t));
+    push(tasks_);
     queued_.fetch_add(int(n));
     // Workers serving a connection by themselves do not see the task fd.
     if (idleWorkers_.load() == 0) {
       for (Waiter* w : stickyWorkers_) w->notify();
     }
   }
-  tasks.clear();
   ssize_t r = ::write(taskFd_, &n, sizeof(n));
   (void)r;
 }
@@ -379,6 +383,9 @@ void Loop::runInline() {
     if (batch.tasks.empty()) return;
     batch.corking = batch.tasks.size() > 1;
   }
+  // Only a batch that corks is seen by its tasks' sends: a lone request's
+  // reply goes out with no lock taken.
+  InlineBatch* corkable = batch.corking ? &batch : nullptr;
   struct Uncork {
     InlineBatch& batch;
     ~Uncork() {
@@ -407,7 +414,7 @@ void Loop::runInline() {
       batch.taskStartNs = nowNs();
     }
     tlsInline = nullptr;  // what this task schedules goes to the shared queue
-    tlsCorked = &batch;
+    tlsCorked = corkable;
     t();
     tlsCorked = nullptr;
     tlsInline = &batch;

@@ -150,6 +150,10 @@ class Loop {
   void runInline();
   // Moves tasks to the shared queue and wakes workers for them.
   void enqueue(std::deque<Task>& tasks);
+  // Adds n tasks to the shared queue through push, under its lock, and wakes
+  // workers for them.
+  template <typename Push>
+  void pushShared(uint64_t n, Push&& push);
   // Rescue thread: hands the rest of a batch whose task runs too long to the pool.
   void rescueStuckBatches();
 
