@@ -63,7 +63,9 @@ install_packages() {
 }
 
 write_config() {
-  mkdir -p "$B"/{etc,log,run,state/ctld,state/d-node1,state/d-node2,munge}
+  mkdir -p "$B"/{etc,log,run,state/ctld,munge}
+  local n
+  for n in $NODES; do mkdir -p "$B/state/d-$n"; done
   chmod 700 "$B/munge"
   [ -s "$B/munge/munge.key" ] || {
     head -c 1024 /dev/urandom >"$B/munge/munge.key"
