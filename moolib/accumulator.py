@@ -16,6 +16,14 @@ from the leader's -- a new peer, or one that diverged -- gets the leader's state
 the leader sees ``wants_state()`` and calls ``set_state(obj)``; the member sees
 ``has_new_state()`` and loads ``state()``. Model buffers (e.g. batch-norm
 statistics) follow the leader: each round carries the leader's buffers.
+
+As in the original moolib, a member is ``connected()`` as soon as it is in the
+group with a leader and holds the leader's model: on the leader and the members
+in step with it at once, on the others when the leader's state arrives, from
+which point ``has_new_state()`` is True until ``state()`` is read. Until it is
+read, the member neither offers gradients nor sends its state (its model is not
+the one its version says), so the calls of a training loop may come in any
+order.
 """
 
 from __future__ import annotations
@@ -80,7 +88,10 @@ class Accumulator:
         self._leader_lineage = 0
         self._needers: list[str] = []
         self._incoming: tuple | None = None  # (sync id, version, lineage, state)
+        # The leader's state, received and not read yet: it outlives elections
+        # (this peer already took its version and lineage).
         self._new_state: Any = None
+        self._has_new_state = False
 
         self._rounds: deque[Any] = deque()  # AllReduce of [grads, meta(, buffers)]
         self._sum: Any = None
@@ -106,7 +117,7 @@ class Accumulator:
         self._rpc.connect(address)
 
     def connected(self) -> bool:
-        """Whether this peer is in the group, knows its leader and has its state."""
+        """Whether this peer is in the group, knows its leader and has received its model."""
         return self._phase == "ready" and self._group.active()
 
     def update(self) -> None:
@@ -123,9 +134,12 @@ class Accumulator:
         if self._phase == "electing" and self._election.done():
             self._finish_election()
         if self._phase == "waiting_state" and self._incoming is not None:
-            if self._incoming[0] == self._sync_id:
-                self._new_state = self._incoming
+            sync_id, version, lineage, state = self._incoming
             self._incoming = None
+            if sync_id == self._sync_id:
+                self._new_state, self._has_new_state = state, True
+                self._model_version, self._lineage = version, lineage
+                self._phase = "ready"
         if self._phase == "ready":
             self._collect_rounds()
 
@@ -145,7 +159,6 @@ class Accumulator:
                     p.grad.zero_()
         self._election = None
         self._needers = []
-        self._new_state = None
 
     def _start_election(self, sync_id: int) -> None:
         torch = self._torch
@@ -195,7 +208,12 @@ class Accumulator:
 
     def wants_state(self) -> bool:
         """True on the leader when peers wait for its state: call ``set_state``."""
-        return self._phase == "ready" and self.is_leader() and bool(self._needers)
+        return (
+            self._phase == "ready"
+            and not self._has_new_state
+            and self.is_leader()
+            and bool(self._needers)
+        )
 
     def set_state(self, state: Any) -> None:
         """Sends ``state`` (e.g. model and optimizer state dicts) to the peers that need it."""
@@ -215,18 +233,14 @@ class Accumulator:
         self._incoming = (sync_id, version, lineage, state)
 
     def has_new_state(self) -> bool:
-        """True when the leader's state arrived: load it from ``state()``."""
-        return self._phase == "waiting_state" and self._new_state is not None
+        """True from the leader's state's arrival until ``state()`` reads it: load it then."""
+        return self._has_new_state
 
     def state(self) -> Any:
-        """The leader's state; taking it makes this peer ready to train."""
-        if self._new_state is None:
+        """The leader's state (load it into the model and optimizer); read once."""
+        if not self._has_new_state:
             raise RuntimeError("no new state: check has_new_state() first")
-        _, version, lineage, state = self._new_state
-        self._new_state = None
-        self._model_version = version
-        self._lineage = lineage
-        self._phase = "ready"
+        state, self._new_state, self._has_new_state = self._new_state, None, False
         return state
 
     # Gradients ----------------------------------------------------------------
@@ -235,6 +249,7 @@ class Accumulator:
         """Whether to compute gradients now (and then call ``reduce_gradients``)."""
         return (
             self._phase == "ready"
+            and not self._has_new_state
             and not self._has_gradients
             and len(self._rounds) < self._parallel
             and self._group.active()
@@ -268,6 +283,10 @@ class Accumulator:
         torch = self._torch
         if self._phase != "ready":
             raise RuntimeError("the accumulator is not connected: check connected() first")
+        if self._has_new_state:
+            raise RuntimeError(
+                "the leader's state has not been read: load state() before computing gradients"
+            )
         if len(self._rounds) >= self._parallel:
             raise RuntimeError("too many gradient rounds in flight: check wants_gradients() first")
         tensors = [grads, torch.tensor(meta, dtype=torch.float64)]

@@ -496,6 +496,30 @@ def test_training_goes_on_after_a_peer_is_killed(cluster, victim):
     assert last[0]["leader"] == last[1]["leader"], last
 
 
+@pytest.mark.parametrize("how", ["sigstop", "hung_loop"])
+def test_a_member_that_stops_calling_update_is_dropped_then_rejoins(cluster, how):
+    """Four members; one stops calling update() with its process alive (frozen
+    by SIGSTOP, or its loop hung while its core threads run on): the other
+    three drop it and train on; once it calls update() again it rejoins."""
+    cluster.start_broker()
+    trainers = [cluster.trainer(i, start_members=4, step_sleep=0.005) for i in range(4)]
+    wait_all(trainers, step_at_least(5, members=4), "5 steps with 4 members")
+    stuck, others = trainers[3], trainers[:3]
+    if how == "sigstop":
+        stuck.proc.send_signal(signal.SIGSTOP)
+    else:
+        stuck.send("pause")
+        stuck.wait(lambda e: e["event"] == "paused", what="the loop paused")
+    wait_trained_after(others, f"3 members training on ({how})", members=3)
+    assert stuck.alive()
+    if how == "sigstop":
+        stuck.proc.send_signal(signal.SIGCONT)
+    else:
+        stuck.send("resume")
+    wait_trained_after(trainers, "4 members training together again", members=4)
+    assert_consistent(cluster.trainers)
+
+
 def test_peer_joining_mid_training_gets_the_state(cluster):
     cluster.start_broker()
     trainers = [cluster.trainer(i, start_members=2, step_sleep=0.005) for i in range(2)]
@@ -509,6 +533,28 @@ def test_peer_joining_mid_training_gets_the_state(cluster):
     there = [e for t in trainers for e in list(t.events) if e.get("version") == loaded["version"]]
     assert there and all(e["hash"] == loaded["hash"] for e in there), (loaded, there)
     assert_consistent(everyone)
+
+
+@pytest.mark.parametrize("order", sorted(acc_trainer.ORDERS))
+def test_every_call_order_trains_through_a_late_join_and_a_killed_leader(cluster, order):
+    """The loop's calls in the README's order, in the original example's
+    (skip while not connected, first) and with gradients before the state:
+    each trains, takes in a late peer and goes on after the leader dies."""
+    cluster.start_broker()
+    first = [cluster.trainer(i, start_members=2, step_sleep=0.005, order=order) for i in range(2)]
+    wait_all(first, step_at_least(5, members=2), f"5 steps with 2 members ({order})")
+    late = cluster.trainer(2, step_sleep=0.005, order=order)
+    loaded = late.wait(lambda e: e["event"] == "state_loaded", what="the late peer's state")
+    assert loaded["hash"] != late.hello["hash"], loaded
+    everyone = [*first, late]
+    last = wait_trained_after(everyone, "training with the late peer", members=3)
+    leader = last[0]["leader"]
+    dead = next(t for t in everyone if t.name == leader)
+    dead.kill()
+    survivors = [t for t in everyone if t is not dead]
+    last = wait_trained_after(survivors, "training on after the leader died", members=2)
+    assert last[0]["leader"] == last[1]["leader"] != leader, last
+    assert_consistent(cluster.trainers)
 
 
 def test_peers_that_trained_apart_are_reconciled_when_they_meet(cluster):
@@ -721,6 +767,43 @@ def test_exact_gradients_stats_and_buffers(make_peer):
         assert p.acc.model_version() == 1
         assert torch.equal(p.w.grad, torch.zeros(3))
     assert all(p.acc.wants_gradients() for p in peers)
+
+
+def test_connected_with_the_leaders_state_until_it_is_read(make_peer, local_broker):
+    """As in the original: a follower is connected as soon as the leader's
+    state arrived, and has_new_state() holds from then until state() is read;
+    meanwhile it neither offers gradients nor sends state."""
+    lead = make_peer([1.0, 2.0])
+    poll_until([lead], lambda: lead.acc.connected(), "the first peer connected")
+    assert lead.acc.is_leader() and not lead.acc.has_new_state()
+    lead.acc.set_model_version(3)
+    follower = moolib.Accumulator("acc_local", [torch.nn.Parameter(torch.zeros(2))], [])
+    follower.connect(local_broker)
+    try:
+
+        def follower_connected():
+            lead.poll()
+            follower.update()
+            return follower.connected()
+
+        wait_for(follower_connected, what="the follower connected")
+        assert follower.has_new_state()
+        assert follower.model_version() == 3
+        assert follower.get_leader() == lead.acc.rpc.get_name()
+        assert not follower.wants_gradients() and not follower.wants_state()
+        with pytest.raises(RuntimeError, match="state"):
+            follower.skip_gradients()
+        for _ in range(3):  # still there, however often update() runs
+            follower.update()
+            assert follower.connected() and follower.has_new_state()
+        assert follower.state()["note"] == "from the leader"
+        assert not follower.has_new_state()
+        with pytest.raises(RuntimeError):
+            follower.state()
+        assert follower.connected() and follower.wants_gradients()
+    finally:
+        follower.group.close()
+        follower.rpc.close()
 
 
 def wait_gradients(peers, expected, what):

@@ -3,7 +3,7 @@
 Usage: acc_trainer.py --broker ADDR --index I [--batch B] [--virtual-batch V]
                       [--parallel P] [--timeout S] [--model-version N] [--init-seed S]
                       [--start-members N] [--skip-first-round] [--save-at K --out PATH]
-                      [--step-sleep S] [--stop-at N]
+                      [--step-sleep S] [--stop-at N] [--order NAME]
 
 The model (Linear -> BatchNorm1d -> ReLU -> Linear) starts from ``--init-seed``
 (default: ``1000 + index``, so peers start different and must adopt the
@@ -19,8 +19,10 @@ saved) with the model version, leader, group sync id and size, gradient stats
 and a hash of the parameters; steps also carry hashes of the gradients applied
 and of the optimizer's momentum. At ``--save-at`` model version it writes its
 parameters, buffers and starting parameters to ``--out`` (torch.save). Runs
-until its stdin closes or it is killed; ``stop_at N`` on stdin (or
-``--stop-at N``) makes it compute no gradients from model version N on.
+until its stdin closes or it is killed; ``--order`` picks the order of the
+accumulator calls in its loop (see ORDERS); ``stop_at N`` on stdin (or
+``--stop-at N``) makes it compute no gradients from model version N on;
+``pause`` stops its loop (no accumulator call at all) until ``resume``.
 """
 
 from __future__ import annotations
@@ -80,6 +82,16 @@ def param_hash(model: torch.nn.Module) -> str:
     return tensors_hash(model.parameters())
 
 
+# Orders of the calls after update() in one loop iteration: the README's,
+# the original moolib example's (skip while not connected first), and one that
+# handles gradients before the state.
+ORDERS = {
+    "readme": ("send", "load", "connected", "gradients"),
+    "connected_first": ("connected", "send", "load", "gradients"),
+    "gradients_first": ("connected", "gradients", "load", "send"),
+}
+
+
 def emit(**fields) -> None:
     sys.stdout.write(json.dumps(fields) + "\n")
     sys.stdout.flush()
@@ -101,10 +113,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--order", choices=sorted(ORDERS), default="readme")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    control = {"stop_at": args.stop_at}
+    control = {"stop_at": args.stop_at, "paused": False}
 
     def read_commands() -> None:
         # "stop_at N": compute no gradients from model version N on ("stop_at
@@ -113,6 +126,8 @@ def main() -> None:
             words = line.split()
             if len(words) == 2 and words[0] == "stop_at":
                 control["stop_at"] = None if words[1] == "none" else int(words[1])
+            elif words in (["pause"], ["resume"]):
+                control["paused"] = words[0] == "pause"
         os._exit(0)
 
     threading.Thread(target=read_commands, daemon=True).start()
@@ -139,6 +154,7 @@ def main() -> None:
     sub = 0  # gradient rounds started since the last step / state load
     saved = False
     sync_id = None
+    settled = False
 
     def status(event: str, **extra) -> None:
         emit(
@@ -158,35 +174,44 @@ def main() -> None:
             **extra,
         )
 
-    while True:
-        sync_before = acc.group.sync_id()
-        acc.update()
-        # The accumulator elected in the membership seen now (unless it changed
-        # during update()): gradient rounds go to exactly this membership.
-        settled = acc.group.sync_id() == sync_before
-        if acc.group.sync_id() != sync_id:
-            sync_id = acc.group.sync_id()
-            status("sync", member_names=acc.group.members())
+    # The parts of one loop iteration after update(), run in the order
+    # --order gives; each returns False to end the iteration early.
+
+    def send_state() -> bool:
         if acc.wants_state():
             acc.set_state({"model": model.state_dict(), "optimizer": opt.state_dict()})
             status("state_sent")
+        return True
+
+    def load_state() -> bool:
+        nonlocal sub
         if acc.has_new_state():
             st = acc.state()
             model.load_state_dict(st["model"])
             opt.load_state_dict(st["optimizer"])
             sub = 0
             status("state_loaded")
+        return True
+
+    def check_connected() -> bool:
+        nonlocal was_connected, connected_in, sub, start_params, started
         connected = acc.connected()
         # A re-election can finish within one update(): the peer is then
         # connected again, in a new membership, without ever reading False.
         elected_in = getattr(acc, "_sync_id", None) if connected else None
-        if connected != was_connected or elected_in != connected_in:
+        # Connected with the leader's state not loaded yet (a loop that checks
+        # connected() first): the event waits until the model is the leader's.
+        if (connected != was_connected or elected_in != connected_in) and not (
+            connected and acc.has_new_state()
+        ):
             was_connected, connected_in = connected, elected_in
             sub = 0  # rounds in flight were dropped
             status("connected" if connected else "disconnected")
         if not connected:
             time.sleep(0.01)
-            continue
+            return False
+        if acc.has_new_state():
+            return True
         if start_params is None:
             start_params = [p.detach().clone() for p in model.parameters()]
         if not started:
@@ -194,8 +219,14 @@ def main() -> None:
             # the test's reference training relies on it.
             if not settled or len(acc.group.members()) < args.start_members:
                 time.sleep(0.01)
-                continue
+                return False
             started = True
+        return True
+
+    def gradients() -> bool:
+        nonlocal sub, saved
+        if not started:
+            return True
         if acc.has_gradients():
             grad_hash = tensors_hash(p.grad for p in model.parameters())
             opt.step()
@@ -232,6 +263,30 @@ def main() -> None:
             sub += 1
         else:
             time.sleep(0.001)
+        return True
+
+    parts = {"send": send_state, "load": load_state, "connected": check_connected}
+    parts["gradients"] = gradients
+    order = [parts[p] for p in ORDERS[args.order]]
+
+    while True:
+        if control["paused"]:
+            # A hung loop: the process and its core threads live on, but
+            # nothing calls the accumulator.
+            emit(event="paused", name=name, index=args.index)
+            while control["paused"]:
+                time.sleep(0.01)
+        sync_before = acc.group.sync_id()
+        acc.update()
+        # The accumulator elected in the membership seen now (unless it changed
+        # during update()): gradient rounds go to exactly this membership.
+        settled = acc.group.sync_id() == sync_before
+        if acc.group.sync_id() != sync_id:
+            sync_id = acc.group.sync_id()
+            status("sync", member_names=acc.group.members())
+        for part in order:
+            if not part():
+                break
 
 
 if __name__ == "__main__":
