@@ -174,6 +174,7 @@ class Trainer:
             f"moolib-run/{cfg.group}", self.model.parameters(), self.model.buffers()
         )
         self.accumulator.set_virtual_batch_size(self.agent.virtual_batch_size)
+        self.accumulator.group.set_timeout(float(cfg.group_timeout))
         self.accumulator.connect(peer.broker)
 
         self.batcher = moolib.Batcher(self.agent.batch_size, self.device, dim=1)
@@ -237,6 +238,11 @@ class Trainer:
         log.info("resumed from %s at step %d", self.peer.savedir / checkpoint.LATEST, self.steps)
 
     def _save(self) -> None:
+        # Writing a large checkpoint to a slow filesystem may outlast the group timeout.
+        with self.accumulator.group.keepalive():
+            self._write_checkpoint()
+
+    def _write_checkpoint(self) -> None:
         state = self._state()
         if self.wandb_id:
             self.wandb_ids[str(self.peer.rank)] = self.wandb_id

@@ -8,11 +8,12 @@ typed buffers the core sums, and runs custom reduce ops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import struct
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _core, nest
@@ -184,14 +185,29 @@ class Group(_core.Group):
     all-reduce), and ``update()`` returns True when membership changed since
     the last call. ``members()`` is ordered by
     ``set_sort_order`` then join order, and is the same list on every member for
-    one ``sync_id()``. Also: ``active()``, ``name()``, ``set_timeout(s)`` (a
-    member silent this long is dropped; default 10 s), ``set_broker_name(name)``
-    (default "broker"), ``close()``.
+    one ``sync_id()``. Also: ``active()``, ``name()``, ``set_timeout(s)``,
+    ``set_broker_name(name)`` (default "broker"), ``close()``.
+
+    Liveness follows the program: a member that does not call ``update()`` for
+    longer than the timeout (``set_timeout``, default 10 s) leaves the group,
+    like a member whose process died or lost the broker, and its next
+    ``update()`` rejoins. So the timeout must exceed the longest gap between
+    two ``update()`` calls; wrap a longer computation in ``keepalive()``.
     """
 
     def __init__(self, rpc: Rpc, name: str) -> None:
         super().__init__(rpc, name)
         self.rpc = rpc
+
+    @contextlib.contextmanager
+    def keepalive(self) -> Iterator[None]:
+        """Keeps this member in the group while the block runs, however long it goes
+        without ``update()`` (the others' all-reduces then wait for it)."""
+        self._hold_membership(True)
+        try:
+            yield
+        finally:
+            self._hold_membership(False)
 
     def all_reduce(
         self, name: str, data: Any, op: Callable[[Any, Any], Any] | None = None

@@ -554,7 +554,8 @@ def _settled(groups):
     want = {g.rpc.get_name() for g in groups}
     wait_for(
         lambda: (
-            all(g.active() and set(g.members()) == want for g in groups)
+            all([g.update() or True for g in groups])
+            and all(g.active() and set(g.members()) == want for g in groups)
             and len({g.sync_id() for g in groups}) == 1
         ),
         what="local group settled",

@@ -5,6 +5,8 @@ process."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from helpers.group_util import (
     GroupPeer,
@@ -227,3 +229,68 @@ def test_closed_group_is_not_active(make_rpc, broker):
     # It left the group: it is no longer an active member, and not in its own list.
     assert not g.active()
     assert "closing-member" not in g.members()
+
+
+def _member(make_rpc, broker, name, group, timeout):
+    rpc = make_rpc(name)
+    rpc.connect(broker.address)
+    g = moolib.Group(rpc, group)
+    g.set_timeout(timeout)
+    g.update()
+    return g
+
+
+def _see_each_other(groups):
+    want = {g.rpc.get_name() for g in groups}
+    wait_for(
+        lambda: (
+            all([g.update() or True for g in groups])
+            and all(g.active() and set(g.members()) == want for g in groups)
+            and len({g.sync_id() for g in groups}) == 1
+        ),
+        what=f"members {sorted(want)} seeing each other",
+    )
+
+
+def test_member_that_stops_calling_update_leaves_and_rejoins(make_rpc, broker):
+    """Liveness follows the program: a member whose process is alive but which
+    no longer calls update() leaves within its timeout; update() rejoins it."""
+    a = _member(make_rpc, broker, "lively", "liveness", timeout=2.0)
+    b = _member(make_rpc, broker, "stalled", "liveness", timeout=2.0)
+    _see_each_other([a, b])
+    # From here on only a calls update().
+    wait_for(
+        lambda: a.update() is not None and a.members() == ["lively"],
+        what="the stalled member leaving the others' list",
+    )
+    assert not b.active() and b.members() == []
+    # The remaining member does not wait for it.
+    assert a.all_reduce("alone", 1).result(DEADLINE) == 1
+    assert b.update() is True  # it noticed it left; the call rejoins
+    _see_each_other([a, b])
+    handles = [g.all_reduce("together", 1) for g in (a, b)]
+    assert [h.result(DEADLINE) for h in handles] == [2, 2]
+
+
+def test_keepalive_keeps_a_member_through_a_long_gap_between_updates(make_rpc, broker):
+    a = _member(make_rpc, broker, "steady", "held", timeout=2.0)
+    b = _member(make_rpc, broker, "computing", "held", timeout=2.0)
+    _see_each_other([a, b])
+    sync_id = a.sync_id()
+    with b.keepalive(), b.keepalive():  # nested holds count
+        end = time.monotonic() + 5.0  # 2.5 timeouts without b.update()
+        while time.monotonic() < end:
+            a.update()
+            assert a.members() == ["steady", "computing"] or a.members() == [
+                "computing",
+                "steady",
+            ]
+            time.sleep(0.05)
+    assert b.active() and a.sync_id() == b.sync_id() == sync_id
+    # Released: the usual rule applies again.
+    wait_for(
+        lambda: a.update() is not None and a.members() == ["steady"],
+        what="the member leaving once its hold ended and it stopped calling update()",
+    )
+    with pytest.raises(Exception, match="released more often than held"):
+        b._hold_membership(False)

@@ -63,11 +63,12 @@ void bindGroup(py::module_& m) {
            "Whether this peer is a member of the group as the broker last said.")
       .def("name", &Group::name)
       .def("set_timeout", &Group::setTimeout, py::arg("seconds"),
-           "A member silent this long is dropped (also: how long the broker may be unreachable).")
+           "A member that has not called update() (or not reached the broker) this long leaves.")
       .def("get_timeout", &Group::timeout)
       .def("set_sort_order", &Group::setSortOrder, py::arg("order"),
            "Members are ordered by sort order, then join order.")
       .def("set_broker_name", &Group::setBrokerName, py::arg("name"))
+      .def("_hold_membership", &Group::holdMembership, py::arg("hold"))
       .def("close", &Group::close, py::call_guard<GilRelease>(), "Leaves the group.")
       .def(
           "_all_reduce_sum",

@@ -53,23 +53,32 @@ double Group::pingIntervalLocked() const { return std::clamp(timeoutSeconds_ / 8
 void Group::tick() {
   std::vector<std::shared_ptr<Collective>> failed;
   bool doPing = false;
+  bool leave = false;
   std::string why;
+  std::string broker;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) return;
     auto now = Clock::now();
     auto interval = std::chrono::duration_cast<Clock::duration>(
         std::chrono::duration<double>(pingIntervalLocked()));
-    if (inContact_ && now - lastContact_ > std::chrono::duration<double>(timeoutSeconds_)) {
-      inContact_ = false;
-      changed_ = true;
+    auto timeout = std::chrono::duration<double>(timeoutSeconds_);
+    if (!idle_ && holds_ == 0 && now - lastUpdate_ > timeout) {
+      // The program stopped calling update(): leave at once rather than let
+      // the others wait a timeout more for the broker to drop this member.
+      idle_ = true;
+      leave = inContact_;
+      broker = brokerName_;
+      why = concat("this peer left group '", name_, "': update() was not called for ",
+                   timeoutSeconds_, " s (the group timeout); the next update() rejoins");
+      MOO_LOG(kInfo, "group: ", why);
+      leaveLocked(why, failed);
+    } else if (inContact_ && now - lastContact_ > timeout) {
       why = concat("lost contact with the broker '", brokerName_, "' of group '", name_, "'");
       MOO_LOG(kInfo, "group: ", why);
-      failAllLocked(why, failed);
-      syncId_ = 0;
-      members_.clear();
+      leaveLocked(why, failed);
     }
-    if (!pingInFlight_ && now - lastPing_ >= interval) {
+    if (!idle_ && !pingInFlight_ && now - lastPing_ >= interval) {
       pingInFlight_ = true;
       lastPing_ = now;
       doPing = true;
@@ -80,7 +89,30 @@ void Group::tick() {
     });
   }
   for (auto& op : failed) op->fail(concat(op->describe(), " failed: ", why), false);
+  if (leave) sendLeave(broker);
   if (doPing) ping();
+}
+
+void Group::leaveLocked(const std::string& why, std::vector<std::shared_ptr<Collective>>& failed) {
+  if (inContact_) changed_ = true;
+  inContact_ = false;
+  failAllLocked(why, failed);
+  syncId_ = 0;
+  members_.clear();
+}
+
+void Group::sendLeave(const std::string& broker) {
+  BrokerRequest q;
+  q.kind = BrokerRequest::kLeave;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    q.group = name_;
+  }
+  try {
+    rpc_->call(broker, kBrokerFunction, {ownedSegment(q.encode())});
+  } catch (const std::exception& e) {
+    MOO_LOG(kVerbose, "group '", name_, "': cannot tell the broker this peer left: ", e.what());
+  }
 }
 
 void Group::ping() {
@@ -116,7 +148,8 @@ void Group::onBrokerReply(const FuturePtr& reply) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     pingInFlight_ = false;
-    if (closed_) return;
+    // A reply to a ping sent before this peer left for being idle.
+    if (closed_ || idle_) return;
     if (!reply->error().empty()) {
       MOO_LOG(kVerbose, "group '", name_, "': broker ping failed: ", reply->error());
       return;
@@ -296,17 +329,40 @@ FuturePtr Group::allGather(const std::string& name, std::vector<OutSegment> segm
 bool Group::update() {
   bool first;
   bool changed;
+  bool rejoin = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     first = !joined_;
     joined_ = true;
+    lastUpdate_ = Clock::now();
+    if (idle_ && !closed_) {
+      idle_ = false;
+      MOO_LOG(kInfo, "group '", name_, "': update() called again: rejoining");
+      if (!pingInFlight_) {
+        pingInFlight_ = true;
+        lastPing_ = lastUpdate_;
+        rejoin = true;
+      }
+    }
     changed = changed_;
     changed_ = false;
   }
   // Joining waits for the first update(), so that settings made right after
   // construction (sort order, timeout, broker name) apply from the start.
   if (first) tick();
+  if (rejoin) ping();
   return changed;
+}
+
+void Group::holdMembership(bool hold) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (hold) {
+    ++holds_;
+  } else {
+    MOO_ENFORCE(holds_ > 0, "group '", name_, "': membership released more often than held");
+    --holds_;
+    lastUpdate_ = Clock::now();
+  }
 }
 
 std::vector<std::string> Group::members() const {
@@ -368,13 +424,8 @@ void Group::close() {
   }
   for (auto& op : failed)
     op->fail(concat(op->describe(), " failed: group '", name_, "' was closed"), false);
+  if (member) sendLeave(broker);
   try {
-    if (member) {
-      BrokerRequest q;
-      q.kind = BrokerRequest::kLeave;
-      q.group = name_;
-      rpc_->call(broker, kBrokerFunction, {ownedSegment(q.encode())});
-    }
     rpc_->undefine(function_);
   } catch (const std::exception&) {
     // The Rpc was closed first: it has forgotten the function and the broker.

@@ -5,6 +5,11 @@
 // that membership changed, and the all-reduce fails instead of hanging. Each collective is bound to
 // the sync id it started under; when the sync id changes, or the broker has not answered for a
 // whole timeout, every collective in flight fails.
+//
+// Membership follows the program, not only the process: a member whose program has not called
+// update() for a whole timeout (its loop hung, or it dropped the group) leaves, so the others do
+// not wait on it; its next update() rejoins. A long computation that cannot call update() keeps its
+// membership explicitly with holdMembership().
 #pragma once
 
 #include <map>
@@ -36,6 +41,9 @@ class Group : public std::enable_shared_from_this<Group> {
   double timeout() const;
   void setSortOrder(int64_t order);
   void setBrokerName(const std::string& name);
+  // While held (nested holds count), the member stays in the group however
+  // long it goes without update(); releasing counts as an update().
+  void holdMembership(bool hold);
 
   // Sums buffers in place across the members; the future completes with no
   // segments once every buffer holds the sum.
@@ -63,6 +71,9 @@ class Group : public std::enable_shared_from_this<Group> {
   void onMessage(const std::shared_ptr<Responder>& responder, std::vector<BufferPtr> args);
   template <typename... Args>
   FuturePtr startOp(const std::string& name, uint64_t syncId, Args&&... args);
+  // Forgets the membership and fails the collectives in flight.
+  void leaveLocked(const std::string& why, std::vector<std::shared_ptr<Collective>>& failed);
+  void sendLeave(const std::string& broker);
   void failAllLocked(const std::string& why, std::vector<std::shared_ptr<Collective>>& out);
   bool activeLocked() const;
   double pingIntervalLocked() const;
@@ -86,6 +97,10 @@ class Group : public std::enable_shared_from_this<Group> {
   bool inContact_ = false;
   TimePoint lastContact_;
   bool joined_ = false;
+  TimePoint lastUpdate_{};
+  // Left because update() was not called for a timeout; update() rejoins.
+  bool idle_ = false;
+  int holds_ = 0;
   bool pingInFlight_ = false;
   TimePoint lastPing_{};
   uint64_t timer_ = 0;

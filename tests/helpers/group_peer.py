@@ -25,6 +25,7 @@ Commands (see tests/helpers/group_util.py for the client side):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
@@ -67,6 +68,7 @@ def main() -> None:
         rpcs["tcp"] = tcp
 
     groups: dict[str, moolib.Group] = {}
+    holds: dict[str, contextlib.ExitStack] = {}
     handles: dict[str, moolib.AllReduce] = {}
 
     def run(cmd):
@@ -80,6 +82,10 @@ def main() -> None:
             if cmd.get("broker_name"):
                 g.set_broker_name(cmd["broker_name"])
             g.update()  # joins
+            # This program calls update() only when a test says so: it keeps
+            # its membership explicitly instead (see Group.keepalive).
+            holds[cmd["group"]] = contextlib.ExitStack()
+            holds[cmd["group"]].enter_context(g.keepalive())
             groups[cmd["group"]] = g
             return {}
         if c == "sort":
@@ -117,6 +123,7 @@ def main() -> None:
         if c == "ping":
             return {"token": cmd["token"]}
         if c == "close":
+            holds.pop(cmd["group"]).close()
             groups.pop(cmd["group"]).close()
             return {}
         raise ValueError(f"unknown command {c!r}")
