@@ -51,6 +51,10 @@ _ENV_KEYS = ("state", "reward", "done", "prev_action")
 _ACTOR_KEYS = ("action", "policy_logits", "baseline")
 
 
+class GroupLostError(RuntimeError):
+    """The peer was out of its group (no broker, or not a member) for too long."""
+
+
 def _namespace(tree: Any) -> Any:
     if isinstance(tree, dict):
         return SimpleNamespace(**{k: _namespace(v) for k, v in tree.items()})
@@ -341,11 +345,22 @@ class Trainer:
         env_steps = 0
         last_log_time, last_log_steps, last_env_steps = clock(), self.steps, 0
         last_checkpoint = time.monotonic()
+        last_in_group = time.monotonic()
+        lost_group_timeout = float(cfg.lost_group_timeout)
         row: dict[str, Any] = {}
         b = 0
         try:
             while self.steps < total_steps and not stop.is_set():
                 self.accumulator.update()
+                if self.accumulator.group.active():
+                    last_in_group = time.monotonic()
+                elif time.monotonic() - last_in_group > lost_group_timeout:
+                    # Acting with nobody to learn with wastes the machine.
+                    raise GroupLostError(
+                        f"peer {self.peer.rank} has been out of its group for "
+                        f"{lost_group_timeout:g} s (lost_group_timeout): the broker at "
+                        f"{self.peer.broker} is gone or unreachable; stopping"
+                    )
                 if self.accumulator.wants_state():
                     self.accumulator.set_state(self._state())
                 if self.accumulator.has_new_state():

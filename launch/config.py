@@ -64,6 +64,7 @@ def validate(cfg: DictConfig) -> None:
     _number(cfg, "log_interval", 0.0)
     _number(cfg, "checkpoint_interval", 0.0)
     _number(cfg, "group_timeout", 0.1, 1e6)
+    _number(cfg, "lost_group_timeout", 1.0)
     _choice(cfg, "agent.name", ("vtrace", "a2c"))
     _choice(cfg, "agent.network", ("auto", "impala_deep", "impala_shallow", "mlp"))
     _choice(cfg, "agent.optimizer.name", ("adam", "rmsprop"))

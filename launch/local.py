@@ -50,6 +50,9 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.scaling.peers)))
     procs: list[subprocess.Popen] = []
+    # Each peer holds the read end of this pipe and stops when it closes: when
+    # this process ends, however (kill -9 included), no peer acts on alone.
+    parent_r, parent_w = os.pipe()
     try:
         for rank in range(cfg.scaling.peers):
             logdir = logdir_for(savedir, rank, cfg.scaling.peers)
@@ -66,9 +69,16 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
                 str(rank),
                 "--broker",
                 address,
+                "--parent-fd",
+                str(parent_r),
             ]
             procs.append(
-                subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+                subprocess.Popen(
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    pass_fds=(parent_r,),
+                )
             )
             if out:
                 out.close()
@@ -81,6 +91,7 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
                 signalled = True
             time.sleep(0.1)
     finally:
+        os.close(parent_r)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -93,6 +104,7 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
                 p.wait()
         if broker:
             broker.close()
+        os.close(parent_w)
     failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
     for rank, code in failed:
         print(f"moolib-run: peer {rank} exited with code {code}", file=sys.stderr)

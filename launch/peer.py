@@ -1,14 +1,18 @@
 """One training peer: ``python -m moolib.launch.peer --config <savedir>/config.yaml
 --rank N --broker host:port``. Started by moolib-run's local and SLURM modes.
 
-The first SIGINT or SIGTERM stops the peer after its current step (the leader
-writes a checkpoint first); a second SIGINT interrupts at once.
+The first SIGINT, SIGTERM or SIGHUP stops the peer after its current step (the
+leader writes a checkpoint first); a second SIGINT interrupts at once. With
+``--parent-fd``, the peer stops the same way when the launcher that started it
+is gone (the pipe it holds open closes), and ends for sure shortly after.
+A peer out of its group for ``lost_group_timeout`` seconds exits with code 3.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,8 +27,14 @@ def logdir_for(savedir: Path, rank: int, peers: int) -> Path:
     return savedir if peers == 1 else savedir / f"peer{rank}"
 
 
+# Seconds a peer whose launcher is gone has to finish its step and checkpoint.
+ORPHAN_GRACE = 20.0
+# The exit code of a peer that lost its group (see lost_group_timeout).
+EXIT_GROUP_LOST = 3
+
+
 def stop_on_signals() -> threading.Event:
-    """An event set by the first SIGINT/SIGTERM; a second SIGINT raises KeyboardInterrupt."""
+    """An event set by the first SIGINT/SIGTERM/SIGHUP; a second SIGINT raises KeyboardInterrupt."""
     stop = threading.Event()
 
     def handle(signum: int, frame: Any) -> None:
@@ -32,9 +42,32 @@ def stop_on_signals() -> threading.Event:
             raise KeyboardInterrupt
         stop.set()
 
-    signal.signal(signal.SIGINT, handle)
-    signal.signal(signal.SIGTERM, handle)
+    # SIGHUP: the terminal or ssh session went away; stop as cleanly as on Ctrl-C.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, handle)
     return stop
+
+
+def stop_with_parent(fd: int, stop: threading.Event, rank: int) -> None:
+    """Sets ``stop`` once the launcher holding the other end of pipe ``fd`` is gone
+    (exited or killed: the kernel closes its end), then ends this process if it is
+    still there ``ORPHAN_GRACE`` seconds later."""
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 64):
+                pass
+        except OSError:
+            pass
+        logging.getLogger("moolib.launch").error(
+            "peer %d: moolib-run (the launcher) is gone: stopping", rank
+        )
+        stop.set()
+        deadline = threading.Timer(ORPHAN_GRACE, os._exit, args=(1,))
+        deadline.daemon = True
+        deadline.start()
+
+    threading.Thread(target=watch, name="moolib-parent-watch", daemon=True).start()
 
 
 def make_trainer(cfg: Any, rank: int, broker: str) -> Any:
@@ -52,8 +85,15 @@ def make_trainer(cfg: Any, rank: int, broker: str) -> Any:
 
 
 def train(cfg: Any, rank: int, broker: str, stop: threading.Event) -> dict:
-    """Runs one peer of the experiment described by ``cfg`` until done or stopped."""
-    return make_trainer(cfg, rank, broker).run(stop)
+    """Runs one peer of the experiment described by ``cfg`` until done or stopped;
+    exits with ``EXIT_GROUP_LOST`` when the peer lost its group for good."""
+    from moolib.agents.training import GroupLostError
+
+    try:
+        return make_trainer(cfg, rank, broker).run(stop)
+    except GroupLostError as e:
+        print(f"moolib-run: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_GROUP_LOST)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,10 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--rank", required=True, type=int)
     parser.add_argument("--broker", required=True)
+    parser.add_argument(
+        "--parent-fd", type=int, default=None, help="read end of a pipe the launcher holds open"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[peer {args.rank}] %(message)s")
     cfg = config_lib.load(args.config)
-    train(cfg, args.rank, args.broker, stop_on_signals())
+    stop = stop_on_signals()
+    if args.parent_fd is not None:
+        stop_with_parent(args.parent_fd, stop, args.rank)
+    train(cfg, args.rank, args.broker, stop)
     # Done: a late SIGTERM from the launcher (sent after Ctrl-C reached the
     # whole process group) must not kill the interpreter's clean exit.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,0 +1,119 @@
+"""How long the processes of a ``moolib-run`` live: no peer or env worker
+outlives its launcher (kill -9, SIGHUP), and a peer that lost its group stops
+with a clear message instead of acting for nobody."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from helpers.run_util import (
+    STOP_TIMEOUT,
+    Run,
+    alive,
+    cmdline,
+    read_logs,
+    run_env,
+    session_pids,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _training(path):
+    def check():
+        _, rows = read_logs(path)
+        return any(row["model_version"] > 0 for row in rows)
+
+    return check
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["kill-9", "sighup"])
+def test_launcher_that_dies_takes_its_peers_and_workers_with_it(tmp_path, sig):
+    savedir = tmp_path / "run"
+    args = [
+        "agent=a2c",
+        "env=cartpole",
+        "scaling=local",
+        "scaling.peers=2",
+        "device=cpu",
+        "total_steps=100000000",
+        "log_interval=1",
+        f"savedir={savedir}",
+    ]
+    r = Run(args, tmp_path, tmp_path / "out.log")
+    try:
+        for k in (0, 1):
+            wait_for(
+                _training(savedir / f"peer{k}" / "logs.tsv"),
+                timeout=240,
+                what=f"peer {k} to train",
+                proc=r,
+            )
+        pids = session_pids(r.pid)
+        commands = {pid: cmdline(pid) for pid in pids}
+        peers = [p for p, c in commands.items() if "moolib.launch.peer" in c]
+        workers = [p for p, c in commands.items() if "_envpool_worker" in c]
+        assert len(peers) == 2 and len(workers) >= 4, commands
+
+        os.kill(r.pid, sig)  # the launcher only, as kill -9 or a dropped ssh session does
+        r.wait(STOP_TIMEOUT)
+        wait_for(
+            lambda: not any(alive(p) for p in peers + workers),
+            timeout=60,
+            what="every peer and env worker to exit after the launcher died",
+        )
+        peer1_log = (savedir / "peer1" / "stdout.log").read_text(errors="replace")
+        if sig == signal.SIGKILL:
+            assert "moolib-run (the launcher) is gone: stopping" in peer1_log, peer1_log[-3000:]
+        assert "Traceback" not in peer1_log, peer1_log[-3000:]
+    finally:
+        r.finish()
+
+
+def test_peer_that_lost_its_group_stops_with_a_message(tmp_path):
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "moolib.broker", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=run_env(),
+        text=True,
+    )
+    try:
+        line = broker.stdout.readline()
+        assert "Broker listening at" in line, line
+        address = line.split("Broker listening at")[1].strip()
+        savedir = tmp_path / "lost"
+        r = Run(
+            [
+                "agent=a2c",
+                "env=cartpole",
+                "device=cpu",
+                "total_steps=100000000",
+                "log_interval=1",
+                "lost_group_timeout=5",
+                f"broker={address}",
+                f"savedir={savedir}",
+            ],
+            tmp_path,
+            tmp_path / "out.log",
+        )
+        try:
+            wait_for(_training(savedir / "logs.tsv"), timeout=240, what="training", proc=r)
+            broker.kill()
+            broker.wait()
+            code = r.wait(STOP_TIMEOUT)
+            out = r.output()
+            assert code == 3, out[-3000:]
+            assert "moolib-run: error: peer 0 has been out of its group for 5 s" in out, out[-3000:]
+            assert f"the broker at {address} is gone or unreachable" in out
+            assert "Traceback" not in out, out[-3000:]
+        finally:
+            r.finish()
+    finally:
+        broker.kill()
+        broker.wait()
