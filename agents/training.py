@@ -18,7 +18,8 @@ The loop, shared by every agent (the agent contributes its loss):
 
 ``steps`` counts env steps learned from across the whole group (unrolls in each
 applied update times ``unroll_length``), so every peer agrees on it, the
-learning-rate schedule and ``total_steps``.
+learning-rate schedule and ``total_steps``. docs/architecture.md (section 6)
+draws this data flow.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ BATCH_SIZE = 32
 NUM_BATCHES = 2
 NUM_PROCESSES = 2
 TOY_EPISODE = 100
-# Targets (issue 4) and the original moolib's figures on these machines (DESIGN.md).
+# Targets (issue 4) and the original moolib's published figures on these machines.
 TARGET_BREAKOUT_RATIO = 0.95  # of the limit
 ORIGINAL_BREAKOUT = 3670.0
 ORIGINAL_SINGLE = 2000.0  # single-process gymnasium Breakout then: the original's limit 2 x this
@@ -724,11 +724,11 @@ def main() -> None:
     }
     references = {
         "breakout": (
-            "original moolib (DESIGN.md; its limit then 2 x 2,000)",
+            "original moolib (its published figure; its limit then 2 x 2,000)",
             ORIGINAL_BREAKOUT,
             ORIGINAL_BREAKOUT / (NUM_PROCESSES * ORIGINAL_SINGLE),
         ),
-        "toy": ("original moolib (DESIGN.md; not run here)", ORIGINAL_TOY, 1.0),
+        "toy": ("original moolib (its published figure; not run here)", ORIGINAL_TOY, 1.0),
     }
     width = 62
     for group in ("breakout", "toy", "atari"):

@@ -23,7 +23,7 @@ in step with it at once, on the others when the leader's state arrives, from
 which point ``has_new_state()`` is True until ``state()`` is read. Until it is
 read, the member neither offers gradients nor sends its state (its model is not
 the one its version says), so the calls of a training loop may come in any
-order.
+order. docs/architecture.md (section 5) describes the protocol.
 """
 
 from __future__ import annotations

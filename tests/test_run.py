@@ -38,7 +38,7 @@ from omegaconf import OmegaConf
 CONF = Path(next(iter(moolib.conf.__path__)))
 ENV_NAMES = sorted(p.stem for p in (CONF / "env").glob("*.yaml"))
 
-# What every logs.tsv row carries (DESIGN.md section 5 and the issue).
+# What every logs.tsv row carries (README, "Training: moolib-run").
 EXPECTED_COLUMNS = {
     "step",
     "sps",

@@ -17,7 +17,8 @@
 // also hands the requests a worker read along with one that runs long (or
 // blocks) to other workers, and sends the replies already made.
 //
-// Nothing here takes the Python GIL.
+// Nothing here takes the Python GIL. docs/architecture.md (section 2) puts
+// these threads in context.
 #pragma once
 
 #include <atomic>

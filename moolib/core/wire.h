@@ -11,7 +11,8 @@
 // the shared-memory transport, a reference into a shared segment.
 //
 // Every length and count is checked against limits before anything is
-// allocated: a frame that breaks them closes its connection.
+// allocated: a frame that breaks them closes its connection. See also
+// docs/architecture.md, section 3.
 #pragma once
 
 #include <cstdint>
