@@ -86,14 +86,21 @@ def make_trainer(cfg: Any, rank: int, broker: str) -> Any:
 
 def train(cfg: Any, rank: int, broker: str, stop: threading.Event) -> dict:
     """Runs one peer of the experiment described by ``cfg`` until done or stopped;
-    exits with ``EXIT_GROUP_LOST`` when the peer lost its group for good."""
+    exits with ``EXIT_GROUP_LOST`` when the peer lost its group for good, and with
+    2 when the group's peers have different models."""
     from moolib.agents.training import GroupLostError
+
+    import moolib
 
     try:
         return make_trainer(cfg, rank, broker).run(stop)
     except GroupLostError as e:
         print(f"moolib-run: error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_GROUP_LOST)
+    except moolib.ModelMismatchError as e:
+        # Another experiment's peers in this group (e.g. a reused group name).
+        print(f"moolib-run: error: peer {rank}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import logging as _logging
 from typing import Any
 
 from . import _core
-from .accumulator import Accumulator
+from .accumulator import Accumulator, ModelMismatchError
 from .batcher import Batcher
 from .envpool import EnvPool, EnvStepperFuture
 from .group import AllReduce, Broker, Group
@@ -26,6 +26,7 @@ __all__ = [
     "EnvStepperFuture",
     "Future",
     "Group",
+    "ModelMismatchError",
     "Queue",
     "Rpc",
     "RpcError",

@@ -36,7 +36,11 @@ from typing import Any
 from .group import Group
 from .rpc import Rpc
 
-__all__ = ["Accumulator"]
+__all__ = ["Accumulator", "ModelMismatchError"]
+
+
+class ModelMismatchError(RuntimeError):
+    """Peers of one group hold models of different layouts (see Accumulator.update)."""
 
 
 def _next_lineage(lineage: int, sync_id: int) -> int:
@@ -81,7 +85,7 @@ class Accumulator:
         self._lineage = secrets.randbits(62)
 
         self._sync_id: int | None = None
-        self._phase = "idle"  # idle | electing | waiting_state | ready
+        self._phase = "idle"  # idle | electing | waiting_state | ready | refused
         self._election: Any = None
         self._leader: str | None = None
         self._leader_version = 0
@@ -109,6 +113,11 @@ class Accumulator:
                 raise ValueError("all parameters must have the same dtype")
         self._numels = [p.numel() for p in self._params]
         self._total = sum(self._numels)
+        # (shape, dtype) of every parameter and buffer: peers must agree on it.
+        self._layout = tuple(
+            tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors)
+            for tensors in (self._params, self._buffers)
+        )
 
     # Connection -------------------------------------------------------------
 
@@ -121,7 +130,12 @@ class Accumulator:
         return self._phase == "ready" and self._group.active()
 
     def update(self) -> None:
-        """Advances membership, leader election, state transfer and gradient rounds. Call often."""
+        """Advances membership, leader election, state transfer and gradient rounds. Call often.
+
+        Raises ``ModelMismatchError`` (on every member, once per membership) when
+        members' models differ in their number, shapes or dtypes of parameters or
+        buffers; the accumulator then stays unconnected until membership changes.
+        """
         self._group.update()
         if not self._group.active():
             if self._phase != "idle":
@@ -131,6 +145,8 @@ class Accumulator:
         sync_id = self._group.sync_id()
         if sync_id != self._sync_id:
             self._start_election(sync_id)
+        if self._phase == "refused":
+            return
         if self._phase == "electing" and self._election.done():
             self._finish_election()
         if self._phase == "waiting_state" and self._incoming is not None:
@@ -161,7 +177,6 @@ class Accumulator:
         self._needers = []
 
     def _start_election(self, sync_id: int) -> None:
-        torch = self._torch
         self._reset("electing")
         self._sync_id = sync_id
         members = self._group.members()
@@ -171,12 +186,11 @@ class Accumulator:
             self._reset("idle")
             self._sync_id = None
             return
-        me = members.index(self._rpc.get_name())
-        table = torch.zeros(len(members), 2, dtype=torch.int64)
-        table[me, 0] = self._model_version
-        table[me, 1] = self._lineage
         self._election_members = members
-        self._election = self._group._sum_at(f"{self._name}/elect", table, sync_id)
+        # Every member's model layout comes along, so peers with different
+        # models are refused here, before any gradient is summed.
+        vote = (self._model_version, self._lineage, self._layout)
+        self._election = self._group._gather_at(f"{self._name}/elect", vote, sync_id)
 
     def _finish_election(self) -> None:
         if self._election.exception() is not None:
@@ -185,8 +199,13 @@ class Accumulator:
             self._sync_id = None
             self._phase = "idle"
             return
-        table = self._election.result().tolist()
+        votes = self._election.result()
         members = self._election_members
+        mismatch = self._layout_mismatch(members, [layout for _, _, layout in votes])
+        if mismatch:
+            self._phase = "refused"
+            raise ModelMismatchError(mismatch)
+        table = [(version, lineage) for version, lineage, _ in votes]
         versions = [v for v, _ in table]
         leader = versions.index(max(versions))
         self._leader = members[leader]
@@ -203,6 +222,29 @@ class Accumulator:
             # of its own) then differ even at equal model versions.
             self._lineage = _next_lineage(self._leader_lineage, self._sync_id)
             self._phase = "ready"
+
+    def _layout_mismatch(self, members: list[str], layouts: list[Any]) -> str | None:
+        """A message naming the peers and the first parameter or buffer whose count,
+        shape or dtype differs from this peer's, or None when every layout matches."""
+        mine = self._layout
+        me = self._rpc.get_name()
+        for name, theirs in zip(members, layouts, strict=True):
+            if theirs == mine:
+                continue
+            where = f"accumulator '{self._name}' of group '{self._group.name()}'"
+            for kind, a, b in zip(("parameters", "buffers"), mine, theirs, strict=True):
+                if len(a) != len(b):
+                    return (
+                        f"{where}: peers have different models: '{me}' has {len(a)} {kind}, "
+                        f"'{name}' has {len(b)}"
+                    )
+                for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                    if x != y:
+                        return (
+                            f"{where}: peers have different models: {kind[:-1]} {i} is "
+                            f"{x[1]}{list(x[0])} on '{me}' and {y[1]}{list(y[0])} on '{name}'"
+                        )
+        return None
 
     # State --------------------------------------------------------------------
 

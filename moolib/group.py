@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import struct
 import sys
 import threading
@@ -96,13 +97,16 @@ class _SumPlan:
     def __init__(self, data: Any) -> None:
         import numpy as np
 
-        self.structure = data
+        self.structure_of = data
         self.torch = sys.modules.get("torch")
         torch = self.torch
         # Per leaf: (kind, type, offset, count, shape, device, leaf)
         self.layout: list[tuple] = []
         self.parts: dict[str, list] = {}
         counts: dict[str, int] = {}
+        # Leaf by leaf: "kind dtype shape"; with the nest's skeleton, the
+        # structure every member's data must share (see structure()).
+        self._specs: list[str] = []
         for leaf in nest.flatten(data):
             if torch is not None and isinstance(leaf, torch.Tensor):
                 t = leaf.detach()
@@ -130,8 +134,26 @@ class _SumPlan:
                     "numpy arrays or numbers (use op= for anything else)"
                 )
             self.layout.append((kind, key, counts.get(key, 0), count, shape, device, leaf))
+            self._specs.append(f"{kind} {key} {tuple(shape)}")
             counts[key] = counts.get(key, 0) + count
             self.parts.setdefault(key, []).append(view)
+
+    def structure(self) -> int:
+        """A 64-bit digest of the nest's keys, nesting, leaf kinds, dtypes and shapes."""
+        specs = iter(self._specs)
+
+        def skeleton(x: Any) -> str:
+            # Dict keys in the order nest.flatten visits them, as leaves are.
+            if isinstance(x, dict):
+                return "{" + ",".join(f"{k!r}:{skeleton(x[k])}" for k in nest._keys(x)) + "}"
+            if isinstance(x, (list, tuple)):
+                inner = ",".join(skeleton(v) for v in x)
+                return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+            return next(specs)
+
+        digest = hashlib.blake2b(skeleton(self.structure_of).encode(), digest_size=8).digest()
+        # Never 0: the core reads 0 as "not checked".
+        return int.from_bytes(digest, "little") or 1
 
     def items(self) -> list[tuple[str, list]]:
         # A nest with no leaves still exchanges an empty buffer, so a member
@@ -164,7 +186,7 @@ class _SumPlan:
             else:
                 value = part[0].item()
                 leaves.append(type(leaf)(value) if isinstance(leaf, (bool, int, float)) else value)
-        return nest.pack_as(self.structure, leaves)
+        return nest.pack_as(self.structure_of, leaves)
 
 
 def _gathered(future: Any) -> list:
@@ -226,10 +248,17 @@ class Group(_core.Group):
             return AllReduce(future, lambda f: functools.reduce(op, _gathered(f)))
         return self._sum_at(name, data, 0)
 
+    def _gather_at(self, name: str, data: Any, sync_id: int) -> AllReduce:
+        """Every member's ``data`` (picklable), in member order; fails at once unless
+        membership is still ``sync_id``."""
+        payload, buffers = dumps(data)
+        return AllReduce(self._all_gather(name, payload, buffers, sync_id), _gathered)
+
     def _sum_at(self, name: str, data: Any, sync_id: int) -> AllReduce:
         """A sum all-reduce that fails at once unless membership is still ``sync_id`` (0: any)."""
         plan = _SumPlan(data)
-        return AllReduce(self._all_reduce_sum(name, plan.items(), sync_id), plan.finish)
+        future = self._all_reduce_sum(name, plan.items(), sync_id, plan.structure())
+        return AllReduce(future, plan.finish)
 
 
 class Broker:

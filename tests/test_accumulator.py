@@ -777,7 +777,9 @@ def test_connected_with_the_leaders_state_until_it_is_read(make_peer, local_brok
     poll_until([lead], lambda: lead.acc.connected(), "the first peer connected")
     assert lead.acc.is_leader() and not lead.acc.has_new_state()
     lead.acc.set_model_version(3)
-    follower = moolib.Accumulator("acc_local", [torch.nn.Parameter(torch.zeros(2))], [])
+    follower = moolib.Accumulator(
+        "acc_local", [torch.nn.Parameter(torch.zeros(2))], [torch.zeros(1)]
+    )
     follower.connect(local_broker)
     try:
 
@@ -804,6 +806,66 @@ def test_connected_with_the_leaders_state_until_it_is_read(make_peer, local_brok
     finally:
         follower.group.close()
         follower.rpc.close()
+
+
+def _refusals(accs):
+    """Calls update() on every accumulator until each raised; returns the errors."""
+    errors = [None] * len(accs)
+
+    def all_raised():
+        for i, acc in enumerate(accs):
+            try:
+                acc.update()
+            except moolib.ModelMismatchError as e:
+                assert errors[i] is None, f"raised twice: {errors[i]} / {e}"
+                errors[i] = str(e)
+        return all(errors)
+
+    wait_for(all_raised, what="a ModelMismatchError from every member's update()")
+    return errors
+
+
+@pytest.mark.parametrize(
+    ("shapes", "expected"),
+    [
+        ([[(10,)], [(5,), (10,)]], "'{a}' has 1 parameters, '{b}' has 2"),
+        ([[(2, 3)], [(3, 2)]], "parameter 0 is float32[2, 3] on '{a}' and float32[3, 2] on '{b}'"),
+    ],
+    ids=["count", "shape"],
+)
+def test_peers_with_different_models_are_refused_on_every_member(local_broker, shapes, expected):
+    """Two peers of one group whose models differ get a clear error on both,
+    once, rather than electing forever or summing mismatched gradients."""
+    models = [[torch.nn.Parameter(torch.zeros(s)) for s in model] for model in shapes]
+    accs = [moolib.Accumulator("acc_mismatch", m, []) for m in models]
+    try:
+        for acc in accs:
+            acc.group.set_timeout(10)
+            acc.connect(local_broker)
+        names = [acc.rpc.get_name() for acc in accs]
+        for me, error in enumerate(_refusals(accs)):
+            a, b = names[me], names[1 - me]
+            assert "accumulator 'acc_mismatch' of group 'acc_mismatch'" in error, error
+            assert "peers have different models" in error, error
+            if me == 0:
+                assert expected.format(a=a, b=b) in error, error
+            else:
+                assert f"on '{a}'" in error or f"'{a}' has" in error, error
+        # Refused, not livelocked: quiet, unconnected and not electing again.
+        sync_ids = [acc.group.sync_id() for acc in accs]
+        for _ in range(20):
+            for acc in accs:
+                acc.update()
+                assert not acc.connected() and not acc.wants_gradients()
+            time.sleep(0.01)
+        assert [acc.group.sync_id() for acc in accs] == sync_ids
+        # Once the odd one leaves, the other trains on alone.
+        accs[1].group.close()
+        wait_for(lambda: accs[0].update() or accs[0].connected(), what="connected alone")
+    finally:
+        for acc in accs:
+            acc.group.close()
+            acc.rpc.close()
 
 
 def wait_gradients(peers, expected, what):

@@ -329,8 +329,24 @@ def _failures(replies):
         (["t/float32/30000", "t/float32/300"], [None, None]),  # large and small
         (["nest", "t/float32/5"], [None, None]),  # structure
         (["t/float32/5", "t/float32/5"], [None, "add"]),  # sum on one, custom op on other
+        # The same flat data, structured differently:
+        (["t/float32/2x3", "t/float32/3x2"], [None, None]),
+        (["t/float32/200x300", "t/float32/300x200"], [None, None]),
+        (["keys_a", "keys_b"], [None, None]),
+        (["nest_flat", "nest_deep"], [None, None]),
     ],
-    ids=["shape", "dtype", "large", "large-small", "structure", "op"],
+    ids=[
+        "shape",
+        "dtype",
+        "large",
+        "large-small",
+        "structure",
+        "op",
+        "same-size-shape",
+        "same-size-shape-large",
+        "dict-keys",
+        "nesting",
+    ],
 )
 def test_mismatched_data_fails_on_every_member(teams, transport, cases, ops, tmp_path):
     team = teams[f"{transport}3"]

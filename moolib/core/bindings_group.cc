@@ -72,15 +72,20 @@ void bindGroup(py::module_& m) {
       .def("close", &Group::close, py::call_guard<GilRelease>(), "Leaves the group.")
       .def(
           "_all_reduce_sum",
-          [](Group& g, const std::string& name, py::list items, uint64_t syncId) {
-            return PyFuture{g.allReduce(name, typedBuffers(items), syncId)};
+          [](Group& g, const std::string& name, py::list items, uint64_t syncId,
+             uint64_t structure) {
+            return PyFuture{g.allReduce(name, typedBuffers(items), syncId, structure)};
           },
-          py::arg("name"), py::arg("items"), py::arg("sync_id") = 0)
-      .def("_all_gather", [](Group& g, const std::string& name, py::handle data, py::list buffers) {
-        std::vector<OutSegment> segs{exportSegment(data)};
-        for (auto b : buffers) segs.push_back(exportSegment(b));
-        return PyFuture{g.allGather(name, std::move(segs))};
-      });
+          py::arg("name"), py::arg("items"), py::arg("sync_id") = 0, py::arg("structure") = 0)
+      .def(
+          "_all_gather",
+          [](Group& g, const std::string& name, py::handle data, py::list buffers,
+             uint64_t syncId) {
+            std::vector<OutSegment> segs{exportSegment(data)};
+            for (auto b : buffers) segs.push_back(exportSegment(b));
+            return PyFuture{g.allGather(name, std::move(segs), syncId)};
+          },
+          py::arg("name"), py::arg("data"), py::arg("buffers"), py::arg("sync_id") = 0);
 }
 
 }  // namespace moolib::binding

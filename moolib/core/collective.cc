@@ -33,6 +33,7 @@ std::string CollectiveMessage::encode() const {
   w.u32(chunk);
   w.u8(dtype);
   w.u64(bufferBytes);
+  w.u64(structure);
   w.str(error);
   w.u64(region.id);
   w.u32(region.pid);
@@ -59,6 +60,7 @@ CollectiveMessage CollectiveMessage::decode(std::string_view data) {
   m.chunk = r.u32();
   m.dtype = r.u8();
   m.bufferBytes = r.u64();
+  m.structure = r.u64();
   m.error = r.str(64 << 10);
   m.region.id = r.u64();
   m.region.pid = r.u32();
@@ -87,12 +89,13 @@ std::pair<size_t, size_t> Collective::Ring::chunkRange(size_t segment, size_t ch
 
 Collective::Collective(OpKey key, std::vector<std::string> members, size_t self,
                        std::vector<TypedBuffer> buffers, std::shared_ptr<RegionCache> regions,
-                       SendFn send)
+                       uint64_t structure, SendFn send)
     : key_(std::move(key)),
       members_(std::move(members)),
       self_(self),
       n_(members_.size()),
       mode_(CollectiveMessage::kSum),
+      structure_(structure),
       buffers_(std::move(buffers)),
       sendFn_(std::move(send)),
       regions_(std::move(regions)) {
@@ -266,6 +269,7 @@ void Collective::sendShm(uint8_t phase, const RegionRef& region) {
   m.numMembers = uint32_t(n_);
   m.numBuffers = uint32_t(buffers_.size());
   m.bufferBytes = shmLayout_;
+  m.structure = structure_;
   m.region = region;
   for (size_t dest = 0; dest != n_; ++dest) {
     if (dest == self_) continue;
@@ -419,6 +423,7 @@ void Collective::maybeShmGather() {
 }
 
 void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> data) {
+  m.structure = structure_;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (finished_) return;
@@ -483,6 +488,12 @@ void Collective::onMessage(const std::string& from, const CollectiveMessage& m,
   }
   if (mode_ == CollectiveMessage::kGather) {
     return onDirect(m, std::move(data));
+  }
+  if (m.structure != structure_) {
+    return fail(concat(describe(), " failed: members passed data of different structures (nest ",
+                       "keys, nesting, shapes or dtypes): member '", from, "' and member '",
+                       members_[self_], "' differ"),
+                true);
   }
   if (m.phase >= CollectiveMessage::kShmReady) {
     if (!hasShm_ || m.numBuffers != buffers_.size() || m.bufferBytes != shmLayout_) {

@@ -86,6 +86,9 @@ struct CollectiveMessage {
   uint32_t chunk = 0;
   uint8_t dtype = 0;
   uint64_t bufferBytes = 0;
+  // A digest of the sender's data structure (nest keys, nesting, shapes,
+  // dtypes): equal flat sizes are not enough for the sum to mean anything.
+  uint64_t structure = 0;
   std::string error;  // kAbort
   RegionRef region;   // kShmReady
   std::string encode() const;
@@ -102,8 +105,10 @@ class Collective : public std::enable_shared_from_this<Collective> {
 
   // A sum all-reduce; the result is one segment per buffer. With regions
   // (all members on one host), large buffers go through shared memory.
+  // structure: see CollectiveMessage::structure (0: not checked).
   Collective(OpKey key, std::vector<std::string> members, size_t self,
-             std::vector<TypedBuffer> buffers, std::shared_ptr<RegionCache> regions, SendFn send);
+             std::vector<TypedBuffer> buffers, std::shared_ptr<RegionCache> regions,
+             uint64_t structure, SendFn send);
   // An all-gather of opaque segments. The result is segment 0 (u32 count per
   // member) followed by every member's segments in member order.
   Collective(OpKey key, std::vector<std::string> members, size_t self,
@@ -157,6 +162,7 @@ class Collective : public std::enable_shared_from_this<Collective> {
   const std::vector<std::string> members_;
   const size_t self_, n_;
   const uint8_t mode_;
+  const uint64_t structure_ = 0;
   std::vector<TypedBuffer> buffers_;
   std::vector<OutSegment> gatherSegments_;
   enum Algorithm : uint8_t { kDirectAlgo, kRingAlgo, kShmAlgo };

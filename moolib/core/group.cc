@@ -302,13 +302,13 @@ FuturePtr Group::startOp(const std::string& name, uint64_t syncId, Args&&... arg
 }
 
 FuturePtr Group::allReduce(const std::string& name, std::vector<TypedBuffer> buffers,
-                           uint64_t syncId) {
+                           uint64_t syncId, uint64_t structure) {
   std::shared_ptr<RegionCache> regions;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (sameHost_) regions = regions_;
   }
-  auto future = startOp(name, syncId, std::move(buffers), std::move(regions));
+  auto future = startOp(name, syncId, std::move(buffers), std::move(regions), structure);
   // A member that cannot map its peers' memory (other user, sandbox) stops
   // offering it: the next membership goes through sockets.
   std::weak_ptr<Group> weak = shared_from_this();
@@ -322,8 +322,9 @@ FuturePtr Group::allReduce(const std::string& name, std::vector<TypedBuffer> buf
   return future;
 }
 
-FuturePtr Group::allGather(const std::string& name, std::vector<OutSegment> segments) {
-  return startOp(name, 0, std::move(segments));
+FuturePtr Group::allGather(const std::string& name, std::vector<OutSegment> segments,
+                           uint64_t syncId) {
+  return startOp(name, syncId, std::move(segments));
 }
 
 bool Group::update() {

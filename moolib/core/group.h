@@ -48,10 +48,12 @@ class Group : public std::enable_shared_from_this<Group> {
   // Sums buffers in place across the members; the future completes with no
   // segments once every buffer holds the sum.
   // With syncId non-zero, fails at once unless membership is still that one.
+  // Members whose structure digests differ fail (see CollectiveMessage).
   FuturePtr allReduce(const std::string& name, std::vector<TypedBuffer> buffers,
-                      uint64_t syncId = 0);
+                      uint64_t syncId = 0, uint64_t structure = 0);
   // Every member's segments, in member order (see Collective).
-  FuturePtr allGather(const std::string& name, std::vector<OutSegment> segments);
+  FuturePtr allGather(const std::string& name, std::vector<OutSegment> segments,
+                      uint64_t syncId = 0);
   // Leaves the group (tells the broker) and fails what is in flight.
   void close();
 

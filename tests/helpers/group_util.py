@@ -367,6 +367,11 @@ NAMED_CASES = {
     "np_scalars": lambda seed: {"i": np.int32(seed - 7), "f": np.float64(seed * 0.25)},
     "empty_nest": lambda seed: {"a": [], "b": ()},
     "grad": lambda seed: exact_tensor(torch.float32, (5,), seed).requires_grad_(),
+    # Pairs of equal flat size and dtypes that differ in structure.
+    "keys_a": lambda seed: {"a": exact_tensor(torch.float32, (4,), seed), "b": seed},
+    "keys_b": lambda seed: {"a": exact_tensor(torch.float32, (4,), seed), "c": seed},
+    "nest_flat": lambda seed: [exact_tensor(torch.float32, (3,), seed)] * 2,
+    "nest_deep": lambda seed: [[exact_tensor(torch.float32, (3,), seed)]] * 2,
 }
 
 
