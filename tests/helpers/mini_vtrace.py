@@ -98,6 +98,12 @@ class EnvBatchState:
         self.step_count *= ~done
 
 
+def create_env(flags: argparse.Namespace) -> ToyEnv:
+    env = ToyEnv()
+    env.flags = flags  # the original's factory configures the env from FLAGS
+    return env
+
+
 def vtrace_loss(flags: argparse.Namespace, model: Net, batch: dict) -> torch.Tensor:
     env, actor = batch["env"], batch["actor"]
     out = model(env)
@@ -207,7 +213,7 @@ def main() -> None:
     global_stats_accumulator = GlobalStatsAccumulator(rpc_group, global_stats)
 
     envs = moolib.EnvPool(
-        ToyEnv,
+        lambda: create_env(FLAGS),
         num_processes=FLAGS.num_actor_processes,
         batch_size=FLAGS.actor_batch_size,
         num_batches=FLAGS.num_actor_batches,
