@@ -154,7 +154,8 @@ class Queue:
     (or ``return_callback.error(msg)``) to answer. With ``batch_size``, the
     arguments of up to that many calls are stacked along a new first dimension
     and ``return_callback`` takes the batched result. Without
-    ``dynamic_batching`` a batch waits until it is full.
+    ``dynamic_batching`` a batch waits until it is full. Iterate with ``for``,
+    ``async for``, or take one item with ``get()`` or ``await queue``.
     """
 
     def __init__(self, batch_size: int | None = None, dynamic_batching: bool = False) -> None:
@@ -225,6 +226,12 @@ class Queue:
                 waiter = loop.create_future()
                 self._async_waiters.append((loop, waiter))
             yield from waiter.__await__()
+
+    def __aiter__(self) -> Queue:
+        return self
+
+    async def __anext__(self) -> tuple:
+        return await self
 
 
 def _serve(fn: Callable, responder: Any, segments: list) -> tuple | None:

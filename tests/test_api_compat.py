@@ -282,11 +282,6 @@ def test_asyncio_await_future_and_queue(host_client):
     assert asyncio.run(asyncio.wait_for(main(), DEADLINE)) == 42
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="moolib.Queue has no __aiter__/__anext__ (rpc.py): the original's Queue "
-    "is an async iterator, `async for return_callback, args, kwargs in queue`",
-)
 def test_asyncio_async_for_over_queue(host_client):
     host, client = host_client
     queue = host.define_queue("stream")
