@@ -28,7 +28,9 @@ order. docs/architecture.md (section 5) describes the protocol.
 
 from __future__ import annotations
 
+import logging
 import secrets
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -37,6 +39,8 @@ from .group import Group
 from .rpc import Rpc
 
 __all__ = ["Accumulator", "ModelMismatchError"]
+
+log = logging.getLogger("moolib")
 
 
 class ModelMismatchError(RuntimeError):
@@ -149,6 +153,22 @@ class Accumulator:
             return
         if self._phase == "electing" and self._election.done():
             self._finish_election()
+        if self._phase == "waiting_state" and self._incoming is None:
+            waited = time.monotonic() - self._waiting_since
+            if waited > self._group.get_collective_timeout():
+                # The leader's loop may not call wants_state()/set_state(), or
+                # the state was lost: say so, and have every member elect again
+                # (under a new sync id) rather than wait forever.
+                log.error(
+                    "accumulator '%s': no state from the leader '%s' after %.0f s "
+                    "(does its loop call wants_state() and set_state()?); electing again",
+                    self._name,
+                    self._leader,
+                    waited,
+                )
+                self._reset("idle")
+                self._group._resync()
+                return
         if self._phase == "waiting_state" and self._incoming is not None:
             sync_id, version, lineage, state = self._incoming
             self._incoming = None
@@ -216,6 +236,7 @@ class Accumulator:
         ]
         if me != leader and table[me] != table[leader]:
             self._phase = "waiting_state"
+            self._waiting_since = time.monotonic()
         else:
             # The members in step with the leader start a lineage of this
             # membership: peers that later train apart (each in a membership

@@ -19,6 +19,7 @@ round started just as membership changes).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import subprocess
@@ -866,6 +867,45 @@ def test_peers_with_different_models_are_refused_on_every_member(local_broker, s
         for acc in accs:
             acc.group.close()
             acc.rpc.close()
+
+
+def test_a_state_that_never_comes_is_reported_and_the_peer_elects_again(
+    make_peer, local_broker, caplog
+):
+    """A leader whose loop never calls set_state(): the waiting peer does not
+    wait forever; it logs what it waits for and elects again, and takes the
+    state once the leader sends it."""
+    lead = make_peer([1.0, 2.0])
+    poll_until([lead], lambda: lead.acc.connected(), "the leader connected")
+    lead.acc.set_model_version(5)
+    follower = moolib.Accumulator(
+        "acc_local", [torch.nn.Parameter(torch.zeros(2))], [torch.zeros(1)]
+    )
+    follower.group.set_collective_timeout(2)
+    follower.connect(local_broker)
+    try:
+        with caplog.at_level(logging.ERROR, logger="moolib"):
+
+            def reported():
+                lead.acc.update()  # but never wants_state()/set_state()
+                follower.update()
+                return "no state from the leader" in caplog.text
+
+            wait_for(reported, what="the missing state reported")
+        assert f"leader '{lead.acc.rpc.get_name()}'" in caplog.text, caplog.text
+        assert "wants_state() and set_state()" in caplog.text, caplog.text
+        assert not follower.connected()
+
+        def connected():
+            lead.poll()
+            follower.update()
+            return follower.connected()
+
+        wait_for(connected, what="the follower connected once the state was sent")
+        assert follower.state()["note"] == "from the leader"
+    finally:
+        follower.group.close()
+        follower.rpc.close()
 
 
 def wait_gradients(peers, expected, what):

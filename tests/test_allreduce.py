@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -685,3 +686,53 @@ def test_cuda_tensors_come_back_on_their_device(make_rpc, local_broker):
         assert r["big"].device == x["big"].device and r["small"].device == x["small"].device
         assert torch.equal(r["big"].cpu(), torch.full((100000,), 2.0))
         assert torch.equal(r["small"].cpu(), torch.arange(3) * 2)
+
+
+def _wait_updating(groups, handles):
+    """Waits for every handle while the groups' programs go on calling update()."""
+    end = time.monotonic() + 3 * DEADLINE
+    while not all(h.done() for h in handles):
+        assert time.monotonic() < end, "the all-reduces never completed"
+        for g in groups:
+            g.update()
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("size", [3, 1 << 20], ids=["direct", "large"])
+def test_all_reduce_a_member_never_starts_fails_naming_it(make_rpc, local_broker, transport, size):
+    """A member that stays in the group but never starts an all-reduce does not
+    make the others wait forever: after the collective timeout it fails on
+    every member that started it, naming the one they wait for."""
+    groups = []
+    for i in range(3):
+        rpc = make_rpc(f"late{i}", transports=["tcp"] if transport == "tcp" else None)
+        rpc.connect(local_broker.address)
+        g = moolib.Group(rpc, "deadline")
+        g.set_collective_timeout(2)
+        assert g.get_collective_timeout() == 2
+        g.update()
+        groups.append(g)
+    _settled(groups)
+    order = groups[0].members()
+    absent = next(g for g in groups if g.rpc.get_name() == order[-1])
+    started = [g for g in groups if g is not absent]
+    handles = [g.all_reduce("never", torch.ones(size)) for g in started]
+    _wait_updating(groups, handles)
+    for h in handles:
+        error = str(h.exception())
+        assert "all_reduce 'never'" in error and "timed out after 2 s" in error, error
+        assert f"'{absent.rpc.get_name()}'" in error, error
+    # The group goes on: the next all-reduce of every member completes.
+    handles = [g.all_reduce("after", torch.ones(3)) for g in groups]
+    _wait_updating(groups, handles)
+    assert all(torch.equal(h.result(), torch.full((3,), 3.0)) for h in handles)
+
+
+def test_collective_timeout_defaults_and_bad_values(make_rpc, local_broker):
+    g = _local_group(make_rpc, local_broker, "defaults")
+    assert g.get_collective_timeout() == 60
+    g.set_timeout(45)
+    assert g.get_collective_timeout() == 90  # twice the group timeout when that is longer
+    with pytest.raises(Exception, match="collective timeout"):
+        g.set_collective_timeout(-1)

@@ -65,10 +65,15 @@ void bindGroup(py::module_& m) {
       .def("set_timeout", &Group::setTimeout, py::arg("seconds"),
            "A member that has not called update() (or not reached the broker) this long leaves.")
       .def("get_timeout", &Group::timeout)
+      .def("set_collective_timeout", &Group::setCollectiveTimeout, py::arg("seconds"),
+           "An all-reduce not complete after this long fails on every member, naming the "
+           "members it waits for (0: max(60 s, 2 x the group timeout)).")
+      .def("get_collective_timeout", &Group::collectiveTimeout)
       .def("set_sort_order", &Group::setSortOrder, py::arg("order"),
            "Members are ordered by sort order, then join order.")
       .def("set_broker_name", &Group::setBrokerName, py::arg("name"))
       .def("_hold_membership", &Group::holdMembership, py::arg("hold"))
+      .def("_resync", &Group::resync)
       .def("close", &Group::close, py::call_guard<GilRelease>(), "Leaves the group.")
       .def(
           "_all_reduce_sum",

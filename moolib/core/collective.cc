@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "logging.h"
 #include "wire.h"
@@ -481,6 +482,11 @@ void Collective::onMessage(const std::string& from, const CollectiveMessage& m,
                        "' claims to come from member ", m.source),
                 true);
   }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (heard_.size() != n_) heard_.assign(n_, false);
+    heard_[m.source] = true;
+  }
   if (m.numMembers != n_ || m.mode != mode_) {
     return fail(concat(describe(), " failed: member '", from, "' sees ", m.numMembers,
                        " members and a different operation (custom op on some members only?)"),
@@ -600,6 +606,7 @@ void Collective::checkDone() {
     if (hasShm_ && n_ > 1 && !gatheredHere_) return;
     finished_ = true;
   }
+  cancelDeadline();
   finish();
 }
 
@@ -647,6 +654,63 @@ void Collective::finish() {
   if (retireNow) retire();
 }
 
+void Collective::setDeadline(double seconds) {
+  std::weak_ptr<Collective> weak = shared_from_this();
+  auto when = Clock::now() +
+              std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  uint64_t id = Loop::instance().addTimer(when, [weak, seconds] {
+    if (auto self = weak.lock()) self->onDeadline(seconds);
+  });
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (finished_) {
+    Loop::instance().cancelTimer(id);
+  } else {
+    deadlineTimer_ = id;
+  }
+}
+
+void Collective::cancelDeadline() {
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    id = std::exchange(deadlineTimer_, 0);
+  }
+  if (id) Loop::instance().cancelTimer(id);
+}
+
+void Collective::onDeadline(double seconds) {
+  std::string silent, others;
+  bool ring;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_) return;
+    deadlineTimer_ = 0;
+    if (heard_.size() != n_) heard_.assign(n_, false);
+    // On a ring only the left neighbour sends to this member: the others'
+    // state shows only through it.
+    ring = !algo_.empty() &&
+           std::all_of(algo_.begin(), algo_.end(), [](auto a) { return a == kRingAlgo; });
+    for (size_t i = 0; i != n_; ++i) {
+      bool expected = !ring || i == left();
+      if (i == self_ || (expected && heard_[i])) continue;
+      auto& list = expected ? silent : others;
+      list += concat(list.empty() ? "" : ", ", "'", members_[i], "'");
+    }
+  }
+  std::string why;
+  if (!silent.empty()) {
+    why = concat("waiting for member(s) ", silent,
+                 " (they have not started it with this name, or are stuck)");
+  } else if (ring && !others.empty()) {
+    why = concat("the ring stalled: one of ", others, " has not started it or is stuck");
+  } else {
+    why = "every member started it but it did not complete (messages lost?)";
+  }
+  auto error = concat(describe(), " timed out after ", seconds, " s (", n_, " members): ", why);
+  MOO_LOG(kError, error);
+  fail(error, true);
+}
+
 void Collective::fail(const std::string& error, bool broadcast) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -655,6 +719,7 @@ void Collective::fail(const std::string& error, bool broadcast) {
     // A member may still read our region: it is dropped, never reused.
     failed_ = true;
   }
+  cancelDeadline();
   MOO_LOG(kVerbose, error);
   if (broadcast && n_ > 1) {
     CollectiveMessage m;

@@ -124,6 +124,10 @@ class Collective : public std::enable_shared_from_this<Collective> {
   std::string describe() const;
   // fn runs once no message for this op can come any more (at once if so).
   void setOnRetired(std::function<void()> fn);
+  // Fails the op everywhere, naming the members it still waits for, if it
+  // has not completed within `seconds` (a member that never starts it, or
+  // is stuck, must not make the others wait forever).
+  void setDeadline(double seconds);
 
  private:
   struct Ring {
@@ -149,6 +153,8 @@ class Collective : public std::enable_shared_from_this<Collective> {
   void maybeShmGather();
   std::pair<size_t, size_t> slice(size_t buffer, size_t member) const;  // element [begin, end)
   void received();
+  void onDeadline(double seconds);
+  void cancelDeadline();
   void checkDone();
   void finish();
   void retire();
@@ -185,6 +191,8 @@ class Collective : public std::enable_shared_from_this<Collective> {
   std::vector<std::shared_ptr<PeerRegion>> peerRegions_;
   size_t shmReady_ = 0, shmReduced_ = 0, shmDone_ = 0;
   bool retired_ = false, failed_ = false;
+  uint64_t deadlineTimer_ = 0;
+  std::vector<bool> heard_;  // members a message of this op came from
   std::function<void()> onRetired_;
   bool copiedIn_ = false, reduceStarted_ = false, reducedHere_ = false, gatherStarted_ = false,
        gatheredHere_ = false;

@@ -1,6 +1,7 @@
 #include "group.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "broker.h"
 #include "logging.h"
@@ -49,6 +50,11 @@ void Group::start() {
 }
 
 double Group::pingIntervalLocked() const { return std::clamp(timeoutSeconds_ / 8, 0.02, 1.0); }
+
+double Group::collectiveTimeoutLocked() const {
+  return collectiveTimeoutSeconds_ > 0 ? collectiveTimeoutSeconds_
+                                       : std::max(60.0, 2 * timeoutSeconds_);
+}
 
 void Group::tick() {
   std::vector<std::shared_ptr<Collective>> failed;
@@ -124,7 +130,7 @@ void Group::ping() {
     q.sortOrder = sortOrder_;
     q.timeoutSeconds = timeoutSeconds_;
     if (!shmFailed_ && rpc_->transportAllowed("shm")) q.shmKey = localShmKey();
-    q.rejoin = !inContact_;
+    q.rejoin = !inContact_ || std::exchange(resync_, false);
     broker = brokerName_;
   }
   FuturePtr reply;
@@ -242,8 +248,10 @@ FuturePtr Group::startOp(const std::string& name, uint64_t syncId, Args&&... arg
   std::shared_ptr<Collective> op;
   std::vector<Early> early;
   std::string abortedBy;
+  double deadline;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    deadline = collectiveTimeoutLocked();
     if (closed_)
       return failedFuture(concat("all_reduce '", name, "': group '", name_, "' is closed"));
     auto self = std::find(members_.begin(), members_.end(), rpc_->name());
@@ -297,6 +305,7 @@ FuturePtr Group::startOp(const std::string& name, uint64_t syncId, Args&&... arg
     return op->future();
   }
   op->start();
+  op->setDeadline(deadline);
   for (auto& e : early) op->onMessage(e.from, e.message, std::move(e.data));
   return op->future();
 }
@@ -355,6 +364,11 @@ bool Group::update() {
   return changed;
 }
 
+void Group::resync() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  resync_ = true;
+}
+
 void Group::holdMembership(bool hold) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (hold) {
@@ -394,6 +408,17 @@ void Group::setTimeout(double seconds) {
 double Group::timeout() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return timeoutSeconds_;
+}
+
+void Group::setCollectiveTimeout(double seconds) {
+  MOO_ENFORCE(seconds >= 0 && seconds < 1e7, "collective timeout must be >= 0, got ", seconds);
+  std::lock_guard<std::mutex> lock(mutex_);
+  collectiveTimeoutSeconds_ = seconds;
+}
+
+double Group::collectiveTimeout() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return collectiveTimeoutLocked();
 }
 
 void Group::setSortOrder(int64_t order) {

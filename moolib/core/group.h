@@ -39,11 +39,18 @@ class Group : public std::enable_shared_from_this<Group> {
   const std::string& name() const { return name_; }
   void setTimeout(double seconds);
   double timeout() const;
+  // How long a collective may take before it fails everywhere, naming the
+  // members it waits for; 0 (the default) means max(60 s, 2 x the timeout).
+  void setCollectiveTimeout(double seconds);
+  double collectiveTimeout() const;
   void setSortOrder(int64_t order);
   void setBrokerName(const std::string& name);
   // While held (nested holds count), the member stays in the group however
   // long it goes without update(); releasing counts as an update().
   void holdMembership(bool hold);
+  // Asks the broker for a new sync id (the members stay): every member sees
+  // a membership change, e.g. to start a protocol over together.
+  void resync();
 
   // Sums buffers in place across the members; the future completes with no
   // segments once every buffer holds the sum.
@@ -79,6 +86,7 @@ class Group : public std::enable_shared_from_this<Group> {
   void failAllLocked(const std::string& why, std::vector<std::shared_ptr<Collective>>& out);
   bool activeLocked() const;
   double pingIntervalLocked() const;
+  double collectiveTimeoutLocked() const;
 
   const std::shared_ptr<Rpc> rpc_;
   const std::string name_;
@@ -87,6 +95,7 @@ class Group : public std::enable_shared_from_this<Group> {
   mutable std::mutex mutex_;
   std::string brokerName_ = "broker";
   double timeoutSeconds_ = 10;
+  double collectiveTimeoutSeconds_ = 0;
   int64_t sortOrder_ = 0;
   uint64_t syncId_ = 0;
   std::vector<std::string> members_;
@@ -103,6 +112,7 @@ class Group : public std::enable_shared_from_this<Group> {
   // Left because update() was not called for a timeout; update() rejoins.
   bool idle_ = false;
   int holds_ = 0;
+  bool resync_ = false;
   bool pingInFlight_ = false;
   TimePoint lastPing_{};
   uint64_t timer_ = 0;
