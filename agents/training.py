@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -60,6 +61,24 @@ def _namespace(tree: Any) -> Any:
     if isinstance(tree, dict):
         return SimpleNamespace(**{k: _namespace(v) for k, v in tree.items()})
     return tree
+
+
+def torch_threads(cfg: DictConfig) -> int:
+    """Torch's intra-op threads for one peer: ``cfg.torch_threads``, or with ``auto``
+    the cores this peer may use (its share of the machine, or its SLURM task's
+    CPUs) less one per env worker process, at least 1. Torch's default of a
+    thread per core makes its threads wait on each other whenever another process
+    (an env worker, a neighbour's job) holds a core: many times slower."""
+    if cfg.torch_threads != "auto":
+        return int(cfg.torch_threads)
+    slurm_cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+    if slurm_cpus:
+        cores = int(slurm_cpus)
+    else:
+        cores = len(os.sched_getaffinity(0)) // max(1, int(cfg.scaling.peers))
+        if cfg.scaling.name != "local":
+            cores = len(os.sched_getaffinity(0))
+    return max(1, cores - int(cfg.agent.num_actor_cpus))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -158,6 +177,7 @@ class Trainer:
         self.agent = _namespace(OmegaConf.to_container(cfg.agent, resolve=True))
         self.peer = peer
         self.device = resolve_device(cfg.device)
+        torch.set_num_threads(torch_threads(cfg))
         if cfg.seed is not None:
             torch.manual_seed(int(cfg.seed) + peer.rank)
         self.loss_fn = LOSSES[self.agent.name]

@@ -65,6 +65,11 @@ def validate(cfg: DictConfig) -> None:
     _number(cfg, "checkpoint_interval", 0.0)
     _number(cfg, "group_timeout", 0.1, 1e6)
     _number(cfg, "lost_group_timeout", 1.0)
+    threads = cfg.torch_threads
+    if threads != "auto" and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ConfigError(f"torch_threads must be auto or a positive integer, got {threads!r}")
     _choice(cfg, "agent.name", ("vtrace", "a2c"))
     _choice(cfg, "agent.network", ("auto", "impala_deep", "impala_shallow", "mlp"))
     _choice(cfg, "agent.optimizer.name", ("adam", "rmsprop"))

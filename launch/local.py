@@ -45,10 +45,6 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
     address = cfg.broker or broker.address
     savedir = Path(cfg.savedir)
     print(f"moolib-run: broker at {address}; {cfg.scaling.peers} peers; savedir {savedir}")
-    # Peers share the machine's cores: torch's default of one thread per core
-    # in every peer makes them fight over each core (10x slower on 2 cores).
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.scaling.peers)))
     procs: list[subprocess.Popen] = []
     # Each peer holds the read end of this pipe and stops when it closes: when
     # this process ends, however (kill -9 included), no peer acts on alone.

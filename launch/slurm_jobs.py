@@ -139,17 +139,12 @@ class PeerJob(_RequeueableJob):
     def __call__(self, config_path: str, index: int, launch: str, broker: str | None) -> dict:
         import logging
 
-        import torch
-
         from . import config as config_lib
         from .peer import make_trainer
 
         cfg = config_lib.load(Path(config_path))
         rank = index * peers_per_job(cfg) + submitit.JobEnvironment().global_rank
         logging.basicConfig(level=logging.INFO, format=f"[peer {rank}] %(message)s")
-        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
-        if cpus:
-            torch.set_num_threads(int(cpus))
         savedir = Path(cfg.savedir)
         use_auth_key(savedir, launch)
         address = broker or _wait_for_broker_file(savedir, launch, cfg.scaling.broker_timeout)
