@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -253,6 +255,27 @@ def _serve_deferred(fn: Callable, responder: Any, segments: list) -> None:
         responder.error(_describe(e))
 
 
+def _dispatch(rpc: weakref.ref, name: str) -> Callable:
+    """What the core holds for a function defined in Python: it finds the handler
+    through a weak reference to the Rpc object, which owns it.
+
+    A handler that refers back to its Rpc's owner (``self.rpc.define("f", self.f)``)
+    makes a cycle that the garbage collector sees whole, since no strong reference
+    to it hides in the core.
+    """
+
+    def call(responder: Any, segments: list) -> tuple | None:
+        owner = rpc()
+        handler = owner._handlers.get(name) if owner is not None else None
+        del owner  # a call in progress does not keep the Rpc alive
+        if handler is None:
+            responder.error(f"function '{name}' is gone: its Rpc was deleted")
+            return None
+        return handler(responder, segments)
+
+    return call
+
+
 _default_auth_key: str | None = None
 
 
@@ -274,15 +297,38 @@ class Rpc(_core.Rpc):
     Inherited from the core: set_name, get_name, listen (returns the bound
     address), connect (reconnects whenever the link drops), set_timeout (per
     call, default 10 s), get_timeout, set_transports (["shm", "tcp"]),
-    set_auth_key, debug_info, undefine (waits for calls in flight), close, and
-    the calls themselves: async_(peer, fn, *args, **kwargs) -> Future and
-    sync(peer, fn, *args, **kwargs) -> result (raises RpcError).
+    set_auth_key, debug_info, close, and the calls themselves:
+    async_(peer, fn, *args, **kwargs) -> Future and sync(peer, fn, *args,
+    **kwargs) -> result (raises RpcError).
+
+    An Rpc that is deleted or garbage collected closes as close() does before
+    that returns. The functions defined on it belong to it (the core reaches
+    them only through it), so an object that owns an Rpc and defines its own
+    methods on it is collected like any other cycle.
     """
 
     def __init__(self) -> None:
         super().__init__()
+        # name -> what the core's dispatcher calls with (responder, segments).
+        self._handlers: dict[str, Callable] = {}
         if _default_auth_key is not None:
             self.set_auth_key(_default_auth_key)
+
+    def _define(self, name: str, handler: Callable) -> None:
+        if name in self._handlers:
+            # The core raises its usual error: the name is taken.
+            super().define(name, _dispatch(weakref.ref(self), name))
+        self._handlers[name] = handler
+        try:
+            super().define(name, _dispatch(weakref.ref(self), name))
+        except BaseException:
+            del self._handlers[name]
+            raise
+
+    def undefine(self, name: str) -> None:
+        """Removes ``name``; waits for its calls in flight (unless called from one)."""
+        super().undefine(name)
+        self._handlers.pop(name, None)
 
     def define(
         self, name: str, fn: Callable, batch_size: int | None = None, device: Any = None
@@ -294,23 +340,23 @@ class Rpc(_core.Rpc):
         batch, and its result is split back along that dimension to each caller.
         """
         if batch_size is None:
-            super().define(name, lambda responder, segments: _serve(fn, responder, segments))
+            self._define(name, functools.partial(_serve, fn))
             return
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        super().define(name, _BatchedFunction(fn, batch_size, device))
+        self._define(name, _BatchedFunction(fn, batch_size, device))
 
     def define_deferred(self, name: str, fn: Callable) -> None:
         """Defines ``name`` as ``fn(callback, *args, **kwargs)``: the call returns
         when ``callback(result)`` is called (from any thread, any time later)."""
-        super().define(name, lambda responder, segments: _serve_deferred(fn, responder, segments))
+        self._define(name, functools.partial(_serve_deferred, fn))
 
     def define_queue(
         self, name: str, batch_size: int | None = None, dynamic_batching: bool = False
     ) -> Queue:
         """Defines ``name`` so that its calls arrive as items of the returned Queue."""
         queue = Queue(batch_size, dynamic_batching)
-        super().define(name, queue._put)
+        self._define(name, queue._put)
         return queue
 
     def async_callback(

@@ -277,14 +277,56 @@ py::object decodeSegments(const std::vector<BufferPtr>& segs) {
   return codec().loads(stream, buffers);
 }
 
-PyFuture callWithArgs(Rpc& rpc, const std::string& peer, const std::string& function, py::args args,
-                      py::kwargs kwargs) {
+PyFuture callWithArgs(PyRpc& self, const std::string& peer, const std::string& function,
+                      py::args args, py::kwargs kwargs) {
   py::tuple encoded = codec().dumps(py::make_tuple(args, kwargs));
   // The GIL stays held: a call never blocks (sockets are non-blocking) and no
   // core lock is ever held while waiting for the GIL, so this cannot
   // deadlock, and it saves a GIL hand-off per call.
   auto segs = exportSegments(encoded[0], encoded[1].cast<py::list>());
-  return PyFuture{rpc.call(peer, function, std::move(segs))};
+  return PyFuture{self.rpc->call(peer, function, std::move(segs))};
+}
+
+// What the Python Rpc objects of one core Rpc, and the Groups and Brokers
+// made on them, share. Core threads hold the Rpc itself, for as long as a
+// function runs or a timer fires; when the last Python-side share goes
+// (the object deleted or garbage collected without close()), the Owner closes
+// the Rpc right there, so that its addresses are free and its peers see it
+// gone by the time `del` or gc.collect() returns.
+PyRpc createRpc() {
+  struct Owner {
+    std::shared_ptr<Rpc> rpc;
+    explicit Owner(std::shared_ptr<Rpc> r) : rpc(std::move(r)) {}
+    Owner(const Owner&) = delete;
+    Owner& operator=(const Owner&) = delete;
+    ~Owner() {
+      // close() waits for no core thread and never for the GIL: it is safe
+      // wherever the last share drops, on a core thread too.
+      if (rpc->inherited()) return;
+      try {
+        rpc->close();
+      } catch (const std::exception& e) {
+        MOO_LOG(kError, "closing a dropped Rpc: ", e.what());
+      }
+    }
+  };
+  auto owner = std::make_shared<Owner>(Rpc::create());
+  Rpc* rpc = owner->rpc.get();
+  return PyRpc{std::shared_ptr<Rpc>(std::move(owner), rpc)};
+}
+
+// A member function of Rpc as a method of PyRpc.
+template <typename R, typename... A>
+auto onRpc(R (Rpc::*method)(A...)) {
+  return [method](PyRpc& self, A... args) -> R {
+    return ((*self.rpc).*method)(std::forward<A>(args)...);
+  };
+}
+template <typename R, typename... A>
+auto onRpc(R (Rpc::*method)(A...) const) {
+  return [method](PyRpc& self, A... args) -> R {
+    return ((*self.rpc).*method)(std::forward<A>(args)...);
+  };
 }
 
 // Forwards core log lines to a Python callable from a thread of its own, so
@@ -444,57 +486,56 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("peer", &Responder::peer)
       .def_property_readonly("function", &Responder::function);
 
-  py::class_<Rpc, std::shared_ptr<Rpc>>(m, "Rpc",
-                                        "The C++ peer; moolib.Rpc adds the Python-level API.")
-      .def(py::init(&Rpc::create))
-      .def("set_name", &Rpc::setName)
-      .def("get_name", &Rpc::name)
-      .def("listen", &Rpc::listen, py::call_guard<GilRelease>())
-      .def("connect", &Rpc::connect, py::call_guard<GilRelease>())
-      .def("set_timeout", &Rpc::setTimeout)
-      .def("get_timeout", &Rpc::timeout)
-      .def("set_transports", &Rpc::setTransports)
-      .def("set_auth_key", &Rpc::setAuthKey)
+  py::class_<PyRpc>(m, "Rpc", "The C++ peer; moolib.Rpc adds the Python-level API.")
+      .def(py::init(&createRpc))
+      .def("set_name", onRpc(&Rpc::setName))
+      .def("get_name", onRpc(&Rpc::name))
+      .def("listen", onRpc(&Rpc::listen), py::call_guard<GilRelease>())
+      .def("connect", onRpc(&Rpc::connect), py::call_guard<GilRelease>())
+      .def("set_timeout", onRpc(&Rpc::setTimeout))
+      .def("get_timeout", onRpc(&Rpc::timeout))
+      .def("set_transports", onRpc(&Rpc::setTransports))
+      .def("set_auth_key", onRpc(&Rpc::setAuthKey))
       .def("define",
-           [](Rpc& rpc, const std::string& name, py::function fn) {
+           [](PyRpc& self, const std::string& name, py::function fn) {
              auto held = holdObject(fn);
-             rpc.define(name,
-                        [held](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
-                          withPython([&] {
-                            DeferredReleases::instance().drain();
-                            try {
-                              py::object reply;
-                              {
-                                py::object r = py::cast(responder);
-                                py::list segments = wrapSegments(args);
-                                args.clear();
-                                reply = callFromCore(held.get(), {r, segments});
-                              }
-                              if (!reply) throw py::error_already_set();
-                              // A handler may return (data, buffers) instead of replying
-                              // itself: the reply then goes out after the arguments are
-                              // released, so shared-memory segments are free for reuse
-                              // by the time the caller's next call needs one.
-                              if (!reply.is_none()) {
-                                auto tuple = reply.cast<py::tuple>();
-                                auto segs = exportSegments(tuple[0], tuple[1].cast<py::list>());
-                                responder->reply(std::move(segs));
-                              }
-                            } catch (py::error_already_set& e) {
-                              responder->error(e.what());
-                            } catch (const std::exception& e) {
-                              responder->error(e.what());
-                            }
-                          });
-                        });
+             self.rpc->define(
+                 name, [held](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
+                   withPython([&] {
+                     DeferredReleases::instance().drain();
+                     try {
+                       py::object reply;
+                       {
+                         py::object r = py::cast(responder);
+                         py::list segments = wrapSegments(args);
+                         args.clear();
+                         reply = callFromCore(held.get(), {r, segments});
+                       }
+                       if (!reply) throw py::error_already_set();
+                       // A handler may return (data, buffers) instead of replying
+                       // itself: the reply then goes out after the arguments are
+                       // released, so shared-memory segments are free for reuse
+                       // by the time the caller's next call needs one.
+                       if (!reply.is_none()) {
+                         auto tuple = reply.cast<py::tuple>();
+                         auto segs = exportSegments(tuple[0], tuple[1].cast<py::list>());
+                         responder->reply(std::move(segs));
+                       }
+                     } catch (py::error_already_set& e) {
+                       responder->error(e.what());
+                     } catch (const std::exception& e) {
+                       responder->error(e.what());
+                     }
+                   });
+                 });
            })
-      .def("undefine", &Rpc::undefine, py::call_guard<GilRelease>())
+      .def("undefine", onRpc(&Rpc::undefine), py::call_guard<GilRelease>())
       .def("async_", &callWithArgs, "Calls fn on peer; returns a Future for the result.")
       .def(
           "sync",
-          [](Rpc& rpc, const std::string& peer, const std::string& function, py::args args,
+          [](PyRpc& self, const std::string& peer, const std::string& function, py::args args,
              py::kwargs kwargs) {
-            PyFuture f = callWithArgs(rpc, peer, function, std::move(args), std::move(kwargs));
+            PyFuture f = callWithArgs(self, peer, function, std::move(args), std::move(kwargs));
             futureWait(f, py::none());
             if (!f.state->error().empty()) {
               PyErr_SetString(rpcError.ptr(), f.state->error().c_str());
@@ -503,12 +544,12 @@ PYBIND11_MODULE(_core, m) {
             return decodeSegments(f.state->result());
           },
           "Calls fn on peer and waits for the result (raises RpcError on failure).")
-      .def("close", &Rpc::close, py::call_guard<GilRelease>())
-      .def("debug_info", [](Rpc& rpc) {
+      .def("close", onRpc(&Rpc::close), py::call_guard<GilRelease>())
+      .def("debug_info", [](PyRpc& self) {
         DebugInfo info;
         {
           GilRelease nogil;
-          info = rpc.debugInfo();
+          info = self.rpc->debugInfo();
         }
         return toPython(info);
       });

@@ -7,6 +7,7 @@
 
 #include "buffer.h"
 #include "future.h"
+#include "rpc.h"
 
 namespace moolib::binding {
 
@@ -34,6 +35,14 @@ class GilRelease {
 
  private:
   PyThreadState* state_;
+};
+
+// A core Rpc as the Python object moolib.Rpc. rpc shares ownership of an
+// Owner (see bindings.cc) with every copy made for Python-side users of the
+// Rpc (a Group, a Broker): when the last of them goes, the Rpc closes then
+// and there, even while core threads still hold the Rpc itself.
+struct PyRpc {
+  std::shared_ptr<Rpc> rpc;
 };
 
 // A core future as the Python object moolib.Future.

@@ -33,8 +33,7 @@ std::vector<TypedBuffer> typedBuffers(const py::list& items) {
 void bindGroup(py::module_& m) {
   py::class_<Broker, std::shared_ptr<Broker>>(m, "Broker",
                                               "The broker service on an Rpc; see moolib.Broker.")
-      .def(py::init(
-               [](std::shared_ptr<Rpc> rpc) { return std::make_shared<Broker>(std::move(rpc)); }),
+      .def(py::init([](const PyRpc& rpc) { return std::make_shared<Broker>(rpc.rpc); }),
            py::arg("rpc"))
       .def("update", &Broker::update, py::call_guard<GilRelease>(),
            "Drops members that missed their timeout.")
@@ -52,8 +51,8 @@ void bindGroup(py::module_& m) {
 
   py::class_<Group, std::shared_ptr<Group>>(m, "Group",
                                             "Group membership and collectives; see moolib.Group.")
-      .def(py::init([](std::shared_ptr<Rpc> rpc, const std::string& name) {
-             return Group::create(std::move(rpc), name);
+      .def(py::init([](const PyRpc& rpc, const std::string& name) {
+             return Group::create(rpc.rpc, name);
            }),
            py::arg("rpc"), py::arg("name"))
       .def("update", &Group::update, "Returns True once after each membership change.")

@@ -85,8 +85,10 @@ Rpc::Rpc() : generation_(Loop::generation()), incarnation_(randomHex(8)), name_(
   if (const char* key = std::getenv("MOOLIB_AUTH_KEY")) authKey_ = key;
 }
 
+bool Rpc::inherited() const { return generation_ != Loop::generation(); }
+
 Rpc::~Rpc() {
-  if (generation_ != Loop::generation()) {
+  if (inherited()) {
     // Forked child: this peer's threads and loop belong to the parent. Leave
     // every resource alone rather than touch the parent's loop.
     static auto* abandoned = new std::vector<std::shared_ptr<void>>();

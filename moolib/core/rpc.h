@@ -100,7 +100,11 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   FuturePtr call(const std::string& peer, const std::string& function,
                  std::vector<OutSegment> segments);
   DebugInfo debugInfo();
+  // Closes the listeners and links before it returns; calls in flight fail.
   void close();
+  // Whether this Rpc was made before the process forked (in a child): its
+  // threads and loop are the parent's, so it must be left alone.
+  bool inherited() const;
 
   Rpc();  // use create()
 
