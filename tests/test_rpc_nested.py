@@ -84,13 +84,20 @@ def test_nested_calls_through_a_third_peer(make_rpc, transport, max_threads, n):
     run_rounds(client, "server", "f", n, lambda i: (3 * i + 1) * 2)
 
 
+@pytest.fixture(params=MAX_THREADS[::2], ids=MAX_THREADS_IDS[::2])
+def both_pools(request):
+    """The pool size of this process and of the peer process (restored after)."""
+    original = moolib._core.get_max_threads()
+    if request.param is not None:
+        moolib.set_max_threads(request.param)
+    yield request.param
+    moolib.set_max_threads(original)
+
+
 @pytest.mark.parametrize("n", NESTED)
-@pytest.mark.parametrize("peer_threads", [1, None], ids=["peer1", "peerdefault"])
-def test_nested_calls_across_processes(
-    make_rpc, spawn_peer, transport, max_threads, peer_threads, n
-):
+def test_nested_calls_across_processes(make_rpc, spawn_peer, transport, both_pools, n):
     peer = spawn_peer(
-        "nest-peer", transports=transport, timeout=RPC_TIMEOUT, max_threads=peer_threads
+        "nest-peer", transports=transport, timeout=RPC_TIMEOUT, max_threads=both_pools
     )
     client = make_rpc("nest-client", transports=transport, timeout=RPC_TIMEOUT)
     client.connect(peer.address)
