@@ -64,7 +64,12 @@ def set_logging(logger: Any = None) -> None:
 
 
 def set_max_threads(n: int) -> None:
-    """Sets how many core threads run functions and callbacks."""
+    """Sets how many core threads run functions and callbacks at once.
+
+    A thread blocked waiting for a call (a function in a nested ``sync()``)
+    does not count: another is started in its place (up to a bound), so nested
+    calls cannot exhaust the pool.
+    """
     _core.set_max_threads(int(n))
 
 

@@ -49,6 +49,10 @@ bool FutureState::wait(TimePoint deadline) {
     serve = serve_;
   }
   auto isDone = [this] { return done(); };
+  // A pool worker waiting here must not leave the pool short of the worker
+  // that may have to run what it waits for (a nested call back into this
+  // process).
+  BlockingRegion blocking;
   while (!done() && Clock::now() < deadline) {
     if (!serve || !serve(isDone, deadline)) {
       serve = nullptr;  // someone else handles that connection: they will notify us

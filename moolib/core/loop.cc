@@ -29,6 +29,15 @@ constexpr auto kRescueInterval = std::chrono::milliseconds(20);
 // on the socket itself: the peer's next request then wakes it directly (a
 // same-CPU "sync" wake-up) instead of an epoll waiter on another CPU.
 constexpr auto kStickyWindow = std::chrono::milliseconds(20);
+// Workers that may be blocked in waits at once, beyond max threads: each is
+// replaced by a spare, so this bounds the threads nested calls can make.
+constexpr int kMaxBlockedWorkers = 1024;
+// Once no worker has blocked in a wait for this long, spares beyond max
+// threads runnable workers end; long enough that a steady stream of nested
+// calls keeps its spares instead of starting a thread per call. Not the
+// spare's own idle time: the most recent epoll waiter is woken first, so one
+// spare can get every timer and keepalive and never be idle.
+constexpr auto kSpareLinger = std::chrono::seconds(5);
 
 std::mutex gLoopMutex;
 // Leaked on purpose: threads may outlive static destruction.
@@ -62,6 +71,10 @@ thread_local InlineBatch* tlsBatch = nullptr;
 thread_local std::weak_ptr<FdHandler> tlsSticky;
 // The batch whose task runs on this thread, while its replies are corked.
 thread_local InlineBatch* tlsCorked = nullptr;
+// The batch whose task runs on this thread (corked or not).
+thread_local InlineBatch* tlsRunning = nullptr;
+// Inside a BlockingRegion that counts this worker as blocked.
+thread_local bool tlsBlocked = false;
 
 int64_t nowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
@@ -89,6 +102,21 @@ size_t queuedIn(InlineBatch& batch) {
 }
 
 }  // namespace
+
+BlockingRegion::BlockingRegion() {
+  if (!tlsWorker || tlsBlocked) return;
+  Loop* loop = gLoop.load(std::memory_order_acquire);
+  if (!loop) return;
+  loop->beginBlocking();
+  counted_ = true;
+}
+
+BlockingRegion::~BlockingRegion() {
+  if (!counted_) return;
+  // The loop is never freed (a fork abandons it, leaked), so it is still there.
+  if (Loop* loop = gLoop.load(std::memory_order_acquire)) loop->endBlocking();
+  tlsBlocked = false;
+}
 
 bool corkIfBatching(const std::shared_ptr<Corkable>& c) {
   if (!tlsCorked) return false;
@@ -198,6 +226,54 @@ void Loop::setMaxThreads(int n) {
     std::thread([this, index] { workerMain(index); }).detach();
   }
   workersStarted_.wait(lock, [this] { return startingWorkers_ == 0; });
+}
+
+void Loop::beginBlocking() {
+  tlsBlocked = true;
+  // The requests read with the one that now blocks, and the replies made to
+  // those before it, go to the pool now: the reply this worker waits for may
+  // depend on them.
+  if (InlineBatch* batch = tlsRunning) {
+    std::vector<std::shared_ptr<Corkable>> corked;
+    {
+      std::lock_guard<std::mutex> batchLock(batch->mutex);
+      enqueue(batch->tasks);
+      batch->corking = false;
+      corked.swap(batch->corked);
+    }
+    for (auto& c : corked) c->uncork();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++blockedWorkers_;
+    lastBlocked_ = Clock::now();
+    if (stopping_ || liveWorkers_ - blockedWorkers_ >= maxThreads_) return;
+    if (blockedWorkers_ > kMaxBlockedWorkers) {
+      if (!warnedBlockedLimit_) {
+        warnedBlockedLimit_ = true;
+        MOO_LOG(kError, "more than ", kMaxBlockedWorkers,
+                " core threads are blocked waiting for calls (nested sync() calls); no more "
+                "are started in their place, so the calls they wait for may stall");
+      }
+      return;
+    }
+    // Counted now, so that workers blocking at the same time start one each.
+    ++liveWorkers_;
+  }
+  try {
+    std::thread([this] { workerMain(-1); }).detach();
+  } catch (const std::system_error& e) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      --liveWorkers_;
+    }
+    MOO_LOG(kError, "could not start a core thread in place of one blocked in a wait: ", e.what());
+  }
+}
+
+void Loop::endBlocking() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  --blockedWorkers_;
 }
 
 void Loop::shutdown(std::chrono::milliseconds grace) {
@@ -415,7 +491,9 @@ void Loop::runInline() {
     }
     tlsInline = nullptr;  // what this task schedules goes to the shared queue
     tlsCorked = corkable;
+    tlsRunning = &batch;
     t();
+    tlsRunning = nullptr;
     tlsCorked = nullptr;
     tlsInline = &batch;
     batch.taskStartNs = 0;
@@ -442,7 +520,7 @@ void Loop::rescueStuckBatches() {
   for (auto& c : corked) c->uncork();
 }
 
-void Loop::pollRound(int timeout, bool worker) {
+int Loop::pollRound(int timeout, bool worker) {
   epoll_event events[16];
   if (worker) idleWorkers_.fetch_add(1);
   int n = epoll_wait(epollFd_, events, worker ? 4 : 16, timeout);
@@ -470,6 +548,7 @@ void Loop::pollRound(int timeout, bool worker) {
       }
     }
   }
+  return n;
 }
 
 bool Loop::tryCreateWaiter(int index, bool firstTry) {
@@ -492,12 +571,15 @@ void Loop::workerMain(int index) {
   // for that: once an Rpc exists, its process has all its descriptors open.
   // Without a descriptor left (a flood of connections can use them all up) the
   // worker waits for one: an exception escaping a thread would end the process.
+  bool spare = index < 0;
   bool ready = tryCreateWaiter(index, true);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    --startingWorkers_;
+  if (!spare) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      --startingWorkers_;
+    }
+    workersStarted_.notify_all();
   }
-  workersStarted_.notify_all();
   while (!ready && !stopping_) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     ready = tryCreateWaiter(index, false);
@@ -513,8 +595,8 @@ void Loop::workerMain(int index) {
       std::lock_guard<std::mutex> lock(mutex_);
       // Decided and recorded at once, so setMaxThreads never counts on a
       // worker that is leaving.
-      if (stopping_ || index >= maxThreads_) {
-        workerLive_[index] = false;
+      if (stopping_ || (!spare && index >= maxThreads_)) {
+        if (!spare) workerLive_[index] = false;
         break;
       }
     }
@@ -537,7 +619,17 @@ void Loop::workerMain(int index) {
       if (popTask(t)) t();
       continue;
     }
-    pollRound(-1, true);
+    if (!spare) {
+      pollRound(-1, true);
+      continue;
+    }
+    pollRound(timeoutMs(Clock::now() + kSpareLinger), true);
+    std::lock_guard<std::mutex> lock(mutex_);
+    // The workers it stood in for are running again (or gone).
+    if (liveWorkers_ - blockedWorkers_ > maxThreads_ &&
+        Clock::now() - lastBlocked_ >= kSpareLinger) {
+      break;
+    }
   }
   tlsSticky.reset();
   {

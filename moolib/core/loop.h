@@ -17,6 +17,33 @@
 // also hands the requests a worker read along with one that runs long (or
 // blocks) to other workers, and sends the replies already made.
 //
+// Nested calls. A function that calls another peer and waits (sync()) holds
+// its worker until the reply comes, and that reply may need a worker of this
+// very pool: the called function may call back into this process, directly
+// or through other peers, in any number of rounds. With a fixed pool, enough
+// such calls in flight leave every worker blocked while the requests whose
+// replies they wait for sit in the queue behind them: a deadlock that no
+// timeout but the calls' own ends. So max threads bounds the workers that
+// *run*, not those that wait: a worker about to block in a wait
+// (BlockingRegion, entered by FutureState::wait)
+//   - first hands the rest of the batch it read to the pool and sends the
+//     replies corked in it: they must not wait for a reply that may need them
+//     (the rescue thread would, but only 20 ms later, and only to a pool that
+//     has a worker to run them);
+//   - then, if fewer than max threads workers are left to run tasks, starts
+//     a spare worker in its place. Starting one is cheap next to what it
+//     prevents, and happens only when a worker blocks while the pool is
+//     short; spares stay until no worker has blocked for a few seconds, so a
+//     steady stream of nested calls does not start a thread per call.
+// Replacements are bounded (kMaxBlockedWorkers): a program that blocks more
+// workers than that at once gets a logged error rather than unbounded threads.
+// The alternative, a waiting thread running queued requests itself, would
+// nest functions on one stack: the outer one could not return, its reply
+// arrived, until the inner one did, which may be waiting for the outer.
+// Waiting threads do serve the connection their reply comes on (see
+// StreamConnection::serveWhile), and the rescue thread polls when no worker
+// waits for events, so replies are read even while every worker is blocked.
+//
 // Nothing here takes the Python GIL. docs/architecture.md (section 2) puts
 // these threads in context.
 #pragma once
@@ -90,6 +117,21 @@ int timeoutMs(TimePoint deadline);
 
 struct InlineBatch;
 
+// Entered by a thread about to block until a call completes. On a pool worker
+// it hands the batch it runs to the pool and, while the worker is blocked,
+// does not count it against max threads (see the header comment). Elsewhere
+// (and when nested) it does nothing.
+class BlockingRegion {
+ public:
+  BlockingRegion();
+  ~BlockingRegion();
+  BlockingRegion(const BlockingRegion&) = delete;
+  BlockingRegion& operator=(const BlockingRegion&) = delete;
+
+ private:
+  bool counted_ = false;
+};
+
 class Loop {
  public:
   // The loop of this process. A child created by fork() gets a fresh one; the
@@ -137,13 +179,20 @@ class Loop {
     std::weak_ptr<FdHandler> handler;
   };
 
+  friend class BlockingRegion;
+  // A pool worker blocks in a wait: see BlockingRegion.
+  void beginBlocking();
+  void endBlocking();
+  // index -1: a spare, started in place of a blocked worker; it ends once
+  // the pool has more runnable workers than max threads and no worker has
+  // blocked for a while.
   void workerMain(int index);
   // Creates this worker's Waiter; false (logged on the first try) when no
   // descriptor is left.
   bool tryCreateWaiter(int index, bool firstTry);
   void rescueMain();
-  // One epoll_wait round; returns false on shutdown.
-  void pollRound(int timeout, bool worker);
+  // One epoll_wait round; returns the number of events.
+  int pollRound(int timeout, bool worker);
   std::shared_ptr<FdHandler> dispatch(uint64_t token, uint32_t events);
   void runTimers();
   void armTimerFdLocked();
@@ -166,7 +215,10 @@ class Loop {
   std::deque<Task> tasks_;
   std::atomic<bool> stopping_{false};
   int maxThreads_;
-  int liveWorkers_ = 0;
+  int liveWorkers_ = 0;      // spares included
+  int blockedWorkers_ = 0;   // live workers blocked in a wait
+  TimePoint lastBlocked_{};  // when a worker last began to
+  bool warnedBlockedLimit_ = false;
   std::vector<bool> workerLive_;  // by worker index
   int startingWorkers_ = 0;       // spawned, not yet past creating their Waiter
   std::condition_variable workersStarted_;
