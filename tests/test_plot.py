@@ -286,7 +286,8 @@ def test_missing_file(tmp_path, capsys):
 def test_directory_without_logs(tmp_path, capsys):
     code, _, err = run_main(capsys, str(tmp_path))
     assert code == 2
-    assert f"{tmp_path}: directory has no logs.tsv" in err
+    assert f"moolib-plot: error: no logs.tsv in {tmp_path} (" in err
+    assert err.count("\n") == 1
 
 
 def test_one_missing_file_among_several(tmp_path, capsys):
@@ -331,9 +332,17 @@ def test_no_numeric_rows(tmp_path, capsys):
     path.write_text("step\tmean_episode_return\n1\t\n2\tnan\n3\tn/a\n")
     code, out, err = run_main(capsys, str(path))
     assert code == 2
-    assert f"{path}: no numeric rows" in err
-    assert "none of its 3 data rows has a number in both 'step' and 'mean_episode_return'" in err
+    assert (
+        f"{path}: no episode has finished yet (3 log rows, none with a mean_episode_return)" in err
+    )
     assert out == ""
+
+    # Another metric that has no numbers: the generic message.
+    path.write_text("step\tgrad_norm\n1\t\n2\tnan\n")
+    code, out, err = run_main(capsys, str(path), "--metric", "grad_norm")
+    assert code == 2
+    assert f"{path}: no numeric rows" in err
+    assert "none of its 2 log rows has a number in both 'step' and 'grad_norm'" in err
 
 
 def test_header_only(tmp_path, capsys):
@@ -342,7 +351,7 @@ def test_header_only(tmp_path, capsys):
     path.write_text("\t".join(COLUMNS) + "\n")
     code, _, err = run_main(capsys, str(path))
     assert code == 2
-    assert "no numeric rows: none of its 0 data rows" in err
+    assert f"{path}: no log rows yet (only the header)" in err
 
 
 def test_empty_file(tmp_path, capsys):
@@ -360,12 +369,12 @@ def test_run_without_rows_is_skipped_beside_runs_with_some(tmp_path, capsys):
     b.write_text("\t".join(COLUMNS) + "\n")
     code, out, err = run_main(capsys, str(a), str(b), "--no-terminal")
     assert code == 0, err
-    assert f"warning: skipped {b}: no numeric rows" in err
+    assert f"warning: skipped {b}: no log rows yet" in err
     assert_png(tmp_path / "a" / "mean_episode_return.png")
 
     code, _, err = run_main(capsys, str(b), str(b.parent))
     assert code == 2
-    assert "no numeric rows" in err
+    assert "no log rows yet" in err
 
 
 def test_unwritable_png(tmp_path, capsys):
@@ -380,7 +389,7 @@ def test_unwritable_png(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        ([], "the following arguments are required: logs"),
+        ([], "the following arguments are required: RUN"),
         (["x.tsv", "--smooth", "0"], "argument --smooth: must be at least 1, got 0"),
         (["x.tsv", "--smooth", "two"], "argument --smooth: not an integer: 'two'"),
         (["x.tsv", "--width", "10"], "argument --width: must be at least 30, got 10"),
