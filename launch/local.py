@@ -44,7 +44,7 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
     broker = None if cfg.broker else EmbeddedBroker()
     address = cfg.broker or broker.address
     savedir = Path(cfg.savedir)
-    print(f"moolib-run: broker at {address}; {cfg.scaling.peers} peers; savedir {savedir}")
+    # Peer 0 prints the start banner (broker, peers, savedir, device) on this terminal.
     # Peers share the machine's cores: torch's default of one thread per core
     # in every peer makes them fight over each core (10x slower on 2 cores).
     env = dict(os.environ)
