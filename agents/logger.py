@@ -182,8 +182,8 @@ class Progress:
 
     # -- what the line says ---------------------------------------------------------------
 
-    def format(self, row: dict[str, Any]) -> str:
-        """The line for one log row (the rows before it give the SPS over the window)."""
+    def _line(self, row: dict[str, Any]) -> str:
+        """The line for one log row, which joins the window that the SPS is taken over."""
         step = float(row["step"])
         now = _finite(row.get("time"))
         if self._first_step is None:
@@ -251,7 +251,7 @@ class Progress:
 
     def update(self, row: dict[str, Any]) -> None:
         """Shows the numbers of one log row."""
-        text = self.format(row)
+        text = self._line(row)
         self._record(text)
         with self._lock:
             if self.live:

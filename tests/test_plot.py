@@ -450,3 +450,108 @@ def test_console_script_error_exit_code(tmp_path):
     assert proc.returncode == 2
     assert "moolib-plot: error:" in proc.stderr and "its columns are: step" in proc.stderr
     assert proc.stdout == ""
+
+
+# --- runs of several peers, sweeps --------------------------------------------------------------
+
+
+def write_point(folder: Path, overrides: list[str] | None, config: dict | None, scale: float):
+    """A sweep point as moolib-run leaves it: logs.tsv, .hydra/overrides.yaml, config.yaml."""
+    import yaml
+
+    write_logs(folder / "logs.tsv", rows=20, scale=scale)
+    if overrides is not None:
+        (folder / ".hydra").mkdir(parents=True)
+        (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if config is not None:
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def test_sweep_points_are_labelled_by_the_overrides_that_differ(tmp_path, capsys):
+    sweep = tmp_path / "12-00-00-a2c-cartpole"
+    common = ["agent=a2c", "env=cartpole", f"savedir={sweep}"]
+    points = [("3e-4", "0.1", 1.0), ("3e-4", "0.2", 0.8), ("1e-3", "0.1", 0.6)]
+    for n, (lr, other, scale) in enumerate(points):
+        overrides = [*common, f"agent.optimizer.learning_rate={lr}", f"foo.learning_rate={other}"]
+        write_point(sweep / str(n), overrides, None, scale)
+    (sweep / "multirun.yaml").write_text("{}\n")
+    code, out, err = run_main(capsys, str(sweep), "--width", "90", "--height", "16")
+    assert code == 0, err
+    # Two keys end in learning_rate: both stay whole; the keys all points share are left out.
+    labels = re.findall(r"^(.+): 20 points", out, re.M)
+    assert labels == [
+        "agent.optimizer.learning_rate=3e-4, foo.learning_rate=0.1",
+        "agent.optimizer.learning_rate=3e-4, foo.learning_rate=0.2",
+        "agent.optimizer.learning_rate=1e-3, foo.learning_rate=0.1",
+    ]
+    assert f"Saved {sweep / 'mean_episode_return.png'}" in out
+    assert_png(sweep / "mean_episode_return.png")
+    assert "mean_episode_return vs step: 12-00-00-a2c-cartpole" in out
+
+    assert plot.override_labels([{"a.b.lr": "1", "seed": "0"}, {"a.b.lr": "2", "seed": "0"}]) == [
+        "lr=1",
+        "lr=2",
+    ]
+    assert plot.override_labels([{"x": "1"}, {"x": "1"}]) is None
+
+
+def test_sweep_without_overrides_is_labelled_from_its_configs(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    for n, lr in enumerate([0.001, 0.002, 0.004]):
+        config = {
+            "agent": {"optimizer": {"learning_rate": lr}, "name": "a2c"},
+            "savedir": str(sweep / str(n)),
+            "group": f"g{n}",
+        }
+        write_point(sweep / str(n), None, config, 1.0 + n)
+    code, out, err = run_main(capsys, str(sweep), "--no-terminal")
+    assert code == 0, err
+    assert plot.sweep_labels([sweep / "0", sweep / "1", sweep / "2"]) == [
+        "learning_rate=0.001",
+        "learning_rate=0.002",
+        "learning_rate=0.004",
+    ]
+    # Nothing tells them apart: their folder names.
+    for n in range(3):
+        (sweep / str(n) / "config.yaml").unlink()
+    assert plot.find_runs(sweep).runs[2].label == "2"
+
+
+def test_multi_peer_run_is_their_mean_with_its_spread(tmp_path, capsys):
+    run = tmp_path / "local"
+    write_logs(run / "peer0" / "logs.tsv", rows=10, scale=1.0)
+    write_logs(run / "peer1" / "logs.tsv", rows=10, scale=3.0)
+    (run / "peer2").mkdir()  # a peer that has not logged yet
+    code, out, err = run_main(capsys, str(run), "--width", "80", "--height", "14")
+    assert code == 0, err
+    assert_png(run / "mean_episode_return.png")
+    m = re.search(
+        r"^local \(mean of 2 peers\): 10 points, last mean_episode_return (\S+)", out, re.M
+    )
+    assert m, out
+    last = 10 * math.log1p(9)
+    assert float(m.group(1)) == pytest.approx(2 * last, rel=1e-5)  # (1x + 3x) / 2
+    assert re.search(r"its peers at the last point: (\S+) to (\S+)$", out, re.M)
+
+    series = plot.mean_of(
+        [
+            plot.Series("a", Path("a"), [([0.0, 10.0], [0.0, 10.0])]),
+            plot.Series("b", Path("b"), [([5.0, 15.0], [20.0, 30.0])]),
+        ],
+        "m",
+        Path("m"),
+    )
+    # Each peer counts where it logged (interpolated between its rows), not beyond.
+    assert series.segments == [([0.0, 5.0, 10.0, 15.0], [0.0, 12.5, 17.5, 30.0])]
+    assert series.band == [([0.0, 5.0, 10.0, 30.0], [0.0, 20.0, 25.0, 30.0])]
+    assert series.peers == 2
+
+    code, out, err = run_main(capsys, str(run), "--peers", "--no-terminal", "--png", "p.png")
+    assert code == 0, err
+
+    write_logs(run / "peer0" / "logs.tsv", rows=0)
+    (run / "peer1" / "logs.tsv").write_text("\t".join(COLUMNS) + "\n1\t2\n")
+    code, out, err = run_main(capsys, str(run))
+    assert code == 2
+    assert err.startswith(f"moolib-plot: error: {run}: nothing to plot yet (peer0: only the header")
+    assert err.count("\n") == 1

@@ -89,7 +89,14 @@ def test_plot_a_multi_peer_run_a_sweep_and_runs_side_by_side(tmp_path):
     local = tmp_path / "local"
     out = check_ok(
         run(
-            [*CARTPOLE, "scaling=local", "scaling.peers=2", "total_steps=8000", f"savedir={local}"],
+            [
+                *CARTPOLE,
+                "scaling=local",
+                "scaling.peers=2",
+                # Enough that the peer that starts first cannot finish alone.
+                "total_steps=150000",
+                f"savedir={local}",
+            ],
             tmp_path,
         )
     )
@@ -98,14 +105,15 @@ def test_plot_a_multi_peer_run_a_sweep_and_runs_side_by_side(tmp_path):
         assert any(r["mean_episode_return"] == r["mean_episode_return"] for r in rows), rows
     assert not (local / "logs.tsv").exists()
 
-    # The command the summary gives plots the group: the mean of its two peers.
-    command = summary_plot_command(out)
-    assert command[0] == "moolib-plot" and Path(tmp_path, command[1]).resolve() == local
-    r = plot(tmp_path, *command[1:], "--width", "80", "--height", "14")
+    # The savedir plots as the group: the mean of its two peers.
+    r = plot(tmp_path, str(local), "--width", "80", "--height", "14")
     assert saved_png(r.stdout, tmp_path) == local / "mean_episode_return.png"
     assert "local (mean of 2 peers)" in r.stdout
     assert re.search(r"its peers at the last point: \S+ to \S+", r.stdout), r.stdout
     assert "┌" in r.stdout  # the terminal plot
+    # The command that the run's summary gives is that one.
+    command = summary_plot_command(out)
+    assert command[0] == "moolib-plot" and Path(tmp_path, command[1]).resolve() == local
 
     # --peers: one line each.
     png = tmp_path / "peers.png"
