@@ -266,15 +266,6 @@ class Progress:
                 self.stream.write(text + "\n")
                 self.stream.flush()
 
-    def message(self, text: str) -> None:
-        """Prints ``text`` (a block of lines) above the line, and keeps it in the log file."""
-        self._record(text)
-        with self._lock:
-            self._erase()
-            self.stream.write(text.rstrip("\n") + "\n")
-            self.stream.flush()
-            self._draw()
-
     def record(self, text: str) -> None:
         """Keeps ``text`` in the log file only (e.g. the start banner, already printed)."""
         self._record(text)

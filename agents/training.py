@@ -77,7 +77,7 @@ def env_detail(cfg: DictConfig) -> str:
     there once instead of ALE's own banner in every env process."""
     from importlib import metadata
 
-    from moolib.envs import atari_game
+    from moolib.envs.atari import atari_game
 
     if cfg.env.backend == "envpool":
         library = "envpool"
