@@ -546,8 +546,11 @@ def test_multi_peer_run_is_their_mean_with_its_spread(tmp_path, capsys):
     assert series.band == [([0.0, 5.0, 10.0, 30.0], [0.0, 20.0, 25.0, 30.0])]
     assert series.peers == 2
 
-    code, out, err = run_main(capsys, str(run), "--peers", "--no-terminal", "--png", "p.png")
+    png = tmp_path / "peers.png"
+    code, out, err = run_main(capsys, str(run), "--peers", "--png", str(png), "--width", "60")
     assert code == 0, err
+    assert_png(png)
+    assert re.search(r"^local/peer0: 10 points", out, re.M) and "local/peer1: 10 points" in out
 
     write_logs(run / "peer0" / "logs.tsv", rows=0)
     (run / "peer1" / "logs.tsv").write_text("\t".join(COLUMNS) + "\n1\t2\n")
