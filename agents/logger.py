@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import collections
 import csv
+import io
+import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 # Columns of logs.tsv, in order. A resumed run appends to the same file.
 COLUMNS = (
@@ -77,41 +81,287 @@ def _duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-class Progress:
-    """One status line (steps, SPS, return, ETA): redrawn in place on a
-    terminal, printed as a plain line per log interval otherwise."""
+def format_duration(seconds: float) -> str:
+    """``m:ss`` or ``h:mm:ss``; ``?`` for a negative or unknown duration."""
+    return _duration(seconds)
 
-    def __init__(self, total_steps: int, prefix: str = "", stream: Any = None) -> None:
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+class _AboveProgress(io.TextIOBase):
+    """Stands in for sys.stdout/sys.stderr (and the logging handlers writing to them) while a
+    progress line is drawn: text written through it first erases the line, which is drawn
+    again under the text once the text ends its line -- log lines never glue onto it."""
+
+    def __init__(self, progress: Progress, stream: TextIO) -> None:
+        super().__init__()
+        self._progress = progress
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if not text:
+            return 0
+        with self._progress._lock:
+            self._progress._erase()
+            n = self._stream.write(text)
+            self._stream.flush()
+            self._progress._pending = not text.endswith("\n")
+            if not self._progress._pending:
+                self._progress._draw()
+        return n
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._stream.encoding
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class Progress:
+    """The status line of a peer: steps, learned SPS, mean return, loss and ETA.
+
+    On a terminal the line is redrawn in place and anything else the process writes through
+    Python (print, logging, warnings) while it is shown is written above it (see ``start``);
+    elsewhere (a log file, a pipe) it is printed as a plain line per log interval. Every line
+    also goes, time-stamped, into ``log_path`` when one is given (each peer's
+    ``<logdir>/progress.log``), so that the terminal's record outlives the terminal.
+
+    SPS is over the last few log intervals. Until the learner has learned from any step it
+    shows the env steps per second the actors make instead ("warming up"); at the end the
+    ETA is 0:00.
+    """
+
+    # Log rows the SPS and ETA average over.
+    WINDOW = 4
+
+    def __init__(
+        self,
+        total_steps: int,
+        prefix: str = "",
+        stream: Any = None,
+        log_path: Path | None = None,
+    ) -> None:
         self.total_steps = total_steps
         self.prefix = prefix
         self.stream = stream or sys.stdout
-        self.live = self.stream.isatty()
-        self._width = 0
+        self.live = _isatty(self.stream)
+        self._text = ""  # the line as last drawn
+        self._shown = False  # whether the line is on the screen now
+        self._pending = False  # text written above it that has not ended its line yet
+        self._lock = threading.RLock()
+        self._rows: collections.deque[tuple[float, float, float]] = collections.deque(
+            maxlen=self.WINDOW + 1
+        )
+        self._first_step: float | None = None
+        self._return: float | None = None
+        self._loss: float | None = None  # the last ones logged: an interval may have none
+        self._saved: list[tuple[Any, Any]] = []
+        self._log = None
+        if log_path is not None:
+            log_path = Path(log_path)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    # -- what the line says ---------------------------------------------------------------
+
+    def _line(self, row: dict[str, Any]) -> str:
+        """The line for one log row, which joins the window that the SPS is taken over."""
+        step = float(row["step"])
+        now = _finite(row.get("time"))
+        if self._first_step is None:
+            self._first_step = step
+        if now is not None:
+            acted = (_finite(row.get("env_sps")) or 0.0) * self._since_last(now)
+            self._rows.append((now, step, acted))
+        ret = _finite(row.get("mean_episode_return"))
+        if ret is not None:
+            self._return = ret
+        learned_sps, env_sps = self._rates(row)
+        done = step >= self.total_steps
+        percent = 100.0 if done else 100.0 * step / max(1, self.total_steps)
+        text = f"{self.prefix}step {int(step):,}/{self.total_steps:,} ({percent:.1f}%)  "
+        if learned_sps > 0 or done:
+            text += f"SPS {learned_sps:,.0f}  "
+        else:
+            # Nothing learned over the window: say what the actors do instead of "SPS 0".
+            state = "warming up" if step == self._first_step else "learner waiting"
+            text += f"{state}: acting {env_sps:,.0f} env steps/s  "
+        loss = _finite(row.get("total_loss"))
+        if loss is not None:
+            self._loss = loss
+        ret_text = "-" if self._return is None else f"{self._return:.2f}"
+        text += f"return {ret_text}  loss {_short(self._loss)}  "
+        if done:
+            eta = 0.0
+        elif learned_sps > 0:
+            eta = (self.total_steps - step) / learned_sps
+        else:
+            eta = math.inf
+        return text + f"ETA {_duration(eta)}"
+
+    def _since_last(self, now: float) -> float:
+        return max(0.0, now - self._rows[-1][0]) if self._rows else 0.0
+
+    def _rates(self, row: dict[str, Any]) -> tuple[float, float]:
+        """(learned, acted) env steps per second over the window; the row's own numbers
+        while the window holds a single row."""
+        if len(self._rows) >= 2:
+            (t0, s0, _), (t1, s1, _) = self._rows[0], self._rows[-1]
+            if t1 - t0 > 0:
+                acted = sum(a for _, _, a in list(self._rows)[1:])
+                return max(0.0, (s1 - s0) / (t1 - t0)), acted / (t1 - t0)
+        return _finite(row.get("sps")) or 0.0, _finite(row.get("env_sps")) or 0.0
+
+    # -- drawing ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """On a terminal: routes sys.stdout, sys.stderr and the logging handlers writing to
+        them through the line (text goes above it) until ``close``."""
+        if not self.live or self._saved:
+            return
+        originals = {id(sys.stdout): sys.stdout, id(sys.stderr): sys.stderr}
+        guards = {key: _AboveProgress(self, stream) for key, stream in originals.items()}
+        self._saved.append((sys, ("stdout", sys.stdout)))
+        self._saved.append((sys, ("stderr", sys.stderr)))
+        sys.stdout = guards[id(sys.stdout)]
+        sys.stderr = guards[id(sys.stderr)]
+        for handler in _stream_handlers():
+            guard = guards.get(id(handler.stream))
+            if guard is not None:
+                self._saved.append((handler, handler.stream))
+                handler.setStream(guard)  # type: ignore[arg-type]
 
     def update(self, row: dict[str, Any]) -> None:
         """Shows the numbers of one log row."""
-        step, sps = row["step"], row["sps"]
-        left = (self.total_steps - step) / sps if sps and sps > 0 else math.inf
-        ret = row.get("mean_episode_return")
-        ret_text = "-" if ret is None or math.isnan(ret) else f"{ret:.2f}"
-        text = (
-            f"{self.prefix}step {step:,}/{self.total_steps:,} "
-            f"({100 * step / max(1, self.total_steps):.1f}%)  SPS {sps:,.0f}  "
-            f"return {ret_text}  loss {_short(row.get('total_loss'))}  "
-            f"ETA {_duration(left)}"
-        )
-        if self.live:
-            pad = max(0, self._width - len(text))
-            self.stream.write("\r" + text + " " * pad)
-            self._width = len(text)
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+        text = self._line(row)
+        self._record(text)
+        with self._lock:
+            if self.live:
+                self._text = self._fit(text)
+                if self._pending:
+                    # Someone left a line unfinished: start the progress line below it.
+                    self.stream.write("\n")
+                    self._pending = False
+                self._erase()
+                self._draw()
+            else:
+                self.stream.write(text + "\n")
+                self.stream.flush()
+
+    def record(self, text: str) -> None:
+        """Keeps ``text`` in the log file only (e.g. the start banner, already printed)."""
+        self._record(text)
 
     def close(self) -> None:
-        if self.live and self._width:
-            self.stream.write("\n")
+        """Ends the line (it stays on screen), restores the streams, closes the log file."""
+        with self._lock:
+            if self.live and self._shown:
+                self.stream.write("\n")
+                self.stream.flush()
+            self._shown = False
+            self._text = ""
+        for owner, saved in reversed(self._saved):
+            if owner is sys:
+                setattr(sys, saved[0], saved[1])
+            else:
+                owner.setStream(saved)
+        self._saved.clear()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _record(self, text: str) -> None:
+        if self._log is None:
+            return
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        for line in text.rstrip("\n").splitlines() or [""]:
+            self._log.write(f"{stamp}  {line}\n")
+        self._log.flush()
+
+    def _fit(self, text: str) -> str:
+        """The line cut to the terminal's width: a wrapped line could not be redrawn."""
+        try:
+            columns = os.get_terminal_size(self.stream.fileno()).columns
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            return text
+        return text if len(text) < columns else text[: max(1, columns - 2)] + "…"
+
+    def _erase(self) -> None:
+        if self._shown:
+            self.stream.write("\r" + " " * len(self._text) + "\r")
             self.stream.flush()
+            self._shown = False
+
+    def _draw(self) -> None:
+        if self.live and self._text and not self._shown:
+            self.stream.write("\r" + self._text)
+            self.stream.flush()
+            self._shown = True
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def _stream_handlers() -> list[logging.StreamHandler]:
+    """The logging handlers that write to a stream: the root logger's and every logger's."""
+    loggers = [logging.getLogger()]
+    loggers += [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    return [
+        h
+        for lg in loggers
+        for h in lg.handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
+
+
+def start_banner(
+    cfg: Any, *, rank: int, device: Any, savedir: Path, broker: str, env_detail: str = ""
+) -> str:
+    """The block a peer prints when it starts: agent, env, device, peers, savedir, broker."""
+    peers = int(cfg.scaling.peers)
+    who = f", peer {rank} of {peers}" if peers > 1 else ""
+    env = f"{cfg.env.name}{f' ({env_detail})' if env_detail else ''}"
+    device_text = str(device)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        device_text += f" ({torch.cuda.get_device_name(device)})"
+    origin = "given by broker=" if cfg.get("broker") else "started by moolib-run"
+    lines = [
+        f"moolib-run: {cfg.agent.name} on {env}{who}",
+        f"  device   {device_text}",
+        f"  scaling  {cfg.scaling.name}, {peers} peer{'s' if peers != 1 else ''}; "
+        f"group {cfg.group}",
+        f"  broker   {broker} ({origin})",
+        f"  savedir  {savedir}",
+        f"  steps    {int(cfg.total_steps):,}; a log row every {cfg.log_interval:g} s, "
+        f"a checkpoint every {cfg.checkpoint_interval:g} s",
+    ]
+    return "\n".join(lines)
 
 
 class Wandb:

@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 import moolib
 
 from . import a2c, checkpoint, impala
-from .logger import Clock, EpisodeStats, Progress, TsvLog, Wandb
+from .logger import Clock, EpisodeStats, Progress, TsvLog, Wandb, start_banner
 from .models import create_model
 
 log = logging.getLogger("moolib.agents")
@@ -91,9 +91,30 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def env_detail(cfg: DictConfig) -> str:
+    """What steps the env, for the start banner: ALE's version, say, which moolib-run prints
+    there once instead of ALE's own banner in every env process."""
+    from importlib import metadata
+
+    from moolib.envs.atari import atari_game
+
+    if cfg.env.backend == "envpool":
+        library = "envpool"
+    elif atari_game(cfg.env.name) is not None:
+        library = "ale-py"
+    else:
+        return cfg.env.backend
+    try:
+        version = metadata.version(library)
+    except metadata.PackageNotFoundError:
+        version = "?"
+    return f"{'ALE' if library == 'ale-py' else library} {version}"
+
+
 def make_envs(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
     """The actors' env pool, the observation shape and the number of actions."""
-    from moolib.envs import create_env, create_envpool
+    from moolib.envs import create_env_quietly as create_env
+    from moolib.envs import create_envpool
 
     agent, env = cfg.agent, cfg.env
     options = OmegaConf.to_container(env.options, resolve=True) if env.get("options") else {}
@@ -178,6 +199,15 @@ class Trainer:
         self.peer = peer
         self.device = resolve_device(cfg.device)
         torch.set_num_threads(torch_threads(cfg))
+        self.banner = start_banner(
+            cfg,
+            rank=peer.rank,
+            device=self.device,
+            savedir=peer.savedir,
+            broker=peer.broker,
+            env_detail=env_detail(cfg),
+        )
+        print(self.banner, flush=True)
         if cfg.seed is not None:
             torch.manual_seed(int(cfg.seed) + peer.rank)
         self.loss_fn = LOSSES[self.agent.name]
@@ -333,7 +363,12 @@ class Trainer:
         checkpoint_interval = cfg.checkpoint_interval
         stop = stop or threading.Event()
         logger = TsvLog(self.peer.logdir / "logs.tsv")
-        progress = Progress(cfg.total_steps, prefix=f"[peer {self.peer.rank}] ")
+        progress = Progress(
+            cfg.total_steps,
+            prefix=f"[peer {self.peer.rank}] ",
+            log_path=self.peer.logdir / "progress.log",
+        )
+        progress.record(self.banner)
         wandb_run = None
         if cfg.wandb.enabled:
             wandb_run = Wandb(
@@ -371,6 +406,7 @@ class Trainer:
         row: dict[str, Any] = {}
         b = 0
         try:
+            progress.start()
             while self.steps < total_steps and not stop.is_set():
                 self.accumulator.update()
                 if self.accumulator.group.active():

@@ -27,6 +27,7 @@ __all__ = [
     "EnvpoolAtari",
     "EnvpoolFuture",
     "create_env",
+    "create_env_quietly",
     "create_envpool",
     "list_envs",
 ]
@@ -57,6 +58,18 @@ def create_env(name: str, **options: Any) -> gymnasium.Env:
     if atari_game(name) is not None:
         return make_atari(name, **options)
     raise ValueError(unknown_name_message(name, list_envs()))
+
+
+def create_env_quietly(name: str, **options: Any) -> gymnasium.Env:
+    """``create_env``, with ale-py's informational messages turned off in this process first:
+    ALE prints its banner ("A.L.E: Arcade Learning Environment ...") once in every process
+    that makes an Atari env, which is every env worker of a run. Its warnings and errors
+    still print. Picklable as ``functools.partial(create_env_quietly, name, ...)``."""
+    if atari_game(name) is not None:
+        import ale_py
+
+        ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Warning)
+    return create_env(name, **options)
 
 
 def create_envpool(name: str, batch_size: int, num_batches: int, **options: Any) -> EnvpoolAtari:

@@ -44,7 +44,7 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
     broker = None if cfg.broker else EmbeddedBroker()
     address = cfg.broker or broker.address
     savedir = Path(cfg.savedir)
-    print(f"moolib-run: broker at {address}; {cfg.scaling.peers} peers; savedir {savedir}")
+    # Peer 0 prints the start banner (broker, peers, savedir, device) on this terminal.
     procs: list[subprocess.Popen] = []
     # Each peer holds the read end of this pipe and stops when it closes: when
     # this process ends, however (kill -9 included), no peer acts on alone.

@@ -2,19 +2,32 @@
 
 Usage::
 
-    moolib-plot savedir/logs.tsv [other_run/ ...] [--metric NAME] [--x step] [--smooth N]
+    moolib-plot SAVEDIR|SWEEP|logs.tsv [...] [--metric NAME] [--x step] [--smooth N] [--peers]
                 [--png out.png] [--no-terminal] [--width W] [--height H] [--list]
 
 The input is the tab-separated file that ``moolib-run`` writes for each run: a header row, then
 one row per log interval. Any numeric column can be plotted against any other (``--x``, default
-``step``); empty cells, ``nan``, infinities and text are gaps in the line. A directory argument
-stands for ``<dir>/logs.tsv``; several files give one line each, labelled by their run folder.
+``step``); empty cells, ``nan``, infinities and text are gaps in the line. What each argument
+stands for:
+
+- a ``logs.tsv`` file (any name): one line;
+- a run's savedir: its ``logs.tsv``; a run of several peers (``<savedir>/peer<k>/logs.tsv``, as
+  ``scaling=local`` and ``scaling=slurm`` write) gives one line, the mean over its peers with their
+  spread (min to max) shaded in the PNG; ``--peers`` draws one line per peer instead;
+- a sweep's folder (``multirun/<date>/<time>-<name>``, whose numbered points are savedirs): one
+  line per point, labelled by the overrides that tell the points apart (``learning_rate=3e-4``: a
+  key is shortened to its last component unless two would read the same), from each point's
+  ``.hydra/overrides.yaml`` (else from the differences of their ``config.yaml``);
+- any other folder of runs: one line per run, labelled by its folder name.
+
+Several arguments are drawn side by side, one line each, labelled by their folders.
 
 The terminal plot is drawn with plotext (colored when stdout is a terminal and ``NO_COLOR`` is
-unset), the PNG with matplotlib's Agg backend: by default ``<metric>.png`` beside the first log
-file (``<metric>_vs_<x>.png`` when ``--x`` is not ``step``). Errors (a missing file, a metric or x
-column that the file does not have, no numeric rows) are printed with the reason and exit with
-code 2.
+unset), the PNG with matplotlib's Agg backend: by default ``<metric>.png`` in the first argument's
+folder (``<metric>_vs_<x>.png`` when ``--x`` is not ``step``); the last line of the output names
+it. Errors (a missing file, a folder without logs, a run that has not logged an episode yet, a
+metric or x column that the file does not have) are one line on stderr with the reason, and exit
+with code 2.
 """
 
 from __future__ import annotations
@@ -34,13 +47,19 @@ from pathlib import Path
 __all__ = [
     "DEFAULT_METRIC",
     "LOG_FILE",
+    "EmptyLogError",
     "PlotError",
+    "Run",
     "Series",
+    "Source",
     "Table",
     "build_parser",
     "default_png_path",
+    "find_runs",
     "load_series",
     "main",
+    "mean_of",
+    "override_labels",
     "parse_number",
     "read_table",
     "render_terminal",
@@ -48,12 +67,18 @@ __all__ = [
     "run_labels",
     "smooth",
     "split_segments",
+    "sweep_labels",
     "write_png",
 ]
 
 DEFAULT_METRIC = "mean_episode_return"
 LOG_FILE = "logs.tsv"
 EXIT_ERROR = 2
+# Columns that stay empty until an episode ends (moolib-run's logs.tsv).
+EPISODE_COLUMNS = ("mean_episode_return", "mean_episode_length")
+# Config keys that differ between any two runs, so they tell nothing about a sweep's points.
+_RUN_SPECIFIC_KEYS = ("savedir", "group")
+_PEER_DIR = re.compile(r"peer(\d+)")
 
 # Smallest terminal plot that still shows a canvas between its title, ticks and labels.
 MIN_WIDTH = 30
@@ -64,6 +89,17 @@ Segment = tuple[list[float], list[float]]
 
 class PlotError(Exception):
     """A problem with the input files or the options; ``main`` prints it and returns 2."""
+
+
+class EmptyLogError(PlotError):
+    """A log that has nothing to draw yet. ``reason`` says why without naming the file
+    (``"no episode has finished yet"``, ``"no log rows yet"``, ...), ``detail`` adds counts."""
+
+    def __init__(self, path: Path, reason: str, detail: str) -> None:
+        super().__init__(f"{path}: {reason} ({detail})")
+        self.path = path
+        self.reason = reason
+        self.detail = detail
 
 
 @dataclass
@@ -88,11 +124,17 @@ class Table:
 
 @dataclass
 class Series:
-    """One run's line: its label and the unbroken stretches of (x, y) points between gaps."""
+    """One run's line: its label and the unbroken stretches of (x, y) points between gaps.
+
+    The mean of several peers also has ``band``: per segment, the lowest and highest peer's
+    values at each x (``peers`` is how many peers it averages).
+    """
 
     label: str
     path: Path
     segments: list[Segment]
+    band: list[tuple[list[float], list[float]]] | None = None
+    peers: int = 1
 
     @property
     def num_points(self) -> int:
@@ -134,13 +176,175 @@ def resolve_log_path(arg: str | os.PathLike[str]) -> Path:
     if path.is_dir():
         log = path / LOG_FILE
         if not log.is_file():
-            raise PlotError(f"{path}: directory has no {LOG_FILE}")
+            raise PlotError(_no_logs_message(path))
         return log
     if not path.exists():
-        raise PlotError(f"{path}: no such file")
+        raise PlotError(f"{path}: no such file or directory")
     if not path.is_file():
         raise PlotError(f"{path}: not a regular file")
     return path
+
+
+def _no_logs_message(path: Path) -> str:
+    """Why a folder has nothing to plot, and what moolib-plot looked for."""
+    if (path / "config.yaml").is_file() or (path / ".hydra").is_dir():
+        return f"no {LOG_FILE} in {path} yet: the run has not started training"
+    return (
+        f"no {LOG_FILE} in {path} (nor in its peer<k>/ folders or in runs directly below it); "
+        "give a run's savedir, a sweep's folder or a logs.tsv file"
+    )
+
+
+@dataclass
+class Run:
+    """One experiment: its folder and its log files, one per peer (``peers`` names them)."""
+
+    folder: Path
+    logs: list[Path]
+    peers: list[str]
+    label: str | None = None
+
+    @property
+    def key_path(self) -> Path:
+        """The path whose parent folder names the run (see ``run_labels``)."""
+        return self.logs[0] if not self.peers else self.folder / LOG_FILE
+
+
+@dataclass
+class Source:
+    """What one command-line argument stands for: a run, or a folder of runs (a sweep)."""
+
+    path: Path
+    runs: list[Run]
+    is_folder_of_runs: bool = False
+
+
+def _run_in(folder: Path) -> Run | None:
+    """The run whose savedir is ``folder`` (one logs.tsv, or one per peer), if it is one."""
+    log = folder / LOG_FILE
+    if log.is_file():
+        return Run(folder=folder, logs=[log], peers=[])
+    peers: list[tuple[int, Path]] = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return None
+    for entry in entries:
+        m = _PEER_DIR.fullmatch(entry.name)
+        if m and (entry / LOG_FILE).is_file():
+            peers.append((int(m.group(1)), entry))
+    if not peers:
+        return None
+    peers.sort()
+    return Run(
+        folder=folder,
+        logs=[p / LOG_FILE for _, p in peers],
+        peers=[p.name for _, p in peers],
+    )
+
+
+def _sort_key(path: Path) -> tuple[int, int, str]:
+    """Numbered folders (a sweep's points) in numeric order, then the others by name."""
+    return (0, int(path.name), "") if path.name.isdigit() else (1, 0, path.name)
+
+
+def find_runs(arg: str | os.PathLike[str]) -> Source:
+    """What a command-line argument stands for: a log file, a run's savedir (one peer or
+    several), or a folder of runs such as a sweep's (whose points get override labels).
+
+    Raises:
+        PlotError: the path does not exist or holds no logs (the message says what it has).
+    """
+    path = Path(arg)
+    if not path.is_dir():
+        log = resolve_log_path(path)
+        return Source(path=path, runs=[Run(folder=log.parent, logs=[log], peers=[])])
+    run = _run_in(path)
+    if run is not None:
+        return Source(path=path, runs=[run])
+    try:
+        children = sorted((c for c in path.iterdir() if c.is_dir()), key=_sort_key)
+    except OSError as e:
+        raise PlotError(f"{path}: cannot read: {e.strerror or e}") from e
+    runs = [r for r in map(_run_in, children) if r is not None]
+    if not runs:
+        raise PlotError(_no_logs_message(path))
+    is_sweep = (path / "multirun.yaml").is_file() or all(r.folder.name.isdigit() for r in runs)
+    labels = sweep_labels([r.folder for r in runs]) if is_sweep else None
+    if labels is None:
+        labels = [r.folder.name for r in runs]
+    for r, label in zip(runs, labels, strict=True):
+        r.label = label
+    return Source(path=path, runs=runs, is_folder_of_runs=True)
+
+
+def _split_override(override: str) -> tuple[str, str]:
+    """``key=value`` of a Hydra override (``+``/``++``/``~`` prefixes dropped from the key)."""
+    key, _, value = override.partition("=")
+    return key.lstrip("+~").strip(), value.strip()
+
+
+def _flatten(tree: object, prefix: str = "") -> dict[str, str]:
+    """A nested config as ``{"a.b.c": "value"}``."""
+    if isinstance(tree, dict):
+        out: dict[str, str] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: str(tree)}
+
+
+def override_labels(settings: Sequence[dict[str, str]]) -> list[str] | None:
+    """Labels for runs from their settings (``{key: value}``): the keys whose values differ
+    between the runs, as ``key=value`` joined by ``", "``, each key shortened to its last
+    component unless another differing key ends the same. None when nothing differs."""
+    keys: list[str] = []
+    for run in settings:
+        keys.extend(k for k in run if k not in keys)
+    varying = [k for k in keys if len({run.get(k) for run in settings}) > 1]
+    if not varying:
+        return None
+    last = [k.rsplit(".", 1)[-1] for k in varying]
+    short = {k: (s if last.count(s) == 1 else k) for k, s in zip(varying, last, strict=True)}
+    return [
+        ", ".join(f"{short[k]}={run[k]}" for k in varying if k in run) or "(defaults)"
+        for run in settings
+    ]
+
+
+def _load_yaml(path: Path) -> object:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def sweep_labels(points: Sequence[Path]) -> list[str] | None:
+    """Labels of a sweep's points (their savedirs) by the overrides that tell them apart.
+
+    Each point's ``.hydra/overrides.yaml`` (written by Hydra) is read; when a point lacks it,
+    the points' ``config.yaml`` files are compared instead (``savedir`` and ``group`` aside).
+    None when neither tells the points apart.
+    """
+    overrides = [_load_yaml(p / ".hydra" / "overrides.yaml") for p in points]
+    if all(isinstance(o, list) for o in overrides):
+        settings = [dict(_split_override(str(line)) for line in o) for o in overrides]
+        for run in settings:
+            for key in _RUN_SPECIFIC_KEYS:
+                run.pop(key, None)
+        labels = override_labels(settings)
+        if labels is not None:
+            return labels
+    configs = [_load_yaml(p / "config.yaml") for p in points]
+    if all(isinstance(c, dict) for c in configs):
+        settings = [_flatten(c) for c in configs]
+        for run in settings:
+            for key in _RUN_SPECIFIC_KEYS:
+                run.pop(key, None)
+        return override_labels(settings)
+    return None
 
 
 def read_table(path: Path) -> Table:
@@ -216,26 +420,79 @@ def load_series(table: Table, metric: str, x: str, label: str, window: int = 1) 
     Smoothing runs within each unbroken segment, so gaps stay gaps.
 
     Raises:
-        PlotError: a column is missing, or no row has numbers in both columns.
+        PlotError: a column is missing.
+        EmptyLogError: no row has numbers in both columns (no rows yet, no finished episode).
     """
     xs = table.values(x)
     ys = table.values(metric)
     segments = split_segments(xs, ys)
     if not segments:
-        raise PlotError(
-            f"{table.path}: no numeric rows: none of its {len(table.rows)} data rows has a "
-            f"number in both '{x}' and '{metric}'"
+        n = len(table.rows)
+        if n == 0:
+            raise EmptyLogError(table.path, "no log rows yet", "only the header")
+        rows = f"{n} log row{'s' if n != 1 else ''}"
+        if metric in EPISODE_COLUMNS and all(math.isnan(y) for y in ys):
+            raise EmptyLogError(
+                table.path, "no episode has finished yet", f"{rows}, none with a {metric}"
+            )
+        raise EmptyLogError(
+            table.path,
+            "no numeric rows",
+            f"none of its {rows} has a number in both '{x}' and '{metric}'",
         )
     if window > 1:
         segments = [(sx, smooth(sy, window)) for sx, sy in segments]
     return Series(label=label, path=table.path, segments=segments)
 
 
+def mean_of(members: Sequence[Series], label: str, path: Path) -> Series:
+    """The mean of several peers' series, with their spread (min to max) as ``band``.
+
+    Peers log at their own moments, so each is interpolated linearly at every x that any of them
+    logged, within its own unbroken segments; the mean at an x is over the peers that cover it
+    (a gap where none does).
+    """
+    import numpy as np
+
+    grid = np.array(sorted({x for s in members for xs, _ in s.segments for x in xs}))
+    values = np.full((len(members), len(grid)), np.nan)
+    for i, s in enumerate(members):
+        for xs, ys in s.segments:
+            order = np.argsort(xs, kind="stable")  # a run resumed from an older checkpoint
+            sx, sy = np.asarray(xs)[order], np.asarray(ys)[order]
+            inside = (grid >= sx[0]) & (grid <= sx[-1])
+            values[i, inside] = np.interp(grid[inside], sx, sy)
+    covered = ~np.isnan(values).all(axis=0)
+    mean = np.full(len(grid), np.nan)
+    low = np.full(len(grid), np.nan)
+    high = np.full(len(grid), np.nan)
+    if covered.any():
+        mean[covered] = np.nanmean(values[:, covered], axis=0)
+        low[covered] = np.nanmin(values[:, covered], axis=0)
+        high[covered] = np.nanmax(values[:, covered], axis=0)
+    segments: list[Segment] = []
+    band: list[tuple[list[float], list[float]]] = []
+    start = None
+    for i in range(len(grid) + 1):
+        inside = i < len(grid) and bool(covered[i])
+        if inside and start is None:
+            start = i
+        elif not inside and start is not None:
+            segments.append((grid[start:i].tolist(), mean[start:i].tolist()))
+            band.append((low[start:i].tolist(), high[start:i].tolist()))
+            start = None
+    return Series(label=label, path=path, segments=segments, band=band, peers=len(members))
+
+
 def default_png_path(first_log: Path, metric: str, x: str = "step") -> Path:
     """``<metric>.png`` (``<metric>_vs_<x>.png`` for another x) in the first log's folder."""
+    return first_log.parent / _png_name(metric, x)
+
+
+def _png_name(metric: str, x: str) -> str:
     name = metric if x == "step" else f"{metric}_vs_{x}"
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "plot"
-    return first_log.parent / f"{name}.png"
+    return f"{name}.png"
 
 
 def _decimate(segment: Segment, max_points: int) -> Segment:
@@ -339,6 +596,10 @@ def write_png(
         if raw is not None:
             rx, ry = _joined(raw[n].segments)
             ax.plot(rx, ry, color=color, alpha=0.25, linewidth=1)
+        if s.band is not None:
+            for k, ((sx, _), (lo, hi)) in enumerate(zip(s.segments, s.band, strict=True)):
+                spread = f"{s.label}: min to max of its peers" if k == 0 else None
+                ax.fill_between(sx, lo, hi, color=color, alpha=0.2, linewidth=0, label=spread)
         xs, ys = _joined(s.segments)
         ax.plot(xs, ys, color=color, linewidth=1.5, label=s.label)
         lone = [seg for seg in s.segments if len(seg[0]) == 1]
@@ -350,7 +611,7 @@ def write_png(
     ax.grid(True, alpha=0.3)
     if max((abs(v) for s in series for seg in s.segments for v in seg[0]), default=0) >= 1e4:
         ax.xaxis.set_major_formatter(EngFormatter())
-    if len(series) > 1:
+    if len(series) > 1 or any(s.band for s in series):
         ax.legend(fontsize="small")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -394,11 +655,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moolib-plot",
         description=(
             "Draw a metric of moolib-run's logs.tsv against steps: in the terminal and to a PNG. "
-            "Several files give one line each, labelled by their run folder; a directory stands "
-            "for <dir>/logs.tsv. Empty cells and nan are gaps."
+            "A run's savedir gives one line (the mean of its peers, their spread shaded, for a "
+            "run of several peers); a sweep's folder one line per point, labelled by its "
+            "overrides; several arguments one line each, labelled by their folders. "
+            "Empty cells and nan are gaps."
+        ),
+        epilog=(
+            "examples: moolib-plot outputs/2024-05-01/12-00-00-a2c-cartpole;  "
+            "moolib-plot multirun/2024-05-01/12-00-00-a2c-cartpole --smooth 5;  "
+            "moolib-plot runA runB --metric total_loss --png cmp.png"
         ),
     )
-    parser.add_argument("logs", nargs="+", help="logs.tsv files or run directories")
+    parser.add_argument(
+        "logs",
+        nargs="+",
+        metavar="RUN",
+        help="a run's savedir, a sweep's folder (multirun/<date>/<time>-<name>) or a logs.tsv",
+    )
     parser.add_argument(
         "--metric", "-m", default=DEFAULT_METRIC, help=f"column to plot (default: {DEFAULT_METRIC})"
     )
@@ -411,11 +684,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="moving average over N log rows (default: 1, no smoothing)",
     )
     parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="one line per peer of a run of several peers (default: their mean, spread shaded)",
+    )
+    parser.add_argument(
         "--png",
         type=Path,
         default=None,
         metavar="PATH",
-        help="where to write the PNG (default: <metric>.png beside the first logs.tsv)",
+        help="where to write the PNG (default: <metric>.png in the first run's folder)",
     )
     parser.add_argument(
         "--no-terminal", action="store_true", help="do not draw in the terminal, only the PNG"
@@ -458,38 +736,105 @@ def _list_columns(tables: Sequence[Table]) -> None:
 
 
 def _summary(s: Series, metric: str, x: str) -> str:
-    """One line on a run: its number of points, its last value and its range."""
+    """One line on a run: its number of points, its last value and its range (and, for the mean
+    of several peers, the spread between them at the last point)."""
     last_x, last_y = s.last()
     values = [y for _, ys in s.segments for y in ys]
-    return (
-        f"{s.label}: {s.num_points} points, last {metric} {last_y:.6g} at {x} {last_x:.6g} "
+    line = (
+        f"{s.label}: {s.num_points} point{'s' if s.num_points != 1 else ''}, last {metric} "
+        f"{last_y:.6g} at {x} {last_x:.6g} "
         f"(min {min(values):.6g}, max {max(values):.6g})"
+    )
+    if s.band:
+        low, high = s.band[-1][0][-1], s.band[-1][1][-1]
+        line += f"; its peers at the last point: {low:.6g} to {high:.6g}"
+    return line
+
+
+def _label_runs(sources: Sequence[Source]) -> None:
+    """Labels every run: plain runs by their folders (as few parent folders as tell them apart);
+    a folder's runs keep their labels, prefixed with the folder's name beside other arguments."""
+    plain = [r for src in sources if not src.is_folder_of_runs for r in src.runs]
+    for r, label in zip(plain, run_labels([r.key_path for r in plain]), strict=True):
+        r.label = label
+    folders = [src for src in sources if src.is_folder_of_runs]
+    if len(sources) > 1 and folders:
+        names = run_labels([src.path / LOG_FILE for src in folders])
+        for src, name in zip(folders, names, strict=True):
+            for r in src.runs:
+                r.label = f"{name}: {r.label}"
+
+
+def _empty_run(run: Run, errors: Sequence[EmptyLogError]) -> EmptyLogError:
+    """One error for a run of several peers none of which has anything to draw."""
+    reasons = {e.reason for e in errors}
+    reason = errors[0].reason if len(reasons) == 1 else "nothing to plot yet"
+    detail = "; ".join(f"{peer}: {e.detail}" for peer, e in zip(run.peers, errors, strict=True))
+    return EmptyLogError(run.folder, reason, detail)
+
+
+def _run_series(
+    run: Run, tables: Sequence[Table], args: argparse.Namespace
+) -> tuple[list[Series], list[Series], list[EmptyLogError]]:
+    """The lines of one run (smoothed, and raw): one, the peers' mean, or one per peer with
+    ``--peers``; and the peers skipped for having nothing to draw yet.
+
+    Raises:
+        EmptyLogError: no log of the run has anything to draw.
+    """
+    label = run.label or run.folder.name
+    names = [f"{label}/{peer}" for peer in run.peers] if run.peers else [label]
+    raw: list[Series] = []
+    smoothed: list[Series] = []
+    empty: list[EmptyLogError] = []
+    for table, name in zip(tables, names, strict=True):
+        try:
+            raw.append(load_series(table, args.metric, args.x, name))
+        except EmptyLogError as e:
+            empty.append(e)
+            continue
+        smoothed.append(load_series(table, args.metric, args.x, name, args.smooth))
+    if not raw:
+        raise empty[0] if len(empty) == 1 else _empty_run(run, empty)
+    if not run.peers or args.peers:
+        return smoothed, raw, empty
+    total = len(run.logs)
+    of = f"{len(raw)} peers" if len(raw) == total else f"{len(raw)} of {total} peers"
+    mean_label = f"{label} (mean of {of})"
+    return (
+        [mean_of(smoothed, mean_label, run.folder)],
+        [mean_of(raw, mean_label, run.folder)],
+        empty,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Does what the parsed command line asks; raises PlotError on bad input."""
-    paths = [resolve_log_path(arg) for arg in args.logs]
-    tables = [read_table(path) for path in paths]
+    sources = [find_runs(arg) for arg in args.logs]
+    runs = [r for src in sources for r in src.runs]
+    tables = {path: read_table(path) for r in runs for path in r.logs}
     if args.list:
-        _list_columns(tables)
+        _list_columns(list(tables.values()))
         return 0
-
-    labels = run_labels(paths)
-    series: list[Series] = []
-    raw: list[Series] = []
-    empty: list[PlotError] = []
-    for table, label in zip(tables, labels, strict=True):
-        # Missing columns are errors for every file; a file with no numeric rows yet (a run that
-        # just started) is only skipped while others have data.
+    # Missing columns are errors for every file; a file with no numeric rows yet (a run that
+    # just started) is only skipped while others have data.
+    for table in tables.values():
         table.values(args.x)
         table.values(args.metric)
+
+    _label_runs(sources)
+    series: list[Series] = []
+    raw: list[Series] = []
+    empty: list[EmptyLogError] = []
+    for r in runs:
         try:
-            raw.append(load_series(table, args.metric, args.x, label))
-        except PlotError as e:
+            lines, raw_lines, skipped = _run_series(r, [tables[p] for p in r.logs], args)
+        except EmptyLogError as e:
             empty.append(e)
             continue
-        series.append(load_series(table, args.metric, args.x, label, args.smooth))
+        series.extend(lines)
+        raw.extend(raw_lines)
+        empty.extend(skipped)
     if not series:
         raise PlotError("; ".join(str(e) for e in empty))
     for e in empty:
@@ -500,8 +845,15 @@ def run(args: argparse.Namespace) -> int:
         title += f" (moving average of {args.smooth})"
     if len(series) == 1:
         title += f": {series[0].label}"
+    elif len(sources) == 1 and sources[0].is_folder_of_runs:
+        title += f": {sources[0].path.resolve().name}"
 
-    png = args.png if args.png is not None else default_png_path(paths[0], args.metric, args.x)
+    if args.png is not None:
+        png = args.png
+    elif sources[0].is_folder_of_runs or runs[0].peers:
+        png = sources[0].path / _png_name(args.metric, args.x)
+    else:
+        png = default_png_path(runs[0].logs[0], args.metric, args.x)
     write_png(series, args.metric, args.x, png, raw=raw if args.smooth > 1 else None, title=title)
 
     if not args.no_terminal:

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from . import config as config_lib
-from . import local
+from . import local, report
 from .peer import stop_on_signals, train
 
 log = logging.getLogger("moolib.launch")
@@ -31,6 +31,7 @@ def _or_default(value: object, default: object) -> object:
     return default if value is None else value
 
 
+@report.with_summary
 def _run(cfg: DictConfig) -> int:
     savedir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -78,6 +79,7 @@ def main() -> None:
     """Console entry point (Hydra parses the command line)."""
     if not OmegaConf.has_resolver("or_default"):
         OmegaConf.register_new_resolver("or_default", _or_default)
+    report.register_resolvers()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     app = hydra.main(config_path="pkg://moolib.conf", config_name="config", version_base="1.3")
     app(_run)()

@@ -286,7 +286,8 @@ def test_missing_file(tmp_path, capsys):
 def test_directory_without_logs(tmp_path, capsys):
     code, _, err = run_main(capsys, str(tmp_path))
     assert code == 2
-    assert f"{tmp_path}: directory has no logs.tsv" in err
+    assert f"moolib-plot: error: no logs.tsv in {tmp_path} (" in err
+    assert err.count("\n") == 1
 
 
 def test_one_missing_file_among_several(tmp_path, capsys):
@@ -331,9 +332,17 @@ def test_no_numeric_rows(tmp_path, capsys):
     path.write_text("step\tmean_episode_return\n1\t\n2\tnan\n3\tn/a\n")
     code, out, err = run_main(capsys, str(path))
     assert code == 2
-    assert f"{path}: no numeric rows" in err
-    assert "none of its 3 data rows has a number in both 'step' and 'mean_episode_return'" in err
+    assert (
+        f"{path}: no episode has finished yet (3 log rows, none with a mean_episode_return)" in err
+    )
     assert out == ""
+
+    # Another metric that has no numbers: the generic message.
+    path.write_text("step\tgrad_norm\n1\t\n2\tnan\n")
+    code, out, err = run_main(capsys, str(path), "--metric", "grad_norm")
+    assert code == 2
+    assert f"{path}: no numeric rows" in err
+    assert "none of its 2 log rows has a number in both 'step' and 'grad_norm'" in err
 
 
 def test_header_only(tmp_path, capsys):
@@ -342,7 +351,7 @@ def test_header_only(tmp_path, capsys):
     path.write_text("\t".join(COLUMNS) + "\n")
     code, _, err = run_main(capsys, str(path))
     assert code == 2
-    assert "no numeric rows: none of its 0 data rows" in err
+    assert f"{path}: no log rows yet (only the header)" in err
 
 
 def test_empty_file(tmp_path, capsys):
@@ -360,12 +369,12 @@ def test_run_without_rows_is_skipped_beside_runs_with_some(tmp_path, capsys):
     b.write_text("\t".join(COLUMNS) + "\n")
     code, out, err = run_main(capsys, str(a), str(b), "--no-terminal")
     assert code == 0, err
-    assert f"warning: skipped {b}: no numeric rows" in err
+    assert f"warning: skipped {b}: no log rows yet" in err
     assert_png(tmp_path / "a" / "mean_episode_return.png")
 
     code, _, err = run_main(capsys, str(b), str(b.parent))
     assert code == 2
-    assert "no numeric rows" in err
+    assert "no log rows yet" in err
 
 
 def test_unwritable_png(tmp_path, capsys):
@@ -380,7 +389,7 @@ def test_unwritable_png(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        ([], "the following arguments are required: logs"),
+        ([], "the following arguments are required: RUN"),
         (["x.tsv", "--smooth", "0"], "argument --smooth: must be at least 1, got 0"),
         (["x.tsv", "--smooth", "two"], "argument --smooth: not an integer: 'two'"),
         (["x.tsv", "--width", "10"], "argument --width: must be at least 30, got 10"),
@@ -441,3 +450,111 @@ def test_console_script_error_exit_code(tmp_path):
     assert proc.returncode == 2
     assert "moolib-plot: error:" in proc.stderr and "its columns are: step" in proc.stderr
     assert proc.stdout == ""
+
+
+# --- runs of several peers, sweeps --------------------------------------------------------------
+
+
+def write_point(folder: Path, overrides: list[str] | None, config: dict | None, scale: float):
+    """A sweep point as moolib-run leaves it: logs.tsv, .hydra/overrides.yaml, config.yaml."""
+    import yaml
+
+    write_logs(folder / "logs.tsv", rows=20, scale=scale)
+    if overrides is not None:
+        (folder / ".hydra").mkdir(parents=True)
+        (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if config is not None:
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def test_sweep_points_are_labelled_by_the_overrides_that_differ(tmp_path, capsys):
+    sweep = tmp_path / "12-00-00-a2c-cartpole"
+    common = ["agent=a2c", "env=cartpole", f"savedir={sweep}"]
+    points = [("3e-4", "0.1", 1.0), ("3e-4", "0.2", 0.8), ("1e-3", "0.1", 0.6)]
+    for n, (lr, other, scale) in enumerate(points):
+        overrides = [*common, f"agent.optimizer.learning_rate={lr}", f"foo.learning_rate={other}"]
+        write_point(sweep / str(n), overrides, None, scale)
+    (sweep / "multirun.yaml").write_text("{}\n")
+    code, out, err = run_main(capsys, str(sweep), "--width", "90", "--height", "16")
+    assert code == 0, err
+    # Two keys end in learning_rate: both stay whole; the keys all points share are left out.
+    labels = re.findall(r"^(.+): 20 points", out, re.M)
+    assert labels == [
+        "agent.optimizer.learning_rate=3e-4, foo.learning_rate=0.1",
+        "agent.optimizer.learning_rate=3e-4, foo.learning_rate=0.2",
+        "agent.optimizer.learning_rate=1e-3, foo.learning_rate=0.1",
+    ]
+    assert f"Saved {sweep / 'mean_episode_return.png'}" in out
+    assert_png(sweep / "mean_episode_return.png")
+    assert "mean_episode_return vs step: 12-00-00-a2c-cartpole" in out
+
+    assert plot.override_labels([{"a.b.lr": "1", "seed": "0"}, {"a.b.lr": "2", "seed": "0"}]) == [
+        "lr=1",
+        "lr=2",
+    ]
+    assert plot.override_labels([{"x": "1"}, {"x": "1"}]) is None
+
+
+def test_sweep_without_overrides_is_labelled_from_its_configs(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    for n, lr in enumerate([0.001, 0.002, 0.004]):
+        config = {
+            "agent": {"optimizer": {"learning_rate": lr}, "name": "a2c"},
+            "savedir": str(sweep / str(n)),
+            "group": f"g{n}",
+        }
+        write_point(sweep / str(n), None, config, 1.0 + n)
+    code, out, err = run_main(capsys, str(sweep), "--no-terminal")
+    assert code == 0, err
+    assert plot.sweep_labels([sweep / "0", sweep / "1", sweep / "2"]) == [
+        "learning_rate=0.001",
+        "learning_rate=0.002",
+        "learning_rate=0.004",
+    ]
+    # Nothing tells them apart: their folder names.
+    for n in range(3):
+        (sweep / str(n) / "config.yaml").unlink()
+    assert plot.find_runs(sweep).runs[2].label == "2"
+
+
+def test_multi_peer_run_is_their_mean_with_its_spread(tmp_path, capsys):
+    run = tmp_path / "local"
+    write_logs(run / "peer0" / "logs.tsv", rows=10, scale=1.0)
+    write_logs(run / "peer1" / "logs.tsv", rows=10, scale=3.0)
+    (run / "peer2").mkdir()  # a peer that has not logged yet
+    code, out, err = run_main(capsys, str(run), "--width", "80", "--height", "14")
+    assert code == 0, err
+    assert_png(run / "mean_episode_return.png")
+    m = re.search(
+        r"^local \(mean of 2 peers\): 10 points, last mean_episode_return (\S+)", out, re.M
+    )
+    assert m, out
+    last = 10 * math.log1p(9)
+    assert float(m.group(1)) == pytest.approx(2 * last, rel=1e-5)  # (1x + 3x) / 2
+    assert re.search(r"its peers at the last point: (\S+) to (\S+)$", out, re.M)
+
+    series = plot.mean_of(
+        [
+            plot.Series("a", Path("a"), [([0.0, 10.0], [0.0, 10.0])]),
+            plot.Series("b", Path("b"), [([5.0, 15.0], [20.0, 30.0])]),
+        ],
+        "m",
+        Path("m"),
+    )
+    # Each peer counts where it logged (interpolated between its rows), not beyond.
+    assert series.segments == [([0.0, 5.0, 10.0, 15.0], [0.0, 12.5, 17.5, 30.0])]
+    assert series.band == [([0.0, 5.0, 10.0, 30.0], [0.0, 20.0, 25.0, 30.0])]
+    assert series.peers == 2
+
+    png = tmp_path / "peers.png"
+    code, out, err = run_main(capsys, str(run), "--peers", "--png", str(png), "--width", "60")
+    assert code == 0, err
+    assert_png(png)
+    assert re.search(r"^local/peer0: 10 points", out, re.M) and "local/peer1: 10 points" in out
+
+    write_logs(run / "peer0" / "logs.tsv", rows=0)
+    (run / "peer1" / "logs.tsv").write_text("\t".join(COLUMNS) + "\n1\t2\n")
+    code, out, err = run_main(capsys, str(run))
+    assert code == 2
+    assert err.startswith(f"moolib-plot: error: {run}: nothing to plot yet (peer0: only the header")
+    assert err.count("\n") == 1

@@ -552,7 +552,7 @@ def test_plot_draws_a_real_runs_logs(tmp_path):
     out = plot(str(savedir / "logs.tsv"), "--width", "60", "--height", "12")
     png = savedir / "mean_episode_return.png"
     assert f"Saved {png}" in out
-    assert f"plotted: {points} points, last mean_episode_return" in out
+    assert f"plotted: {points} point{'s' if points != 1 else ''}, last mean_episode_return" in out
     assert "┌" in out  # the terminal plot
     check_png(png)
 

@@ -217,3 +217,91 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.5, proc: Run |
             extra = f"; output:\n{proc.output()[-5000:]}" if proc else ""
             raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
         time.sleep(interval)
+
+
+# -- a terminal ------------------------------------------------------------------------------
+
+
+def run_in_terminal(
+    args: list[str], cwd: Path, timeout: float = RUN_TIMEOUT, columns: int = 160
+) -> tuple[int, str]:
+    """Runs ``moolib-run ARGS`` on a pseudo-terminal (its stdin, stdout and stderr, as in an
+    interactive shell) ``columns`` wide; returns its exit code and everything it wrote, raw
+    (carriage returns and escape sequences included)."""
+    import fcntl
+    import select
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen(
+        run_cmd(*args),
+        cwd=cwd,
+        env=run_env(),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+    )
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"moolib-run {' '.join(args)} still runs after {timeout}s; output:\n"
+                    + b"".join(chunks).decode(errors="replace")[-5000:]
+                )
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: every process holding the terminal is gone
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+        code = proc.wait(timeout=30)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        kill_session(proc.pid)
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+def screen_lines(raw: str) -> list[str]:
+    """The lines a terminal shows for ``raw`` output: a carriage return goes back to the start
+    of the line (later text overwrites), ``ESC[K`` erases to its end, ``ESC[2K`` all of it."""
+    import re
+
+    lines: list[str] = []
+    line: list[str] = []
+    col = 0
+    for token in re.split(r"(\x1b\[[0-9;?]*[A-Za-z]|\r|\n)", raw):
+        if token == "\r":
+            col = 0
+        elif token == "\n":
+            lines.append("".join(line).rstrip())
+            line, col = [], 0
+        elif token.startswith("\x1b["):
+            if token in ("\x1b[K", "\x1b[0K"):
+                del line[col:]
+            elif token == "\x1b[2K":
+                line = []
+        else:
+            for ch in token:
+                if col < len(line):
+                    line[col] = ch
+                else:
+                    line.extend(" " * (col - len(line)))
+                    line.append(ch)
+                col += 1
+    if line:
+        lines.append("".join(line).rstrip())
+    return lines

@@ -1,0 +1,322 @@
+"""What a researcher sees of ``moolib-run`` and ``moolib-plot``, run as they would run them.
+
+Real ``moolib-run`` subprocesses (some on a pseudo-terminal, as in an interactive shell), real
+``moolib-plot`` on what they wrote: the start banner, the progress line (and its record in the
+log folder), log lines that never glue onto it, one ALE banner at most, the summary at the end
+and its plot command, ``--help``; plots of multi-peer runs, sweeps and several runs side by side,
+and the one-line errors of runs with nothing to plot.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import matplotlib.image
+import moolib.conf
+import pytest
+from helpers.run_util import (
+    Run,
+    plot_cmd,
+    read_logs,
+    run,
+    run_env,
+    run_in_terminal,
+    run_quick,
+    screen_lines,
+    wait_for,
+)
+
+CONF = Path(next(iter(moolib.conf.__path__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ALE_BANNER = "A.L.E: Arcade Learning Environment"
+CARTPOLE = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=1"]
+# Small Breakout runs on CPU: 8 envs in 2 actor batches, 4 unrolls of 10 steps per update.
+SMALL_ATARI = [
+    "agent=vtrace",
+    "env=breakout",
+    "device=cpu",
+    "agent.actor_batch_size=8",
+    "agent.batch_size=4",
+    "agent.unroll_length=10",
+    "agent.virtual_batch_size=4",
+]
+PROGRESS = re.compile(r"\[peer \d+\] step [\d,]+/[\d,]+ \(")
+
+
+def plot(cwd: Path, *args: str, code: int = 0) -> subprocess.CompletedProcess:
+    """``moolib-plot ARGS`` as a user types it; checks its exit code and that no traceback
+    shows."""
+    r = subprocess.run(
+        plot_cmd(*args), cwd=cwd, env=run_env(), capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == code, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    return r
+
+
+def saved_png(out: str, cwd: Path) -> Path:
+    """The PNG that moolib-plot (run in ``cwd``) says it wrote, checked to be an image."""
+    m = re.search(r"^Saved (.+\.png)$", out, re.M)
+    assert m, out
+    path = cwd / m.group(1)
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    return path
+
+
+def check_ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "Traceback" not in result.stdout, result.stdout[-5000:]
+    return result.stdout
+
+
+def summary_plot_command(out: str) -> list[str]:
+    """The ``moolib-plot ...`` command of the summary that moolib-run printed at its end."""
+    m = re.search(r"^  plot +(moolib-plot .+)$", out, re.M)
+    assert m, out[-3000:]
+    return shlex.split(m.group(1))
+
+
+# -- point 6: plots of what moolib-run makes ----------------------------------------------------
+
+
+@pytest.mark.timeout(900)
+def test_plot_a_multi_peer_run_a_sweep_and_runs_side_by_side(tmp_path):
+    local = tmp_path / "local"
+    out = check_ok(
+        run(
+            [
+                *CARTPOLE,
+                "scaling=local",
+                "scaling.peers=2",
+                # Enough that the peer that starts first cannot finish alone.
+                "total_steps=150000",
+                f"savedir={local}",
+            ],
+            tmp_path,
+        )
+    )
+    for k in (0, 1):
+        _, rows = read_logs(local / f"peer{k}" / "logs.tsv")
+        assert any(r["mean_episode_return"] == r["mean_episode_return"] for r in rows), rows
+    assert not (local / "logs.tsv").exists()
+
+    # The savedir plots as the group: the mean of its two peers.
+    r = plot(tmp_path, str(local), "--width", "80", "--height", "14")
+    assert saved_png(r.stdout, tmp_path) == local / "mean_episode_return.png"
+    assert "local (mean of 2 peers)" in r.stdout
+    assert re.search(r"its peers at the last point: \S+ to \S+", r.stdout), r.stdout
+    assert "┌" in r.stdout  # the terminal plot
+    # The command that the run's summary gives is that one.
+    command = summary_plot_command(out)
+    assert command[0] == "moolib-plot" and Path(tmp_path, command[1]).resolve() == local
+
+    # --peers: one line each.
+    png = tmp_path / "peers.png"
+    r = plot(tmp_path, str(local), "--peers", "--png", str(png), "--width", "80", "--height", "14")
+    assert saved_png(r.stdout, tmp_path) == png
+    assert re.search(r"^local/peer0: \d+ points?, last", r.stdout, re.M), r.stdout
+    assert re.search(r"^local/peer1: \d+ points?, last", r.stdout, re.M), r.stdout
+
+    # A sweep: one line per point, labelled by the override that tells them apart.
+    sweep = tmp_path / "sweep"
+    check_ok(
+        run(
+            [
+                "-m",
+                *CARTPOLE,
+                "total_steps=3000",
+                "agent.optimizer.learning_rate=1e-3,3e-3",
+                f"savedir={sweep}",
+            ],
+            tmp_path,
+        )
+    )
+    r = plot(tmp_path, str(sweep), "--width", "80", "--height", "14")
+    assert saved_png(r.stdout, tmp_path) == sweep / "mean_episode_return.png"
+    labels = re.findall(r"^(.+): \d+ points?, last mean_episode_return", r.stdout, re.M)
+    assert labels == ["learning_rate=0.001", "learning_rate=0.003"], r.stdout
+    assert "mean_episode_return vs step: sweep" in r.stdout
+
+    # Several savedirs side by side: one line each, labelled by its folder.
+    png = tmp_path / "cmp.png"
+    r = plot(tmp_path, str(local), str(sweep / "1"), "--no-terminal", "--png", str(png))
+    assert r.stdout.strip() == f"Saved {png}"
+    saved_png(r.stdout, tmp_path)
+    r = plot(tmp_path, str(local), str(sweep / "0"), str(sweep / "1"), "--width", "80")
+    labels = re.findall(r"^(.+): \d+ points?, last", r.stdout, re.M)
+    assert labels == ["local (mean of 2 peers)", "0", "1"], r.stdout
+
+    # Nothing to plot: one line saying what is missing, exit 2.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = plot(tmp_path, str(empty), code=2)
+    assert r.stdout == ""
+    assert r.stderr.startswith(f"moolib-plot: error: no logs.tsv in {empty}")
+    assert r.stderr.count("\n") == 1, r.stderr
+
+    # Rows, but no episode finished yet (the first rows of a slow game): the run's header and
+    # rows, with their episode cells emptied.
+    header, *lines = (local / "peer0" / "logs.tsv").read_text().splitlines()
+    columns = header.split("\t")
+    blank = {columns.index(c) for c in ("mean_episode_return", "mean_episode_length")}
+    young = tmp_path / "young"
+    young.mkdir()
+    rows = [
+        "\t".join("" if i in blank else c for i, c in enumerate(line.split("\t"))) for line in lines
+    ]
+    (young / "logs.tsv").write_text("\n".join([header, *rows]) + "\n")
+    r = plot(tmp_path, str(young), code=2)
+    assert r.stderr == (
+        f"moolib-plot: error: {young / 'logs.tsv'}: no episode has finished yet "
+        f"({len(rows)} log row{'s' if len(rows) != 1 else ''}, none with a mean_episode_return)\n"
+    )
+
+
+# -- point 7: what the terminal shows -----------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_terminal_banner_progress_log_lines_and_summary(tmp_path):
+    savedir = tmp_path / "tty"
+    code, raw = run_in_terminal([*CARTPOLE, "total_steps=20000", f"savedir={savedir}"], tmp_path)
+    screen = screen_lines(raw)
+    text = "\n".join(screen)
+    assert code == 0, text[-5000:]
+    assert "Traceback" not in text, text[-5000:]
+
+    # One compact block at the start: agent, env, device, peers, broker, savedir.
+    assert screen[0] == "moolib-run: a2c on cartpole (gymnasium)", screen[:8]
+    block = "\n".join(screen[:6])
+    assert "  device   cpu" in block
+    assert "  scaling  single, 1 peer" in block
+    assert re.search(r"^  broker   127\.0\.0\.1:\d+ \(started by moolib-run\)$", block, re.M)
+    assert f"  savedir  {savedir}" in block
+
+    # The progress line ends at 100% with an ETA of 0:00; log lines (the last checkpoint's)
+    # stand on their own lines, never glued onto it.
+    progress = [line for line in screen if PROGRESS.search(line)]
+    assert progress, text[-3000:]
+    assert "(100.0%)" in progress[-1] and progress[-1].endswith("ETA 0:00"), progress[-1]
+    logged = [line for line in screen if "checkpoint at step" in line]
+    assert logged, text[-3000:]
+    for line in logged:
+        assert not PROGRESS.search(line) and "ETA" not in line, line
+    assert "SPS 0 " not in raw
+
+    # At the end: steps, time, final mean return, savedir and how to plot it.
+    _, rows = read_logs(savedir / "logs.tsv")
+    steps = int(rows[-1]["step"])
+    m = re.search(
+        rf"^moolib-run: done: {steps:,} steps in \d+:\d\d; mean return (\S+) ", text, re.M
+    )
+    assert m, text[-3000:]
+    assert float(m.group(1)) > 0
+    assert re.search(r"^  savedir  tty$", text, re.M), text[-3000:]
+    command = summary_plot_command(text)
+    r = plot(tmp_path, *command[1:], "--no-terminal")
+    assert saved_png(r.stdout, tmp_path) == savedir / "mean_episode_return.png"
+
+    # The progress lines are kept in the log folder too, with the banner.
+    kept = (savedir / "progress.log").read_text()
+    assert "moolib-run: a2c on cartpole" in kept
+    kept_progress = [line for line in kept.splitlines() if PROGRESS.search(line)]
+    assert len(kept_progress) >= len(rows) - 1
+    assert "(100.0%)" in kept_progress[-1]
+
+
+@pytest.mark.timeout(600)
+def test_local_atari_run_warms_up_and_prints_one_ale_banner_at_most(tmp_path):
+    savedir = tmp_path / "atari"
+    code, raw = run_in_terminal(
+        [
+            *SMALL_ATARI,
+            "scaling=local",
+            "scaling.peers=2",
+            "total_steps=120",
+            "log_interval=0.5",
+            f"savedir={savedir}",
+        ],
+        tmp_path,
+    )
+    screen = screen_lines(raw)
+    text = "\n".join(screen)
+    assert code == 0, text[-5000:]
+    peer1 = (savedir / "peer1" / "stdout.log").read_text(errors="replace")
+    # Every env process (the probe and each worker of each peer) used to print it.
+    assert (raw + peer1).count(ALE_BANNER) <= 1, raw + peer1
+    assert "Traceback" not in text + peer1
+
+    assert screen[0] == "moolib-run: vtrace on breakout (ALE " + screen[0].split("ALE ")[1]
+    assert screen[0].endswith(", peer 0 of 2"), screen[0]
+    assert any(line.startswith("  scaling  local, 2 peers") for line in screen[:6])
+
+    # Before the learner's first update the line says what the actors do, not "SPS 0".
+    for log in (savedir / "peer0" / "progress.log", savedir / "peer1" / "progress.log"):
+        lines = [line for line in log.read_text().splitlines() if PROGRESS.search(line)]
+        assert lines, log
+        assert not any(" SPS 0 " in line for line in lines), lines
+        warm = [line for line in lines if "step 0/" in line]
+        assert warm, lines  # Breakout's first update takes longer than half a second
+        assert all(re.search(r"warming up: acting [\d,]+ env steps/s", w) for w in warm), warm
+        assert "(100.0%)" in lines[-1] and lines[-1].endswith("ETA 0:00"), lines[-1]
+    # Peer 1 logs into its folder; its progress lines are there as on peer 0's terminal.
+    assert re.search(r"^\[peer 1\] step [\d,]+/120 \(100\.0%\)", peer1, re.M), peer1[-2000:]
+    assert re.search(r"^moolib-run: (done|stopped): ", text, re.M), text[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_prints_a_summary_of_where_the_run_stopped(tmp_path):
+    savedir = tmp_path / "stopped"
+    r = Run([*CARTPOLE, "total_steps=100000000", f"savedir={savedir}"], tmp_path, tmp_path / "o")
+    try:
+
+        def learned():
+            _, rows = read_logs(savedir / "logs.tsv")
+            return any(row["step"] > 0 for row in rows)
+
+        wait_for(learned, timeout=240, what="the run to learn", proc=r)
+        r.interrupt()
+        r.wait(120)
+        out = r.output()
+    finally:
+        r.finish()
+    assert "Traceback" not in out, out[-3000:]
+    _, rows = read_logs(savedir / "logs.tsv")
+    steps = int(rows[-1]["step"])
+    assert re.search(
+        rf"^moolib-run: stopped: {steps:,} of 100,000,000 steps in \d+:\d\d; ", out, re.M
+    ), out[-3000:]
+    assert summary_plot_command(out)[1] == "stopped"
+
+
+def test_help_says_what_moolib_run_is_and_what_to_pick(tmp_path):
+    r = run_quick(tmp_path, "--help")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.startswith("moolib-run trains an RL agent with moolib"), out[:500]
+    assert "Examples:\n  moolib-run agent=vtrace env=breakout\n" in out
+    groups = {}
+    for group in ("agent", "env", "scaling"):
+        m = re.search(rf"^  {group} +(.+(?:\n {{11}}.+)*)", out, re.M)
+        assert m, out
+        groups[group] = re.split(r",\s*", m.group(1).replace("\n", " ").strip())
+    for group, options in groups.items():
+        shipped = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        assert sorted(o.strip("[]") for o in options) == shipped, (group, options)
+    assert "[vtrace]" in groups["agent"] and "[breakout]" in groups["env"]
+    assert "[single]" in groups["scaling"]
+    # Only what a user picks: not the tuning files, nor Hydra's own groups.
+    assert "tuning" not in out and "hydra/" not in out and "a2c_cartpole" not in out
+    # Hydra's options follow.
+    assert "--multirun,-m" in out and "--cfg,-c" in out
+    assert out.index("Examples:") < out.index("--multirun")
+
+    r = run_quick(tmp_path, "agent=a2c", "env=cartpole", "--help")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^  agent +\[a2c\], vtrace$", r.stdout, re.M), r.stdout
+    assert "[cartpole]" in r.stdout and "[breakout]" not in r.stdout
