@@ -20,10 +20,13 @@ SPEC = 2  # worker -> parent: pickled spec of the first observation and actions
 LAYOUT = 3  # parent -> worker: pickled layout, with the region's fd attached
 READY = 4  # worker -> parent: views are mapped, envs are ready
 STEP = 5  # parent -> worker: step batch `batch`
-STEPPED = 6  # worker -> parent: batch `batch` is written
-FAILED = 7  # worker -> parent: utf-8 traceback (batch = -1 outside a step)
+STEPPED = 6  # worker -> parent: batch `batch` is written (payload: see NONFINITE)
+FAILED = 7  # worker -> parent: utf-8 error text (batch = -1 outside a step)
 
 _HEADER = struct.Struct("<Bii")
+# A STEPPED message's optional payload: how many non-finite rewards were
+# counted since the worker's last STEPPED message, then (utf-8) the first.
+NONFINITE = struct.Struct("<Q")
 # A traceback longer than this is cut; the head and the tail carry the story.
 MAX_TEXT = 1 << 16
 # Each array starts on its own cache line.
@@ -37,6 +40,37 @@ _STAT_DTYPES = {
     "episode_return": np.float32,
     "episode_length": np.int64,
 }
+
+
+# Dtypes a region may hold: those torch.from_numpy takes, in native byte order.
+STORABLE = frozenset(
+    np.dtype(t).str
+    for t in (
+        np.bool_,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+    )
+)
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """How messages name a dtype: "float32", ">f4" for a foreign byte order, "object"."""
+    if dtype.kind == "O":
+        return "object"
+    if dtype.kind in "biufc" and dtype.isnative:
+        return dtype.name
+    return dtype.str
 
 
 class WorkerGone(Exception):

@@ -33,6 +33,103 @@ def _action_spec(env: Any) -> tuple[str, tuple[int, ...]]:
     return dtype.str, tuple(int(d) for d in space.shape)
 
 
+class Refused(Exception):
+    """An env returned something the shared region cannot hold as it is."""
+
+
+# Largest finite float32: rewards are stored as float32.
+_F32_MAX = float(np.finfo(np.float32).max)
+_ndarray = np.ndarray
+_generic = np.generic
+# Reward types float() converts exactly and at once (the hot path).
+_REAL_SCALARS = frozenset(
+    {np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8, np.uint8}
+)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _reward_number(reward: Any) -> float:
+    """A reward that is not a Python float as one, if it is a real number."""
+    if isinstance(reward, int):  # bool included
+        try:
+            return float(reward)
+        except OverflowError:
+            raise Refused(f"reward {_short(reward)} does not fit in float32") from None
+    if isinstance(reward, _generic) and reward.dtype.kind in "biuf":
+        return float(reward)
+    if isinstance(reward, _ndarray) and reward.dtype.kind in "biuf":
+        if reward.shape == ():
+            return float(reward)
+        raise Refused(
+            f"reward must be a real number, got ndarray of shape {reward.shape} ({reward.dtype})"
+        )
+    if isinstance(reward, float):  # a subclass of float
+        return float(reward)
+    raise Refused(f"reward must be a real number, got {type(reward).__name__} {_short(reward)}")
+
+
+def _refused(
+    key: str, value: Any, arr: np.ndarray | None, dtype: np.dtype, shape: tuple, why: str = ""
+) -> Refused:
+    got = (
+        "" if isinstance(value, (_ndarray, _generic)) else f"{type(value).__name__} {_short(value)}"
+    )
+    if arr is not None:
+        as_array = f"{shared.dtype_name(arr.dtype)} of shape {arr.shape}"
+        got = f"{got}, as an array {as_array}" if got else as_array
+    return Refused(
+        f"observation {key!r}: expected {shared.dtype_name(dtype)} of shape {shape}, got {got}{why}"
+    )
+
+
+def _checked(key: str, value: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """``value`` as an array that observation ``key`` (``dtype``, ``shape``) holds
+    exactly, or Refused. The slow path: arrays of the right dtype and shape only
+    come here if their dtype is an equal but distinct object."""
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise _refused(key, value, None, dtype, shape, f", which is no array ({e})") from None
+    src = arr.dtype
+    if arr.shape != shape or src.kind not in "biufc":
+        raise _refused(key, value, arr, dtype, shape)
+    if src == dtype or np.can_cast(src, dtype, "safe") and dtype.kind in "iub":
+        return arr
+    if src.kind in "iub" and dtype.kind in "iu":
+        # Signed into unsigned is no 'same_kind' cast to numpy, yet a list of
+        # small Python ints (int64) into a uint8 image is fine: check the range.
+        if not arr.size:
+            return arr
+        info = np.iinfo(dtype)
+        low, high = int(arr.min()), int(arr.max())
+        bad = low if low < info.min else high if high > info.max else None
+        if bad is not None:
+            why = f" holding {bad}, which {shared.dtype_name(dtype)} cannot hold"
+            raise _refused(key, value, arr, dtype, shape, why)
+        return arr
+    if not np.can_cast(src, dtype, "same_kind"):
+        raise _refused(key, value, arr, dtype, shape)
+    # Into float or complex: rounding to the nearest value is accepted, but no
+    # finite value may become infinite, and no integer may change.
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = arr.astype(dtype)
+    lost = np.isfinite(arr) & ~np.isfinite(cast)
+    if src.kind in "iu":
+        exact = 2 ** (np.finfo(dtype).nmant + 1)
+        big = (arr > exact) | (arr < -exact)
+        if big.any():
+            pairs = zip(cast[big].real.tolist(), arr[big].tolist(), strict=True)
+            lost[big] = [int(f) != v for f, v in pairs]
+    if lost.any():
+        why = f" holding {arr[lost].flat[0].item()!r}, which {shared.dtype_name(dtype)} cannot hold"
+        raise _refused(key, value, arr, dtype, shape, why)
+    return cast
+
+
 class _Env:
     """One env and its episode bookkeeping, speaking either gym API."""
 
@@ -66,9 +163,8 @@ class _Env:
                 f"env.step returned a {len(out)}-tuple; expected (obs, reward, terminated, "
                 "truncated, info), (obs, reward, done, info) or (obs, reward, done)"
             )
-        reward = float(reward)
-        self.episode_return += reward
-        self.episode_length += 1
+        if type(reward) is not float:
+            reward = float(reward) if type(reward) in _REAL_SCALARS else _reward_number(reward)
         return obs, reward, done
 
 
@@ -76,7 +172,13 @@ class _Worker:
     def __init__(self, sock: socket.socket, setup: dict) -> None:
         self.sock = sock
         self.lo, self.hi = setup["slice"]
+        self.name = f"worker {setup['worker']}"
         self.num_batches = setup["num_batches"]
+        self.count_nonfinite = setup["nonfinite_rewards"] == "count"
+        # Non-finite rewards counted since the last STEPPED message, and the
+        # first of them, described.
+        self.nonfinite = 0
+        self.nonfinite_first = ""
         create_env = pickle.loads(setup["create_env"])
         n = self.hi - self.lo
         self.envs = [[_Env(create_env()) for _ in range(n)] for _ in range(self.num_batches)]
@@ -94,57 +196,115 @@ class _Worker:
         self.region = mmap.mmap(fd, size)
         os.close(fd)
         self.batches = [shared.views(self.region, placed, b) for b in range(self.num_batches)]
-        self.obs_keys = list(self.obs_spec)
+        self.obs_keys = frozenset(self.obs_spec)
+        self.obs_fields = [
+            (key, np.dtype(dtype), tuple(shape)) for key, (dtype, shape) in self.obs_spec.items()
+        ]
+        # A first observation that was no dict (or a dict of "state" alone)
+        # takes a single array; anything else is checked key by key.
+        self.plain = self.obs_fields[0] if list(self.obs_spec) == ["state"] else None
 
     def _write_obs(self, arrays: dict, i: int, obs: Any) -> None:
-        if len(self.obs_keys) == 1 and self.obs_keys[0] == "state" and not isinstance(obs, dict):
-            arrays["state"][i] = obs
-            return
-        got = shared.observation_arrays(obs)
-        if got.keys() != set(self.obs_keys):
-            raise RuntimeError(
-                f"observation keys {sorted(got)} differ from the first observation's "
+        # The hot path is an array of the right dtype and shape: a type test
+        # and two comparisons (numpy shares the dtype object of each builtin
+        # dtype), then the copy. Anything else is checked.
+        plain = self.plain
+        if plain is not None:
+            _, dtype, shape = plain
+            if type(obs) is _ndarray and obs.dtype is dtype and obs.shape == shape:
+                arrays["state"][i] = obs
+                return
+            if not isinstance(obs, dict):
+                arrays["state"][i] = _checked("state", obs, dtype, shape)
+                return
+        if not isinstance(obs, dict):
+            raise Refused(
+                f"observation is a {type(obs).__name__}; the first one was a dict with keys "
                 f"{sorted(self.obs_keys)}"
             )
-        for key in self.obs_keys:
-            arrays[key][i] = got[key]
+        if obs.keys() != self.obs_keys:
+            obs = {str(k): v for k, v in obs.items()}
+            if obs.keys() != self.obs_keys:
+                raise Refused(
+                    f"observation keys {sorted(obs)} differ from the first observation's "
+                    f"{sorted(self.obs_keys)}"
+                )
+        for key, dtype, shape in self.obs_fields:
+            value = obs[key]
+            if (type(value) is _ndarray or isinstance(value, _generic)) and (
+                value.dtype is dtype and value.shape == shape
+            ):
+                arrays[key][i] = value
+            else:
+                arrays[key][i] = _checked(key, value, dtype, shape)
 
-    def step(self, b: int) -> None:
+    def _odd_reward(self, b: int, i: int, r: float) -> None:
+        """A reward outside float32's finite range: refused, or counted if it
+        is NaN or infinite and the pool counts those."""
+        if r == r and abs(r) != float("inf"):
+            raise Refused(f"reward {r!r} does not fit in float32")
+        if not self.count_nonfinite:
+            raise Refused(
+                f"reward {r!r} is not finite (EnvPool(nonfinite_rewards='count') counts "
+                "such rewards instead)"
+            )
+        if not self.nonfinite:
+            self.nonfinite_first = f"env {i} of batch {b} returned reward {r!r}"
+        self.nonfinite += 1
+
+    def step(self, b: int) -> list[str]:
+        """Steps batch b's envs in this worker's slice; returns a message for
+        each env that raised or returned what cannot be stored (each such env
+        is reset at its next step; the others have taken their step)."""
         arrays = self.batches[b]
         reward, done = arrays["reward"], arrays["done"]
         ep_return, ep_length = arrays["episode_return"], arrays["episode_length"]
         actions = arrays["action"]
         first = self.first[b]
         scalar_action = actions.ndim == 1
+        failures: list[str] = []
+        high = _F32_MAX
         for j, env in enumerate(self.envs[b]):
             i = self.lo + j
-            if first or env.needs_reset:
-                # A batch's first step resets; so does an env whose last step
-                # raised, and that ends its episode.
-                d = not first
-                ep_return[i] = env.episode_return if d else 0.0
-                ep_length[i] = env.episode_length if d else 0
-                r = 0.0
-                if self.pending_obs is not None and b == 0 and j == 0:
-                    obs, self.pending_obs = self.pending_obs, None
+            try:
+                if first or env.needs_reset:
+                    # A batch's first step resets; so does an env whose last
+                    # step failed, and that ends its episode.
+                    d = not first
+                    ep_return[i] = env.episode_return if d else 0.0
+                    ep_length[i] = env.episode_length if d else 0
+                    r = 0.0
+                    if self.pending_obs is not None and b == 0 and j == 0:
+                        obs, self.pending_obs = self.pending_obs, None
+                    else:
+                        obs = env.reset()
                 else:
-                    obs = env.reset()
-            else:
-                action = actions[i].item() if scalar_action else actions[i].copy()
-                env.needs_reset = True  # stays set if the step raises
-                obs, r, d = env.step(action)
-                if d:
-                    ep_return[i] = env.episode_return
-                    ep_length[i] = env.episode_length
-                    obs = env.reset()
-                else:
-                    ep_return[i] = 0.0
-                    ep_length[i] = 0
-                    env.needs_reset = False
-            self._write_obs(arrays, i, obs)
-            reward[i] = r
-            done[i] = d
+                    action = actions[i].item() if scalar_action else actions[i].copy()
+                    obs, r, d = env.step(action)
+                    if not -high <= r <= high:
+                        self._odd_reward(b, i, r)
+                    env.episode_return += r
+                    env.episode_length += 1
+                    if d:
+                        ep_return[i] = env.episode_return
+                        ep_length[i] = env.episode_length
+                        obs = env.reset()
+                    else:
+                        ep_return[i] = 0.0
+                        ep_length[i] = 0
+                self._write_obs(arrays, i, obs)
+                reward[i] = r
+                done[i] = d
+            except Refused as e:
+                env.needs_reset = True
+                failures.append(f"{self.name}, env {i} of batch {b}: {e}")
+            except BaseException:  # noqa: BLE001 - an env's exception belongs to the caller
+                env.needs_reset = True
+                failures.append(
+                    f"{self.name}, env {i} of batch {b} raised:\n{traceback.format_exc()}"
+                )
         self.first[b] = False
+        return failures
 
 
 def _serve(sock: socket.socket) -> None:
@@ -175,12 +335,17 @@ def _serve(sock: socket.socket) -> None:
         if kind != shared.STEP:
             return
         try:
-            worker.step(b)
-        except BaseException:  # noqa: BLE001 - an env's exception belongs to the caller
-            text = traceback.format_exc()
-            shared.send(sock, shared.FAILED, b, shared.clip_text(text))
-            continue
-        shared.send(sock, shared.STEPPED, b)
+            failures = worker.step(b)
+        except BaseException:  # noqa: BLE001 - the caller reports it
+            failures = [f"{worker.name}: stepping batch {b} failed:\n{traceback.format_exc()}"]
+        if failures:
+            shared.send(sock, shared.FAILED, b, shared.clip_text("\n".join(failures)))
+        elif worker.nonfinite:
+            note = shared.NONFINITE.pack(worker.nonfinite) + worker.nonfinite_first.encode()
+            worker.nonfinite = 0
+            shared.send(sock, shared.STEPPED, b, note)
+        else:
+            shared.send(sock, shared.STEPPED, b)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ already runs an Rpc's threads; the env factory reaches them through cloudpickle.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import pickle
@@ -31,6 +32,9 @@ import numpy as np
 from . import _envpool_shared as shared
 
 __all__ = ["EnvPool", "EnvStepperFuture"]
+
+_log = logging.getLogger("moolib.envpool")
+_NONFINITE_MODES = ("raise", "count")
 
 
 def _torch() -> Any:
@@ -79,8 +83,9 @@ class EnvStepperFuture:
 
     def result(self, timeout: float | None = None) -> dict:
         """The batch as a dict of tensors (observation keys, "reward", "done",
-        "episode_return", "episode_length"). Raises RuntimeError if an env
-        raised (with its traceback) or a worker died; TimeoutError on timeout."""
+        "episode_return", "episode_length"). Raises RuntimeError naming the
+        worker and env if an env raised (with its traceback) or returned what
+        the pool cannot store, or if a worker died; TimeoutError on timeout."""
         return self._pool._result(self._batch, self._serial, timeout)
 
     def done(self) -> bool:
@@ -98,6 +103,20 @@ class EnvPool:
     observation returned with ``done=True``, beside the finished episode's
     ``episode_return`` and ``episode_length`` (zero where ``done`` is False).
     Envs may follow the gymnasium API or the old gym API.
+
+    Every observation must fit the first one's keys, shapes and dtypes. A
+    value of another dtype is stored only if it fits without changing: ints
+    must lie in the dtype's range (small Python ints into a uint8 image are
+    fine, 300 or -1 are not), floats may round to the nearest float32 but not
+    overflow, and nothing changes kind (no float into an int array, no None).
+    Rewards must be real numbers that fit in float32. Anything else makes
+    ``result()`` raise RuntimeError naming the worker, the env, the key and
+    what was expected and got; that env is reset at its next step, and the
+    batch's other envs take their steps as usual. A NaN or infinite reward
+    raises too, unless ``nonfinite_rewards="count"``: then it is stored as it
+    came (the episode's return follows it), counted in
+    ``nonfinite_reward_count`` and the first one logged as a warning (logger
+    "moolib.envpool").
     """
 
     def __init__(
@@ -106,6 +125,7 @@ class EnvPool:
         num_processes: int,
         batch_size: int,
         num_batches: int,
+        nonfinite_rewards: str = "raise",
     ) -> None:
         for name, value in (
             ("num_processes", num_processes),
@@ -114,6 +134,10 @@ class EnvPool:
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EnvPool: {name} must be a positive int, got {value!r}")
+        if nonfinite_rewards not in _NONFINITE_MODES:
+            raise ValueError(
+                f"EnvPool: nonfinite_rewards must be 'raise' or 'count', got {nonfinite_rewards!r}"
+            )
         if num_processes > batch_size:
             raise ValueError(
                 f"EnvPool: num_processes ({num_processes}) exceeds batch_size ({batch_size}); "
@@ -124,6 +148,10 @@ class EnvPool:
         self.batch_size = batch_size
         self.num_batches = num_batches
         self.num_processes = num_processes
+        self.nonfinite_rewards = nonfinite_rewards
+        #: NaN or infinite rewards stored so far (with nonfinite_rewards="count"),
+        #: as of the last result() that collected the workers' answers.
+        self.nonfinite_reward_count = 0
         self._procs: list[subprocess.Popen] = []
         self._socks: list[socket.socket] = []
         self._closed = False
@@ -157,6 +185,8 @@ class EnvPool:
                 "create_env": factory,
                 "slice": (int(bounds[w]), int(bounds[w + 1])),
                 "num_batches": self.num_batches,
+                "worker": w,
+                "nonfinite_rewards": self.nonfinite_rewards,
             }
             shared.send(parent, shared.INIT, -1, pickle.dumps(setup))
 
@@ -171,6 +201,14 @@ class EnvPool:
         clash = set(obs_spec) & (set(shared.STAT_KEYS) | {"action"})
         if clash:
             raise ValueError(f"EnvPool: observation keys {sorted(clash)} clash with result keys")
+        for key, (dtype, shape) in obs_spec.items():
+            if dtype not in shared.STORABLE:
+                name = shared.dtype_name(np.dtype(dtype))
+                raise RuntimeError(
+                    f"EnvPool: the first observation's {key!r} ({name} "
+                    f"of shape {shape}) cannot be stored: observations must be bool, int, "
+                    "uint, float or complex arrays in native byte order"
+                )
         self.observation_spec = obs_spec
         self.action_spec = action_spec
         placed, size = shared.layout(obs_spec, action_spec, self.batch_size, self.num_batches)
@@ -274,7 +312,18 @@ class EnvPool:
         """Reads one answer from worker w."""
         kind, b, payload = self._receive(w)
         if kind == shared.FAILED:
-            self._errors[b].append(f"worker {w}: {payload.decode('utf-8', 'replace')}")
+            self._errors[b].append(payload.decode("utf-8", "replace"))
+        elif kind == shared.STEPPED and payload:
+            (count,) = shared.NONFINITE.unpack_from(payload)
+            if not self.nonfinite_reward_count:
+                first = payload[shared.NONFINITE.size :].decode("utf-8", "replace")
+                _log.warning(
+                    "EnvPool: worker %d: %s; non-finite rewards are stored as they come and "
+                    "counted in EnvPool.nonfinite_reward_count (this is logged once)",
+                    w,
+                    first,
+                )
+            self.nonfinite_reward_count += count
         elif kind != shared.STEPPED:
             self._broken = f"EnvPool worker {w}: unexpected message kind {kind}"
             raise RuntimeError(self._broken)
@@ -309,8 +358,8 @@ class EnvPool:
         errors, self._errors[b] = self._errors[b], []
         if errors:
             raise RuntimeError(
-                f"EnvPool: an env raised while stepping batch {b} (it is reset at the "
-                "next step):\n" + "\n".join(errors)
+                f"EnvPool: stepping batch {b} failed for the envs below (each is reset at its "
+                "next step; the batch's other envs took their step):\n" + "\n".join(errors)
             )
         return dict(self._results[b])
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import signal
 import subprocess
@@ -351,3 +353,196 @@ def test_no_worker_outlives_its_parent(how, tmp_path):
         assert proc.returncode == 0
     if how == "ctrl-c":
         assert proc.returncode != 0  # KeyboardInterrupt ended it
+
+
+# -- what EnvPool cannot store is refused, naming the env ---------------------
+
+IMAGE = np.zeros((2, 3), dtype=np.uint8)
+VECTOR = np.zeros(4, dtype=np.float32)
+MIXED = {"img": IMAGE, "t": np.int64(0), "level": np.uint8(0)}
+NORMAL = object()  # misbehaving(): the bad step returns a normal observation
+
+
+def mixed(**changes) -> dict:
+    obs = {"img": np.ones((2, 3), np.uint8), "t": np.int64(1), "level": np.uint8(1)}
+    obs.update(changes)
+    return obs
+
+
+REFUSED = [
+    # (example observation, bad observation, bad reward, what the message names)
+    (VECTOR, np.ones(1, np.float32), 1.0, ["'state'", "float32 of shape (4,)", "(1,)"]),
+    (VECTOR, np.ones((1, 4), np.float32), 1.0, ["'state'", "(4,)", "(1, 4)"]),
+    (VECTOR, np.ones(4, np.complex64), 1.0, ["'state'", "float32 of shape (4,)", "complex64"]),
+    (VECTOR, None, 1.0, ["'state'", "float32 of shape (4,)", "None"]),
+    (VECTOR, ["a", "b", "c", "d"], 1.0, ["'state'", "float32 of shape (4,)", "<U1"]),
+    (VECTOR, np.full(4, 1e39), 1.0, ["'state'", "float32", "1e+39"]),
+    (IMAGE, np.full((2, 3), 300), 1.0, ["'state'", "uint8 of shape (2, 3)", "300"]),
+    (IMAGE, [[1, 2, 3], [4, 5, -1]], 1.0, ["'state'", "uint8 of shape (2, 3)", "-1"]),
+    (IMAGE, np.full((2, 3), 0.5, np.float32), 1.0, ["'state'", "uint8", "float32"]),
+    (MIXED, mixed(img=np.full((2, 3), 300)), 1.0, ["'img'", "uint8 of shape (2, 3)", "300"]),
+    (MIXED, mixed(level=300), 1.0, ["'level'", "uint8 of shape ()", "300"]),
+    (MIXED, mixed(level=-1), 1.0, ["'level'", "uint8 of shape ()", "-1"]),
+    (MIXED, mixed(t=1.5), 1.0, ["'t'", "int64 of shape ()", "float64", "1.5"]),
+    (MIXED, mixed(t=None), 1.0, ["'t'", "int64 of shape ()", "None"]),
+    (MIXED, mixed(t=np.arange(2)), 1.0, ["'t'", "int64 of shape ()", "(2,)"]),
+    (MIXED, {"img": IMAGE, "t": 1}, 1.0, ["keys", "'level'"]),
+    (MIXED, VECTOR, 1.0, ["dict", "ndarray"]),
+    (VECTOR, NORMAL, float("nan"), ["reward nan", "not finite"]),
+    (VECTOR, NORMAL, float("inf"), ["reward inf", "not finite"]),
+    (VECTOR, NORMAL, -np.inf, ["reward -inf", "not finite"]),
+    (VECTOR, NORMAL, np.float32("nan"), ["reward nan", "not finite"]),
+    (VECTOR, NORMAL, 1e39, ["reward 1e+39", "float32"]),
+    (VECTOR, NORMAL, None, ["reward", "NoneType"]),
+    (VECTOR, NORMAL, "1.5", ["reward", "str"]),
+    (VECTOR, NORMAL, np.ones(1), ["reward", "ndarray", "(1,)"]),
+    (VECTOR, NORMAL, 1j, ["reward", "complex"]),
+]
+REFUSED_IDS = [
+    "shape-1-into-4",
+    "shape-1x4-into-4",
+    "complex-into-float32",
+    "None-into-float32",
+    "str-into-float32",
+    "1e39-into-float32",
+    "int-300-into-uint8",
+    "list-with-minus-1-into-uint8",
+    "float-into-uint8",
+    "dict-int-300-into-uint8",
+    "python-300-into-uint8-scalar",
+    "python-minus-1-into-uint8-scalar",
+    "1.5-into-int64",
+    "None-into-int64",
+    "array-into-scalar",
+    "missing-key",
+    "array-instead-of-dict",
+    "reward-nan",
+    "reward-inf",
+    "reward-minus-inf",
+    "reward-float32-nan",
+    "reward-overflows-float32",
+    "reward-None",
+    "reward-str",
+    "reward-array",
+    "reward-complex",
+]
+
+
+def misbehaving(example, bad_obs=NORMAL, bad_reward=1.0):
+    kwargs = {"bad_reward": bad_reward}
+    if bad_obs is not NORMAL:
+        kwargs["bad_obs"] = bad_obs
+    return functools.partial(toy_envs.MisbehavingEnv, example, **kwargs)
+
+
+def rows_of(result: dict, key: str) -> list:
+    return [result[key][i].tolist() for i in range(result[key].shape[0])]
+
+
+@pytest.mark.parametrize("example,bad_obs,bad_reward,names", REFUSED, ids=REFUSED_IDS)
+def test_unstorable_step_raises_naming_the_env_and_the_pool_goes_on(
+    example, bad_obs, bad_reward, names
+):
+    key = "img" if isinstance(example, dict) else "state"
+    zeros = torch.zeros(4, dtype=torch.int64)
+    with moolib.EnvPool(misbehaving(example, bad_obs, bad_reward), 2, 4, 1) as pool:
+        pool.step(0, zeros).result()
+        pool.step(0, zeros).result()
+        # Envs 1 (worker 0) and 2 (worker 1) misbehave; 0 and 3 step normally.
+        with pytest.raises(RuntimeError) as info:
+            pool.step(0, torch.tensor([0, 1, 1, 0])).result()
+        text = str(info.value)
+        for env, worker in ((1, 0), (2, 1)):
+            assert f"worker {worker}, env {env} of batch 0" in text, text
+        for name in names:
+            assert name in text, f"{name!r} not in {text}"
+        assert "env 0 " not in text and "env 3 " not in text, text
+        # The pool goes on: the two envs start new episodes (done=True), the
+        # others took their step in the failed one and take the next now.
+        for t in (3, 4):
+            result = pool.step(0, zeros).result()
+            want = [t, t - 3, t - 3, t]
+            assert result["done"].tolist() == [False, t == 3, t == 3, False]
+            assert result["reward"].tolist() == [1.0, float(t == 4), float(t == 4), 1.0]
+            assert [np.unique(np.asarray(r)).tolist() for r in rows_of(result, key)] == [
+                [w] for w in want
+            ]
+
+
+ACCEPTED = [
+    # (example observation, value returned on action 1, its stored value)
+    (VECTOR, np.full(4, 2.5), np.full(4, 2.5, np.float32)),  # float64: rounds to float32
+    (VECTOR, [1, 2, 3, 4], np.arange(1, 5, dtype=np.float32)),
+    (VECTOR, np.arange(4, dtype=np.int64), np.arange(4, dtype=np.float32)),
+    (VECTOR, np.full(4, np.nan, np.float32), np.full(4, np.nan, np.float32)),
+    (IMAGE, [[0, 1, 2], [253, 254, 255]], np.array([[0, 1, 2], [253, 254, 255]], np.uint8)),
+    (IMAGE, np.full((2, 3), 255, np.int64), np.full((2, 3), 255, np.uint8)),
+    (IMAGE, np.ones((2, 3), bool), np.ones((2, 3), np.uint8)),
+    (MIXED, mixed(level=255, t=np.int32(-7)), mixed(level=np.uint8(255), t=np.int64(-7))),
+    (MIXED, mixed(t=True), mixed(t=np.int64(1))),
+]
+
+
+@pytest.mark.parametrize("example,value,stored", ACCEPTED)
+def test_values_the_dtype_holds_exactly_are_stored(example, value, stored):
+    with moolib.EnvPool(misbehaving(example, value, 0.5), 2, 2, 1) as pool:
+        pool.step(0, torch.zeros(2, dtype=torch.int64)).result()
+        result = pool.step(0, torch.tensor([0, 1])).result()
+        assert result["reward"].tolist() == [1.0, 0.5]
+        for key, want in stored.items() if isinstance(stored, dict) else [("state", stored)]:
+            got = result[key][1].numpy()
+            assert got.dtype == np.asarray(want).dtype, key
+            np.testing.assert_array_equal(got, want, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "reward,stored",
+    [(np.float32(0.25), 0.25), (np.int64(3), 3.0), (True, 1.0), (np.array(-2.0), -2.0)],
+    ids=["float32", "int64", "bool", "0-d-array"],
+)
+def test_number_rewards_of_any_numeric_type_are_stored(reward, stored):
+    with moolib.EnvPool(misbehaving(VECTOR, NORMAL, reward), 1, 2, 1) as pool:
+        pool.step(0, torch.zeros(2, dtype=torch.int64)).result()
+        result = pool.step(0, torch.tensor([1, 0])).result()
+        assert result["reward"].tolist() == [stored, 1.0]
+
+
+def test_nonfinite_rewards_can_be_counted_instead(caplog):
+    make = misbehaving(VECTOR, NORMAL, float("nan"))
+    with pytest.raises(ValueError, match="nonfinite_rewards must be 'raise' or 'count'"):
+        moolib.EnvPool(make, 1, 2, 1, nonfinite_rewards="ignore")
+    caplog.set_level(logging.WARNING, logger="moolib")
+    with moolib.EnvPool(make, 2, 4, 1, nonfinite_rewards="count") as pool:
+        zeros = torch.zeros(4, dtype=torch.int64)
+        pool.step(0, zeros).result()
+        assert pool.nonfinite_reward_count == 0
+        result = pool.step(0, torch.tensor([0, 0, 1, 0])).result()
+        reward = result["reward"].tolist()
+        assert reward[:2] == [1.0, 1.0] and np.isnan(reward[2]) and reward[3] == 1.0
+        assert result["done"].tolist() == [False] * 4
+        assert pool.nonfinite_reward_count == 1
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert "env 2 of batch 0" in warnings[0] and "nan" in warnings[0], warnings
+        result = pool.step(0, torch.tensor([1, 1, 0, 1])).result()
+        assert np.isnan(result["reward"].numpy()[[0, 1, 3]]).all()
+        assert pool.nonfinite_reward_count == 4
+        # Episodes run on; the counted rewards are stored as they came.
+        assert result["state"][:, 0].tolist() == [2.0, 2.0, 2.0, 2.0]
+        assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+@pytest.mark.parametrize(
+    "first,names",
+    [
+        ({"ok": np.zeros(2), "bad": np.array(None)}, ["'bad'", "object"]),
+        ({"ok": np.zeros(2), "bad": np.array("text")}, ["'bad'", "<U4"]),
+        (np.zeros(2, dtype=">f4"), ["'state'", ">f4"]),
+    ],
+    ids=["object", "str", "big-endian"],
+)
+def test_a_first_observation_that_cannot_be_stored_is_refused_at_construction(first, names):
+    with pytest.raises(RuntimeError) as info:
+        moolib.EnvPool(misbehaving(first), 1, 1, 1)
+    for name in names:
+        assert name in str(info.value), str(info.value)

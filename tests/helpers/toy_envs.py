@@ -160,3 +160,35 @@ def pid_reporting_env() -> ToyEnv:
 
     env.reset = reset  # type: ignore[method-assign]
     return env
+
+
+class MisbehavingEnv:
+    """Returns observations shaped like ``example`` (an array, or a dict of
+    arrays), each element equal to the step count in the episode, with reward
+    1.0; on action 1 it returns ``bad_obs`` (if given) or ``bad_reward``
+    instead. Make one with functools.partial for EnvPool."""
+
+    action_space = spaces.Discrete(2)
+    _UNSET = object()
+
+    def __init__(self, example: object, bad_obs: object = _UNSET, bad_reward: object = 1.0) -> None:
+        self.example = example
+        self.bad_obs = bad_obs
+        self.bad_reward = bad_reward
+        self.t = 0
+
+    def _obs(self) -> object:
+        if isinstance(self.example, dict):
+            return {k: np.full_like(v, self.t) for k, v in self.example.items()}
+        return np.full_like(self.example, self.t)
+
+    def reset(self, **kwargs: object) -> tuple:
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action: int) -> tuple:
+        self.t += 1
+        if action != 1:
+            return self._obs(), 1.0, False, False, {}
+        obs = self._obs() if self.bad_obs is self._UNSET else self.bad_obs
+        return obs, self.bad_reward, False, False, {}
