@@ -1,0 +1,52 @@
+"""Short-lived clients, one after another: the departed peers a long-lived peer must forget.
+
+Usage: churn_client.py ADDRESS PEER COUNT {call,group}
+
+Each client is a fresh moolib.Rpc that connects to ADDRESS and then either
+calls PEER's "name" once ("call") or joins a group of its own with PEER as the
+broker and leaves it ("group"); then it closes. Prints ``DONE COUNT`` at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import moolib
+
+
+def one_client(address: str, peer: str, mode: str, index: int) -> None:
+    """Connects, calls or joins a group and leaves, and closes."""
+    rpc = moolib.Rpc()
+    try:
+        rpc.set_timeout(60)
+        rpc.connect(address)
+        if mode == "call":
+            name = rpc.sync(peer, "name")
+            assert name == peer, name
+            return
+        group = moolib.Group(rpc, f"churn-{os.getpid()}-{index}")
+        group.set_broker_name(peer)
+        # Short: a member whose leave is lost with its connection is
+        # dropped by the broker's update() soon after.
+        group.set_timeout(2)
+        end = time.monotonic() + 60
+        while not group.active():
+            group.update()
+            assert time.monotonic() < end, "the group never became active"
+            time.sleep(0.005)
+        group.close()
+    finally:
+        rpc.close()
+
+
+def main() -> None:
+    address, peer, count, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    for i in range(count):
+        one_client(address, peer, mode, i)
+    print(f"DONE {count}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
