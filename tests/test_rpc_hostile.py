@@ -2,7 +2,7 @@
 
 - Idle connections that never complete the handshake (1,100 of them, from one
   address, from many 127.0.0.x addresses, to the shared-memory listener, or
-  with the peer's descriptor limit at 1,024) do not keep a keyed peer out: it
+  with the peer's descriptor limit at 1,024 or 48) do not keep a keyed peer out: it
   connects and calls within its timeout, and the server logs a bounded number
   of summary lines rather than one per connection.
 - A server, and a broker, that saw 3,000 short-lived clients come and go
@@ -23,9 +23,7 @@ import sys
 import time
 
 import pytest
-from helpers.util import HELPERS, REPO, PeerProcess, child_env, stop_process, wait_for
-
-import moolib
+from helpers.util import HELPERS, REPO, PeerProcess, child_env, wait_for
 
 pytestmark = pytest.mark.usefixtures("watchdog")
 
@@ -113,14 +111,22 @@ def handshake_lines(log: str) -> list[str]:
 
 @pytest.mark.parametrize(
     "variant",
-    ["one-address", "many-addresses", "many-addresses-nofile-1024", "shm"],
+    [
+        "one-address",
+        "many-addresses",
+        "many-addresses-nofile-1024",
+        "many-addresses-nofile-48",
+        "shm",
+    ],
 )
 def test_idle_connections_cannot_lock_a_keyed_peer_out(
     variant, tmp_path, make_rpc, enough_descriptors
 ):
     args = ["--name", "srv", "--listen", "127.0.0.1:0", "--auth-key", KEY]
-    if variant.endswith("nofile-1024"):
-        args += ["--nofile", "1024"]
+    if "nofile-" in variant:
+        # 1,024 is a common default; at 48 the server runs out of descriptors
+        # with a few dozen connections open and must close handshakes to accept.
+        args += ["--nofile", variant.rsplit("-", 1)[1]]
     server = PeerProcess(args, tmp_path / "srv.log")
     socks: list[socket.socket] = []
     try:
@@ -136,8 +142,9 @@ def test_idle_connections_cannot_lock_a_keyed_peer_out(
             target = shm[0]
         sources = MANY_SOURCES if variant.startswith("many") else None
         socks = open_flood(target, sources)
+        full = 10 if variant.endswith("nofile-48") else 200
         wait_for(
-            lambda: observer.sync("srv", "info")["unidentified_connections"] >= 200,
+            lambda: observer.sync("srv", "info")["unidentified_connections"] >= full,
             what="the flood to fill the server's handshake table",
         )
 
@@ -151,8 +158,11 @@ def test_idle_connections_cannot_lock_a_keyed_peer_out(
             lambda: "pending handshakes" in server.log_path.read_text(errors="replace"),
             what="the summary of closed handshakes in the server's log",
         )
-        lines = handshake_lines(server.log_path.read_text(errors="replace"))
+        log = server.log_path.read_text(errors="replace")
+        lines = handshake_lines(log)
         assert 1 <= len(lines) <= 25, "\n".join(lines[:40])
+        if variant.endswith("nofile-48"):
+            assert "closing handshakes in progress to make room" in log, log[-2000:]
         assert server.alive()
     finally:
         for s in socks:
@@ -169,7 +179,7 @@ def rss_kib(pid: int) -> int:
 
 
 def churn(address: str, peer: str, mode: str, count: int = 3000, procs: int = 3) -> None:
-    """``count`` short-lived clients in ``procs`` processes; waits for all of them."""
+    """``count`` short-lived clients in ``procs`` processes of 4 threads; waits for all."""
     workers = [
         subprocess.Popen(
             [
@@ -179,6 +189,7 @@ def churn(address: str, peer: str, mode: str, count: int = 3000, procs: int = 3)
                 peer,
                 str(count // procs),
                 mode,
+                "4",
             ],
             stdout=subprocess.PIPE,
             env=child_env(),
@@ -202,8 +213,9 @@ def churn(address: str, peer: str, mode: str, count: int = 3000, procs: int = 3)
 # its arena: with several, the resident size after a churn depends on which
 # thread freed what. One arena makes it measure what the peer keeps.
 ONE_ARENA = {"MALLOC_ARENA_MAX": "1"}
-# 3,000 departed peers kept at about 2 KB or more each would exceed it.
-RSS_TOLERANCE_KIB = 3 * 1024
+# Keeping 3,000 departed peers costs about 8 MB (2 to 3 KB each); forgetting
+# them leaves what the allocator's high-water mark moves by, 1 to 3 MB.
+RSS_TOLERANCE_KIB = 5 * 1024
 
 
 @pytest.mark.parametrize("role", ["server", "broker"])
@@ -236,14 +248,12 @@ def test_long_lived_peer_forgets_departed_peers(role, tmp_path, make_rpc):
         rss0 = rss_kib(server.pid)
         churn(server.address, "srv", mode)
         wait_for(forgotten, timeout=90, interval=0.5, what="the departed peers to be forgotten")
-        grown = wait_for(
+        wait_for(
             lambda: rss_kib(server.pid) - rss0 < RSS_TOLERANCE_KIB,
             timeout=10,
             interval=0.5,
             what=f"the server's RSS to return to {rss0} KiB (now {rss_kib(server.pid)} KiB)",
         )
-        assert grown
         assert server.alive()
     finally:
         server.stop()
-        stop_process(server.proc)

@@ -649,7 +649,7 @@ void Rpc::tick() {
     }
     for (auto& l : links_) {
       if (l->state != Link::State::kReady) {
-        if (now - l->created > kHandshakeTimeout) {
+        if (now - l->created > kHandshakeTimeout && !l->conn->closed()) {
           if (l->pendingListed) {
             // Summarized below rather than one line each: a flood of idle
             // connections would otherwise flood the log as well.

@@ -113,14 +113,19 @@ void SocketListener::onEvents(uint32_t) {
       // Out of descriptors (or similar): the pending connection stays
       // queued and readiness would fire again at once. Ask for descriptors
       // back and retry soon if some were (their sockets close on the poller),
-      // else back off instead of spinning; say so once per episode.
+      // else back off instead of spinning. Under a flood this repeats many
+      // times a second: say so at most once a second.
       int err = errno;
       size_t released = err == EMFILE || err == ENFILE ? relieveDescriptors() : 0;
-      if (!backingOff_) {
-        MOO_LOG(kError, "accept on ", address_, ": ", errnoString(err),
-                released ? "; closed handshakes in progress to make room" : "; retrying in 100 ms");
+      ++errorsSinceLog_;
+      auto now = Clock::now();
+      if (now - lastErrorLog_ >= std::chrono::seconds(1)) {
+        MOO_LOG(kError, "accept on ", address_, ": ", errnoString(err), " (", errorsSinceLog_,
+                errorsSinceLog_ == 1 ? " time" : " times", " since the last report); ",
+                released ? "closing handshakes in progress to make room" : "retrying in 100 ms");
+        lastErrorLog_ = now;
+        errorsSinceLog_ = 0;
       }
-      backingOff_ = true;
       std::weak_ptr<SocketListener> weak = shared_from_this();
       auto delay = std::chrono::milliseconds(released ? 10 : 100);
       Loop::instance().addTimer(Clock::now() + delay, [weak] {
@@ -131,7 +136,6 @@ void SocketListener::onEvents(uint32_t) {
       });
       return;
     }
-    backingOff_ = false;
     try {
       onAccept_(make_(Fd(fd)));
     } catch (const std::exception& e) {

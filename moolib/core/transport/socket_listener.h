@@ -37,7 +37,9 @@ class SocketListener : public Listener,
   uint64_t token_ = 0;
   std::mutex mutex_;  // held while accepting and closing
   bool closed_ = false;
-  bool backingOff_ = false;
+  // accept() failures are logged at most once a second, with a count.
+  TimePoint lastErrorLog_{};
+  size_t errorsSinceLog_ = 0;
 };
 
 // A Listener handle that closes the shared listener when dropped.
