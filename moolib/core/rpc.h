@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -171,6 +172,13 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void ensureShmListenerLocked();
   void warnIfExposedLocked(const std::string& address) const;
   void maybeListenForPeersLocked(const std::shared_ptr<Link>& link);
+  // Hostile connections (rpc_links.cc): accepted handshakes are capped in
+  // all and per source address; the oldest are shed to make room.
+  void listPendingLocked(const std::shared_ptr<Link>& link);
+  void unlistPendingLocked(const std::shared_ptr<Link>& link);
+  std::shared_ptr<Link> shedPendingLocked(const std::string& source);
+  size_t relieveDescriptors();
+  void logShedLocked(TimePoint now);  // at most once per second
 
   const uint64_t generation_;
   const std::string incarnation_;
@@ -194,6 +202,16 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   // Nonces of our handshakes in progress: a peer presenting one is reflecting it.
   std::set<std::string> ownNonces_;
   std::map<std::string, Peer> peers_;
+  // Accepted links still in their handshake, oldest first, and how many
+  // come from each source address.
+  std::list<std::shared_ptr<Link>> pendingIncoming_;
+  std::map<std::string, size_t> pendingPerSource_;
+  struct ShedStats {
+    size_t crowded = 0, timedOut = 0;  // handshakes closed since the last summary
+    std::set<std::string> sources;
+    TimePoint lastLog{};
+  } shed_;
+  std::shared_ptr<void> descriptorRelief_;  // registered while it listens
   std::unordered_map<uint64_t, PendingCall> calls_;
   std::vector<std::pair<TimePoint, uint64_t>> deadlines_;  // min-heap of (deadline, call id)
   uint64_t nextCallId_ = 1;

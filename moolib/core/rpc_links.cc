@@ -1,5 +1,7 @@
 // Links between peers: the handshake (hello, auth, identify), the peer table,
 // discovery by name, keepalive and redialing.
+#include <sys/resource.h>
+
 #include <algorithm>
 
 #include "auth.h"
@@ -7,6 +9,7 @@
 #include "logging.h"
 #include "rpc_state.h"
 #include "socket.h"
+#include "transport/socket_listener.h"
 
 namespace moolib {
 
@@ -17,8 +20,21 @@ constexpr auto kKeepaliveInterval = std::chrono::seconds(1);
 constexpr auto kKeepaliveTimeout = std::chrono::seconds(30);
 constexpr auto kHandshakeTimeout = std::chrono::seconds(20);
 constexpr auto kDiscoveryInterval = std::chrono::milliseconds(500);
-constexpr size_t kMaxUnidentifiedLinks = 1024;
 constexpr auto kFailedDialBackoff = std::chrono::seconds(5);
+// Accepted connections still in their handshake: at most this many in all
+// (fewer when the descriptor limit is low) and a quarter of that per source
+// address. Past a cap the oldest is closed, not the newcomer: a legitimate
+// peer completes its handshake in milliseconds, so idle connections, however
+// many, cannot keep it out.
+constexpr size_t kMaxPendingHandshakes = 1024;
+constexpr size_t kMinPendingHandshakes = 32;
+// Handshakes closed to make room are summarized at most this often.
+constexpr auto kShedLogInterval = std::chrono::seconds(1);
+// How many handshakes to close each time accept() runs out of descriptors.
+constexpr size_t kReliefBatch = 16;
+// A peer with no link and nothing queued is forgotten this long after its
+// last link closed (a reconnection within it finds its entry as it was).
+constexpr auto kForgetDepartedPeer = std::chrono::seconds(10);
 
 const char* roleName(bool outgoing) { return outgoing ? "client" : "server"; }
 
@@ -36,7 +52,94 @@ void dropHostLocal(std::vector<std::string>& addresses) {
   addresses.erase(std::remove_if(addresses.begin(), addresses.end(), hostLocal), addresses.end());
 }
 
+// Leaves room under the descriptor limit for established links and for
+// whatever else the process has open.
+size_t pendingHandshakeCap() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) {
+    return kMaxPendingHandshakes;
+  }
+  return std::clamp<size_t>(rl.rlim_cur / 4, kMinPendingHandshakes, kMaxPendingHandshakes);
+}
+
+// The host a connection came from; all local shared-memory connections count
+// as one source.
+std::string sourceOf(const Connection& conn) {
+  std::string remote = conn.remoteAddress();
+  auto colon = remote.rfind(':');
+  if (std::string(conn.transport()) != "tcp" || colon == std::string::npos) {
+    return conn.transport();
+  }
+  return remote.substr(0, colon);
+}
+
 }  // namespace
+
+void Rpc::listPendingLocked(const std::shared_ptr<Link>& link) {
+  link->pendingPos = pendingIncoming_.insert(pendingIncoming_.end(), link);
+  link->pendingListed = true;
+  ++pendingPerSource_[link->source];
+}
+
+void Rpc::unlistPendingLocked(const std::shared_ptr<Link>& link) {
+  if (!link->pendingListed) return;
+  link->pendingListed = false;
+  pendingIncoming_.erase(link->pendingPos);
+  auto it = pendingPerSource_.find(link->source);
+  if (it != pendingPerSource_.end() && --it->second == 0) pendingPerSource_.erase(it);
+}
+
+std::shared_ptr<Rpc::Link> Rpc::shedPendingLocked(const std::string& source) {
+  // From the given source, else from the source holding the most handshakes:
+  // many addresses with few connections each keep theirs.
+  std::string from = source;
+  if (from.empty()) {
+    size_t most = 0;
+    for (auto& [s, n] : pendingPerSource_) {
+      if (n > most) {
+        most = n;
+        from = s;
+      }
+    }
+  }
+  for (auto& l : pendingIncoming_) {
+    if (l->source != from) continue;
+    auto victim = l;  // the list is in arrival order: this is the oldest
+    unlistPendingLocked(victim);
+    ++shed_.crowded;
+    shed_.sources.insert(from);
+    return victim;
+  }
+  return nullptr;
+}
+
+size_t Rpc::relieveDescriptors() {
+  std::vector<std::shared_ptr<Link>> victims;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (victims.size() < kReliefBatch) {
+      auto victim = shedPendingLocked("");
+      if (!victim) break;
+      victims.push_back(std::move(victim));
+    }
+  }
+  for (auto& v : victims) v->conn->close(Error("out of descriptors: handshake closed"));
+  return victims.size();
+}
+
+void Rpc::logShedLocked(TimePoint now) {
+  if (!shed_.crowded && !shed_.timedOut) return;
+  if (now - shed_.lastLog < kShedLogInterval) return;
+  size_t cap = pendingHandshakeCap();
+  MOO_LOG(kError, "closed ", shed_.crowded + shed_.timedOut, " pending handshakes from ",
+          shed_.sources.size(), shed_.sources.size() == 1 ? " address" : " addresses", " (",
+          shed_.crowded, " to make room for newer connections: at most ", cap, " in handshake, ",
+          cap / 4, " per address; ", shed_.timedOut,
+          " timed out); the remote ends connected but did not complete the handshake");
+  shed_.crowded = shed_.timedOut = 0;
+  shed_.sources.clear();
+  shed_.lastLog = now;
+}
 
 void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddress) {
   auto link = std::make_shared<Link>();
@@ -44,25 +147,37 @@ void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddres
   link->outgoing = outgoing;
   link->dialAddress = dialAddress;
   link->myNonce = makeNonce();
+  if (!outgoing) link->source = sourceOf(*conn);
   bool hasKey;
+  std::shared_ptr<Link> shed;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) {
       conn->close(Error("the Rpc was closed"));
       return;
     }
-    size_t unidentified = 0;
-    for (auto& l : links_) unidentified += l->state != Link::State::kReady;
-    if (unidentified >= kMaxUnidentifiedLinks) {
-      MOO_LOG(kError, "refusing a connection from ", conn->remoteAddress(), ": ", unidentified,
-              " connections are still in their handshake");
-      conn->close(Error("too many connections in handshake"));
-      return;
+    if (!outgoing) {
+      size_t cap = pendingHandshakeCap();
+      auto it = pendingPerSource_.find(link->source);
+      if (it != pendingPerSource_.end() && it->second >= cap / 4) {
+        shed = shedPendingLocked(link->source);
+      } else if (pendingIncoming_.size() >= cap) {
+        shed = shedPendingLocked("");
+      }
+      listPendingLocked(link);
+      if (!descriptorRelief_) {
+        std::weak_ptr<Rpc> weak = weak_from_this();
+        descriptorRelief_ = addDescriptorRelief([weak]() -> size_t {
+          auto self = weak.lock();
+          return self ? self->relieveDescriptors() : 0;
+        });
+      }
     }
     links_.insert(link);
     ownNonces_.insert(link->myNonce);
     hasKey = !authKey_.empty();
   }
+  if (shed) shed->conn->close(Error("too many connections in handshake: closed the oldest"));
   // Our hello goes out before the connection starts delivering frames: once
   // the peer's hello is handled we may send identify, which must follow it.
   Writer w;
@@ -221,6 +336,7 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ownNonces_.erase(link->myNonce);
+    unlistPendingLocked(link);
     if (closed_) return;
     if (link->peerName == name_) {
       if (link->peerIncarnation == incarnation_) {
@@ -308,11 +424,13 @@ void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
     std::lock_guard<std::mutex> lock(mutex_);
     links_.erase(link);
     ownNonces_.erase(link->myNonce);
+    unlistPendingLocked(link);
     if (link->state == Link::State::kReady) {
       auto it = peers_.find(link->peerName);
       if (it != peers_.end()) {
         auto& v = it->second.links;
         v.erase(std::remove(v.begin(), v.end(), link), v.end());
+        if (v.empty()) it->second.idleSince = Clock::now();
       }
     }
     if (!link->dialAddress.empty()) {
@@ -519,7 +637,7 @@ void Rpc::tick() {
   auto now = Clock::now();
   expireCalls(now);
   std::vector<std::string> redial;
-  std::vector<std::shared_ptr<Link>> keepalive, dead;
+  std::vector<std::shared_ptr<Link>> keepalive, dead, stalled;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) return;
@@ -531,7 +649,18 @@ void Rpc::tick() {
     }
     for (auto& l : links_) {
       if (l->state != Link::State::kReady) {
-        if (now - l->created > kHandshakeTimeout) dead.push_back(l);
+        if (now - l->created > kHandshakeTimeout && !l->conn->closed()) {
+          if (l->pendingListed) {
+            // Summarized below rather than one line each: a flood of idle
+            // connections would otherwise flood the log as well.
+            unlistPendingLocked(l);
+            ++shed_.timedOut;
+            shed_.sources.insert(l->source);
+            stalled.push_back(l);
+          } else {
+            dead.push_back(l);
+          }
+        }
         continue;
       }
       if (now - l->lastReceived.load() > kKeepaliveTimeout) {
@@ -550,12 +679,14 @@ void Rpc::tick() {
     for (auto it = peers_.begin(); it != peers_.end();) {
       Peer& p = it->second;
       if (!p.queued.empty() && !bestLinkLocked(p)) startDiscoveryLocked(p);
-      if (p.links.empty() && p.queued.empty() && p.incarnation.empty()) {
+      bool departed = p.incarnation.empty() || now - p.idleSince >= kForgetDepartedPeer;
+      if (p.links.empty() && p.queued.empty() && departed) {
         it = peers_.erase(it);
       } else {
         ++it;
       }
     }
+    logShedLocked(now);
     std::weak_ptr<Rpc> weak = weak_from_this();
     tickTimer_ = Loop::instance().addTimer(now + kTickInterval, [weak] {
       if (auto self = weak.lock()) self->tick();
@@ -566,6 +697,7 @@ void Rpc::tick() {
                                ? "no traffic within the keepalive timeout"
                                : "handshake timed out");
   }
+  for (auto& l : stalled) l->conn->close(Error("handshake timed out"));
   for (auto& l : keepalive) l->conn->send(OutgoingFrame{FrameType::kKeepalive, {}, {}});
   for (auto& a : redial) dialFromDialer(a);
 }

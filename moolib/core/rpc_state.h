@@ -1,6 +1,8 @@
 // Private state of an Rpc shared by rpc.cc and rpc_links.cc.
 #pragma once
 
+#include <list>
+
 #include "rpc.h"
 
 namespace moolib {
@@ -22,6 +24,12 @@ struct Rpc::Link {
   std::atomic<TimePoint> lastReceived{Clock::now()};
   uint64_t lastBytesSent = 0;
   TimePoint lastSendCheck = Clock::now();
+  // Accepted links still in their handshake are listed (under the Rpc mutex)
+  // in pendingIncoming_, so that the oldest can be shed when hostile
+  // connections crowd the table; source is the remote host they came from.
+  bool pendingListed = false;
+  std::list<std::shared_ptr<Link>>::iterator pendingPos;
+  std::string source;
 };
 
 // A peer known by name, with its ready links and the calls waiting for one.
@@ -31,6 +39,10 @@ struct Rpc::Peer {
   std::vector<std::shared_ptr<Link>> links;
   std::vector<QueuedCall> queued;
   TimePoint nextDiscovery{};
+  // When its last link closed: a peer with no link and no queued call is
+  // forgotten a while later, so that a long-lived peer does not keep one
+  // entry per peer that ever came and went.
+  TimePoint idleSince = Clock::now();
 };
 
 }  // namespace moolib

@@ -1,7 +1,10 @@
 """A moolib peer in its own process, for the multi-process RPC tests.
 
 Usage: peer.py --name NAME [--listen ADDR] [--connect ADDR ...] [--transports shm,tcp]
-               [--auth-key KEY] [--timeout S] [--max-threads N]
+               [--auth-key KEY] [--timeout S] [--max-threads N] [--nofile N] [--broker]
+
+``--nofile`` lowers the soft descriptor limit first; ``--broker`` also serves
+as the groups' broker (updated every 0.25 s; "groups" returns its groups).
 
 Prints ``READY <name> <bound address or ->`` once set up, then serves until its
 stdin closes (so it never outlives the test that started it) or it is killed.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import threading
 import time
@@ -30,7 +34,13 @@ def main() -> None:
     parser.add_argument("--auth-key", default=None)
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--max-threads", type=int, default=None)
+    parser.add_argument("--nofile", type=int, default=None)
+    parser.add_argument("--broker", action="store_true")
     args = parser.parse_args()
+
+    if args.nofile:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, hard))
 
     if args.max_threads:
         moolib.set_max_threads(args.max_threads)
@@ -72,6 +82,17 @@ def main() -> None:
     rpc.define("info", info)
     rpc.define("zeros", lambda n: torch.zeros(n, dtype=torch.uint8))
     rpc.define("checksum", lambda t: int(t.to(torch.int64).sum()))
+
+    if args.broker:
+        broker = moolib.Broker(rpc)
+        rpc.define("groups", broker.groups)
+
+        def update() -> None:
+            while True:
+                broker.update()
+                time.sleep(0.25)
+
+        threading.Thread(target=update, daemon=True).start()
 
     address = rpc.listen(args.listen) if args.listen else "-"
     for c in args.connect:

@@ -4,12 +4,57 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <mutex>
 
 #include "logging.h"
 
 namespace moolib {
+
+namespace {
+
+struct ReliefRegistry {
+  std::mutex mutex;
+  std::vector<std::weak_ptr<std::function<size_t()>>> entries;
+};
+
+ReliefRegistry& reliefRegistry() {
+  // Leaked on purpose: listeners may accept while static destructors run.
+  static auto* registry = new ReliefRegistry();
+  return *registry;
+}
+
+}  // namespace
+
+std::shared_ptr<void> addDescriptorRelief(std::function<size_t()> release) {
+  auto entry = std::make_shared<std::function<size_t()>>(std::move(release));
+  auto& r = reliefRegistry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.entries.erase(
+      std::remove_if(r.entries.begin(), r.entries.end(), [](auto& w) { return w.expired(); }),
+      r.entries.end());
+  r.entries.push_back(entry);
+  return entry;
+}
+
+size_t relieveDescriptors() {
+  std::vector<std::shared_ptr<std::function<size_t()>>> owners;
+  {
+    auto& r = reliefRegistry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (auto& w : r.entries) {
+      if (auto e = w.lock()) owners.push_back(std::move(e));
+    }
+  }
+  // Called without the registry's lock: release() takes its owner's locks.
+  size_t released = 0;
+  for (auto& release : owners) {
+    released += (*release)();
+    if (released) break;
+  }
+  return released;
+}
 
 SocketListener::SocketListener(Fd fd, std::string address, MakeConnection make,
                                Context::AcceptFn onAccept)
@@ -66,13 +111,24 @@ void SocketListener::onEvents(uint32_t) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
       // Out of descriptors (or similar): the pending connection stays
-      // queued and readiness would fire again at once. Back off instead of
-      // spinning, and say so once per episode.
-      if (!backingOff_)
-        MOO_LOG(kError, "accept on ", address_, ": ", errnoString(errno), "; retrying in 100 ms");
-      backingOff_ = true;
+      // queued and readiness would fire again at once. Ask for descriptors
+      // back and retry soon if some were (their sockets close on the poller),
+      // else back off instead of spinning. Under a flood this repeats many
+      // times a second: say so at most once a second.
+      int err = errno;
+      size_t released = err == EMFILE || err == ENFILE ? relieveDescriptors() : 0;
+      ++errorsSinceLog_;
+      auto now = Clock::now();
+      if (now - lastErrorLog_ >= std::chrono::seconds(1)) {
+        MOO_LOG(kError, "accept on ", address_, ": ", errnoString(err), " (", errorsSinceLog_,
+                errorsSinceLog_ == 1 ? " time" : " times", " since the last report); ",
+                released ? "closing handshakes in progress to make room" : "retrying in 100 ms");
+        lastErrorLog_ = now;
+        errorsSinceLog_ = 0;
+      }
       std::weak_ptr<SocketListener> weak = shared_from_this();
-      Loop::instance().addTimer(Clock::now() + std::chrono::milliseconds(100), [weak] {
+      auto delay = std::chrono::milliseconds(released ? 10 : 100);
+      Loop::instance().addTimer(Clock::now() + delay, [weak] {
         if (auto self = weak.lock()) {
           std::lock_guard<std::mutex> lock(self->mutex_);
           if (!self->closed_) Loop::instance().rearm(self->fd_.get(), self->token_, EPOLLIN);
@@ -80,7 +136,6 @@ void SocketListener::onEvents(uint32_t) {
       });
       return;
     }
-    backingOff_ = false;
     try {
       onAccept_(make_(Fd(fd)));
     } catch (const std::exception& e) {

@@ -37,7 +37,9 @@ class SocketListener : public Listener,
   uint64_t token_ = 0;
   std::mutex mutex_;  // held while accepting and closing
   bool closed_ = false;
-  bool backingOff_ = false;
+  // accept() failures are logged at most once a second, with a count.
+  TimePoint lastErrorLog_{};
+  size_t errorsSinceLog_ = 0;
 };
 
 // A Listener handle that closes the shared listener when dropped.
@@ -51,6 +53,15 @@ class ListenerHandle : public Listener {
  private:
   std::shared_ptr<SocketListener> listener_;
 };
+
+// Descriptors are a process-wide resource: when accept() runs out of them, the
+// listener asks every registered owner of connections to give some back (an
+// Rpc closes its oldest handshakes in progress) rather than leave the new
+// connection, maybe a legitimate peer, waiting behind idle ones. release()
+// returns how many connections it closed; it runs on the poller. The owner is
+// registered until the returned handle is dropped.
+std::shared_ptr<void> addDescriptorRelief(std::function<size_t()> release);
+size_t relieveDescriptors();
 
 // Starts a non-blocking connect; calls done on the poller.
 void connectSocket(const SockAddr& addr, std::string address,
