@@ -41,7 +41,7 @@ import moolib
 
 from . import a2c, checkpoint, impala
 from .logger import Clock, EpisodeStats, Progress, TsvLog, Wandb
-from .models import create_model
+from .models import create_model, resolve_network
 
 log = logging.getLogger("moolib.agents")
 
@@ -163,13 +163,10 @@ class Trainer:
         self.loss_fn = LOSSES[self.agent.name]
 
         self.envs, obs_shape, self.num_actions = make_envs(cfg)
-        network = self.agent.network
-        if network == "auto":  # images get the IMPALA network, vectors an MLP
-            network = "impala_deep" if len(obs_shape) == 3 else "mlp"
         self.model = create_model(
             obs_shape,
             self.num_actions,
-            network=network,
+            network=resolve_network(self.agent.network, obs_shape),
             use_lstm=self.agent.use_lstm,
             hidden_size=self.agent.hidden_size,
         ).to(self.device)
