@@ -47,10 +47,14 @@ def one_line(text: str) -> str:
 
 def parse_overrides(lines: list[str]) -> list[Override]:
     """The command line's overrides, parsed as Hydra parses them."""
-    try:
-        return OverridesParser.create().parse_overrides(list(lines))
-    except HydraException as e:
-        raise ConfigError(f"bad override: {one_line(str(e))}") from e
+    parser = OverridesParser.create()
+    parsed = []
+    for line in lines:
+        try:
+            parsed.extend(parser.parse_overrides([line]))
+        except HydraException as e:
+            raise ConfigError(f"bad override '{line}': {one_line(str(e))}") from e
+    return parsed
 
 
 def expand(overrides: list[Override], multirun: bool) -> list[list[str]]:
@@ -244,6 +248,22 @@ def _quiet_ale() -> None:
     ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
 
 
+def _env_option_names(cfg: DictConfig) -> list[str]:
+    """The options the config's env takes (keyword parameters of its factory)."""
+    import inspect
+
+    from moolib.envs.atari import make_atari
+    from moolib.envs.classic import make_cartpole
+    from moolib.envs.envpool_backend import EnvpoolAtari
+
+    if cfg.env.backend == "envpool":
+        factory: Any = EnvpoolAtari.__init__
+    else:
+        factory = make_cartpole if str(cfg.env.name).lower() == "cartpole" else make_atari
+    skip = {"self", "name", "batch_size", "num_batches"}
+    return [p for p in inspect.signature(factory).parameters if p not in skip]
+
+
 _env_probes: dict[str, tuple[tuple[int, ...], int]] = {}
 
 
@@ -274,6 +294,12 @@ def probe_env(cfg: DictConfig) -> tuple[tuple[int, ...], int]:
             finally:
                 env.close()
     except Exception as e:  # noqa: BLE001 - whatever the env refuses is the user's to fix
+        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        if isinstance(e, TypeError) and unexpected:
+            known = [f"env.options.{k}" for k in _env_option_names(cfg)]
+            raise resume_lib.unknown_key_error(
+                f"env.options.{unexpected.group(1)}", known, f" ({cfg.env.name} has no such option)"
+            ) from e
         named = [k for k in options if re.search(rf"\b{re.escape(str(k))}\b", str(e))]
         if named:
             where = f"env.options.{named[0]}={options[named[0]]!r}"
