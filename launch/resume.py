@@ -155,6 +155,8 @@ class Resume:
     config: DictConfig  # saved + this command line's overrides
     overrides: list[str]  # as given (without savedir= and hydra settings)
     changes: list[tuple[str, Any, Any]] = field(default_factory=list)  # (key, old, new)
+    # Settings added to moolib-run after the savedir was started: (key, default).
+    added: list[tuple[str, Any]] = field(default_factory=list)
     step: int | None = None  # its checkpoint's step; None without a checkpoint
 
     @property
@@ -174,6 +176,10 @@ class Resume:
             if self.changes
             else "; no settings changed"
         )
+        if self.added:
+            changed += "; settings new since it started, at their defaults: " + ", ".join(
+                f"{k}={_show(v)}" for k, v in self.added
+            )
         return f"moolib-run: resuming {self.savedir} ({what}, {where}){changed}"
 
     def finished_message(self) -> str:
@@ -204,6 +210,7 @@ def merge(
     same overrides composed by Hydra against the saved groups). Raises ConfigError
     for an override that cannot apply to the experiment."""
     config = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
+    added = _fill_missing(config, composed)
     OmegaConf.set_struct(config, True)
     known = known_keys(saved)
     changes: list[tuple[str, Any, Any]] = []
@@ -238,7 +245,27 @@ def merge(
                 f"{' '.join(asked) or f'{group}={config[group].name}'}: a savedir resumes its own "
                 "agent and env (give a new savedir for another)"
             )
-    return Resume(Path(savedir), saved, config, given, changes)
+    return Resume(Path(savedir), saved, config, given, changes, added)
+
+
+def _fill_missing(
+    config: DictConfig, schema: DictConfig, prefix: str = ""
+) -> list[tuple[str, Any]]:
+    """Adds the keys of ``schema`` that ``config`` lacks (settings that moolib-run
+    gained after the savedir was started), at their defaults; returns them."""
+    added = []
+    for key in schema.keys():
+        full = f"{prefix}{key}"
+        if full == "hydra":
+            continue
+        if key not in config:
+            value = plain(schema._get_node(key)._dereference_node())
+            config[key] = value
+            added.append((full, value))
+        elif isinstance(schema[key], DictConfig) and isinstance(config[key], DictConfig):
+            if full not in FREE_FORM:
+                added += _fill_missing(config[key], schema[key], f"{full}.")
+    return added
 
 
 def _apply_group(
@@ -343,6 +370,7 @@ def record(resume: Resume) -> Path:
             "step": resume.step,
             "overrides": list(resume.overrides),
             "changed": {k: {"from": old, "to": new} for k, old, new in resume.changes},
+            **({"added": dict(resume.added)} if resume.added else {}),
         }
     )
     tmp = path.with_suffix(".yaml.tmp")
