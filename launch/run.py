@@ -66,6 +66,9 @@ def _run(cfg: DictConfig) -> int:
             config_lib.validate(job.config)
             preflight.check_fits(job)
             preflight.check_can_start(job)
+        elif job.resume is not None:
+            # A savedir the pre-flight could not name (an interpolated savedir=).
+            preflight.check_fits(job)
         final = config_lib.prepare(job.config, savedir)
     except ConfigError as e:
         _fail(str(e))
