@@ -246,6 +246,14 @@ class MLPNet(_ActorCritic):
 NETWORKS = ("impala_deep", "impala_shallow", "mlp")
 
 
+def resolve_network(network: str, observation_shape: Sequence[int]) -> str:
+    """The network an agent config's ``network`` names: ``auto`` is the deep IMPALA
+    network for images (3-d observations) and an MLP for vectors."""
+    if network == "auto":
+        return "impala_deep" if len(observation_shape) == 3 else "mlp"
+    return network
+
+
 def create_model(
     observation_shape: Sequence[int],
     num_actions: int,

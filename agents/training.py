@@ -42,7 +42,7 @@ import moolib
 
 from . import a2c, checkpoint, impala
 from .logger import Clock, EpisodeStats, Progress, TsvLog, Wandb, start_banner
-from .models import create_model
+from .models import create_model, resolve_network
 
 log = logging.getLogger("moolib.agents")
 
@@ -213,13 +213,10 @@ class Trainer:
         self.loss_fn = LOSSES[self.agent.name]
 
         self.envs, obs_shape, self.num_actions = make_envs(cfg)
-        network = self.agent.network
-        if network == "auto":  # images get the IMPALA network, vectors an MLP
-            network = "impala_deep" if len(obs_shape) == 3 else "mlp"
         self.model = create_model(
             obs_shape,
             self.num_actions,
-            network=network,
+            network=resolve_network(self.agent.network, obs_shape),
             use_lstm=self.agent.use_lstm,
             hidden_size=self.agent.hidden_size,
         ).to(self.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -37,6 +38,27 @@ class EmbeddedBroker:
         self.broker.close()
 
 
+def check_broker(address: str, timeout: float, auth_key: str | None = None) -> None:
+    """Returns once the broker at ``address`` answers (an Rpc connects and a probe
+    group joins through it); raises TimeoutError after ``timeout`` seconds.
+    ``auth_key`` overrides the process's key (``MOOLIB_AUTH_KEY``)."""
+    rpc = moolib.Rpc()
+    if auth_key is not None:
+        rpc.set_auth_key(auth_key)
+    try:
+        rpc.connect(address)
+        group = moolib.Group(rpc, f"moolib-run-probe/{secrets.token_hex(4)}")
+        group.set_timeout(5)
+        deadline = time.monotonic() + timeout
+        while not group.active():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the broker at {address} did not answer in {timeout:.0f} s")
+            group.update()
+            time.sleep(0.05)
+    finally:
+        rpc.close()
+
+
 def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
     """Starts the peers (and a broker unless ``cfg.broker`` names one); waits for
     them. ``stop`` (Ctrl-C/SIGTERM) is passed on to every peer. Returns 0 when
@@ -49,6 +71,7 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
     # Each peer holds the read end of this pipe and stops when it closes: when
     # this process ends, however (kill -9 included), no peer acts on alone.
     parent_r, parent_w = os.pipe()
+    interrupted = False
     try:
         for rank in range(cfg.scaling.peers):
             logdir = logdir_for(savedir, rank, cfg.scaling.peers)
@@ -86,12 +109,17 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
                         p.send_signal(signal.SIGTERM)
                 signalled = True
             time.sleep(0.1)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         os.close(parent_r)
+        # After a second Ctrl-C the peers go at once: SIGINT makes a stopping peer
+        # raise KeyboardInterrupt; whatever still runs after a few seconds is killed.
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
+                p.send_signal(signal.SIGINT if interrupted else signal.SIGTERM)
+        deadline = time.monotonic() + (5 if interrupted else 60)
         for p in procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -2,10 +2,11 @@
 --rank N --broker host:port``. Started by moolib-run's local and SLURM modes.
 
 The first SIGINT, SIGTERM or SIGHUP stops the peer after its current step (the
-leader writes a checkpoint first); a second SIGINT interrupts at once. With
-``--parent-fd``, the peer stops the same way when the launcher that started it
-is gone (the pipe it holds open closes), and ends for sure shortly after.
-A peer out of its group for ``lost_group_timeout`` seconds exits with code 3.
+leader writes a checkpoint first) and it exits 0; a second SIGINT interrupts at
+once (exit 130, no traceback). With ``--parent-fd``, the peer stops the same way
+when the launcher that started it is gone (the pipe it holds open closes), and
+ends for sure shortly after. A peer out of its group for ``lost_group_timeout``
+seconds exits with code 3.
 """
 
 from __future__ import annotations
@@ -33,13 +34,28 @@ ORPHAN_GRACE = 20.0
 EXIT_GROUP_LOST = 3
 
 
-def stop_on_signals() -> threading.Event:
+class StopSignal(threading.Event):
+    """Set by the first SIGINT/SIGTERM/SIGHUP; ``signum`` is that signal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signum: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number (130 for Ctrl-C), the shell's convention; 0 if unset."""
+        return 128 + self.signum if self.is_set() and self.signum else 0
+
+
+def stop_on_signals() -> StopSignal:
     """An event set by the first SIGINT/SIGTERM/SIGHUP; a second SIGINT raises KeyboardInterrupt."""
-    stop = threading.Event()
+    stop = StopSignal()
 
     def handle(signum: int, frame: Any) -> None:
         if stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if not stop.is_set():
+            stop.signum = signum
         stop.set()
 
     # SIGHUP: the terminal or ssh session went away; stop as cleanly as on Ctrl-C.
@@ -118,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = stop_on_signals()
     if args.parent_fd is not None:
         stop_with_parent(args.parent_fd, stop, args.rank)
-    train(cfg, args.rank, args.broker, stop)
+    try:
+        train(cfg, args.rank, args.broker, stop)
+    except KeyboardInterrupt:
+        # A second Ctrl-C: stop at once, quietly (the first one asked for a checkpoint).
+        return 130
     # Done: a late SIGTERM from the launcher (sent after Ctrl-C reached the
     # whole process group) must not kill the interpreter's clean exit.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -4,85 +4,188 @@
     moolib-run agent=a2c env=cartpole scaling=local scaling.peers=2
     moolib-run -m agent.optimizer.learning_rate=6e-4,3e-4
     moolib-run agent=vtrace env=breakout scaling=slurm scaling.peers=8
+    moolib-run savedir=outputs/my-run            # resumes my-run with its own settings
 
-The composed config is checked (a bad value stops the run with a message that
-names its key), resolved and written to ``<savedir>/config.yaml``; peers read it
-from there. Reusing a savedir resumes from its latest checkpoint.
+Before Hydra starts anything, every job of the command line is planned and
+checked (``preflight.py``): a mistake stops the run with one ``moolib-run:
+error: ...`` line, exit 2, and no folder left behind. A savedir that holds a
+``config.yaml`` owns its config: the run resumes with it, the command line's
+overrides applied on top (``resume.py``); a finished one says so and exits 0.
+The final config is written to ``<savedir>/config.yaml``; peers read it from
+there. Ctrl-C stops after a last checkpoint (exit 130); a second one at once.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from . import config as config_lib
-from . import local, report
+from . import local, preflight, report
+from . import resume as resume_lib
+from .config import ConfigError
 from .peer import stop_on_signals, train
 
 log = logging.getLogger("moolib.launch")
+
+# Set once the pre-flight checked every job (the task function then skips the probes).
+_checked = False
+# Set when Hydra hands over to the task function: errors after that are not Hydra's.
+_in_task = False
 
 
 def _or_default(value: object, default: object) -> object:
     return default if value is None else value
 
 
+def _fail(message: str) -> NoReturn:
+    print(f"moolib-run: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 @report.with_summary
 def _run(cfg: DictConfig) -> int:
-    savedir = Path(HydraConfig.get().runtime.output_dir)
+    global _in_task
+    _in_task = True
+    hydra_cfg = HydraConfig.get()
+    savedir = Path(hydra_cfg.runtime.output_dir)
     try:
-        final = config_lib.prepare(cfg, savedir)
-    except config_lib.ConfigError as e:
-        print(f"moolib-run: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        job = preflight.plan(list(hydra_cfg.overrides.task), savedir)
+        if job.resume is not None and job.resume.finished:
+            print(job.resume.finished_message(), flush=True)
+            return 0
+        if not _checked:
+            config_lib.validate(job.config)
+            preflight.check_fits(job)
+            preflight.check_can_start(job)
+        elif job.resume is not None:
+            # A savedir the pre-flight could not name (an interpolated savedir=).
+            preflight.check_fits(job)
+        final = config_lib.prepare(job.config, savedir)
+    except ConfigError as e:
+        _fail(str(e))
+    if job.resume is not None:
+        print(job.resume.describe(), flush=True)
+        resume_lib.record(job.resume)
     config_path = config_lib.save(final, savedir)
     stop = stop_on_signals()
     mode = final.scaling.name
+    code = 0
     if mode == "local":
         code = local.run(final, config_path, stop)
-        if code:
-            sys.exit(code)
-        return 0
-    if mode == "slurm":
+    elif mode == "slurm":
         from . import slurm  # submitit is only needed here
 
         try:
             launched = slurm.launch(final, config_path, stop)
         except (RuntimeError, TimeoutError) as e:
+            if stop.is_set():
+                print(f"moolib-run: {e}", file=sys.stderr)
+                sys.exit(stop.exit_code)
             print(f"moolib-run: error: {e}", file=sys.stderr)
             sys.exit(1)
         if final.scaling.wait:
             code = slurm.follow(launched, stop)
-            if code:
-                sys.exit(code)
-        return 0
-    if mode == "single":
+    elif mode == "single":
         broker = None if final.broker else local.EmbeddedBroker()
         try:
             train(final, 0, final.broker or broker.address, stop)
         finally:
             if broker:
                 broker.close()
-        return 0
-    print(
-        f"moolib-run: error: scaling.name {mode!r} is not one of single, local, slurm",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+    else:
+        _fail(f"scaling.name {mode!r} is not one of single, local, slurm")
+    if code:
+        sys.exit(code)
+    if stop.is_set():
+        # Stopped before total_steps (after its last checkpoint): say so in the exit
+        # status, and end a sweep here rather than starting its next point.
+        sys.exit(stop.exit_code)
+    return 0
+
+
+def _preflight(args: argparse.Namespace) -> int | None:
+    """Plans and checks every job of the command line before Hydra creates anything.
+    Returns an exit status when there is nothing to run, else None."""
+    global _checked
+    from hydra import initialize_config_module
+
+    with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
+        overrides = preflight.parse_overrides(args.overrides)
+        multirun = bool(args.multirun)
+        jobs = preflight.expand(overrides, multirun)
+        root = preflight.savedir_of(overrides)
+        if root is not None and "${" not in root:
+            preflight.check_not_a_sweep(Path(root), multirun)
+        planned = [
+            preflight.plan(lines, job_num=n, multirun=multirun) for n, lines in enumerate(jobs)
+        ]
+        if args.cfg:
+            if args.cfg == "job" and not multirun and planned[0].resume is not None:
+                print(preflight.config_for_display(planned[0]), end="")
+                return 0
+            return None  # Hydra prints it
+        for job in planned:
+            config_lib.validate(job.config)
+            preflight.check_fits(job)
+        if not multirun and planned[0].resume is not None and planned[0].resume.finished:
+            print(planned[0].resume.finished_message(), flush=True)
+            return 0
+        for job in planned:
+            if job.resume is None or not job.resume.finished:
+                preflight.check_can_start(job)
+    _checked = True
+    return None
 
 
 def main() -> None:
-    """Console entry point (Hydra parses the command line)."""
+    """Console entry point: checks the command line, then lets Hydra run it."""
     if not OmegaConf.has_resolver("or_default"):
         OmegaConf.register_new_resolver("or_default", _or_default)
     report.register_resolvers()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    app = hydra.main(config_path="pkg://moolib.conf", config_name="config", version_base="1.3")
-    app(_run)()
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(sys.argv[1:])
+    hydra_only = (
+        args.help
+        or args.hydra_help
+        or args.info
+        or args.shell_completion
+        or args.config_path
+        or args.config_dir
+        or args.config_name
+        or args.experimental_rerun
+    )
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    try:
+        if not hydra_only:
+            code = _preflight(args)
+            if code is not None:
+                sys.exit(code)
+        # Hydra's errors reach us as exceptions (made one line below), not printed by
+        # Hydra over several lines with exit 1.
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+        app = hydra.main(config_path="pkg://moolib.conf", config_name="config", version_base="1.3")
+        app(_run)()
+    except ConfigError as e:
+        _fail(str(e))
+    except (hydra.errors.HydraException, OmegaConfBaseException) as e:
+        if _in_task or full_error:
+            raise
+        _fail(preflight.hydra_message(e, list(args.overrides)))
+    except KeyboardInterrupt:
+        print("moolib-run: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ import submitit
 from omegaconf import DictConfig, OmegaConf
 
 from .jobs import cancel_jobs
+from .local import check_broker
 from .slurm_files import (
     BROKER_FILE,
     SLURM_DIR,
@@ -101,29 +102,6 @@ def _executor(cfg: DictConfig, folder: Path) -> submitit.SlurmExecutor:
     executor.update_parameters(**params)
     _requeue_on_failure(executor, folder, int(s.max_failures))
     return executor
-
-
-def check_broker(address: str, timeout: float, auth_key: str | None = None) -> None:
-    """Returns once the broker at ``address`` answers (an Rpc connects and a probe
-    group joins through it); raises TimeoutError after ``timeout`` seconds.
-    ``auth_key`` overrides the process's key (``MOOLIB_AUTH_KEY``)."""
-    import moolib
-
-    rpc = moolib.Rpc()
-    if auth_key is not None:
-        rpc.set_auth_key(auth_key)
-    try:
-        rpc.connect(address)
-        group = moolib.Group(rpc, f"moolib-run-probe/{secrets.token_hex(4)}")
-        group.set_timeout(5)
-        deadline = time.monotonic() + timeout
-        while not group.active():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the broker at {address} did not answer in {timeout:.0f} s")
-            group.update()
-            time.sleep(0.05)
-    finally:
-        rpc.close()
 
 
 def _wait_for_broker(

@@ -1,0 +1,356 @@
+"""What ``moolib-run`` checks before a run starts, so that every mistake a user can
+make stops it with one line (exit 2) and leaves nothing behind.
+
+Before Hydra creates any folder, each job of the command line (one, or every
+point of a ``-m`` sweep) is composed with Hydra's compose API and planned:
+
+- the overrides parse, name existing config group options and known keys (a
+  ``+key`` that nothing reads is refused too, with the nearest known key);
+- a savedir that holds a ``config.yaml`` is resumed from it (``resume.py``);
+- the values pass ``config.validate``;
+- the savedir can be written, the env can be made with its options, the
+  model fits the savedir's checkpoint, and ``broker=`` answers (bounded wait).
+
+The task function plans its job again (cheap, without the probes): the
+pre-flight only decides whether the run may start.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import moolib.conf
+from hydra import compose
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override, OverrideType
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from . import config as config_lib
+from . import resume as resume_lib
+from .config import ConfigError
+from .resume import Resume
+
+CONF_DIR = Path(next(iter(moolib.conf.__path__)))
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and runs of blanks folded into single spaces."""
+    return " ".join(str(text).split())
+
+
+def parse_overrides(lines: list[str]) -> list[Override]:
+    """The command line's overrides, parsed as Hydra parses them."""
+    parser = OverridesParser.create()
+    parsed = []
+    for line in lines:
+        try:
+            parsed.extend(parser.parse_overrides([line]))
+        except HydraException as e:
+            raise ConfigError(f"bad override '{line}': {one_line(str(e))}") from e
+    return parsed
+
+
+def expand(overrides: list[Override], multirun: bool) -> list[list[str]]:
+    """The override lines of each job, in Hydra's order (a sweep's job numbers)."""
+    if not multirun:
+        return [[o.input_line or "" for o in overrides]]
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    try:
+        return BasicSweeper.split_arguments(overrides, None)[0]
+    except HydraException as e:
+        raise ConfigError(one_line(str(e))) from e
+
+
+def savedir_of(overrides: list[Override]) -> str | None:
+    """The ``savedir=`` the command line gives (None: Hydra picks a fresh folder)."""
+    for o in overrides:
+        if o.key_or_group == "savedir" and o.type != OverrideType.DEL and not o.is_sweep_override():
+            value = o.value()
+            return None if value is None else str(value)
+    return None
+
+
+def _group_lines(lines: list[str]) -> list[str]:
+    out = []
+    for o in parse_overrides(lines):
+        if resume_lib.is_group_override(o) or resume_lib.is_hydra_override(o):
+            out.append(o.input_line or "")
+    return out
+
+
+def schema(lines: list[str], extra: list[str] | None = None) -> DictConfig | None:
+    """The config of the groups these overrides pick, without their values: every
+    key a run of them reads. None if even that does not compose."""
+    try:
+        return compose("config", overrides=[*(extra or []), *_group_lines(lines)])
+    except (HydraException, OmegaConfBaseException, ConfigError):
+        return None
+
+
+def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = None) -> str:
+    """One line for a Hydra composition error, naming the key or option at fault."""
+    text = str(e)
+    missing = re.search(r"Could not (?:find|load) '([\w/]+)/([^']+)'", text)
+    if isinstance(e, MissingConfigException) or missing:
+        if missing:
+            group, option = missing.group(1), missing.group(2)
+            options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+            near = resume_lib.nearest_key(option, options) if options else None
+            hint = f"; nearest: {near}" if near else ""
+            return f"{group}={option}: no such {group} option{hint} (options: {', '.join(options)})"
+    cause = e.__cause__
+    full_key = getattr(cause, "full_key", None)
+    if full_key and "not in struct" in str(cause):
+        known = schema(lines, extra)
+        return str(
+            resume_lib.unknown_key_error(full_key, resume_lib.known_keys(known) if known else [])
+        )
+    if isinstance(cause, OmegaConfBaseException):
+        text = f"{text}: {cause}"
+    return one_line(text)
+
+
+def compose_job(lines: list[str], extra: list[str] | None = None) -> DictConfig:
+    """Hydra's composition of one job (``extra`` first), hydra node included."""
+    try:
+        return compose("config", overrides=[*(extra or []), *lines], return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(hydra_message(e, lines, extra)) from e
+
+
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    out.pop("hydra", None)
+    OmegaConf.set_struct(out, True)
+    return out
+
+
+def check_added_keys(overrides: list[Override], lines: list[str]) -> None:
+    """Refuses a ``+key``/``++key`` that adds a key no code reads (Hydra allows it)."""
+    adds = [
+        o
+        for o in overrides
+        if o.type in (OverrideType.ADD, OverrideType.FORCE_ADD)
+        and not resume_lib.is_group_override(o)
+        and not resume_lib.is_hydra_override(o)
+    ]
+    if not adds:
+        return
+    known = schema(lines)
+    for o in adds:
+        key = o.key_or_group
+        if known is not None and resume_lib.has_key(known, key):
+            continue
+        if resume_lib.under_free_form(key):
+            continue
+        raise resume_lib.unknown_key_error(
+            key,
+            resume_lib.known_keys(known) if known is not None else [],
+            f" ('{o.input_line}' adds it, but nothing reads it)",
+        )
+
+
+@dataclass
+class Job:
+    """One run of the command line, as planned."""
+
+    lines: list[str]  # its overrides
+    config: DictConfig  # what it trains with (savedir and group filled in by prepare)
+    savedir: Path  # where it writes
+    resume: Resume | None  # set when the savedir holds an experiment
+    state: dict | None = None  # the savedir's checkpoint (memory-mapped), if any
+
+
+def plan(
+    lines: list[str], savedir: Path | None = None, job_num: int = 0, multirun: bool = False
+) -> Job:
+    """Composes one job. ``savedir``: where it writes (None: the ``savedir=`` of its
+    overrides, else the folder Hydra will pick). Raises ConfigError."""
+    overrides = parse_overrides(lines)
+    if savedir is None:
+        given = savedir_of(overrides)
+        if given is not None and "${" not in given:
+            savedir = Path(given) / str(job_num) if multirun else Path(given)
+    saved = resume_lib.load_saved(savedir) if savedir is not None else None
+    if saved is None:
+        composed = compose_job(lines)
+        check_added_keys(overrides, lines)
+        if savedir is None:
+            dirs = composed.hydra.sweep if multirun else composed.hydra.run
+            savedir = Path(str(dirs.dir))
+            savedir = savedir / str(job_num) if multirun else savedir
+        return Job(lines, _without_hydra(composed), savedir, None)
+    picked = {o.key_or_group for o in overrides if resume_lib.is_group_override(o)}
+    extra = resume_lib.saved_choices(saved, picked, CONF_DIR)
+    composed = compose_job(lines, extra)
+    resume = resume_lib.merge(savedir, saved, _without_hydra(composed), overrides)
+    state = resume_lib.checkpoint_state(savedir)
+    if state is not None:
+        resume.step = int(state["steps"])
+    return Job(lines, resume.config, savedir, resume, state)
+
+
+# -- checks that look at the machine -------------------------------------------------------
+
+
+def check_savedir(savedir: Path) -> None:
+    """Raises ConfigError unless ``savedir`` is (or can be made) a writable folder.
+    Writes nothing that stays: a probe file, at once removed."""
+    path = Path(savedir).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is not a directory" if existing == path else f"cannot be made: {existing} is a file"
+        raise ConfigError(f"savedir={savedir}: {what}")
+    try:
+        with tempfile.TemporaryFile(dir=existing, prefix=".moolib-run-probe-"):
+            pass
+    except OSError as e:
+        why = e.strerror or str(e)
+        where = "is not writable" if existing == path else f"cannot be made in {existing}"
+        raise ConfigError(f"savedir={savedir}: {where} ({why})") from e
+
+
+def check_not_a_sweep(savedir: Path, multirun: bool) -> None:
+    """A sweep's folder is not a run's savedir, and a run's savedir holds no sweep."""
+    path = Path(savedir)
+    if multirun:
+        if (path / config_lib.CONFIG_FILE).is_file():
+            raise ConfigError(
+                f"savedir={savedir} holds a single run (its config.yaml); a -m sweep needs a "
+                "folder of its own"
+            )
+        return
+    if path.is_dir() and not (path / config_lib.CONFIG_FILE).exists():
+        points = sorted(p.name for p in path.iterdir() if (p / config_lib.CONFIG_FILE).is_file())
+        if points:
+            raise ConfigError(
+                f"savedir={savedir} is a sweep's folder (runs in {', '.join(points[:5])}): resume "
+                f"one run with savedir={path / points[0]}, or the sweep with -m"
+            )
+
+
+def _quiet_ale() -> None:
+    """No ALE banner on the launcher's terminal for its probe (errors still show)."""
+    try:
+        import ale_py
+    except ImportError:
+        return
+    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
+
+
+def _env_option_names(cfg: DictConfig) -> list[str]:
+    """The options the config's env takes (keyword parameters of its factory)."""
+    import inspect
+
+    from moolib.envs.atari import make_atari
+    from moolib.envs.classic import make_cartpole
+    from moolib.envs.envpool_backend import EnvpoolAtari
+
+    if cfg.env.backend == "envpool":
+        factory: Any = EnvpoolAtari.__init__
+    else:
+        factory = make_cartpole if str(cfg.env.name).lower() == "cartpole" else make_atari
+    skip = {"self", "name", "batch_size", "num_batches"}
+    return [p for p in inspect.signature(factory).parameters if p not in skip]
+
+
+_env_probes: dict[str, tuple[tuple[int, ...], int]] = {}
+
+
+def probe_env(cfg: DictConfig) -> tuple[tuple[int, ...], int]:
+    """Makes the config's env once (its options checked by the env itself); returns
+    its observation shape and number of actions. Raises ConfigError naming the key."""
+    options = (
+        OmegaConf.to_container(cfg.env.options, resolve=True) if cfg.env.get("options") else {}
+    )
+    assert isinstance(options, dict)
+    key = json.dumps([cfg.env.name, cfg.env.backend, options], sort_keys=True, default=str)
+    if key in _env_probes:
+        return _env_probes[key]
+    from moolib.envs import create_env, create_envpool
+
+    _quiet_ale()
+    try:
+        if cfg.env.backend == "envpool":
+            pool = create_envpool(cfg.env.name, 1, 1, num_threads=1, **options)
+            try:
+                found = tuple(pool.observation_space.shape), int(pool.num_actions)
+            finally:
+                pool.close()
+        else:
+            env = create_env(cfg.env.name, **options)
+            try:
+                found = tuple(env.observation_space.shape), int(env.action_space.n)
+            finally:
+                env.close()
+    except Exception as e:  # noqa: BLE001 - whatever the env refuses is the user's to fix
+        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        if isinstance(e, TypeError) and unexpected:
+            known = [f"env.options.{k}" for k in _env_option_names(cfg)]
+            raise resume_lib.unknown_key_error(
+                f"env.options.{unexpected.group(1)}", known, f" ({cfg.env.name} has no such option)"
+            ) from e
+        named = [k for k in options if re.search(rf"\b{re.escape(str(k))}\b", str(e))]
+        if named:
+            where = f"env.options.{named[0]}={options[named[0]]!r}"
+        else:
+            where = f"env={cfg.env.name}" + (f" with env.options {options}" if options else "")
+        raise ConfigError(f"{where}: {type(e).__name__}: {one_line(str(e))}") from e
+    _env_probes[key] = found
+    return found
+
+
+_brokers_seen: set[str] = set()
+
+
+def check_broker(cfg: DictConfig) -> None:
+    """With ``broker=host:port``: returns once that broker answers, or raises
+    ConfigError after ``group_timeout`` seconds (``scaling.broker_timeout`` on SLURM)."""
+    address = cfg.broker
+    if not address or address in _brokers_seen:
+        return
+    from .local import check_broker as probe
+
+    slurm = cfg.scaling.name == "slurm"
+    timeout = float(cfg.scaling.broker_timeout if slurm else cfg.group_timeout)
+    try:
+        probe(str(address), timeout)
+    except Exception as e:  # noqa: BLE001 - unreachable or malformed: the user's to fix
+        which = "scaling.broker_timeout" if slurm else "group_timeout"
+        raise ConfigError(
+            f"broker={address}: no broker answered there within {timeout:g} s ({which}); start "
+            "one there (moolib-broker HOST:PORT) or leave broker unset to start one with the run"
+        ) from e
+    _brokers_seen.add(address)
+
+
+def check_fits(job: Job) -> None:
+    """The env can be made with its options, and (on resume) its model loads the
+    savedir's checkpoint."""
+    shape, actions = probe_env(job.config)
+    if job.resume is not None and job.state is not None:
+        resume_lib.check_model_fits(job.resume, job.state, shape, actions)
+
+
+def check_can_start(job: Job) -> None:
+    """The checks that look at the machine around the run: its savedir, its broker."""
+    check_savedir(job.savedir)
+    check_broker(job.config)
+
+
+def config_for_display(job: Job) -> str:
+    """``--cfg job`` of a resume: the config the run would train with."""
+    cfg: Any = job.config
+    with open_dict(cfg):
+        cfg.savedir = str(job.savedir)
+    return OmegaConf.to_yaml(cfg)
