@@ -51,13 +51,49 @@ class TsvLog:
             self._writer.writerow(COLUMNS)
             self._file.flush()
 
+        self._failing = _WriteFailures(self.path)
+
     def write(self, row: dict[str, Any]) -> None:
-        """Writes ``row`` (missing columns stay empty) and flushes it."""
-        self._writer.writerow([_cell(row.get(c)) for c in COLUMNS])
-        self._file.flush()
+        """Writes ``row`` (missing columns stay empty) and flushes it. A row that cannot be
+        written (full disk, I/O error) is lost and training goes on: the failure is
+        reported once, until a write succeeds again."""
+        try:
+            self._writer.writerow([_cell(row.get(c)) for c in COLUMNS])
+            self._file.flush()
+        except OSError as e:
+            self._failing.failed(e)
+        else:
+            self._failing.succeeded()
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as e:
+            self._failing.failed(e)
+
+
+class _WriteFailures:
+    """Reports the failed writes of a log file once per run of failures, not per row: a
+    full disk must neither end training nor flood the terminal."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.failing = False
+
+    def failed(self, e: OSError) -> None:
+        if not self.failing:
+            self.failing = True
+            logging.getLogger("moolib.agents").error(
+                "cannot write %s: %s; training goes on, its lines are lost until it can be "
+                "written again",
+                self.path,
+                e.strerror or e,
+            )
+
+    def succeeded(self) -> None:
+        if self.failing:
+            self.failing = False
+            logging.getLogger("moolib.agents").info("%s can be written again", self.path)
 
 
 def _cell(value: Any) -> str:
@@ -179,6 +215,7 @@ class Progress:
             log_path = Path(log_path)
             log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._log_failing = _WriteFailures(log_path)
 
     # -- what the line says ---------------------------------------------------------------
 
@@ -285,16 +322,24 @@ class Progress:
                 owner.setStream(saved)
         self._saved.clear()
         if self._log is not None:
-            self._log.close()
+            try:
+                self._log.close()
+            except OSError as e:
+                self._log_failing.failed(e)
             self._log = None
 
     def _record(self, text: str) -> None:
         if self._log is None:
             return
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        for line in text.rstrip("\n").splitlines() or [""]:
-            self._log.write(f"{stamp}  {line}\n")
-        self._log.flush()
+        try:
+            for line in text.rstrip("\n").splitlines() or [""]:
+                self._log.write(f"{stamp}  {line}\n")
+            self._log.flush()
+        except OSError as e:
+            self._log_failing.failed(e)
+        else:
+            self._log_failing.succeeded()
 
     def _fit(self, text: str) -> str:
         """The line cut to the terminal's width: a wrapped line could not be redrawn."""

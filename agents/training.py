@@ -278,31 +278,85 @@ class Trainer:
         self.steps = int(state["steps"])
 
     def _restore(self) -> None:
-        """Resumes from the experiment's latest checkpoint, if any."""
-        state = checkpoint.load_latest(self.peer.savedir)
-        if state is None:
+        """Resumes from the experiment's newest intact checkpoint, if any."""
+        # A damaged checkpoint.pt falls back to the newest intact history entry; when
+        # none is intact this raises rather than train from scratch over them.
+        loaded = checkpoint.load_latest(self.peer.savedir)
+        if loaded is None:
             return
+        if loaded.skipped:
+            log.warning("%s", checkpoint.describe_fallback(loaded))
+        state = loaded.state
         self._load(state)
         self.accumulator.set_model_version(int(state["model_version"]))
         self.elapsed = float(state.get("elapsed", 0.0))
         self.wandb_ids = dict(state.get("wandb_ids", {}))
         self.wandb_id = self.wandb_ids.get(str(self.peer.rank))
-        log.info("resumed from %s at step %d", self.peer.savedir / checkpoint.LATEST, self.steps)
+        log.info("resumed from %s at step %d", loaded.path, self.steps)
 
-    def _save(self) -> None:
+    def _may_write(self) -> bool:
+        # Only the leader of the group as it is now: not a peer that is out of it, nor
+        # one that was paused and does not know yet that another leads.
+        return self.accumulator.is_leader() and self.accumulator.connected()
+
+    def _save(self) -> bool:
+        """Writes a checkpoint if this peer leads a connected group; returns whether it
+        did. A write that fails (full disk, I/O error) is logged and training goes on:
+        the previous checkpoint stays and the next interval tries again."""
+        if not self._may_write():
+            log.info(
+                "step %d: not writing a checkpoint: this peer is not the leader of a "
+                "connected group",
+                self.steps,
+            )
+            return False
         # Writing a large checkpoint to a slow filesystem may outlast the group timeout.
         with self.accumulator.group.keepalive():
-            self._write_checkpoint()
+            return self._write_checkpoint()
 
-    def _write_checkpoint(self) -> None:
+    def _write_checkpoint(self) -> bool:
         state = self._state()
+        state["lineage"] = self.accumulator.lineage()
         if self.wandb_id:
             self.wandb_ids[str(self.peer.rank)] = self.wandb_id
         state["wandb_ids"] = dict(self.wandb_ids)
-        path = checkpoint.save(
-            self.peer.savedir, state, self.steps, history=self.cfg.checkpoint_history
-        )
+        latest = self.peer.savedir / checkpoint.LATEST
+        try:
+            path = checkpoint.save(
+                self.peer.savedir,
+                state,
+                self.steps,
+                history=self.cfg.checkpoint_history,
+                may_write=self._may_write,
+            )
+        except checkpoint.StaleWriteError as e:
+            log.warning("skipped a stale checkpoint write at step %d: %s", self.steps, e)
+            return False
+        except checkpoint.NotAllowedError:
+            log.info("step %d: not writing a checkpoint: no longer the leader", self.steps)
+            return False
+        except OSError as e:
+            where = e.filename or latest
+            log.error(
+                "checkpoint at step %d could not be written to %s: %s; the previous "
+                "checkpoint stays, training goes on (next try at the next interval)",
+                self.steps,
+                where,
+                e.strerror or e,
+            )
+            return False
         log.info("checkpoint at step %d: %s", self.steps, path)
+        return True
+
+    def _save_final(self) -> None:
+        """The end-of-run checkpoint: written by the leader alone. A group that is
+        re-forming (a peer that finished first left it) gets up to group_timeout
+        seconds to settle, so that the leader is connected when it decides."""
+        deadline = time.monotonic() + float(self.cfg.group_timeout)
+        while not self.accumulator.connected() and time.monotonic() < deadline:
+            self.accumulator.update()
+            time.sleep(0.01)
+        self._save()
 
     # -- the loop ------------------------------------------------------------
 
@@ -484,8 +538,7 @@ class Trainer:
             if wandb_run:
                 wandb_run.log(row)
             self.elapsed = now
-            if self.accumulator.is_leader() or not self.accumulator.connected():
-                self._save()
+            self._save_final()
         finally:
             progress.close()
             logger.close()

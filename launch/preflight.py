@@ -166,7 +166,7 @@ class Job:
     config: DictConfig  # what it trains with (savedir and group filled in by prepare)
     savedir: Path  # where it writes
     resume: Resume | None  # set when the savedir holds an experiment
-    state: dict | None = None  # the savedir's checkpoint (memory-mapped), if any
+    state: dict | None = None  # the savedir's newest intact checkpoint, if any
 
 
 def plan(
@@ -192,8 +192,10 @@ def plan(
     extra = resume_lib.saved_choices(saved, picked, CONF_DIR)
     composed = compose_job(lines, extra)
     resume = resume_lib.merge(savedir, saved, _without_hydra(composed), overrides)
-    state = resume_lib.checkpoint_state(savedir)
-    if state is not None:
+    state = None
+    found = resume_lib.checkpoint_state(savedir)
+    if found is not None:
+        state, resume.fallback = found
         resume.step = int(state["steps"])
     return Job(lines, resume.config, savedir, resume, state)
 

@@ -158,6 +158,8 @@ class Resume:
     # Settings added to moolib-run after the savedir was started: (key, default).
     added: list[tuple[str, Any]] = field(default_factory=list)
     step: int | None = None  # its checkpoint's step; None without a checkpoint
+    # Set when checkpoint.pt is unusable: which files were passed over, which is used.
+    fallback: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -165,7 +167,8 @@ class Resume:
         return self.step is not None and self.step >= int(self.config.total_steps)
 
     def describe(self) -> str:
-        """One line for the terminal: what is resumed and what the overrides change."""
+        """One line for the terminal: what is resumed and what the overrides change
+        (after a warning line when a damaged checkpoint was passed over)."""
         what = f"{self.saved.agent.name} on {self.saved.env.name}"
         where = (
             f"its checkpoint at step {self.step:,}" if self.step is not None else "no checkpoint"
@@ -180,7 +183,11 @@ class Resume:
             changed += "; settings new since it started, at their defaults: " + ", ".join(
                 f"{k}={_show(v)}" for k, v in self.added
             )
-        return f"moolib-run: resuming {self.savedir} ({what}, {where}){changed}"
+        line = f"moolib-run: resuming {self.savedir} ({what}, {where}){changed}"
+        if self.fallback:
+            # Never silent: a damaged checkpoint is named before the run goes on without it.
+            line = f"moolib-run: warning: {self.fallback}\n{line}"
+        return line
 
     def finished_message(self) -> str:
         """What a run of a finished savedir says (and how to go on)."""
@@ -301,17 +308,23 @@ def _apply_group(
             config[group] = new
 
 
-def checkpoint_state(savedir: Path) -> dict | None:
-    """The savedir's latest checkpoint, memory-mapped (tensors read on use)."""
-    import torch
+def checkpoint_state(savedir: Path) -> tuple[dict, str | None] | None:
+    """The savedir's newest intact checkpoint (digest checked: ``checkpoint.pt``, else
+    the newest intact one in ``checkpoints/``) and, when it is a fallback, one line
+    saying which files were passed over and which is used. None without a
+    checkpoint; ConfigError when none is intact (nothing is written then)."""
+    from moolib.agents import checkpoint
 
-    path = Path(savedir) / CHECKPOINT_FILE
-    if not path.is_file():
-        return None
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # noqa: BLE001 - any failure: the file is unusable
-        raise ConfigError(f"savedir={savedir}: its checkpoint {path} cannot be read: {e}") from e
+        loaded = checkpoint.load_latest(Path(savedir))
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(
+            f"savedir={savedir}: {e}; restore one from a backup or give a new savedir"
+        ) from e
+    if loaded is None:
+        return None
+    note = checkpoint.describe_fallback(loaded) if loaded.skipped else None
+    return loaded.state, note
 
 
 def check_model_fits(

@@ -453,6 +453,11 @@ class Accumulator:
     def model_version(self) -> int:
         return self._model_version
 
+    def lineage(self) -> int:
+        """The lineage of this peer's model: changes at each election, equal on members
+        in step with the leader (kept in checkpoints to tell their history apart)."""
+        return self._lineage
+
     def set_model_version(self, n: int) -> None:
         """Sets the model version (e.g. after loading a checkpoint): the highest leads."""
         self._model_version = int(n)
