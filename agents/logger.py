@@ -171,6 +171,42 @@ class _AboveProgress(io.TextIOBase):
         return getattr(self._stream, name)
 
 
+def guard_log_handlers() -> None:
+    """Makes the logging handlers that write to files or streams (Hydra's ``run.log``, a
+    peer's redirected output) report a failing write once, instead of a traceback per
+    record: a full disk must neither end training nor flood the terminal."""
+    loggers = [logging.getLogger(), logging.getLogger("moolib.agents")]
+    for handler in [h for lg in loggers for h in lg.handlers]:
+        if isinstance(handler, logging.StreamHandler) and not getattr(
+            handler, "_moolib_guarded", False
+        ):
+            handler._moolib_guarded = True  # type: ignore[attr-defined]
+            handler.handleError = _report_once(handler)  # type: ignore[method-assign]
+
+
+def _report_once(handler: logging.StreamHandler) -> Any:
+    reported = False
+
+    def handle_error(record: logging.LogRecord) -> None:
+        nonlocal reported
+        if reported:
+            return
+        reported = True
+        name = getattr(handler, "baseFilename", None) or getattr(handler.stream, "name", "?")
+        err = sys.exc_info()[1]
+        why = getattr(err, "strerror", None) or err
+        try:
+            sys.__stderr__.write(
+                f"moolib-run: cannot write the log {name}: {why}; "
+                "training goes on, its lines are lost\n"
+            )
+            sys.__stderr__.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    return handle_error
+
+
 class Progress:
     """The status line of a peer: steps, learned SPS, mean return, loss and ETA.
 
@@ -211,6 +247,7 @@ class Progress:
         self._loss: float | None = None  # the last ones logged: an interval may have none
         self._saved: list[tuple[Any, Any]] = []
         self._log = None
+        self._stream_failing: _WriteFailures | None = None
         if log_path is not None:
             log_path = Path(log_path)
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -300,8 +337,16 @@ class Progress:
                 self._erase()
                 self._draw()
             else:
-                self.stream.write(text + "\n")
-                self.stream.flush()
+                try:
+                    self.stream.write(text + "\n")
+                    self.stream.flush()
+                except OSError as e:
+                    # A peer's output redirected to a full disk: the line is in progress.log.
+                    if self._stream_failing is None:
+                        self._stream_failing = _WriteFailures(
+                            Path(getattr(self.stream, "name", "stdout"))
+                        )
+                    self._stream_failing.failed(e)
 
     def record(self, text: str) -> None:
         """Keeps ``text`` in the log file only (e.g. the start banner, already printed)."""

@@ -41,7 +41,15 @@ from omegaconf import DictConfig, OmegaConf
 import moolib
 
 from . import a2c, checkpoint, impala
-from .logger import Clock, EpisodeStats, Progress, TsvLog, Wandb, start_banner
+from .logger import (
+    Clock,
+    EpisodeStats,
+    Progress,
+    TsvLog,
+    Wandb,
+    guard_log_handlers,
+    start_banner,
+)
 from .models import create_model, resolve_network
 
 log = logging.getLogger("moolib.agents")
@@ -413,6 +421,7 @@ class Trainer:
         total_steps, log_interval = cfg.total_steps, cfg.log_interval
         checkpoint_interval = cfg.checkpoint_interval
         stop = stop or threading.Event()
+        guard_log_handlers()
         logger = TsvLog(self.peer.logdir / "logs.tsv")
         progress = Progress(
             cfg.total_steps,
