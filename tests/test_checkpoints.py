@@ -309,9 +309,9 @@ def test_a_paused_leader_does_not_write_stale_state_on_waking(tmp_path):
         time.sleep(4)  # a few more checkpoints; well past group_timeout
         ahead = disk_steps(latest)
         assert ahead > paused_at
+        woke = len(outputs[rank]())
         os.kill(stopped, signal.SIGCONT)
         stopped = None
-        woke = len(outputs[rank]())
         time.sleep(10)  # several checkpoint intervals of the woken peer
         woken_out = outputs[rank]()[woke:]
         stale = [int(s) for s in writes.findall(woken_out) if int(s) < ahead]
@@ -339,3 +339,37 @@ def test_a_paused_leader_does_not_write_stale_state_on_waking(tmp_path):
     assert len(finals) == 1, ends
     quiet = 1 - finals[0]
     assert "not writing a checkpoint" in ends[quiet] or "skipped a stale" in ends[quiet], ends
+
+
+# -- the write rules, on files ---------------------------------------------------------------
+
+
+def _state(steps: int, version: int) -> dict:
+    model = {"w": torch.full((64,), float(steps))}
+    return {"model": model, "steps": steps, "model_version": version}
+
+
+def test_a_write_never_replaces_a_newer_checkpoint(tmp_path):
+    checkpoint.save(tmp_path, _state(200, 20), 200, history=3)
+    before = snapshot(tmp_path)
+    for stale in (_state(100, 10), _state(200, 19)):
+        with pytest.raises(checkpoint.StaleWriteError, match="further than"):
+            checkpoint.save(tmp_path, stale, stale["steps"], history=3)
+        assert snapshot(tmp_path) == before
+    # Asked under the lock, right before the renames: a peer no longer leading writes nothing.
+    with pytest.raises(checkpoint.NotAllowedError):
+        checkpoint.save(tmp_path, _state(300, 30), 300, history=3, may_write=lambda: False)
+    assert snapshot(tmp_path) == before
+    checkpoint.save(tmp_path, _state(300, 30), 300, history=3)
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["steps"] == 300
+    # History entries are files of their own: damage to the latest spoils no other.
+    entry = tmp_path / "checkpoints" / "checkpoint_300.pt"
+    assert os.stat(entry).st_ino != os.stat(tmp_path / "checkpoint.pt").st_ino
+    flip_tensor_byte(tmp_path / "checkpoint.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="digest"):
+        checkpoint.load(tmp_path / "checkpoint.pt")
+    loaded = checkpoint.load_latest(tmp_path)
+    assert loaded.path == entry and loaded.state["steps"] == 300 and loaded.skipped
+    # A damaged latest is no reason to refuse a write: it is replaced.
+    checkpoint.save(tmp_path, _state(250, 25), 250, history=3)
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["steps"] == 250
