@@ -20,16 +20,16 @@ import torch
 import yaml
 from helpers.run_util import (
     STOP_TIMEOUT,
-    Run,
     alive,
     cfg_job,
-    cmdline,
+    peers_and_workers,
     plot_cmd,
     read_logs,
     run,
     run_env,
     run_quick,
     session_pids,
+    start_local_training,
     wait_for,
 )
 from moolib.launch import config as config_lib
@@ -231,35 +231,13 @@ def test_local_two_peers_train_one_model(tmp_path):
 @pytest.mark.timeout(600)
 def test_ctrl_c_stops_local_run_cleanly(tmp_path):
     savedir = tmp_path / "ctrlc"
-    args = [
-        "agent=a2c",
-        "env=cartpole",
-        "scaling=local",
-        "scaling.peers=2",
-        "device=cpu",
-        "total_steps=100000000",
-        "log_interval=1",
-        "checkpoint_interval=100000",  # the only checkpoint is the one written on Ctrl-C
-        f"savedir={savedir}",
-    ]
-    r = Run(args, tmp_path, tmp_path / "out.log")
+    # The only checkpoint is the one written on Ctrl-C.
+    r = start_local_training(tmp_path, savedir, "checkpoint_interval=100000")
     try:
-
-        def training(k):
-            def check():
-                _, rows = read_logs(savedir / f"peer{k}" / "logs.tsv")
-                return any(row["model_version"] > 0 for row in rows)
-
-            return check
-
-        for k in (0, 1):
-            wait_for(training(k), timeout=240, what=f"peer {k} to train", proc=r)
         # Every process of the run: the launcher, 2 peers, their EnvPool workers.
-        pids = session_pids(r.pid)
-        commands = {pid: cmdline(pid) for pid in pids}
-        peers = [p for p, c in commands.items() if "moolib.launch.peer" in c]
-        workers = [p for p, c in commands.items() if "_envpool_worker" in c]
-        assert r.pid in pids
+        peers, workers, commands = peers_and_workers(r.pid)
+        pids = [r.pid, *peers, *workers]
+        assert r.pid in session_pids(r.pid)
         assert len(peers) == 2, commands
         assert len(workers) >= 4, commands  # num_actor_cpus=2 per peer
         assert not (savedir / "checkpoint.pt").exists()
