@@ -131,17 +131,15 @@ def load_saved(savedir: Path) -> DictConfig | None:
     return cfg
 
 
-def saved_choices(saved: DictConfig, given: set[str], conf_dir: Path) -> list[str]:
+def saved_choices(saved: DictConfig, given: set[str]) -> list[str]:
     """Overrides that select the saved run's agent, env and scaling groups (those the
     command line does not pick), so the overrides compose against the same schema."""
+    from moolib.conf import group_options
+
     picks = []
     for group in ("agent", "env", "scaling"):
         name = OmegaConf.select(saved, f"{group}.name")
-        if (
-            group not in given
-            and isinstance(name, str)
-            and (conf_dir / group / f"{name}.yaml").is_file()
-        ):
+        if group not in given and isinstance(name, str) and name in group_options(group):
             picks.append(f"{group}={name}")
     return picks
 
