@@ -236,8 +236,11 @@ def merge(
             if key not in NOT_SETTINGS:
                 changes.append((key, old, new))
     for group in ("agent", "env"):
-        if config[group].name != saved[group].name:
-            asked = [g for g in given if g.split("=")[0].lstrip("+~") in (group, f"{group}.name")]
+        # An Atari env's game is its name too (conf/env/atari.yaml: name follows game).
+        game = "game" in saved[group] and config[group].get("game") != saved[group].game
+        if config[group].name != saved[group].name or game:
+            keys = (group, f"{group}.name", f"{group}.game")
+            asked = [g for g in given if g.split("=")[0].lstrip("+~") in keys]
             raise ConfigError(
                 f"savedir {savedir} holds {saved.agent.name} on {saved.env.name}; asked for "
                 f"{' '.join(asked) or f'{group}={config[group].name}'}: a savedir resumes its own "
