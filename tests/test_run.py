@@ -306,7 +306,9 @@ def test_ctrl_c_stops_local_run_cleanly(tmp_path):
 
 def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
     default = cfg_job(tmp_path)
-    assert default["agent"]["name"] == "vtrace" and default["env"]["name"] == "breakout"
+    # An Atari env's name follows its game (conf/env/atari.yaml: name: ${.game}).
+    assert default["agent"]["name"] == "vtrace" and default["env"]["game"] == "breakout"
+    assert default["env"]["name"] == "${.game}"
     assert default["scaling"]["name"] == "single" and default["scaling"]["peers"] == 1
     assert default["device"] == "auto"
 
@@ -322,7 +324,7 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
     assert tuned["agent"]["discounting"] == 0.99
 
     untuned = cfg_job(tmp_path, "agent=a2c", "env=breakout")
-    assert untuned["agent"]["name"] == "a2c" and untuned["env"]["name"] == "breakout"
+    assert untuned["agent"]["name"] == "a2c" and untuned["env"]["game"] == "breakout"
     assert untuned["agent"]["hidden_size"] == 256
     assert untuned["agent"]["optimizer"]["name"] == "rmsprop"
     assert untuned["agent"]["optimizer"]["learning_rate"] == 7.0e-4
