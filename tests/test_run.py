@@ -36,7 +36,20 @@ from moolib.launch import config as config_lib
 from omegaconf import OmegaConf
 
 CONF = Path(next(iter(moolib.conf.__path__)))
-ENV_NAMES = sorted(p.stem for p in (CONF / "env").glob("*.yaml"))
+ENV_FILES = sorted(p.stem for p in (CONF / "env").glob("*.yaml"))
+# Atari games picked by name: no file each, registered from ale-py's ROM list.
+GAMES = (
+    "asteroids",
+    "beam_rider",
+    "breakout",
+    "enduro",
+    "montezuma_revenge",
+    "ms_pacman",
+    "pong",
+    "qbert",
+    "seaquest",
+    "space_invaders",
+)
 
 # What every logs.tsv row carries (README, "Training: moolib-run").
 EXPECTED_COLUMNS = {
@@ -271,7 +284,9 @@ def test_ctrl_c_stops_local_run_cleanly(tmp_path):
 
 def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
     default = cfg_job(tmp_path)
-    assert default["agent"]["name"] == "vtrace" and default["env"]["name"] == "breakout"
+    # An Atari env's name follows its game (conf/env/atari.yaml: name: ${.game}).
+    assert default["agent"]["name"] == "vtrace" and default["env"]["game"] == "breakout"
+    assert default["env"]["name"] == "${.game}"
     assert default["scaling"]["name"] == "single" and default["scaling"]["peers"] == 1
     assert default["device"] == "auto"
 
@@ -287,7 +302,7 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
     assert tuned["agent"]["discounting"] == 0.99
 
     untuned = cfg_job(tmp_path, "agent=a2c", "env=breakout")
-    assert untuned["agent"]["name"] == "a2c" and untuned["env"]["name"] == "breakout"
+    assert untuned["agent"]["name"] == "a2c" and untuned["env"]["game"] == "breakout"
     assert untuned["agent"]["hidden_size"] == 256
     assert untuned["agent"]["optimizer"]["name"] == "rmsprop"
     assert untuned["agent"]["optimizer"]["learning_rate"] == 7.0e-4
@@ -323,21 +338,25 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
 def test_every_env_config_composes(tmp_path):
     from moolib.envs import create_env
 
-    assert {"breakout", "pong", "cartpole"} <= set(ENV_NAMES)
-    for name in ENV_NAMES:
+    assert ENV_FILES == ["atari", "cartpole"]  # one file for all the Atari games
+    for name in (*ENV_FILES, *GAMES):
         cfg = cfg_job(tmp_path, f"env={name}")
-        assert cfg["env"]["name"] == name
+        resolved = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
+        assert resolved["env"]["name"] == ("breakout" if name == "atari" else name)
         # The composed config passes moolib-run's checks, and its env builds and steps.
         config_lib.validate(OmegaConf.create(cfg))
         options = cfg["env"].get("options") or {}
-        env = create_env(name, **options)
+        env = create_env(resolved["env"]["name"], **options)
         try:
             env.reset()
             env.step(0)
         finally:
             env.close()
     pong = cfg_job(tmp_path, "agent=a2c", "env=pong")
-    assert pong["env"]["name"] == "pong" and pong["agent"]["name"] == "a2c"
+    assert pong["env"]["game"] == "pong" and pong["agent"]["name"] == "a2c"
+    # The game is a setting of the one Atari config.
+    qbert = cfg_job(tmp_path, "env=atari", "env.game=qbert")
+    assert OmegaConf.create(qbert).env.name == "qbert"
 
 
 # -- override errors -------------------------------------------------------------------------
