@@ -8,10 +8,17 @@ on-policy: no importance weights, so keep the actors close to the learner
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .registry import AgentConfig, register_agent
+
+
+@dataclass(frozen=True)
+class A2CConfig(AgentConfig):
+    """A2C's settings (``conf/agent/a2c.yaml``): those every agent has, no others."""
 
 
 def n_step_returns(
@@ -26,7 +33,10 @@ def n_step_returns(
     return returns
 
 
-def compute_loss(cfg: Any, outputs: dict, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+@register_agent("a2c", A2CConfig)
+def compute_loss(
+    cfg: A2CConfig, outputs: dict, batch: dict
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The A2C loss of one batch of T+1-step unrolls (see ``impala.compute_loss``
     for the layout)."""
     rewards = batch["reward"][1:]

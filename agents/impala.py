@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from . import vtrace
+from .registry import AgentConfig, register_agent
 
 
-def compute_loss(cfg: Any, outputs: dict, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+@dataclass(frozen=True)
+class VTraceConfig(AgentConfig):
+    """IMPALA's settings (``conf/agent/vtrace.yaml``): every agent's, and V-trace's
+    truncation levels of the importance weights."""
+
+    clip_rho_threshold: float  # rho-bar: truncates the weights of the value targets
+    clip_pg_rho_threshold: float  # truncates the weights of the policy-gradient advantages
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_number("clip_rho_threshold", 0.0)
+        self.check_number("clip_pg_rho_threshold", 0.0)
+
+
+@register_agent("vtrace", VTraceConfig)
+def compute_loss(
+    cfg: VTraceConfig, outputs: dict, batch: dict
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The V-trace loss of one learner batch.
 
     ``batch`` holds unrolls of T+1 steps (time-major, [T+1, B]): at step t the

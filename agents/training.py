@@ -32,7 +32,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import moolib
 
-from . import a2c, checkpoint, impala
+from . import checkpoint
 from .logger import (
     Clock,
     EpisodeStats,
@@ -51,10 +50,9 @@ from .logger import (
     start_banner,
 )
 from .models import create_model, resolve_network
+from .registry import agent_config, get_agent
 
 log = logging.getLogger("moolib.agents")
-
-LOSSES = {"vtrace": impala.compute_loss, "a2c": a2c.compute_loss}
 
 # Keys of an unroll step: the env's output and what the actor did with it.
 _ENV_KEYS = ("state", "reward", "done", "prev_action")
@@ -63,12 +61,6 @@ _ACTOR_KEYS = ("action", "policy_logits", "baseline")
 
 class GroupLostError(RuntimeError):
     """The peer was out of its group (no broker, or not a member) for too long."""
-
-
-def _namespace(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return SimpleNamespace(**{k: _namespace(v) for k, v in tree.items()})
-    return tree
 
 
 def torch_threads(cfg: DictConfig) -> int:
@@ -201,9 +193,11 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig, peer: PeerInfo) -> None:
         self.cfg = cfg
-        # Plain attributes: the loop reads these settings every step, and
-        # OmegaConf's attribute access is slow enough to show in profiles.
-        self.agent = _namespace(OmegaConf.to_container(cfg.agent, resolve=True))
+        # The agent's typed settings (plain attributes: the loop reads them every
+        # step, and OmegaConf's attribute access is slow enough to show in profiles).
+        agent_values = OmegaConf.to_container(cfg.agent, resolve=True)
+        assert isinstance(agent_values, dict)
+        self.agent = agent_config(agent_values)
         self.peer = peer
         self.device = resolve_device(cfg.device)
         torch.set_num_threads(torch_threads(cfg))
@@ -218,7 +212,7 @@ class Trainer:
         print(self.banner, flush=True)
         if cfg.seed is not None:
             torch.manual_seed(int(cfg.seed) + peer.rank)
-        self.loss_fn = LOSSES[self.agent.name]
+        self.loss_fn = get_agent(self.agent.name).compute_loss
 
         self.envs, obs_shape, self.num_actions = make_envs(cfg)
         self.model = create_model(

@@ -15,6 +15,11 @@ batch 8, unroll 20, as in the original moolib's example) and A2C on CartPole
   logs.tsv after a warm-up), as a ratio to that limit;
 - the original moolib's published figure on these machines where there is one
   (~63 SPS for V-trace on Breakout on CPU).
+
+``--torch-threads auto N ...`` runs each case once per setting of moolib-run's
+``torch_threads`` (``N`` = this machine's core count is torch's own default),
+and ``--busy-cores K`` keeps K other processes spinning meanwhile (a busy
+neighbour), so the two can be compared in one run.
 """
 
 from __future__ import annotations
@@ -133,7 +138,9 @@ def limits(case: dict, device: str, seconds: float) -> tuple[float, float]:
     return 1.0 / learn_per_step, 1.0 / (learn_per_step + act_per_step)
 
 
-def run_sps(case: dict, device: str, seconds: float, warmup: float) -> tuple[float, str]:
+def run_sps(
+    case: dict, device: str, seconds: float, warmup: float, threads: str = "auto"
+) -> tuple[float, str]:
     """moolib-run's SPS: steps learned per second between the first log row
     after ``warmup`` seconds and the last row, over ``seconds`` of training."""
     with tempfile.TemporaryDirectory() as savedir:
@@ -143,6 +150,7 @@ def run_sps(case: dict, device: str, seconds: float, warmup: float) -> tuple[flo
             "moolib.launch.run",
             *case["overrides"],
             f"device={device}",
+            f"torch_threads={threads}",
             f"savedir={savedir}",
             "total_steps=1000000000",
             "log_interval=2",
@@ -175,26 +183,43 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=30.0, help="untimed start of each run")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--torch-threads", nargs="*", default=["auto"])
+    parser.add_argument("--busy-cores", type=int, default=0, help="spinning processes meanwhile")
     args = parser.parse_args()
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cores)
+    ]
+    try:
+        report(args)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+
+
+def report(args: argparse.Namespace) -> None:
     print(
         f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs, device {args.device}, "
-        f"torch threads {torch.get_num_threads()}"
+        f"torch's default threads {torch.get_num_threads()}, busy cores {args.busy_cores}"
     )
     print(
-        f"{'case':18} {'moolib-run SPS':>15} {'learner limit':>14} {'ratio':>6} "
+        f"{'case':18} {'threads':>7} {'moolib-run SPS':>15} {'learner limit':>14} {'ratio':>6} "
         f"{'act+learn limit':>16} {'ratio':>6} {'original':>9}"
     )
     for name in args.cases:
         case = CASES[name]
-        sps, command = run_sps(case, args.device, args.seconds, args.warmup)
-        learn, both = limits(case, args.device, min(20.0, args.seconds / 3))
-        ref = case["reference"]
-        ref_text = f"{ref:9.0f}" if ref else f"{'-':>9}"
-        print(
-            f"{name:18} {sps:15.0f} {learn:14.0f} {sps / learn:6.2f} "
-            f"{both:16.0f} {sps / both:6.2f} {ref_text}"
-        )
-        print(f"  command: {command}")
+        learn = both = float("nan")
+        for threads in args.torch_threads:
+            sps, command = run_sps(case, args.device, args.seconds, args.warmup, threads)
+            if learn != learn:  # the limits once per case, with torch's default threads
+                learn, both = limits(case, args.device, min(20.0, args.seconds / 3))
+            ref = case["reference"]
+            ref_text = f"{ref:9.0f}" if ref else f"{'-':>9}"
+            print(
+                f"{name:18} {threads:>7} {sps:15.0f} {learn:14.0f} {sps / learn:6.2f} "
+                f"{both:16.0f} {sps / both:6.2f} {ref_text}"
+            )
+            print(f"  command: {command}")
 
 
 if __name__ == "__main__":

@@ -1,1 +1,68 @@
-"""Hydra configuration of moolib-run, shipped as package data (``moolib.conf``)."""
+"""Hydra configuration of moolib-run, shipped as package data (``moolib.conf``).
+
+Most options of a config group are YAML files here (``agent/a2c.yaml``). The
+Atari games are one parametrised file, ``env/atari.yaml`` (``game: breakout``);
+importing this package registers every game ale-py knows as an ``env`` option
+of its own in Hydra's ConfigStore (``env=pong`` is ``env=atari env.game=pong``),
+so no per-game file exists and a new ROM needs no edit here.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from hydra.core.config_store import ConfigStore
+
+# The parametrised file a registered game option extends.
+ATARI_CONFIG = "atari"
+_registered: tuple[str, ...] | None = None
+
+
+def register_atari_games() -> tuple[str, ...]:
+    """Registers ``env=GAME`` for every Atari game (idempotent); returns the games."""
+    global _registered
+    if _registered is not None:
+        return _registered
+    try:
+        from moolib.envs.atari import ATARI_GAMES
+    except ImportError:  # no ale-py: env=atari env.game=... still composes
+        ATARI_GAMES = ()
+    store = ConfigStore.instance()
+    files = set(file_options("env"))
+    for game in ATARI_GAMES:
+        if game not in files:
+            # Defaults relative to the env group: the game's option is atari.yaml, re-gamed.
+            store.store(
+                group="env", name=game, node={"defaults": [ATARI_CONFIG, "_self_"], "game": game}
+            )
+    _registered = tuple(ATARI_GAMES)
+    return _registered
+
+
+def file_options(group: str) -> list[str]:
+    """The options of ``group`` shipped as YAML files, sorted."""
+    folder = resources.files(__name__) / group
+    if not folder.is_dir():
+        return []
+    return sorted(
+        e.name.removesuffix(".yaml") for e in folder.iterdir() if e.name.endswith(".yaml")
+    )
+
+
+def registered_options(group: str) -> list[str]:
+    """The options of ``group`` registered in code (the Atari games of ``env``), sorted."""
+    register_atari_games()
+    try:
+        names = ConfigStore.instance().list(group)
+    except OSError:  # no such group in the store
+        return []
+    return sorted(n.removesuffix(".yaml") for n in names if n.endswith(".yaml"))
+
+
+def group_options(group: str) -> list[str]:
+    """Every option ``group=OPTION`` accepts: its files, then the registered ones."""
+    files = file_options(group)
+    return files + [n for n in registered_options(group) if n not in files]
+
+
+register_atari_games()

@@ -41,26 +41,16 @@ def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Raises ConfigError naming the first bad key."""
-    for key in (
-        "agent.actor_batch_size",
-        "agent.num_actor_batches",
-        "agent.num_actor_cpus",
-        "agent.batch_size",
-        "agent.unroll_length",
-        "agent.virtual_batch_size",
-        "agent.hidden_size",
-        "total_steps",
-        "checkpoint_history",
-        "scaling.peers",
-    ):
+    """Raises ConfigError naming the first bad key. The agent's settings are checked
+    by its registered dataclass (``moolib.agents.registry``), the rest here."""
+    from moolib.agents.registry import agent_config
+
+    agent = OmegaConf.to_container(cfg.agent, resolve=True)
+    if not isinstance(agent, dict):
+        raise ConfigError(f"agent must be a mapping of settings, got {agent!r}")
+    agent_config(agent)
+    for key in ("total_steps", "checkpoint_history", "scaling.peers"):
         _int_at_least(cfg, key)
-    _number(cfg, "agent.discounting", 0.0, 1.0)
-    _number(cfg, "agent.reward_clip", 0.0)
-    _number(cfg, "agent.baseline_cost", 0.0)
-    _number(cfg, "agent.entropy_cost", 0.0)
-    _number(cfg, "agent.grad_norm_clipping", 0.0)
-    _number(cfg, "agent.optimizer.learning_rate", 0.0)
     _number(cfg, "log_interval", 0.0)
     _number(cfg, "checkpoint_interval", 0.0)
     _number(cfg, "group_timeout", 0.1, 1e6)
@@ -70,9 +60,6 @@ def validate(cfg: DictConfig) -> None:
         isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
     ):
         raise ConfigError(f"torch_threads must be auto or a positive integer, got {threads!r}")
-    _choice(cfg, "agent.name", ("vtrace", "a2c"))
-    _choice(cfg, "agent.network", ("auto", "impala_deep", "impala_shallow", "mlp"))
-    _choice(cfg, "agent.optimizer.name", ("adam", "rmsprop"))
     _choice(cfg, "env.backend", ("gymnasium", "envpool"))
     _choice(cfg, "wandb.mode", ("auto", "online", "offline", "disabled"))
     if cfg.scaling.name == "slurm":
@@ -94,15 +81,6 @@ def validate(cfg: DictConfig) -> None:
         _int_at_least(cfg, "scaling.max_failures", low=0)
         if cfg.scaling.array_parallelism is not None:
             _int_at_least(cfg, "scaling.array_parallelism")
-    if cfg.agent.name == "vtrace":
-        for key in ("agent.clip_rho_threshold", "agent.clip_pg_rho_threshold"):
-            _number(cfg, key, 0.0)
-    if cfg.agent.num_actor_cpus > cfg.agent.actor_batch_size:
-        raise ConfigError(
-            f"agent.num_actor_cpus ({cfg.agent.num_actor_cpus}) must not exceed "
-            f"agent.actor_batch_size ({cfg.agent.actor_batch_size}): each process steps "
-            "a slice of every actor batch"
-        )
     if cfg.device != "auto":
         import torch
 
@@ -120,9 +98,19 @@ def validate(cfg: DictConfig) -> None:
     from moolib.envs.atari import atari_game
 
     name = cfg.env.name
+    game = cfg.env.get("game")
+    if game is not None and atari_game(str(game)) is None:
+        raise ConfigError(
+            f"env.game {game!r} is not an Atari game ale-py knows (see moolib.envs.list_envs())"
+        )
     if name not in list_envs() and atari_game(name) is None:
         raise ConfigError(
             f"env.name {name!r} is not a known environment (see moolib.envs.list_envs())"
+        )
+    if game is not None and atari_game(str(game)) != atari_game(str(name)):
+        raise ConfigError(
+            f"env.name ({name!r}) must follow env.game ({game!r}): set env.game (or "
+            "env=GAME), not env.name"
         )
     if cfg.env.backend == "envpool" and name == "cartpole":
         raise ConfigError("env.backend=envpool serves Atari games only; cartpole needs gymnasium")

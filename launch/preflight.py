@@ -102,10 +102,17 @@ def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = 
     if isinstance(e, MissingConfigException) or missing:
         if missing:
             group, option = missing.group(1), missing.group(2)
-            options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+            options = moolib.conf.group_options(group)
             near = resume_lib.nearest_key(option, options) if options else None
             hint = f"; nearest: {near}" if near else ""
-            return f"{group}={option}: no such {group} option{hint} (options: {', '.join(options)})"
+            listed = ", ".join(moolib.conf.file_options(group))
+            games = moolib.conf.registered_options(group)
+            if games:
+                listed += (
+                    f", or any of {len(games)} Atari games such as breakout, pong "
+                    "(moolib.envs.list_envs())"
+                )
+            return f"{group}={option}: no such {group} option{hint} (options: {listed})"
     cause = e.__cause__
     full_key = getattr(cause, "full_key", None)
     if full_key and "not in struct" in str(cause):
@@ -189,7 +196,7 @@ def plan(
             savedir = savedir / str(job_num) if multirun else savedir
         return Job(lines, _without_hydra(composed), savedir, None)
     picked = {o.key_or_group for o in overrides if resume_lib.is_group_override(o)}
-    extra = resume_lib.saved_choices(saved, picked, CONF_DIR)
+    extra = resume_lib.saved_choices(saved, picked)
     composed = compose_job(lines, extra)
     resume = resume_lib.merge(savedir, saved, _without_hydra(composed), overrides)
     state = None

@@ -17,7 +17,6 @@ import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -204,15 +203,22 @@ def with_summary(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def choices(group: str, chosen: str | None = None, indent: int = 11, width: int = 100) -> str:
-    """The options of a config group shipped in moolib.conf (``a2c, vtrace``), the chosen one
-    marked ``[...]``, wrapped to ``width`` columns after a first line ``indent`` columns in."""
-    folder = resources.files("moolib.conf") / group
-    names = sorted(
-        entry.name.removesuffix(".yaml")
-        for entry in folder.iterdir()
-        if entry.name.endswith(".yaml")
-    )
+    """The options of a config group of moolib.conf (``a2c, vtrace``), the chosen one
+    marked ``[...]``, wrapped to ``width`` columns after a first line ``indent`` columns in.
+    Options registered in code (the Atari games of ``env``, a hundred of them) are
+    summed up with a few examples rather than listed."""
+    from moolib.conf import file_options, registered_options
+
+    files = file_options(group)
+    names = list(files)
+    registered = [n for n in registered_options(group) if n not in files]
+    examples = [n for n in ("breakout", "pong") if n in registered]
+    if chosen in registered and chosen not in examples:
+        examples.insert(0, chosen)
     text = ", ".join(f"[{n}]" if n == chosen else n for n in names)
+    if registered:
+        shown = ", ".join(f"[{n}]" if n == chosen else n for n in examples or registered[:2])
+        text += f", or any of {len(registered)} Atari games ({shown}, ...; moolib.envs.list_envs())"
     lines = textwrap.wrap(text, width=width - indent, break_on_hyphens=False)
     return ("\n" + " " * indent).join(lines)
 

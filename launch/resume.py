@@ -131,17 +131,15 @@ def load_saved(savedir: Path) -> DictConfig | None:
     return cfg
 
 
-def saved_choices(saved: DictConfig, given: set[str], conf_dir: Path) -> list[str]:
+def saved_choices(saved: DictConfig, given: set[str]) -> list[str]:
     """Overrides that select the saved run's agent, env and scaling groups (those the
     command line does not pick), so the overrides compose against the same schema."""
+    from moolib.conf import group_options
+
     picks = []
     for group in ("agent", "env", "scaling"):
         name = OmegaConf.select(saved, f"{group}.name")
-        if (
-            group not in given
-            and isinstance(name, str)
-            and (conf_dir / group / f"{name}.yaml").is_file()
-        ):
+        if group not in given and isinstance(name, str) and name in group_options(group):
             picks.append(f"{group}={name}")
     return picks
 
@@ -245,8 +243,11 @@ def merge(
             if key not in NOT_SETTINGS:
                 changes.append((key, old, new))
     for group in ("agent", "env"):
-        if config[group].name != saved[group].name:
-            asked = [g for g in given if g.split("=")[0].lstrip("+~") in (group, f"{group}.name")]
+        # An Atari env's game is its name too (conf/env/atari.yaml: name follows game).
+        game = "game" in saved[group] and config[group].get("game") != saved[group].game
+        if config[group].name != saved[group].name or game:
+            keys = (group, f"{group}.name", f"{group}.game")
+            asked = [g for g in given if g.split("=")[0].lstrip("+~") in keys]
             raise ConfigError(
                 f"savedir {savedir} holds {saved.agent.name} on {saved.env.name}; asked for "
                 f"{' '.join(asked) or f'{group}={config[group].name}'}: a savedir resumes its own "

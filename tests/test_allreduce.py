@@ -25,6 +25,7 @@ from helpers.group_util import (
     leaves_bytes,
     load,
     nest_sum,
+    settle,
     start_group_peers,
     sync_peers,
     wait_members,
@@ -567,18 +568,6 @@ def _local_group(make_rpc, broker, name, group="local"):
     return g
 
 
-def _settled(groups):
-    want = {g.rpc.get_name() for g in groups}
-    wait_for(
-        lambda: (
-            all([g.update() or True for g in groups])
-            and all(g.active() and set(g.members()) == want for g in groups)
-            and len({g.sync_id() for g in groups}) == 1
-        ),
-        what="local group settled",
-    )
-
-
 def test_all_reduce_when_not_active_fails_at_once(make_rpc, local_broker):
     rpc = make_rpc("not-joined")
     rpc.connect(local_broker.address)
@@ -591,7 +580,7 @@ def test_all_reduce_when_not_active_fails_at_once(make_rpc, local_broker):
             h.result()
     # Closed: fails at once too.
     g2 = _local_group(make_rpc, local_broker, "closer", group="closing")
-    _settled([g2])
+    settle([g2])
     g2.close()
     h = g2.all_reduce("x", torch.ones(3))
     assert h.done()
@@ -601,7 +590,7 @@ def test_all_reduce_when_not_active_fails_at_once(make_rpc, local_broker):
 
 def test_single_member_and_handle_api(make_rpc, local_broker):
     g = _local_group(make_rpc, local_broker, "solo")
-    _settled([g])
+    settle([g])
     data = {"t": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": [3, 1.5, True]}
     h = g.all_reduce("solo", data)
     assert h.wait(DEADLINE)
@@ -620,7 +609,7 @@ def test_single_member_and_handle_api(make_rpc, local_broker):
 
 def test_unsupported_leaves_raise(make_rpc, local_broker):
     g = _local_group(make_rpc, local_broker, "picky")
-    _settled([g])
+    settle([g])
     with pytest.raises(TypeError, match="cannot sum"):
         g.all_reduce("s", {"a": torch.ones(2), "b": "text"})
     with pytest.raises(TypeError, match="cannot sum"):
@@ -639,7 +628,7 @@ def test_unsupported_leaves_raise(make_rpc, local_broker):
 def test_handle_of_two_members_in_this_process(make_rpc, local_broker):
     a = _local_group(make_rpc, local_broker, "pair-a", group="pair")
     b = _local_group(make_rpc, local_broker, "pair-b", group="pair")
-    _settled([a, b])
+    settle([a, b])
     ha = a.all_reduce("p", torch.tensor([1.0, 2.0]))
     # b has not started: a cannot be done, and a bounded wait says so.
     assert not ha.wait(0.05)
@@ -678,7 +667,7 @@ def test_handle_of_two_members_in_this_process(make_rpc, local_broker):
 def test_cuda_tensors_come_back_on_their_device(make_rpc, local_broker):
     a = _local_group(make_rpc, local_broker, "gpu-a", group="gpu")
     b = _local_group(make_rpc, local_broker, "gpu-b", group="gpu")
-    _settled([a, b])
+    settle([a, b])
     x = {"big": torch.ones(100000, device="cuda"), "small": torch.arange(3, device="cuda")}
     ha, hb = a.all_reduce("g", x), b.all_reduce("g", x)
     for h in (ha, hb):
@@ -713,7 +702,7 @@ def test_all_reduce_a_member_never_starts_fails_naming_it(make_rpc, local_broker
         assert g.get_collective_timeout() == 2
         g.update()
         groups.append(g)
-    _settled(groups)
+    settle(groups)
     order = groups[0].members()
     absent = next(g for g in groups if g.rpc.get_name() == order[-1])
     started = [g for g in groups if g is not absent]

@@ -11,6 +11,7 @@ import pytest
 from helpers.group_util import (
     GroupPeer,
     join,
+    settle,
     start_group_peers,
     sync_peers,
     wait_members,
@@ -240,24 +241,12 @@ def _member(make_rpc, broker, name, group, timeout):
     return g
 
 
-def _see_each_other(groups):
-    want = {g.rpc.get_name() for g in groups}
-    wait_for(
-        lambda: (
-            all([g.update() or True for g in groups])
-            and all(g.active() and set(g.members()) == want for g in groups)
-            and len({g.sync_id() for g in groups}) == 1
-        ),
-        what=f"members {sorted(want)} seeing each other",
-    )
-
-
 def test_member_that_stops_calling_update_leaves_and_rejoins(make_rpc, broker):
     """Liveness follows the program: a member whose process is alive but which
     no longer calls update() leaves within its timeout; update() rejoins it."""
     a = _member(make_rpc, broker, "lively", "liveness", timeout=2.0)
     b = _member(make_rpc, broker, "stalled", "liveness", timeout=2.0)
-    _see_each_other([a, b])
+    settle([a, b])
     # From here on only a calls update().
     wait_for(
         lambda: a.update() is not None and a.members() == ["lively"],
@@ -267,7 +256,7 @@ def test_member_that_stops_calling_update_leaves_and_rejoins(make_rpc, broker):
     # The remaining member does not wait for it.
     assert a.all_reduce("alone", 1).result(DEADLINE) == 1
     assert b.update() is True  # it noticed it left; the call rejoins
-    _see_each_other([a, b])
+    settle([a, b])
     handles = [g.all_reduce("together", 1) for g in (a, b)]
     assert [h.result(DEADLINE) for h in handles] == [2, 2]
 
@@ -275,7 +264,7 @@ def test_member_that_stops_calling_update_leaves_and_rejoins(make_rpc, broker):
 def test_keepalive_keeps_a_member_through_a_long_gap_between_updates(make_rpc, broker):
     a = _member(make_rpc, broker, "steady", "held", timeout=2.0)
     b = _member(make_rpc, broker, "computing", "held", timeout=2.0)
-    _see_each_other([a, b])
+    settle([a, b])
     sync_id = a.sync_id()
     with b.keepalive(), b.keepalive():  # nested holds count
         end = time.monotonic() + 5.0  # 2.5 timeouts without b.update()

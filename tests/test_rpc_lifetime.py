@@ -277,7 +277,8 @@ TRANSPORT_CASES = pytest.mark.parametrize("transports", [None, ["tcp"]], ids=["d
 
 
 @TRANSPORT_CASES
-def test_listening_again_right_after_close(large, transports):
+@pytest.mark.parametrize("how", ["close", "del"])
+def test_listening_again_right_after_close_or_del(large, transports, how):
     address = free_address()
     for _ in range(ROUNDS):
         client = moolib.Rpc()
@@ -285,21 +286,10 @@ def test_listening_again_right_after_close(large, transports):
         if transports:
             client.set_transports(transports)
         server = serve_once(address, client, transports, large)
-        server.close()
-        listen_again(address)
-        client.close()
-
-
-@TRANSPORT_CASES
-def test_listening_again_right_after_del(large, transports):
-    address = free_address()
-    for _ in range(ROUNDS):
-        client = moolib.Rpc()
-        client.set_timeout(DEADLINE)
-        if transports:
-            client.set_transports(transports)
-        server = serve_once(address, client, transports, large)
-        del server
+        if how == "close":
+            server.close()
+        else:
+            del server
         listen_again(address)
         client.close()
 

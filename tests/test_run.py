@@ -20,23 +20,36 @@ import torch
 import yaml
 from helpers.run_util import (
     STOP_TIMEOUT,
-    Run,
     alive,
     cfg_job,
-    cmdline,
+    peers_and_workers,
     plot_cmd,
     read_logs,
     run,
     run_env,
     run_quick,
     session_pids,
+    start_local_training,
     wait_for,
 )
 from moolib.launch import config as config_lib
 from omegaconf import OmegaConf
 
 CONF = Path(next(iter(moolib.conf.__path__)))
-ENV_NAMES = sorted(p.stem for p in (CONF / "env").glob("*.yaml"))
+ENV_FILES = sorted(p.stem for p in (CONF / "env").glob("*.yaml"))
+# Atari games picked by name: no file each, registered from ale-py's ROM list.
+GAMES = (
+    "asteroids",
+    "beam_rider",
+    "breakout",
+    "enduro",
+    "montezuma_revenge",
+    "ms_pacman",
+    "pong",
+    "qbert",
+    "seaquest",
+    "space_invaders",
+)
 
 # What every logs.tsv row carries (README, "Training: moolib-run").
 EXPECTED_COLUMNS = {
@@ -231,35 +244,13 @@ def test_local_two_peers_train_one_model(tmp_path):
 @pytest.mark.timeout(600)
 def test_ctrl_c_stops_local_run_cleanly(tmp_path):
     savedir = tmp_path / "ctrlc"
-    args = [
-        "agent=a2c",
-        "env=cartpole",
-        "scaling=local",
-        "scaling.peers=2",
-        "device=cpu",
-        "total_steps=100000000",
-        "log_interval=1",
-        "checkpoint_interval=100000",  # the only checkpoint is the one written on Ctrl-C
-        f"savedir={savedir}",
-    ]
-    r = Run(args, tmp_path, tmp_path / "out.log")
+    # The only checkpoint is the one written on Ctrl-C.
+    r = start_local_training(tmp_path, savedir, "checkpoint_interval=100000")
     try:
-
-        def training(k):
-            def check():
-                _, rows = read_logs(savedir / f"peer{k}" / "logs.tsv")
-                return any(row["model_version"] > 0 for row in rows)
-
-            return check
-
-        for k in (0, 1):
-            wait_for(training(k), timeout=240, what=f"peer {k} to train", proc=r)
         # Every process of the run: the launcher, 2 peers, their EnvPool workers.
-        pids = session_pids(r.pid)
-        commands = {pid: cmdline(pid) for pid in pids}
-        peers = [p for p, c in commands.items() if "moolib.launch.peer" in c]
-        workers = [p for p, c in commands.items() if "_envpool_worker" in c]
-        assert r.pid in pids
+        peers, workers, commands = peers_and_workers(r.pid)
+        pids = [r.pid, *peers, *workers]
+        assert r.pid in session_pids(r.pid)
         assert len(peers) == 2, commands
         assert len(workers) >= 4, commands  # num_actor_cpus=2 per peer
         assert not (savedir / "checkpoint.pt").exists()
@@ -293,7 +284,9 @@ def test_ctrl_c_stops_local_run_cleanly(tmp_path):
 
 def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
     default = cfg_job(tmp_path)
-    assert default["agent"]["name"] == "vtrace" and default["env"]["name"] == "breakout"
+    # An Atari env's name follows its game (conf/env/atari.yaml: name: ${.game}).
+    assert default["agent"]["name"] == "vtrace" and default["env"]["game"] == "breakout"
+    assert default["env"]["name"] == "${.game}"
     assert default["scaling"]["name"] == "single" and default["scaling"]["peers"] == 1
     assert default["device"] == "auto"
 
@@ -309,7 +302,7 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
     assert tuned["agent"]["discounting"] == 0.99
 
     untuned = cfg_job(tmp_path, "agent=a2c", "env=breakout")
-    assert untuned["agent"]["name"] == "a2c" and untuned["env"]["name"] == "breakout"
+    assert untuned["agent"]["name"] == "a2c" and untuned["env"]["game"] == "breakout"
     assert untuned["agent"]["hidden_size"] == 256
     assert untuned["agent"]["optimizer"]["name"] == "rmsprop"
     assert untuned["agent"]["optimizer"]["learning_rate"] == 7.0e-4
@@ -345,21 +338,25 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
 def test_every_env_config_composes(tmp_path):
     from moolib.envs import create_env
 
-    assert {"breakout", "pong", "cartpole"} <= set(ENV_NAMES)
-    for name in ENV_NAMES:
+    assert ENV_FILES == ["atari", "cartpole"]  # one file for all the Atari games
+    for name in (*ENV_FILES, *GAMES):
         cfg = cfg_job(tmp_path, f"env={name}")
-        assert cfg["env"]["name"] == name
+        resolved = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
+        assert resolved["env"]["name"] == ("breakout" if name == "atari" else name)
         # The composed config passes moolib-run's checks, and its env builds and steps.
         config_lib.validate(OmegaConf.create(cfg))
         options = cfg["env"].get("options") or {}
-        env = create_env(name, **options)
+        env = create_env(resolved["env"]["name"], **options)
         try:
             env.reset()
             env.step(0)
         finally:
             env.close()
     pong = cfg_job(tmp_path, "agent=a2c", "env=pong")
-    assert pong["env"]["name"] == "pong" and pong["agent"]["name"] == "a2c"
+    assert pong["env"]["game"] == "pong" and pong["agent"]["name"] == "a2c"
+    # The game is a setting of the one Atari config.
+    qbert = cfg_job(tmp_path, "env=atari", "env.game=qbert")
+    assert OmegaConf.create(qbert).env.name == "qbert"
 
 
 # -- override errors -------------------------------------------------------------------------

@@ -14,10 +14,10 @@ from helpers.run_util import (
     STOP_TIMEOUT,
     Run,
     alive,
-    cmdline,
+    peers_and_workers,
     read_logs,
     run_env,
-    session_pids,
+    start_local_training,
     wait_for,
 )
 
@@ -35,29 +35,9 @@ def _training(path):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["kill-9", "sighup"])
 def test_launcher_that_dies_takes_its_peers_and_workers_with_it(tmp_path, sig):
     savedir = tmp_path / "run"
-    args = [
-        "agent=a2c",
-        "env=cartpole",
-        "scaling=local",
-        "scaling.peers=2",
-        "device=cpu",
-        "total_steps=100000000",
-        "log_interval=1",
-        f"savedir={savedir}",
-    ]
-    r = Run(args, tmp_path, tmp_path / "out.log")
+    r = start_local_training(tmp_path, savedir)
     try:
-        for k in (0, 1):
-            wait_for(
-                _training(savedir / f"peer{k}" / "logs.tsv"),
-                timeout=240,
-                what=f"peer {k} to train",
-                proc=r,
-            )
-        pids = session_pids(r.pid)
-        commands = {pid: cmdline(pid) for pid in pids}
-        peers = [p for p, c in commands.items() if "moolib.launch.peer" in c]
-        workers = [p for p, c in commands.items() if "_envpool_worker" in c]
+        peers, workers, commands = peers_and_workers(r.pid)
         assert len(peers) == 2 and len(workers) >= 4, commands
 
         os.kill(r.pid, sig)  # the launcher only, as kill -9 or a dropped ssh session does

@@ -463,3 +463,17 @@ __all__ = [
     "sync_peers",
     "wait_members",
 ]
+
+
+def settle(groups) -> None:
+    """Calls update() on in-process groups (as their programs would) until every
+    one is active with all of them as members, under one sync id."""
+    want = {g.rpc.get_name() for g in groups}
+    wait_for(
+        lambda: (
+            all([g.update() or True for g in groups])
+            and all(g.active() and set(g.members()) == want for g in groups)
+            and len({g.sync_id() for g in groups}) == 1
+        ),
+        what=f"members {sorted(want)} seeing each other",
+    )

@@ -305,3 +305,42 @@ def screen_lines(raw: str) -> list[str]:
     if line:
         lines.append("".join(line).rstrip())
     return lines
+
+
+def start_local_training(tmp_path: Path, savedir: Path, *extra: str) -> Run:
+    """A 2-peer ``scaling=local`` A2C CartPole run that trains until stopped; returns
+    once both peers have applied an update (the caller must ``finish()`` it)."""
+    args = [
+        "agent=a2c",
+        "env=cartpole",
+        "scaling=local",
+        "scaling.peers=2",
+        "device=cpu",
+        "total_steps=100000000",
+        "log_interval=1",
+        *extra,
+        f"savedir={savedir}",
+    ]
+    r = Run(args, tmp_path, tmp_path / "out.log")
+    try:
+        for k in (0, 1):
+            path = savedir / f"peer{k}" / "logs.tsv"
+            wait_for(
+                lambda path=path: any(row["model_version"] > 0 for row in read_logs(path)[1]),
+                timeout=240,
+                what=f"peer {k} to train",
+                proc=r,
+            )
+    except BaseException:
+        r.finish()
+        raise
+    return r
+
+
+def peers_and_workers(sid: int) -> tuple[list[int], list[int], dict[int, str]]:
+    """The peer processes and EnvPool workers of run session ``sid``, and every
+    process's command line (for messages)."""
+    commands = {pid: cmdline(pid) for pid in session_pids(sid)}
+    peers = [p for p, c in commands.items() if "moolib.launch.peer" in c]
+    workers = [p for p, c in commands.items() if "_envpool_worker" in c]
+    return peers, workers, commands

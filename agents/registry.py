@@ -1,0 +1,225 @@
+"""Agents as registered parts: what ``agent=NAME`` builds.
+
+An agent is one module of ``moolib.agents`` plus one YAML file in
+``moolib/conf/agent/``. The module declares the agent's settings as a dataclass
+(a subclass of ``AgentConfig``: one documented field per YAML key, checked in
+``__post_init__``) and registers its loss under the YAML's ``name``::
+
+    @dataclass(frozen=True)
+    class MyConfig(AgentConfig):
+        temperature: float  # softmax temperature of the policy
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            self.check_number("temperature", 0.0)
+
+    @register_agent("mine", MyConfig)
+    def compute_loss(cfg: MyConfig, outputs: dict, batch: dict) -> tuple[Tensor, dict]: ...
+
+The Trainer and ``moolib-run``'s checks look agents up here; nothing lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from moolib.launch.config import ConfigError
+
+from .models import NETWORKS
+
+LossFn = Callable[[Any, dict, dict], tuple[Any, dict[str, float]]]
+
+
+class _Checks:
+    """Range checks whose messages name the full key (``agent.batch_size``)."""
+
+    _prefix = "agent"
+
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}.{name}"
+
+    def check_int(self, name: str, low: int = 1) -> None:
+        """Raises ConfigError unless field ``name`` is an integer >= ``low``."""
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            kind = "a positive integer" if low == 1 else f"an integer >= {low}"
+            raise ConfigError(f"{self._key(name)} must be {kind}, got {value!r}")
+
+    def check_number(self, name: str, low: float, high: float | None = None) -> None:
+        """Raises ConfigError unless field ``name`` is a number in [low, high]."""
+        value = getattr(self, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ConfigError(f"{self._key(name)} must be a number {bounds}, got {value!r}")
+
+    def check_choice(self, name: str, choices: tuple[str, ...]) -> None:
+        """Raises ConfigError unless field ``name`` is one of ``choices``."""
+        value = getattr(self, name)
+        if value not in choices:
+            raise ConfigError(
+                f"{self._key(name)} must be one of {', '.join(choices)}; got {value!r}"
+            )
+
+    def check_bool(self, name: str) -> None:
+        """Raises ConfigError unless field ``name`` is true or false."""
+        value = getattr(self, name)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self._key(name)} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Checks):
+    """``agent.optimizer``: the learner's optimizer."""
+
+    _prefix = "agent.optimizer"
+
+    name: str  # adam or rmsprop
+    learning_rate: float  # at step 0; decays linearly to 0 over total_steps
+    beta1: float  # adam's first-moment decay
+    beta2: float  # adam's second-moment decay
+    epsilon: float  # added to the denominator (adam and rmsprop)
+    alpha: float  # rmsprop's smoothing constant
+    momentum: float  # rmsprop's momentum
+
+    def __post_init__(self) -> None:
+        self.check_choice("name", ("adam", "rmsprop"))
+        self.check_number("learning_rate", 0.0)
+        for name in ("beta1", "beta2", "alpha"):
+            self.check_number(name, 0.0, 1.0)
+        self.check_number("epsilon", 0.0)
+        self.check_number("momentum", 0.0)
+
+
+@dataclass(frozen=True)
+class AgentConfig(_Checks):
+    """The settings every agent has (the keys of ``conf/agent/*.yaml``). An agent's
+    own config subclasses it, adding its fields and their checks."""
+
+    name: str  # the agent's registered name (and its YAML's name)
+    # auto: the deep IMPALA network for images, an MLP for vectors; or one of NETWORKS.
+    network: str
+    use_lstm: bool  # an LSTM core between the torso and the heads
+    hidden_size: int  # width of the torso's output (and of the LSTM)
+    actor_batch_size: int  # envs in one actor batch (the model acts on a batch at once)
+    num_actor_batches: int  # actor batches in flight (2: one steps while one acts)
+    num_actor_cpus: int  # env worker processes; each steps a slice of every batch
+    batch_size: int  # unrolls in one learner batch
+    unroll_length: int  # env steps in one unroll (plus one to bootstrap)
+    virtual_batch_size: int  # unrolls summed over all peers before each optimizer step
+    discounting: float  # the discount factor, in [0, 1]
+    reward_clip: float  # rewards clipped to [-reward_clip, reward_clip]; 0: not clipped
+    baseline_cost: float  # weight of the value loss
+    entropy_cost: float  # weight of the entropy bonus
+    grad_norm_clipping: float  # gradients' global norm is clipped to this
+    optimizer: OptimizerConfig
+
+    def __post_init__(self) -> None:
+        for name in (
+            "actor_batch_size",
+            "num_actor_batches",
+            "num_actor_cpus",
+            "batch_size",
+            "unroll_length",
+            "virtual_batch_size",
+            "hidden_size",
+        ):
+            self.check_int(name)
+        self.check_number("discounting", 0.0, 1.0)
+        for name in ("reward_clip", "baseline_cost", "entropy_cost", "grad_norm_clipping"):
+            self.check_number(name, 0.0)
+        self.check_choice("name", tuple(agent_names()))
+        self.check_choice("network", ("auto", *NETWORKS))
+        self.check_bool("use_lstm")
+        if self.num_actor_cpus > self.actor_batch_size:
+            raise ConfigError(
+                f"agent.num_actor_cpus ({self.num_actor_cpus}) must not exceed "
+                f"agent.actor_batch_size ({self.actor_batch_size}): each process steps "
+                "a slice of every actor batch"
+            )
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """A registered agent: its settings' dataclass and its loss."""
+
+    name: str
+    config: type[AgentConfig]
+    compute_loss: LossFn
+
+
+_AGENTS: dict[str, AgentSpec] = {}
+_discovered = False
+
+
+def register_agent(name: str, config: type[AgentConfig]) -> Callable[[LossFn], LossFn]:
+    """Decorator registering ``compute_loss(cfg, outputs, batch) -> (loss, stats)``
+    as agent ``name`` (the ``name:`` of its YAML), with settings ``config``."""
+
+    def register(loss: LossFn) -> LossFn:
+        known = _AGENTS.get(name)
+        if known is not None and known.compute_loss is not loss:
+            raise ValueError(
+                f"agent {name!r} is registered twice ({known.compute_loss} and {loss})"
+            )
+        _AGENTS[name] = AgentSpec(name, config, loss)
+        return loss
+
+    return register
+
+
+def _discover() -> None:
+    """Imports every module of ``moolib.agents`` once, so each registers its agents."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    package = importlib.import_module(__package__ or "moolib.agents")
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")
+
+
+def agent_names() -> list[str]:
+    """The registered agents' names, sorted."""
+    _discover()
+    return sorted(_AGENTS)
+
+
+def get_agent(name: str) -> AgentSpec:
+    """The agent registered as ``name``; ConfigError naming the known ones if none is."""
+    _discover()
+    if name not in _AGENTS:
+        raise ConfigError(f"agent.name must be one of {', '.join(agent_names())}; got {name!r}")
+    return _AGENTS[name]
+
+
+def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {prefix}.{unknown[0]} ({cls.__name__} has no such setting; "
+            f"it has {', '.join(fields)})"
+        )
+    missing = [k for k in fields if k not in values]
+    if missing:
+        raise ConfigError(f"{prefix}.{missing[0]} is missing ({cls.__name__} needs it)")
+    kwargs = dict(values)
+    if "optimizer" in fields:
+        optimizer = values["optimizer"]
+        if not isinstance(optimizer, Mapping):
+            raise ConfigError(f"{prefix}.optimizer must be a mapping, got {optimizer!r}")
+        kwargs["optimizer"] = _build(OptimizerConfig, optimizer, f"{prefix}.optimizer")
+    return cls(**kwargs)
+
+
+def agent_config(values: Mapping[str, Any]) -> AgentConfig:
+    """The typed, checked settings of the agent that ``values`` (a resolved
+    ``cfg.agent`` as plain Python) describe. Raises ConfigError naming the key."""
+    name = values.get("name")
+    spec = get_agent(name)  # type: ignore[arg-type]
+    return _build(spec.config, values, "agent")
