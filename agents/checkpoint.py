@@ -27,6 +27,7 @@ import fcntl
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import struct
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("moolib.agents")
 
 LATEST = "checkpoint.pt"
 HISTORY_DIR = "checkpoints"
@@ -103,6 +106,20 @@ def encode(state: dict) -> bytes:
     return payload + meta + _TAIL.pack(len(meta), _MAGIC)
 
 
+def _legacy(data: bytes, path: Path) -> tuple[bytes, dict]:
+    """A checkpoint written before checkpoints carried a digest: a whole torch.save
+    archive (a truncated one does not load), accepted unverified, with a warning."""
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        record = _record(state, data)
+    except Exception as e:  # noqa: BLE001 - any failure means the file is unusable
+        raise CheckpointError(
+            f"{path} is truncated or not a moolib checkpoint (no trailer; {type(e).__name__})"
+        ) from e
+    log.warning("%s has no digest (written by an older moolib): loaded unverified", path)
+    return data, record
+
+
 def _split(data: bytes, path: Path) -> tuple[bytes, dict]:
     """(payload, record) of a checkpoint's bytes, digest checked."""
     if len(data) < _TAIL.size:
@@ -110,7 +127,7 @@ def _split(data: bytes, path: Path) -> tuple[bytes, dict]:
         raise CheckpointError(f"{path} is {what} ({len(data)} bytes)")
     meta_len, magic = _TAIL.unpack_from(data, len(data) - _TAIL.size)
     if magic != _MAGIC or meta_len > len(data) - _TAIL.size:
-        raise CheckpointError(f"{path} is truncated or not a moolib checkpoint (no trailer)")
+        return _legacy(data, path)
     end = len(data) - _TAIL.size
     try:
         record = json.loads(data[end - meta_len : end])

@@ -373,3 +373,17 @@ def test_a_write_never_replaces_a_newer_checkpoint(tmp_path):
     # A damaged latest is no reason to refuse a write: it is replaced.
     checkpoint.save(tmp_path, _state(250, 25), 250, history=3)
     assert checkpoint.load(tmp_path / "checkpoint.pt")["steps"] == 250
+
+
+def test_a_checkpoint_of_an_older_moolib_still_resumes(tmp_path, caplog):
+    """Written before checkpoints carried a digest: a plain torch.save file loads,
+    with a warning; a truncated one is still refused."""
+    torch.save(_state(100, 10), tmp_path / "checkpoint.pt")
+    with caplog.at_level("WARNING", logger="moolib.agents"):
+        loaded = checkpoint.load_latest(tmp_path)
+    assert loaded.state["steps"] == 100 and not loaded.skipped
+    assert "no digest (written by an older moolib)" in caplog.text
+    data = (tmp_path / "checkpoint.pt").read_bytes()
+    (tmp_path / "checkpoint.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
+        checkpoint.load(tmp_path / "checkpoint.pt")
