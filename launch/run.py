@@ -104,12 +104,13 @@ def _run(cfg: DictConfig) -> int:
                 broker.close()
     else:
         _fail(f"scaling.name {mode!r} is not one of single, local, slurm")
+    if stop.is_set():
+        # Stopped before total_steps (after its last checkpoint, or by cancelling
+        # SLURM jobs): say so in the exit status, and end a sweep here rather than
+        # starting its next point.
+        sys.exit(stop.exit_code)
     if code:
         sys.exit(code)
-    if stop.is_set():
-        # Stopped before total_steps (after its last checkpoint): say so in the exit
-        # status, and end a sweep here rather than starting its next point.
-        sys.exit(stop.exit_code)
     return 0
 
 
