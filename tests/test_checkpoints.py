@@ -8,7 +8,6 @@ session with short A2C/CartPole runs.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import re
 import signal
@@ -22,25 +21,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers.run_util import STOP_TIMEOUT, Run, cmdline, run, session_pids, wait_for
+from helpers.run_util import (
+    QUICK,
+    STOP_TIMEOUT,
+    Run,
+    check_ok,
+    cmdline,
+    run,
+    session_pids,
+    snapshot,
+    wait_for,
+)
 from moolib.agents import checkpoint
-
-QUICK = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=1"]
-
-
-def check_ok(result: subprocess.CompletedProcess) -> str:
-    out = result.stdout
-    assert result.returncode == 0, out[-5000:]
-    assert "Traceback" not in out, out[-5000:]
-    return out
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
 
 
 def disk_steps(path: Path) -> int:

@@ -22,6 +22,7 @@ from helpers.run_util import (
     STOP_TIMEOUT,
     alive,
     cfg_job,
+    check_ok,
     peers_and_workers,
     plot_cmd,
     read_logs,
@@ -80,13 +81,6 @@ SMALL_ATARI = [
     "log_interval=1",
 ]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def check_ok(result: subprocess.CompletedProcess) -> str:
-    out = result.stdout
-    assert result.returncode == 0, out[-5000:]
-    assert "Traceback" not in out, out[-5000:]
-    return out
 
 
 def load_config(savedir: Path) -> dict:

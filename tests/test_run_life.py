@@ -8,7 +8,6 @@ reused across the checks of a test.
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import subprocess
 from pathlib import Path
@@ -17,23 +16,17 @@ import pytest
 import torch
 import yaml
 from helpers.run_util import (
+    QUICK,
     STOP_TIMEOUT,
     Run,
     alive,
+    check_ok,
     read_logs,
     run,
     session_pids,
+    snapshot,
     wait_for,
 )
-
-QUICK = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=1"]
-
-
-def check_ok(result: subprocess.CompletedProcess) -> str:
-    out = result.stdout
-    assert result.returncode == 0, out[-5000:]
-    assert "Traceback" not in out, out[-5000:]
-    return out
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -44,15 +37,6 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("moolib-run: error: "), out[-5000:]
     return lines[0]
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` (hidden ones included) with a hash of its bytes."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
 
 
 def training_files(folder: Path) -> dict[str, str]:

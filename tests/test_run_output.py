@@ -19,6 +19,7 @@ import moolib.conf
 import pytest
 from helpers.run_util import (
     Run,
+    check_ok,
     plot_cmd,
     read_logs,
     run,
@@ -66,12 +67,6 @@ def saved_png(out: str, cwd: Path) -> Path:
     image = matplotlib.image.imread(path)
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     return path
-
-
-def check_ok(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, result.stdout[-5000:]
-    assert "Traceback" not in result.stdout, result.stdout[-5000:]
-    return result.stdout
 
 
 def summary_plot_command(out: str) -> list[str]:

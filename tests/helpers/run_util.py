@@ -9,6 +9,7 @@ leftovers one by one when a test fails.
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 import os
 import signal
@@ -344,3 +345,24 @@ def peers_and_workers(sid: int) -> tuple[list[int], list[int], dict[int, str]]:
     peers = [p for p, c in commands.items() if "moolib.launch.peer" in c]
     workers = [p for p, c in commands.items() if "_envpool_worker" in c]
     return peers, workers, commands
+
+
+# A quick A2C CartPole run on the CPU, for tests of what happens around a run.
+QUICK = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=1"]
+
+
+def check_ok(result: subprocess.CompletedProcess) -> str:
+    """The output of a moolib-run that exited 0 without a traceback."""
+    out = result.stdout
+    assert result.returncode == 0, out[-5000:]
+    assert "Traceback" not in out, out[-5000:]
+    return out
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (hidden ones included) with a hash of its bytes."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
