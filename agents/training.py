@@ -75,9 +75,9 @@ def torch_threads(cfg: DictConfig) -> int:
     if slurm_cpus:
         cores = int(slurm_cpus)
     else:
-        cores = len(os.sched_getaffinity(0)) // max(1, int(cfg.scaling.peers))
-        if cfg.scaling.name != "local":
-            cores = len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
+        if cfg.scaling.name == "local":  # the peers share this machine
+            cores //= max(1, int(cfg.scaling.peers))
     return max(1, cores - int(cfg.agent.num_actor_cpus))
 
 

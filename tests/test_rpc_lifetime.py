@@ -273,6 +273,14 @@ def large() -> torch.Tensor:
     return torch.ones(LARGE)
 
 
+def _client(transports) -> moolib.Rpc:
+    client = moolib.Rpc()
+    client.set_timeout(DEADLINE)
+    if transports:
+        client.set_transports(transports)
+    return client
+
+
 TRANSPORT_CASES = pytest.mark.parametrize("transports", [None, ["tcp"]], ids=["default", "tcp"])
 
 
@@ -281,10 +289,7 @@ TRANSPORT_CASES = pytest.mark.parametrize("transports", [None, ["tcp"]], ids=["d
 def test_listening_again_right_after_close_or_del(large, transports, how):
     address = free_address()
     for _ in range(ROUNDS):
-        client = moolib.Rpc()
-        client.set_timeout(DEADLINE)
-        if transports:
-            client.set_transports(transports)
+        client = _client(transports)
         server = serve_once(address, client, transports, large)
         if how == "close":
             server.close()
@@ -305,10 +310,7 @@ def served(address: str, client: moolib.Rpc, transports, tensor: torch.Tensor):
 def test_a_fixture_that_drops_its_rpc_frees_its_address(large, transports):
     address = free_address()
     for _ in range(ROUNDS):
-        client = moolib.Rpc()
-        client.set_timeout(DEADLINE)
-        if transports:
-            client.set_transports(transports)
+        client = _client(transports)
         fixture = served(address, client, transports, large)
         server = next(fixture)  # setup
         assert server.debug_info()["listening"][0] == address  # the test

@@ -30,14 +30,18 @@ TRANSPORTS = [["shm"], ["tcp"]]
 TRANSPORT_IDS = ["shm", "tcp"]
 
 
+def _pool_size(size):
+    original = moolib._core.get_max_threads()
+    if size is not None:
+        moolib.set_max_threads(size)
+    yield size
+    moolib.set_max_threads(original)
+
+
 @pytest.fixture(params=MAX_THREADS, ids=MAX_THREADS_IDS)
 def max_threads(request):
     """The pool size of this process for the test (restored after)."""
-    original = moolib._core.get_max_threads()
-    if request.param is not None:
-        moolib.set_max_threads(request.param)
-    yield request.param
-    moolib.set_max_threads(original)
+    yield from _pool_size(request.param)
 
 
 @pytest.fixture(params=TRANSPORTS, ids=TRANSPORT_IDS)
@@ -87,11 +91,7 @@ def test_nested_calls_through_a_third_peer(make_rpc, transport, max_threads, n):
 @pytest.fixture(params=MAX_THREADS[::2], ids=MAX_THREADS_IDS[::2])
 def both_pools(request):
     """The pool size of this process and of the peer process (restored after)."""
-    original = moolib._core.get_max_threads()
-    if request.param is not None:
-        moolib.set_max_threads(request.param)
-    yield request.param
-    moolib.set_max_threads(original)
+    yield from _pool_size(request.param)
 
 
 @pytest.mark.parametrize("n", NESTED)
