@@ -48,6 +48,19 @@ def enough_descriptors():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def connect_unix_when_room(s: socket.socket, target: str, deadline: float) -> None:
+    """Connects a Unix socket, waiting while the listener's backlog is full."""
+    s.setblocking(False)
+    while True:
+        try:
+            s.connect(target)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def open_flood(address: str, sources: list[str] | None) -> list[socket.socket]:
     """Opens FLOOD connections to ``address`` that never complete a handshake.
 
@@ -67,10 +80,10 @@ def open_flood(address: str, sources: list[str] | None) -> list[socket.socket]:
                     s.bind((sources[i % len(sources)], 0))
             socks.append(s)
             if s.family == socket.AF_UNIX:
-                # Completes at once while the listener's backlog has room,
-                # else waits for room (it never retries on its own).
-                s.settimeout(30)
-                s.connect(target)
+                # Completes at once while the listener's backlog has room; a
+                # full backlog refuses with EAGAIN until the server accepts (or
+                # closes) some, so retry until a generous deadline.
+                connect_unix_when_room(s, target, deadline=time.monotonic() + 60)
                 s.setblocking(False)
             else:
                 s.setblocking(False)
