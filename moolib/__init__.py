@@ -15,6 +15,7 @@ from .accumulator import Accumulator, ModelMismatchError
 from .batcher import Batcher
 from .envpool import EnvPool, EnvStepperFuture
 from .group import AllReduce, Broker, Group
+from .replay import Replay, ReplaySample
 from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "Group",
     "ModelMismatchError",
     "Queue",
+    "Replay",
+    "ReplaySample",
     "Rpc",
     "RpcError",
     "create_uid",

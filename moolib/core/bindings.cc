@@ -570,6 +570,7 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("grace") = 2.0);
   bindGroup(m);
+  bindReplay(m);
   m.def("drain_releases", [] { DeferredReleases::instance().drain(); });
   m.def(
       "set_codec",

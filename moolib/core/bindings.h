@@ -58,4 +58,7 @@ OutSegment exportSegment(py::handle h, bool writable = false);
 // bindings_group.cc
 void bindGroup(py::module_& m);
 
+// bindings_replay.cc
+void bindReplay(py::module_& m);
+
 }  // namespace moolib::binding

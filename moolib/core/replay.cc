@@ -1,0 +1,1010 @@
+#include "replay.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+
+#include "error.h"
+#include "loop.h"
+
+namespace moolib {
+
+namespace {
+
+constexpr char kMagic[8] = {'M', 'O', 'O', 'R', 'E', 'P', 'L', '\0'};
+constexpr uint32_t kVersion = 1;
+constexpr size_t kDigestBytes = 32;
+// Dense storage is allocated in chunks of about this many bytes per leaf, so
+// a table's memory follows its size, not its capacity.
+constexpr int64_t kChunkBytes = 4 << 20;
+
+uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+uint64_t mix(uint64_t h) {
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdULL;
+  h ^= h >> 33;
+  h *= 0xc4ceb9fe1a85ec53ULL;
+  h ^= h >> 33;
+  return h;
+}
+
+uint64_t load64(const uint8_t* p) {
+  uint64_t w;
+  std::memcpy(&w, p, 8);
+  return w;
+}
+
+std::string fmt(double x) {
+  std::ostringstream ss;
+  ss << x;
+  return ss.str();
+}
+
+std::string seconds(double x) {
+  std::ostringstream ss;
+  ss.setf(std::ios::fixed);
+  ss.precision(1);
+  ss << x;
+  return ss.str();
+}
+
+TimePoint deadlineAfter(double seconds) {
+  if (!(seconds < 1e9)) return kForever;
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(std::max(0.0, seconds)));
+}
+
+struct MdCtxFree {
+  void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
+};
+using MdCtx = std::unique_ptr<EVP_MD_CTX, MdCtxFree>;
+
+MdCtx newSha256() {
+  MdCtx ctx(EVP_MD_CTX_new());
+  MOO_ENFORCE(ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1,
+              "replay checkpoint: SHA-256 is not available");
+  return ctx;
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_;
+};
+
+// Buffered writes to a file that hash everything written.
+class CheckpointWriter {
+ public:
+  CheckpointWriter(int fd, std::string path) : fd_(fd), path_(std::move(path)), md_(newSha256()) {
+    buf_.reserve(1 << 20);
+  }
+  void write(const void* data, size_t n) {
+    EVP_DigestUpdate(md_.get(), data, n);
+    raw(data, n);
+  }
+  template <typename T>
+  void put(T v) {
+    write(&v, sizeof(v));
+  }
+  void putString(const std::string& s) {
+    put<uint64_t>(s.size());
+    write(s.data(), s.size());
+  }
+  void finish() {
+    unsigned char digest[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    EVP_DigestFinal_ex(md_.get(), digest, &len);
+    raw(digest, len);
+    flush();
+  }
+
+ private:
+  void raw(const void* data, size_t n) {
+    auto* p = static_cast<const uint8_t*>(data);
+    if (buf_.size() + n > buf_.capacity()) flush();
+    if (n >= buf_.capacity()) {
+      writeAll(p, n);
+      return;
+    }
+    buf_.insert(buf_.end(), p, p + n);
+  }
+  void flush() {
+    writeAll(buf_.data(), buf_.size());
+    buf_.clear();
+  }
+  void writeAll(const uint8_t* p, size_t n) {
+    while (n > 0) {
+      ssize_t r = ::write(fd_, p, n);
+      if (r < 0 && errno == EINTR) continue;
+      MOO_ENFORCE(r > 0, "replay checkpoint: writing ", path_, ": ", std::strerror(errno));
+      p += r;
+      n -= size_t(r);
+    }
+  }
+  int fd_;
+  std::string path_;
+  MdCtx md_;
+  std::vector<uint8_t> buf_;
+};
+
+// Reads a checkpoint whose digest was already checked, bounds-checking every
+// length against what is left of the file.
+class CheckpointReader {
+ public:
+  CheckpointReader(int fd, std::string path, uint64_t payload)
+      : fd_(fd), path_(std::move(path)), left_(payload) {}
+  [[noreturn]] void corrupt(const std::string& what) const {
+    throw std::invalid_argument("replay checkpoint " + path_ + " is corrupt: " + what);
+  }
+  void read(void* data, uint64_t n) {
+    if (n > left_) corrupt("it ends before its contents do");
+    left_ -= n;
+    auto* p = static_cast<uint8_t*>(data);
+    while (n > 0) {
+      if (pos_ == len_) {
+        ssize_t r = ::read(fd_, buf_, sizeof(buf_));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) corrupt("it ends before its contents do");
+        pos_ = 0;
+        len_ = size_t(r);
+      }
+      size_t take = std::min<uint64_t>(n, len_ - pos_);
+      std::memcpy(p, buf_ + pos_, take);
+      pos_ += take;
+      p += take;
+      n -= take;
+    }
+  }
+  template <typename T>
+  T get() {
+    T v;
+    read(&v, sizeof(v));
+    return v;
+  }
+  std::string getString(uint64_t limit, const char* what) {
+    auto n = get<uint64_t>();
+    if (n > limit || n > left_) corrupt(concat(what, " of ", n, " bytes"));
+    std::string s(n, '\0');
+    read(s.data(), n);
+    return s;
+  }
+  uint64_t left() const { return left_; }
+
+ private:
+  int fd_;
+  std::string path_;
+  uint64_t left_;
+  uint8_t buf_[1 << 16];
+  size_t pos_ = 0, len_ = 0;
+};
+
+}  // namespace
+
+uint64_t replayHash(const uint8_t* p, size_t n) {
+  constexpr uint64_t k1 = 0x9E3779B97F4A7C15ULL, k2 = 0xC2B2AE3D27D4EB4FULL,
+                     k3 = 0x165667B19E3779F9ULL;
+  // Four independent lanes keep the multiplier busy; a frame of Atari is
+  // hashed at memory speed.
+  uint64_t a = k1 ^ n, b = k2, c = k3, d = k1 ^ k2;
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    a = rotl(a ^ (load64(p + i) * k2), 31) * k1;
+    b = rotl(b ^ (load64(p + i + 8) * k2), 31) * k1;
+    c = rotl(c ^ (load64(p + i + 16) * k2), 31) * k1;
+    d = rotl(d ^ (load64(p + i + 24) * k2), 31) * k1;
+  }
+  for (; i + 8 <= n; i += 8) a = rotl(a ^ (load64(p + i) * k2), 27) * k3;
+  uint64_t last = 0;
+  std::memcpy(&last, p + i, n - i);
+  a ^= last * k3;
+  return mix(a + rotl(b, 7) + rotl(c, 12) + rotl(d, 18));
+}
+
+void Replay::validate(const ReplayConfig& c) {
+  auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
+  if (c.capacity <= 0) bad(concat("replay capacity must be positive, got ", c.capacity));
+  if (!std::isfinite(c.alpha) || c.alpha < 0) {
+    bad("replay alpha must be finite and >= 0, got " + fmt(c.alpha));
+  }
+  if (c.minSize < 1) bad(concat("replay min_size must be at least 1, got ", c.minSize));
+  if (c.minSize > c.capacity) {
+    bad(concat("replay min_size ", c.minSize, " exceeds the capacity ", c.capacity,
+               ": sampling could never start"));
+  }
+  if (c.samplesPerInsert > 0) {
+    if (!std::isfinite(c.samplesPerInsert)) bad("replay samples_per_insert must be finite");
+    // Inserts need room diff + spi <= max_diff, samples diff - 1 >= min_diff:
+    // both can happen from some diff only if max_diff - min_diff >= spi + 1,
+    // and to keep every batch moving item by item we ask, as Reverb does,
+    // for 2 * max(1, spi).
+    double need = std::max(1.0, c.samplesPerInsert);
+    if (!std::isfinite(c.errorBuffer) || c.errorBuffer < need) {
+      bad("replay error_buffer " + fmt(c.errorBuffer) + " is too small for samples_per_insert " +
+          fmt(c.samplesPerInsert) + ": it must be at least max(1, samples_per_insert) = " +
+          fmt(need) + ", or inserts and samples could block each other for good");
+    }
+  } else if (c.samplesPerInsert < 0) {
+    bad("replay samples_per_insert must be positive, got " + fmt(c.samplesPerInsert));
+  }
+}
+
+Replay::Replay(const ReplayConfig& config, uint64_t seed) : config_(config), rng_(seed) {
+  validate(config_);
+  priorities_.assign(size_t(config_.capacity), 0.0);
+  if (config_.selector == ReplaySelector::kPrioritized) {
+    treeLeaves_ = 1;
+    while (treeLeaves_ < config_.capacity) treeLeaves_ *= 2;
+    tree_.assign(size_t(2 * treeLeaves_), 0.0);
+  }
+}
+
+Replay::~Replay() { close(); }
+
+void Replay::close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  closed_ = true;
+  insertCv_.notify_all();
+  sampleCv_.notify_all();
+}
+
+void Replay::checkOpenLocked() const { MOO_ENFORCE(!closed_, "replay table is closed"); }
+
+void Replay::setSchema(const std::vector<ReplayLeaf>& leaves, const std::string& meta) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  checkOpenLocked();
+  if (hasSchema_) {
+    bool same = leaves.size() == leaves_.size();
+    for (size_t i = 0; same && i < leaves.size(); ++i) {
+      same = leaves[i].itemBytes == leaves_[i].itemBytes && leaves[i].frames == leaves_[i].frames;
+    }
+    if (!same) throw std::invalid_argument("replay items changed layout after the first insert");
+    return;
+  }
+  if (leaves.empty()) throw std::invalid_argument("a replay item needs at least one leaf");
+  int64_t largest = 1;
+  for (auto& l : leaves) {
+    if (l.itemBytes <= 0) throw std::invalid_argument("replay leaves must have at least one byte");
+    if (l.frames < 0 || (l.frames > 0 && l.itemBytes % l.frames != 0)) {
+      throw std::invalid_argument("a dedup leaf must split into whole frames");
+    }
+    if (l.frames == 0) largest = std::max(largest, l.itemBytes);
+  }
+  leaves_ = leaves;
+  meta_ = meta;
+  chunkItems_ = std::clamp<int64_t>(kChunkBytes / largest, 1, config_.capacity);
+  chunks_.clear();
+  chunks_.resize(leaves_.size());
+  ids_.clear();
+  ids_.resize(leaves_.size());
+  int64_t chunks = (config_.capacity + chunkItems_ - 1) / chunkItems_;
+  for (size_t j = 0; j < leaves_.size(); ++j) {
+    if (leaves_[j].frames == 0) {
+      chunks_[j].resize(size_t(chunks));
+    } else {
+      ids_[j].assign(size_t(config_.capacity * leaves_[j].frames), kNoFrame);
+    }
+  }
+  hasSchema_ = true;
+}
+
+bool Replay::hasSchema() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return hasSchema_;
+}
+
+void Replay::setMeta(const std::string& meta) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  meta_ = meta;
+}
+
+std::string Replay::meta() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return meta_;
+}
+
+uint8_t* Replay::denseSlot(size_t leaf, int64_t slot) {
+  auto& chunk = chunks_[leaf][size_t(slot / chunkItems_)];
+  if (!chunk) chunk = std::make_unique<uint8_t[]>(size_t(chunkItems_ * leaves_[leaf].itemBytes));
+  return chunk.get() + (slot % chunkItems_) * leaves_[leaf].itemBytes;
+}
+
+const uint8_t* Replay::denseSlotConst(size_t leaf, int64_t slot) const {
+  return chunks_[leaf][size_t(slot / chunkItems_)].get() +
+         (slot % chunkItems_) * leaves_[leaf].itemBytes;
+}
+
+uint32_t* Replay::frameIds(size_t leaf, int64_t slot) {
+  return ids_[leaf].data() + slot * leaves_[leaf].frames;
+}
+
+uint32_t Replay::internFrame(const uint8_t* data, uint32_t bytes, uint64_t hash) {
+  auto it = frameByHash_.find(hash);
+  if (it != frameByHash_.end()) {
+    for (uint32_t id = it->second; id != kNoFrame; id = frames_[id].nextSameHash) {
+      Frame& f = frames_[id];
+      if (f.bytes == bytes && std::memcmp(f.data.get(), data, bytes) == 0) {
+        ++f.refs;
+        return id;
+      }
+    }
+  }
+  uint32_t id;
+  if (!freeFrames_.empty()) {
+    id = freeFrames_.back();
+    freeFrames_.pop_back();
+  } else {
+    MOO_ENFORCE(frames_.size() < kNoFrame, "replay: too many distinct frames");
+    id = uint32_t(frames_.size());
+    frames_.emplace_back();
+  }
+  Frame& f = frames_[id];
+  // A recycled frame keeps its buffer when the size matches.
+  if (!f.data || f.bytes != bytes) f.data = std::make_unique<uint8_t[]>(bytes);
+  std::memcpy(f.data.get(), data, bytes);
+  f.hash = hash;
+  f.bytes = bytes;
+  f.refs = 1;
+  if (it != frameByHash_.end()) {
+    f.nextSameHash = it->second;
+    it->second = id;
+  } else {
+    f.nextSameHash = kNoFrame;
+    frameByHash_.emplace(hash, id);
+  }
+  ++liveFrames_;
+  liveFrameBytes_ += bytes;
+  return id;
+}
+
+void Replay::releaseFrame(uint32_t id) {
+  Frame& f = frames_[id];
+  if (--f.refs > 0) return;
+  auto it = frameByHash_.find(f.hash);
+  if (it->second == id) {
+    if (f.nextSameHash == kNoFrame) {
+      frameByHash_.erase(it);
+    } else {
+      it->second = f.nextSameHash;
+    }
+  } else {
+    uint32_t prev = it->second;
+    while (frames_[prev].nextSameHash != id) prev = frames_[prev].nextSameHash;
+    frames_[prev].nextSameHash = f.nextSameHash;
+  }
+  --liveFrames_;
+  liveFrameBytes_ -= f.bytes;
+  freeFrames_.push_back(id);
+}
+
+double Replay::weight(double priority) const {
+  return config_.alpha == 1.0 ? priority : std::pow(priority, config_.alpha);
+}
+
+void Replay::setTreeLocked(int64_t slot, double value) {
+  if (tree_.empty()) return;
+  int64_t i = treeLeaves_ + slot;
+  tree_[size_t(i)] = value;
+  // Parents are recomputed from their children, never adjusted by a delta,
+  // so rounding errors do not accumulate over millions of updates.
+  for (i /= 2; i >= 1; i /= 2) tree_[size_t(i)] = tree_[size_t(2 * i)] + tree_[size_t(2 * i + 1)];
+}
+
+void Replay::rebuildTreeLocked() {
+  if (tree_.empty()) return;
+  std::fill(tree_.begin(), tree_.end(), 0.0);
+  for (int64_t k = head_; k < tail_; ++k) {
+    int64_t slot = k % config_.capacity;
+    tree_[size_t(treeLeaves_ + slot)] = weight(priorities_[size_t(slot)]);
+  }
+  for (int64_t i = treeLeaves_ - 1; i >= 1; --i) {
+    tree_[size_t(i)] = tree_[size_t(2 * i)] + tree_[size_t(2 * i + 1)];
+  }
+}
+
+void Replay::evictOldestLocked() {
+  int64_t slot = head_ % config_.capacity;
+  evictedIds_.clear();
+  for (size_t j = 0; j < leaves_.size(); ++j) {
+    if (leaves_[j].frames == 0) continue;
+    uint32_t* ids = frameIds(j, slot);
+    evictedIds_.insert(evictedIds_.end(), ids, ids + leaves_[j].frames);
+  }
+  setTreeLocked(slot, 0.0);
+  ++head_;
+  ++evictions_;
+}
+
+void Replay::putLocked(int64_t slot, const std::vector<const uint8_t*>& src, const uint64_t* hashes,
+                       double priority) {
+  for (size_t j = 0; j < leaves_.size(); ++j) {
+    const ReplayLeaf& l = leaves_[j];
+    if (l.frames == 0) {
+      std::memcpy(denseSlot(j, slot), src[j], size_t(l.itemBytes));
+      continue;
+    }
+    uint32_t frameBytes = uint32_t(l.itemBytes / l.frames);
+    uint32_t* ids = frameIds(j, slot);
+    for (int64_t f = 0; f < l.frames; ++f) {
+      ids[f] = internFrame(src[j] + f * frameBytes, frameBytes, *hashes++);
+    }
+  }
+  // The evicted item's frames go after the new item took its own, so a frame
+  // both share is kept rather than freed and copied again.
+  for (uint32_t id : evictedIds_) releaseFrame(id);
+  evictedIds_.clear();
+  priorities_[size_t(slot)] = priority;
+  setTreeLocked(slot, weight(priority));
+}
+
+void Replay::copyOutLocked(int64_t slot, const std::vector<ReplaySpan>& outs, int64_t index) {
+  for (size_t j = 0; j < leaves_.size(); ++j) {
+    const ReplayLeaf& l = leaves_[j];
+    uint8_t* dst = outs[j].data + index * l.itemBytes;
+    if (l.frames == 0) {
+      std::memcpy(dst, denseSlotConst(j, slot), size_t(l.itemBytes));
+      continue;
+    }
+    int64_t frameBytes = l.itemBytes / l.frames;
+    const uint32_t* ids = frameIds(j, slot);
+    for (int64_t f = 0; f < l.frames; ++f) {
+      std::memcpy(dst + f * frameBytes, frames_[ids[f]].data.get(), size_t(frameBytes));
+    }
+  }
+}
+
+bool Replay::canInsertLocked() const {
+  double spi = config_.samplesPerInsert;
+  if (spi <= 0 || tail_ - head_ < config_.minSize) return true;
+  double diff = double(inserts_) * spi - double(samples_);
+  double maxDiff = spi * double(config_.minSize) + config_.errorBuffer;
+  return diff + spi <= maxDiff + 1e-9 * std::max(1.0, std::abs(maxDiff));
+}
+
+bool Replay::canSampleLocked() const {
+  if (tail_ - head_ < config_.minSize) return false;
+  double spi = config_.samplesPerInsert;
+  if (spi <= 0) return true;
+  double diff = double(inserts_) * spi - double(samples_);
+  double minDiff = spi * double(config_.minSize) - config_.errorBuffer;
+  return diff - 1 >= minDiff - 1e-9 * std::max(1.0, std::abs(minDiff));
+}
+
+std::string Replay::insertWaitLocked(int64_t n, int64_t done, double waited) const {
+  double spi = config_.samplesPerInsert;
+  double maxDiff = spi * double(config_.minSize) + config_.errorBuffer;
+  double need = double(inserts_) * spi + spi - maxDiff;
+  return concat("replay insert of ", n, " waited ", seconds(waited), " s (", done,
+                " inserted): inserters are ahead of samplers: ", inserts_, " items inserted and ",
+                samples_, " sampled; samples_per_insert ", fmt(spi), " with error_buffer ",
+                fmt(config_.errorBuffer), " needs ", fmt(std::ceil(need)),
+                " samples before the next insert");
+}
+
+std::string Replay::sampleWaitLocked(int64_t n, int64_t done, double waited) const {
+  int64_t size = tail_ - head_;
+  std::string head =
+      concat("replay sample of ", n, " waited ", seconds(waited), " s (", done, " sampled): ");
+  if (size < config_.minSize) {
+    return head + concat(size, " items in the table, min_size ", config_.minSize);
+  }
+  double spi = config_.samplesPerInsert;
+  double minDiff = spi * double(config_.minSize) - config_.errorBuffer;
+  return head + concat("samplers are ahead of inserters: ", samples_, " items sampled for ",
+                       inserts_, " inserted; samples_per_insert ", fmt(spi), " with error_buffer ",
+                       fmt(config_.errorBuffer), " allows ",
+                       fmt(std::floor(double(inserts_) * spi - minDiff)),
+                       " samples until more items are inserted");
+}
+
+ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
+                              const double* priorities, int64_t* keysOut, double waitSeconds) {
+  if (n <= 0)
+    throw std::invalid_argument(concat("replay insert of ", n, " items: need at least 1"));
+  for (int64_t i = 0; priorities && i < n; ++i) {
+    if (!std::isfinite(priorities[i]) || priorities[i] < 0) {
+      throw std::invalid_argument(concat("replay insert: the priority at batch index ", i, " is ",
+                                         fmt(priorities[i]),
+                                         "; priorities must be finite and >= 0"));
+    }
+  }
+  std::vector<ReplayLeaf> layout;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    checkOpenLocked();
+    MOO_ENFORCE(hasSchema_, "replay insert before the item layout was set");
+    layout = leaves_;
+  }
+  MOO_ENFORCE(leaves.size() == layout.size(), "replay insert: ", leaves.size(),
+              " leaves, expected ", layout.size());
+  size_t framesPerItem = 0;
+  for (size_t j = 0; j < layout.size(); ++j) {
+    MOO_ENFORCE(leaves[j].size == size_t(n * layout[j].itemBytes), "replay insert: leaf ", j,
+                " has ", leaves[j].size, " bytes, expected ", n * layout[j].itemBytes);
+    framesPerItem += size_t(layout[j].frames);
+  }
+  // Hashing is most of the cost of a dedup insert; it needs no lock.
+  std::vector<uint64_t> hashes(framesPerItem * size_t(n));
+  if (framesPerItem > 0) {
+    uint64_t* h = hashes.data();
+    for (int64_t i = 0; i < n; ++i) {
+      for (size_t j = 0; j < layout.size(); ++j) {
+        int64_t frames = layout[j].frames;
+        if (frames == 0) continue;
+        int64_t frameBytes = layout[j].itemBytes / frames;
+        const uint8_t* item = leaves[j].data + i * layout[j].itemBytes;
+        for (int64_t f = 0; f < frames; ++f) *h++ = replayHash(item + f * frameBytes, frameBytes);
+      }
+    }
+  }
+
+  TimePoint deadline = deadlineAfter(waitSeconds);
+  ReplayProgress progress;
+  std::vector<const uint8_t*> src(layout.size());
+  std::optional<BlockingRegion> blocking;
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (progress.done < n) {
+    checkOpenLocked();
+    if (canInsertLocked()) {
+      int64_t i = progress.done;
+      for (size_t j = 0; j < layout.size(); ++j) src[j] = leaves[j].data + i * layout[j].itemBytes;
+      if (tail_ - head_ == config_.capacity) evictOldestLocked();
+      int64_t key = tail_;
+      putLocked(key % config_.capacity, src, hashes.data() + size_t(i) * framesPerItem,
+                priorities ? priorities[i] : 1.0);
+      ++tail_;
+      ++inserts_;
+      keysOut[i] = key;
+      ++progress.done;
+      continue;
+    }
+    // Samplers may be waiting for what this batch inserted so far.
+    sampleCv_.notify_all();
+    if (Clock::now() >= deadline) {
+      progress.waited = insertWaitLocked(n, progress.done, waitSeconds);
+      break;
+    }
+    if (!blocking) {
+      // Entered unlocked: a pool worker hands its pending work to others here.
+      lock.unlock();
+      blocking.emplace();
+      lock.lock();
+      continue;
+    }
+    ++waitingInserters_;
+    bool timedOut = insertCv_.wait_until(lock, deadline) == std::cv_status::timeout;
+    --waitingInserters_;
+    if (timedOut && !closed_ && !canInsertLocked()) {
+      progress.waited = insertWaitLocked(n, progress.done, waitSeconds);
+      break;
+    }
+  }
+  progress.size = tail_ - head_;
+  if (progress.done > 0) sampleCv_.notify_all();
+  return progress;
+}
+
+int64_t Replay::drawLocked(double* probability) {
+  int64_t size = tail_ - head_;
+  if (config_.selector == ReplaySelector::kUniform) {
+    auto r = uint64_t((static_cast<unsigned __int128>(rng_()) * uint64_t(size)) >> 64);
+    *probability = 1.0 / double(size);
+    return head_ + int64_t(r);
+  }
+  double total = tree_[1];
+  if (!(total > 0)) {
+    throw std::invalid_argument(
+        "replay sample: every item has priority 0, so none can be drawn by priority");
+  }
+  double u = double(rng_() >> 11) * 0x1.0p-53 * total;
+  int64_t i = 1;
+  while (i < treeLeaves_) {
+    double left = tree_[size_t(2 * i)], right = tree_[size_t(2 * i + 1)];
+    // Rounding can leave u just past the last positive leaf: never descend
+    // into a subtree of zero weight.
+    if ((u < left && left > 0) || !(right > 0)) {
+      i = 2 * i;
+    } else {
+      u -= left;
+      i = 2 * i + 1;
+    }
+  }
+  int64_t slot = i - treeLeaves_;
+  *probability = tree_[size_t(i)] / total;
+  int64_t headSlot = head_ % config_.capacity;
+  return head_ + (slot - headSlot + config_.capacity) % config_.capacity;
+}
+
+ReplayProgress Replay::sample(int64_t n, const std::vector<ReplaySpan>& outs, int64_t* keysOut,
+                              double* probsOut, double waitSeconds) {
+  if (n <= 0)
+    throw std::invalid_argument(concat("replay sample of ", n, " items: need at least 1"));
+  TimePoint deadline = deadlineAfter(waitSeconds);
+  ReplayProgress progress;
+  std::optional<BlockingRegion> blocking;
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (progress.done < n) {
+    checkOpenLocked();
+    if (canSampleLocked()) {
+      if (outs.size() != leaves_.size()) {
+        progress.needOutputs = true;
+        break;
+      }
+      if (progress.done == 0) {
+        for (size_t j = 0; j < leaves_.size(); ++j) {
+          MOO_ENFORCE(outs[j].size == size_t(n * leaves_[j].itemBytes), "replay sample: output ", j,
+                      " has ", outs[j].size, " bytes, expected ", n * leaves_[j].itemBytes);
+        }
+      }
+      int64_t i = progress.done;
+      int64_t key;
+      double p = 1.0;
+      if (config_.selector == ReplaySelector::kFifo) {
+        // The oldest items in insertion order, round again if n > size.
+        key = head_ + i % (tail_ - head_);
+      } else {
+        key = drawLocked(&p);
+      }
+      copyOutLocked(key % config_.capacity, outs, i);
+      keysOut[i] = key;
+      probsOut[i] = p;
+      ++samples_;
+      ++progress.done;
+      progress.size = tail_ - head_;
+      continue;
+    }
+    insertCv_.notify_all();
+    if (Clock::now() >= deadline) {
+      progress.waited = sampleWaitLocked(n, progress.done, waitSeconds);
+      break;
+    }
+    if (!blocking) {
+      lock.unlock();
+      blocking.emplace();
+      lock.lock();
+      continue;
+    }
+    ++waitingSamplers_;
+    bool timedOut = sampleCv_.wait_until(lock, deadline) == std::cv_status::timeout;
+    --waitingSamplers_;
+    if (timedOut && !closed_ && !canSampleLocked()) {
+      progress.waited = sampleWaitLocked(n, progress.done, waitSeconds);
+      break;
+    }
+  }
+  if (progress.size == 0) progress.size = tail_ - head_;
+  if (progress.done > 0) insertCv_.notify_all();
+  return progress;
+}
+
+int64_t Replay::updatePriorities(int64_t n, const int64_t* keys, const double* priorities) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(priorities[i]) || priorities[i] < 0) {
+      throw std::invalid_argument(concat("replay update_priorities: the priority for key ", keys[i],
+                                         " is ", fmt(priorities[i]),
+                                         "; priorities must be finite and >= 0"));
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  checkOpenLocked();
+  int64_t updated = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t key = keys[i];
+    if (key < head_ || key >= tail_) continue;
+    int64_t slot = key % config_.capacity;
+    priorities_[size_t(slot)] = priorities[i];
+    setTreeLocked(slot, weight(priorities[i]));
+    ++updated;
+  }
+  return updated;
+}
+
+void Replay::reconfigure(double alpha, int64_t minSize, double samplesPerInsert,
+                         double errorBuffer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ReplayConfig c = config_;
+  c.alpha = alpha;
+  c.minSize = minSize;
+  c.samplesPerInsert = samplesPerInsert;
+  c.errorBuffer = errorBuffer;
+  validate(c);
+  bool rebuild = c.alpha != config_.alpha;
+  config_ = c;
+  if (rebuild) rebuildTreeLocked();
+  insertCv_.notify_all();
+  sampleCv_.notify_all();
+}
+
+void Replay::reseed(uint64_t seed) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  rng_.seed(seed);
+}
+
+ReplayConfig Replay::config() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return config_;
+}
+
+int64_t Replay::size() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return tail_ - head_;
+}
+
+double Replay::priorityMass() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!tree_.empty()) return tree_[1];
+  return double(tail_ - head_);
+}
+
+ReplayInfo Replay::info() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ReplayInfo r;
+  r.size = tail_ - head_;
+  r.capacity = config_.capacity;
+  r.inserts = inserts_;
+  r.samples = samples_;
+  r.evictions = evictions_;
+  r.priorityMass = tree_.empty() ? double(r.size) : tree_[1];
+  r.frames = liveFrames_;
+  r.frameBytes = liveFrameBytes_;
+  r.waitingInserters = waitingInserters_;
+  r.waitingSamplers = waitingSamplers_;
+  // What the live items take: their dense bytes and frame ids, the distinct
+  // frames with their bookkeeping (record, hash-map node), and the priority
+  // (plus its sum-tree share).
+  int64_t perItem = int64_t(sizeof(double)) + (tree_.empty() ? 0 : 2 * int64_t(sizeof(double)));
+  for (auto& l : leaves_) perItem += l.frames == 0 ? l.itemBytes : l.frames * 4;
+  r.storedBytes = r.size * perItem + liveFrameBytes_ +
+                  liveFrames_ * int64_t(sizeof(Frame) + 2 * sizeof(void*) + 16);
+  return r;
+}
+
+void Replay::save(const std::string& path) const {
+  std::string dir = ".";
+  if (auto slash = path.rfind('/'); slash != std::string::npos) dir = path.substr(0, slash + 1);
+  std::string tmp = concat(path, ".tmp.", ::getpid(), ".", std::random_device{}());
+  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  MOO_ENFORCE(fd.get() >= 0, "replay checkpoint: cannot create ", tmp, ": ", std::strerror(errno));
+  try {
+    CheckpointWriter w(fd.get(), tmp);
+    {
+      // Held for the whole write, so the file is one consistent state.
+      std::lock_guard<std::mutex> lock(mutex_);
+      w.write(kMagic, sizeof(kMagic));
+      w.put<uint32_t>(kVersion);
+      w.put<uint32_t>(0);
+      w.put<int64_t>(config_.capacity);
+      w.put<int32_t>(int32_t(config_.selector));
+      w.put<double>(config_.alpha);
+      w.put<int64_t>(config_.minSize);
+      w.put<double>(config_.samplesPerInsert);
+      w.put<double>(config_.errorBuffer);
+      w.put<int64_t>(head_);
+      w.put<int64_t>(tail_);
+      w.put<int64_t>(inserts_);
+      w.put<int64_t>(samples_);
+      w.put<int64_t>(evictions_);
+      std::ostringstream rng;
+      rng << rng_;
+      w.putString(rng.str());
+      w.putString(meta_);
+      w.put<uint8_t>(hasSchema_ ? 1 : 0);
+      w.put<uint64_t>(leaves_.size());
+      for (auto& l : leaves_) {
+        w.put<int64_t>(l.itemBytes);
+        w.put<int64_t>(l.frames);
+      }
+      // Frames are written once each, renumbered densely in order of first use.
+      std::unordered_map<uint32_t, uint32_t> renumber;
+      std::vector<uint32_t> order;
+      for (int64_t k = head_; k < tail_; ++k) {
+        int64_t slot = k % config_.capacity;
+        for (size_t j = 0; j < leaves_.size(); ++j) {
+          for (int64_t f = 0; f < leaves_[j].frames; ++f) {
+            uint32_t id = ids_[j][size_t(slot * leaves_[j].frames + f)];
+            if (renumber.emplace(id, uint32_t(order.size())).second) order.push_back(id);
+          }
+        }
+      }
+      w.put<uint64_t>(order.size());
+      for (uint32_t id : order) {
+        w.put<uint32_t>(frames_[id].bytes);
+        w.write(frames_[id].data.get(), frames_[id].bytes);
+      }
+      for (int64_t k = head_; k < tail_; ++k) {
+        int64_t slot = k % config_.capacity;
+        w.put<double>(priorities_[size_t(slot)]);
+        for (size_t j = 0; j < leaves_.size(); ++j) {
+          if (leaves_[j].frames == 0) {
+            w.write(denseSlotConst(j, slot), size_t(leaves_[j].itemBytes));
+            continue;
+          }
+          for (int64_t f = 0; f < leaves_[j].frames; ++f) {
+            w.put<uint32_t>(renumber.at(ids_[j][size_t(slot * leaves_[j].frames + f)]));
+          }
+        }
+      }
+    }
+    w.finish();
+    MOO_ENFORCE(::fsync(fd.get()) == 0, "replay checkpoint: fsync ", tmp, ": ",
+                std::strerror(errno));
+    ::close(fd.release());
+    MOO_ENFORCE(::rename(tmp.c_str(), path.c_str()) == 0, "replay checkpoint: rename ", tmp, " to ",
+                path, ": ", std::strerror(errno));
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  // The rename itself is durable only once the directory is synced.
+  Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (d.get() >= 0) ::fsync(d.get());
+}
+
+std::unique_ptr<Replay> Replay::load(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  MOO_ENFORCE(fd.get() >= 0, "replay checkpoint ", path, ": ", std::strerror(errno));
+  struct stat st;
+  MOO_ENFORCE(::fstat(fd.get(), &st) == 0, "replay checkpoint ", path, ": ", std::strerror(errno));
+  uint64_t fileSize = uint64_t(st.st_size);
+  auto refuse = [&](const std::string& why) {
+    throw std::invalid_argument("replay checkpoint " + path + " " + why);
+  };
+  if (fileSize < sizeof(kMagic) + kDigestBytes)
+    refuse(concat("is truncated (", fileSize, " bytes)"));
+  char magic[sizeof(kMagic)];
+  if (::pread(fd.get(), magic, sizeof(magic), 0) != ssize_t(sizeof(magic)) ||
+      std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) {
+    refuse("is not a moolib replay checkpoint");
+  }
+  {
+    // The digest covers everything before it: checked before anything is parsed.
+    MdCtx md = newSha256();
+    std::vector<uint8_t> buf(1 << 20);
+    uint64_t left = fileSize - kDigestBytes, off = 0;
+    while (left > 0) {
+      ssize_t r = ::pread(fd.get(), buf.data(), size_t(std::min<uint64_t>(left, buf.size())), off);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) refuse("could not be read");
+      EVP_DigestUpdate(md.get(), buf.data(), size_t(r));
+      left -= uint64_t(r);
+      off += uint64_t(r);
+    }
+    unsigned char digest[EVP_MAX_MD_SIZE], stored[kDigestBytes];
+    unsigned int len = 0;
+    EVP_DigestFinal_ex(md.get(), digest, &len);
+    if (::pread(fd.get(), stored, kDigestBytes, off_t(fileSize - kDigestBytes)) !=
+            ssize_t(kDigestBytes) ||
+        len != kDigestBytes || std::memcmp(digest, stored, kDigestBytes) != 0) {
+      refuse("is damaged or truncated: its SHA-256 checksum does not match");
+    }
+  }
+  CheckpointReader r(fd.get(), path, fileSize - kDigestBytes);
+  char skip[sizeof(kMagic)];
+  r.read(skip, sizeof(skip));
+  if (r.get<uint32_t>() != kVersion) r.corrupt("unknown format version");
+  r.get<uint32_t>();
+  ReplayConfig c;
+  c.capacity = r.get<int64_t>();
+  int32_t selector = r.get<int32_t>();
+  if (selector < 0 || selector > int32_t(ReplaySelector::kFifo)) r.corrupt("unknown selector");
+  c.selector = ReplaySelector(selector);
+  c.alpha = r.get<double>();
+  c.minSize = r.get<int64_t>();
+  c.samplesPerInsert = r.get<double>();
+  c.errorBuffer = r.get<double>();
+  try {
+    validate(c);
+  } catch (const std::invalid_argument& e) {
+    r.corrupt(e.what());
+  }
+  // The capacity sizes allocations before any item is read: bound it by
+  // what an item costs at least in the file (its priority).
+  int64_t head = r.get<int64_t>(), tail = r.get<int64_t>();
+  if (head < 0 || tail < head || tail - head > c.capacity ||
+      uint64_t(tail - head) > r.left() / sizeof(double)) {
+    r.corrupt("bad item range");
+  }
+  if (c.capacity > (int64_t(1) << 40)) r.corrupt("capacity out of range");
+  auto out = std::make_unique<Replay>(c, 0);
+  Replay& t = *out;
+  t.head_ = head;
+  t.tail_ = tail;
+  t.inserts_ = r.get<int64_t>();
+  t.samples_ = r.get<int64_t>();
+  t.evictions_ = r.get<int64_t>();
+  if (t.inserts_ < tail || t.samples_ < 0 || t.evictions_ < 0) r.corrupt("bad counters");
+  std::istringstream rng(r.getString(1 << 16, "random state"));
+  rng >> t.rng_;
+  if (rng.fail()) r.corrupt("bad random state");
+  std::string meta = r.getString(1 << 26, "metadata");
+  bool hasSchema = r.get<uint8_t>() != 0;
+  uint64_t nLeaves = r.get<uint64_t>();
+  if (nLeaves > 4096 || nLeaves * 16 > r.left()) r.corrupt("bad leaf count");
+  std::vector<ReplayLeaf> leaves(nLeaves);
+  for (auto& l : leaves) {
+    l.itemBytes = r.get<int64_t>();
+    l.frames = r.get<int64_t>();
+    if (l.itemBytes <= 0 || l.itemBytes > (int64_t(1) << 40) || l.frames < 0 ||
+        l.frames > l.itemBytes || (l.frames > 0 && l.itemBytes % l.frames != 0)) {
+      r.corrupt("bad leaf layout");
+    }
+  }
+  if (hasSchema) {
+    try {
+      t.setSchema(leaves, meta);
+    } catch (const std::invalid_argument& e) {
+      r.corrupt(e.what());
+    }
+  } else {
+    if (nLeaves != 0 || tail != head) r.corrupt("items without a layout");
+    t.meta_ = meta;
+  }
+  uint64_t nFrames = r.get<uint64_t>();
+  if (nFrames > r.left() / 4) r.corrupt("bad frame count");
+  t.frames_.resize(nFrames);
+  for (uint64_t i = 0; i < nFrames; ++i) {
+    uint32_t bytes = r.get<uint32_t>();
+    if (bytes == 0 || bytes > r.left()) r.corrupt("bad frame size");
+    Frame& f = t.frames_[i];
+    f.bytes = bytes;
+    f.data = std::make_unique<uint8_t[]>(bytes);
+    r.read(f.data.get(), bytes);
+    f.hash = replayHash(f.data.get(), bytes);
+    auto [it, fresh] = t.frameByHash_.emplace(f.hash, uint32_t(i));
+    f.nextSameHash = fresh ? kNoFrame : it->second;
+    it->second = uint32_t(i);
+    t.liveFrameBytes_ += bytes;
+  }
+  t.liveFrames_ = int64_t(nFrames);
+  for (int64_t k = head; k < tail; ++k) {
+    int64_t slot = k % c.capacity;
+    double p = r.get<double>();
+    if (!std::isfinite(p) || p < 0) r.corrupt("bad priority");
+    t.priorities_[size_t(slot)] = p;
+    for (size_t j = 0; j < leaves.size(); ++j) {
+      if (leaves[j].frames == 0) {
+        r.read(t.denseSlot(j, slot), uint64_t(leaves[j].itemBytes));
+        continue;
+      }
+      uint64_t frameBytes = uint64_t(leaves[j].itemBytes / leaves[j].frames);
+      uint32_t* ids = t.frameIds(j, slot);
+      for (int64_t f = 0; f < leaves[j].frames; ++f) {
+        uint32_t id = r.get<uint32_t>();
+        if (id >= nFrames || t.frames_[id].bytes != frameBytes) r.corrupt("bad frame reference");
+        ids[f] = id;
+        ++t.frames_[id].refs;
+      }
+    }
+  }
+  if (r.left() != 0) r.corrupt("trailing bytes");
+  for (auto& f : t.frames_) {
+    if (f.refs == 0) r.corrupt("unreferenced frame");
+  }
+  t.rebuildTreeLocked();
+  return out;
+}
+
+}  // namespace moolib

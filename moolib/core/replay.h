@@ -1,0 +1,177 @@
+// A prioritized experience replay table (Ape-X, R2D2), with Reverb's rate
+// limiter; moolib/replay.py adds the Python API (nests, dtypes, shapes).
+//
+// The core sees an item as one fixed-size byte string per leaf. Keys are the
+// insertion counter, and eviction is strictly oldest first, so the live keys
+// are always the range [head, tail) and key k lives in slot k % capacity: no
+// key-to-slot map, and a key evicted meanwhile is recognised by comparison.
+// docs/architecture.md (section "Replay") explains the choices.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace moolib {
+
+enum class ReplaySelector { kUniform, kPrioritized, kFifo };
+
+struct ReplayConfig {
+  int64_t capacity = 0;
+  ReplaySelector selector = ReplaySelector::kPrioritized;
+  double alpha = 0.6;
+  int64_t minSize = 1;
+  // samplesPerInsert <= 0: no ratio is enforced (only minSize).
+  double samplesPerInsert = 0;
+  double errorBuffer = 0;
+};
+
+// One leaf of an item. A dedup leaf is `frames` frames of itemBytes / frames
+// bytes each, stored content-addressed (shared by every item and leaf that
+// holds the same frame).
+struct ReplayLeaf {
+  int64_t itemBytes = 0;
+  int64_t frames = 0;  // 0: stored densely
+};
+
+// A view of caller memory: n items of a leaf back to back.
+struct ReplaySpan {
+  uint8_t* data = nullptr;
+  size_t size = 0;
+};
+
+struct ReplayProgress {
+  int64_t done = 0;
+  // Why the call stopped before it was done (a timeout); empty when done.
+  std::string waited;
+  int64_t size = 0;  // table size when the last item was taken (sample)
+  // sample: the table became sampleable, but outs did not match the schema
+  // (the caller had none before the first insert): call again with outputs.
+  bool needOutputs = false;
+};
+
+struct ReplayInfo {
+  int64_t size = 0, capacity = 0, inserts = 0, samples = 0, evictions = 0;
+  double priorityMass = 0;
+  int64_t storedBytes = 0, frames = 0, frameBytes = 0;
+  int64_t waitingInserters = 0, waitingSamplers = 0;
+};
+
+class Replay {
+ public:
+  Replay(const ReplayConfig& config, uint64_t seed);
+  ~Replay();
+  Replay(const Replay&) = delete;
+  Replay& operator=(const Replay&) = delete;
+
+  // Fixes the item layout (the first insert does it). `meta` is the Python
+  // side's description of the structure, kept for checkpoints. Calling it
+  // again with the same leaves is a no-op; different ones throw.
+  void setSchema(const std::vector<ReplayLeaf>& leaves, const std::string& meta);
+  bool hasSchema() const;
+  // An opaque description kept for checkpoints (the Python side's settings).
+  void setMeta(const std::string& meta);
+  std::string meta() const;
+
+  // Inserts n items (leaves[j] holds n * itemBytes of leaf j; priorities n
+  // doubles or null for 1), writing their keys to keysOut. Waits on the rate
+  // limiter at most waitSeconds in all; what was inserted before a timeout
+  // stays. Throws std::invalid_argument (nothing inserted) on a bad priority.
+  ReplayProgress insert(int64_t n, const std::vector<ReplaySpan>& leaves, const double* priorities,
+                        int64_t* keysOut, double waitSeconds);
+  // Samples n items into outs (n * itemBytes per leaf), keys and the
+  // probability each had of being drawn.
+  ReplayProgress sample(int64_t n, const std::vector<ReplaySpan>& outs, int64_t* keysOut,
+                        double* probsOut, double waitSeconds);
+  // Returns how many keys were present. Validates every priority first.
+  int64_t updatePriorities(int64_t n, const int64_t* keys, const double* priorities);
+
+  // Changes what a checkpoint restores by default (load overrides).
+  void reconfigure(double alpha, int64_t minSize, double samplesPerInsert, double errorBuffer);
+  void reseed(uint64_t seed);
+  ReplayConfig config() const;
+  int64_t size() const;
+  double priorityMass() const;
+  ReplayInfo info() const;
+
+  // Fails every waiting and later call with "replay table is closed".
+  void close();
+
+  void save(const std::string& path) const;
+  static std::unique_ptr<Replay> load(const std::string& path);
+
+  // Throws std::invalid_argument unless the limiter settings can make progress.
+  static void validate(const ReplayConfig& config);
+
+ private:
+  struct Frame {
+    uint64_t hash = 0;
+    uint32_t refs = 0;
+    uint32_t nextSameHash = 0;  // kNoFrame ends the chain
+    uint32_t bytes = 0;
+    std::unique_ptr<uint8_t[]> data;
+  };
+  static constexpr uint32_t kNoFrame = UINT32_MAX;
+
+  bool canInsertLocked() const;
+  bool canSampleLocked() const;
+  std::string insertWaitLocked(int64_t n, int64_t done, double waited) const;
+  std::string sampleWaitLocked(int64_t n, int64_t done, double waited) const;
+  void checkOpenLocked() const;
+
+  uint8_t* denseSlot(size_t leaf, int64_t slot);
+  const uint8_t* denseSlotConst(size_t leaf, int64_t slot) const;
+  uint32_t* frameIds(size_t leaf, int64_t slot);
+  void evictOldestLocked();
+  void putLocked(int64_t slot, const std::vector<const uint8_t*>& src, const uint64_t* hashes,
+                 double priority);
+  void copyOutLocked(int64_t slot, const std::vector<ReplaySpan>& outs, int64_t index);
+  uint32_t internFrame(const uint8_t* data, uint32_t bytes, uint64_t hash);
+  void releaseFrame(uint32_t id);
+
+  void setTreeLocked(int64_t slot, double value);
+  int64_t drawLocked(double* probability);
+  double weight(double priority) const;
+  void rebuildTreeLocked();
+
+  mutable std::mutex mutex_;
+  std::condition_variable insertCv_, sampleCv_;
+  ReplayConfig config_;
+  std::mt19937_64 rng_;
+  bool closed_ = false;
+  int64_t waitingInserters_ = 0, waitingSamplers_ = 0;
+  int64_t evictions_ = 0;
+  std::vector<uint32_t> evictedIds_;  // scratch: frames of the item an insert evicts
+
+  std::vector<ReplayLeaf> leaves_;
+  std::string meta_;
+  bool hasSchema_ = false;
+  int64_t chunkItems_ = 1;
+  // Per leaf: dense storage in lazily allocated chunks of chunkItems_ slots,
+  // or for a dedup leaf, `frames` frame ids per slot.
+  std::vector<std::vector<std::unique_ptr<uint8_t[]>>> chunks_;
+  std::vector<std::vector<uint32_t>> ids_;
+
+  std::vector<Frame> frames_;
+  std::vector<uint32_t> freeFrames_;
+  std::unordered_map<uint64_t, uint32_t> frameByHash_;  // first frame of each hash chain
+  int64_t liveFrames_ = 0, liveFrameBytes_ = 0;
+
+  int64_t head_ = 0, tail_ = 0;  // live keys: [head_, tail_)
+  int64_t inserts_ = 0, samples_ = 0;
+  std::vector<double> priorities_;  // per slot
+  // Sum tree over slots of priority^alpha: leaves at [treeLeaves_, 2 * treeLeaves_).
+  std::vector<double> tree_;
+  int64_t treeLeaves_ = 0;
+};
+
+// A 64-bit hash of a byte string, for content addressing (equal bytes are
+// still compared on a match).
+uint64_t replayHash(const uint8_t* data, size_t size);
+
+}  // namespace moolib

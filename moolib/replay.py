@@ -1,0 +1,535 @@
+"""A prioritized experience replay table (Ape-X, R2D2) with Reverb's rate limiter.
+
+The table itself (priorities, sum tree, item bytes, content-addressed frames,
+rate limiter, checkpoints) lives in the C++ core (moolib/core/replay.h); this
+module maps nests of tensors onto it: it learns the item layout from the first
+insert, checks every later insert against it (naming the leaf that differs),
+and hands the core one flat byte view per leaf, so the insert and sample paths
+make no per-item Python objects. docs/architecture.md ("Replay") has the design.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _core, nest
+
+__all__ = ["Replay", "ReplaySample"]
+
+_SELECTORS = ("uniform", "prioritized", "fifo")
+_LOAD_OVERRIDES = ("alpha", "min_size", "samples_per_insert", "error_buffer", "seed", "timeout")
+
+
+class ReplaySample(NamedTuple):
+    """A sampled batch.
+
+    ``items`` is the nest with each leaf stacked to ``(B, *leaf_shape)``,
+    ``keys`` the items' int64 keys, ``probabilities`` (float64) the chance each
+    item had of being drawn (for importance weights; 1.0 under ``fifo``), and
+    ``size`` the table's size when the batch was drawn.
+    """
+
+    items: Any
+    keys: torch.Tensor
+    probabilities: torch.Tensor
+    size: int
+
+
+def _name(path: tuple) -> str:
+    return ".".join(str(p) for p in path) or "<item>"
+
+
+def _walk(x: Any, path: tuple, leaves: list, paths: list) -> Any:
+    """Flattens like nest.flatten, collecting paths; returns a JSON-able skeleton."""
+    if isinstance(x, dict):
+        keys = nest._keys(x)
+        for k in keys:
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise TypeError(
+                    f"replay items may have str or int dict keys; {_name(path)} has {k!r}"
+                )
+        return {"d": [[k, _walk(x[k], (*path, k), leaves, paths)] for k in keys]}
+    if isinstance(x, (list, tuple)):
+        tag = "l" if isinstance(x, list) else "t"
+        return {tag: [_walk(v, (*path, i), leaves, paths) for i, v in enumerate(x)]}
+    leaves.append(x)
+    paths.append(path)
+    return None
+
+
+def _unskeleton(s: Any) -> Any:
+    if s is None:
+        return None
+    if "d" in s:
+        return {k: _unskeleton(v) for k, v in s["d"]}
+    items = [_unskeleton(v) for v in s.get("l", s.get("t", []))]
+    return items if "l" in s else tuple(items)
+
+
+def _as_tensor(leaf: Any, name: str) -> torch.Tensor:
+    if isinstance(leaf, torch.Tensor):
+        t = leaf
+    elif type(leaf).__module__ == "numpy" and hasattr(leaf, "__array_interface__"):
+        t = torch.from_numpy(leaf)
+    else:
+        raise TypeError(
+            f"replay leaf {name} is a {type(leaf).__name__}: leaves must be tensors or numpy "
+            "arrays with a leading batch dimension"
+        )
+    if t.dim() == 0:
+        raise ValueError(f"replay leaf {name} is a scalar: it needs a leading batch dimension")
+    return t
+
+
+def _bytes_view(t: torch.Tensor) -> Any:
+    # One flat byte view per leaf: any dtype (bool, bfloat16) crosses the
+    # binding as a buffer without a copy when already contiguous on the CPU.
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a replay checkpoint")
+    return dtype
+
+
+class _Schema:
+    """The item layout learned from the first insert."""
+
+    def __init__(
+        self,
+        skeleton: Any,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        frames: list[int],
+    ) -> None:
+        self.skeleton = skeleton
+        self.structure = _unskeleton(skeleton)
+        self.names = names
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self.frames = frames
+        self.item_bytes = [
+            math.prod(s) * torch.empty((), dtype=d).element_size()
+            for s, d in zip(shapes, dtypes, strict=True)
+        ]
+
+    @classmethod
+    def learn(cls, items: Any, dedup: Sequence[str]) -> _Schema:
+        leaves: list = []
+        paths: list = []
+        skeleton = _walk(items, (), leaves, paths)
+        if not leaves:
+            raise ValueError("replay items need at least one leaf")
+        names = [_name(p) for p in paths]
+        tensors = [_as_tensor(x, n) for x, n in zip(leaves, names, strict=True)]
+        unknown = [d for d in dedup if d not in names]
+        if unknown:
+            raise ValueError(
+                f"dedup names {', '.join(map(repr, unknown))}, not leaves of the items "
+                f"(leaves: {', '.join(names)})"
+            )
+        frames = []
+        for t, n in zip(tensors, names, strict=True):
+            if n in dedup:
+                if t.dim() < 2 or t.shape[1] == 0:
+                    raise ValueError(
+                        f"dedup leaf {n} has item shape {tuple(t.shape[1:])}: it needs a "
+                        "leading frame dimension (S, *frame_shape)"
+                    )
+                frames.append(int(t.shape[1]))
+            else:
+                frames.append(0)
+        schema = cls(
+            skeleton,
+            names,
+            [t.dtype for t in tensors],
+            [tuple(t.shape[1:]) for t in tensors],
+            frames,
+        )
+        # Sampled nests keep the first insert's dict key order.
+        schema.structure = nest.pack_as(items, [None] * len(leaves))
+        if any(b == 0 for b in schema.item_bytes):
+            empty = [n for n, b in zip(names, schema.item_bytes, strict=True) if b == 0]
+            raise ValueError(f"replay leaf {empty[0]} holds no bytes per item")
+        return schema
+
+    def to_json(self) -> dict:
+        return {
+            "skeleton": self.skeleton,
+            "names": self.names,
+            "dtypes": [str(d) for d in self.dtypes],
+            "shapes": [list(s) for s in self.shapes],
+            "frames": self.frames,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> _Schema:
+        return cls(
+            d["skeleton"],
+            list(d["names"]),
+            [_dtype_from_name(x) for x in d["dtypes"]],
+            [tuple(int(v) for v in s) for s in d["shapes"]],
+            [int(f) for f in d["frames"]],
+        )
+
+    def flatten(self, items: Any) -> tuple[list[torch.Tensor], int]:
+        """The leaves of items in table order, and the batch size; raises
+        naming the leaf whose structure, dtype or shape differs."""
+        leaves: list = []
+        paths: list = []
+        skeleton = _walk(items, (), leaves, paths)
+        if skeleton != self.skeleton:
+            given = [_name(p) for p in paths]
+            missing = [n for n in self.names if n not in given]
+            extra = [n for n in given if n not in self.names]
+            raise ValueError(
+                "replay item structure differs from the table's: "
+                f"missing leaves {missing or 'none'}, unexpected leaves {extra or 'none'} "
+                f"(the table stores {', '.join(self.names)})"
+            )
+        tensors = []
+        n = None
+        for leaf, name, dtype, shape in zip(
+            leaves, self.names, self.dtypes, self.shapes, strict=True
+        ):
+            t = _as_tensor(leaf, name)
+            if t.dtype != dtype:
+                raise ValueError(
+                    f"replay leaf {name} has dtype {t.dtype}; the table stores {dtype}"
+                )
+            if tuple(t.shape[1:]) != shape:
+                raise ValueError(
+                    f"replay leaf {name} has item shape {tuple(t.shape[1:])}; the table "
+                    f"stores {shape}"
+                )
+            if n is None:
+                n = int(t.shape[0])
+            elif t.shape[0] != n:
+                raise ValueError(
+                    f"replay leaf {name} has batch size {t.shape[0]}; leaf {self.names[0]} has {n}"
+                )
+            tensors.append(t)
+        assert n is not None
+        return tensors, n
+
+
+class Replay:
+    """A replay table of nests of tensors, stored natively.
+
+    ``selector``: ``"prioritized"`` draws item i with probability
+    ``p_i**alpha / sum(p**alpha)`` (a sum tree), ``"uniform"`` uniformly over
+    the live items, both with replacement and seeded by ``seed``; ``"fifo"``
+    returns the oldest items in insertion order (round again past the end).
+    At capacity the oldest item is evicted.
+
+    Rate limiting follows Reverb: sampling waits until ``min_size`` items are
+    in the table; with ``samples_per_insert`` (SPI) and ``error_buffer`` (E),
+    ``diff = inserts * SPI - samples`` (counted per item) must stay within
+    ``SPI * min_size -/+ E``: an item may be inserted while the table has fewer
+    than ``min_size`` items or ``diff + SPI <= max_diff``, and sampled when
+    ``diff - 1 >= min_diff``. Batches move item by item. A wait longer than
+    ``timeout`` (per call, or the call's own ``timeout``) raises
+    ``TimeoutError`` saying what it waited for; ``close()`` fails every waiter.
+
+    ``dedup`` names leaves (dotted paths, e.g. ``"obs"``) of item shape
+    ``(S, *frame)`` whose frames are stored once each, shared by every item
+    and leaf holding the same bytes: stacked Atari frames cost about one frame
+    per transition.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        selector: str = "prioritized",
+        alpha: float = 0.6,
+        min_size: int = 1,
+        samples_per_insert: float | None = None,
+        error_buffer: float | None = None,
+        dedup: Sequence[str] = (),
+        seed: int | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        if selector not in _SELECTORS:
+            raise ValueError(
+                f"unknown replay selector {selector!r}: expected one of {', '.join(_SELECTORS)}"
+            )
+        spi, eb = _limiter(samples_per_insert, error_buffer)
+        if isinstance(dedup, str):
+            dedup = (dedup,)
+        if seed is None:
+            seed = random.SystemRandom().getrandbits(64)
+        core = _core.Replay(
+            int(capacity), selector, float(alpha), int(min_size), spi, eb, int(seed) % 2**64
+        )
+        self._setup(core, tuple(dedup), timeout)
+        self._save_meta()
+
+    def _setup(self, core: Any, dedup: tuple[str, ...], timeout: float) -> None:
+        if not timeout > 0:
+            raise ValueError(f"replay timeout must be positive, got {timeout}")
+        self._core = core
+        self._dedup = dedup
+        self._timeout = float(timeout)
+        self._schema: _Schema | None = None
+        self._schema_lock = threading.Lock()
+
+    def _meta(self, schema: _Schema | None) -> bytes:
+        meta = {
+            "dedup": list(self._dedup),
+            "timeout": self._timeout,
+            "schema": schema.to_json() if schema else None,
+        }
+        return json.dumps(meta).encode()
+
+    def _save_meta(self) -> None:
+        self._core.set_meta(self._meta(self._schema))
+
+    def _wait(self, timeout: float | None) -> float:
+        t = self._timeout if timeout is None else float(timeout)
+        if math.isnan(t) or t < 0:
+            raise ValueError(f"replay timeout must be >= 0, got {timeout}")
+        return t
+
+    # Inserting.
+
+    def _flatten(self, items: Any) -> tuple[list[torch.Tensor], int]:
+        schema = self._schema
+        if schema is None:
+            with self._schema_lock:
+                if self._schema is None:
+                    learned = _Schema.learn(items, self._dedup)
+                    self._core.set_schema(learned.item_bytes, learned.frames, self._meta(learned))
+                    self._schema = learned
+                schema = self._schema
+        return schema.flatten(items)
+
+    def _insert(self, items: Any, priorities: Any, wait: float) -> tuple[torch.Tensor, str]:
+        tensors, n = self._flatten(items)
+        if n <= 0:
+            raise ValueError(f"replay insert of {n} items: a batch needs at least one")
+        prio = None
+        if priorities is not None:
+            p = torch.as_tensor(priorities, dtype=torch.float64).detach().cpu().reshape(-1)
+            if p.numel() != n:
+                raise ValueError(f"replay insert: {p.numel()} priorities for a batch of {n} items")
+            prio = p.contiguous().numpy()
+        keys = torch.empty(n, dtype=torch.int64)
+        done, waited, _ = self._core.insert(
+            [_bytes_view(t) for t in tensors], prio, keys.numpy(), wait
+        )
+        return keys[:done], waited
+
+    def insert(
+        self, items: Any, priorities: Any = None, timeout: float | None = None
+    ) -> torch.Tensor:
+        """Inserts a batch (every leaf with leading dim N); returns the N int64 keys.
+
+        ``priorities`` (N values, finite and >= 0) may be None: 1 each. Waits on
+        the rate limiter at most ``timeout`` seconds (default: the table's);
+        on timeout the items inserted so far stay and ``TimeoutError`` says
+        how many and why.
+        """
+        keys, waited = self._insert(items, priorities, self._wait(timeout))
+        if waited:
+            raise TimeoutError(waited)
+        return keys
+
+    def _insert_some(self, items: Any, priorities: Any, wait: float) -> torch.Tensor:
+        """Inserts what the rate limiter lets through within ``wait`` seconds;
+        returns those items' keys (a prefix of the batch)."""
+        return self._insert(items, priorities, max(0.0, float(wait)))[0]
+
+    # Sampling.
+
+    def _sample(self, batch_size: int, wait: float) -> tuple[ReplaySample, str]:
+        if batch_size <= 0:
+            raise ValueError(f"replay sample of {batch_size} items: batch_size must be positive")
+        keys = torch.empty(batch_size, dtype=torch.int64)
+        probs = torch.empty(batch_size, dtype=torch.float64)
+        deadline = None if wait >= 1e9 else _now() + wait
+        while True:
+            schema = self._schema
+            outs = []
+            if schema is not None:
+                outs = [
+                    torch.empty((batch_size, *s), dtype=d)
+                    for s, d in zip(schema.shapes, schema.dtypes, strict=True)
+                ]
+            left = wait if deadline is None else max(0.0, deadline - _now())
+            done, waited, size, need_outputs = self._core.sample(
+                batch_size,
+                [o.reshape(-1).view(torch.uint8).numpy() for o in outs],
+                keys.numpy(),
+                probs.numpy(),
+                left,
+            )
+            if not need_outputs:
+                break
+        items = None
+        if schema is not None:
+            items = nest.pack_as(schema.structure, [o[:done] for o in outs])
+        return ReplaySample(items, keys[:done], probs[:done], int(size)), waited
+
+    def sample(self, batch_size: int, timeout: float | None = None) -> ReplaySample:
+        """Draws ``batch_size`` items (with replacement, except under fifo).
+
+        Waits for ``min_size`` and the rate limiter at most ``timeout`` seconds
+        (default: the table's), then raises ``TimeoutError`` saying what it
+        waited for.
+        """
+        s, waited = self._sample(int(batch_size), self._wait(timeout))
+        if waited:
+            raise TimeoutError(waited)
+        return s
+
+    def _sample_some(self, batch_size: int, wait: float) -> ReplaySample:
+        """Samples what the rate limiter lets through within ``wait`` seconds
+        (possibly nothing)."""
+        return self._sample(int(batch_size), max(0.0, float(wait)))[0]
+
+    def update_priorities(self, keys: Any, priorities: Any) -> int:
+        """Sets the priorities of ``keys``; keys evicted meanwhile are skipped.
+        Returns how many keys were still present. A NaN, infinite or negative
+        priority is refused (nothing changes), naming its key."""
+        k = torch.as_tensor(keys, dtype=torch.int64).detach().cpu().reshape(-1).contiguous()
+        p = torch.as_tensor(priorities, dtype=torch.float64).detach().cpu().reshape(-1)
+        if k.numel() != p.numel():
+            raise ValueError(
+                f"replay update_priorities: {k.numel()} keys but {p.numel()} priorities"
+            )
+        if k.numel() == 0:
+            return 0
+        return int(self._core.update_priorities(k.numpy(), p.contiguous().numpy()))
+
+    # State.
+
+    def size(self) -> int:
+        """How many items the table holds."""
+        return int(self._core.size())
+
+    def __len__(self) -> int:
+        return self.size()
+
+    @property
+    def capacity(self) -> int:
+        """The most items the table holds; the oldest is evicted past it."""
+        return int(self._core.config()["capacity"])
+
+    def _mass(self) -> float:
+        """The sum of p**alpha over the items (prioritized), else the size."""
+        return float(self._core.priority_mass())
+
+    def info(self) -> dict:
+        """Counters and settings: size, capacity, inserts, samples (items),
+        evictions, priority_mass, bytes_per_item (measured storage per live
+        item, frames shared by dedup counted once), item_bytes (an item's
+        size as inserted), frames (distinct dedup frames), waiting
+        inserters/samplers, and the table's settings."""
+        info = dict(self._core.info())
+        config = self._core.config()
+        schema = self._schema
+        info["bytes_per_item"] = info["stored_bytes"] / info["size"] if info["size"] else 0.0
+        info["item_bytes"] = sum(schema.item_bytes) if schema else 0
+        info.update(
+            selector=config["selector"],
+            alpha=config["alpha"],
+            min_size=config["min_size"],
+            samples_per_insert=config["samples_per_insert"] or None,
+            error_buffer=config["error_buffer"] if config["samples_per_insert"] else None,
+            dedup=list(self._dedup),
+        )
+        return info
+
+    def close(self) -> None:
+        """Wakes every waiting insert and sample with an error; later calls fail too."""
+        self._core.close()
+
+    def __enter__(self) -> Replay:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # Checkpoints.
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the table atomically (temp file, fsync, rename) with a SHA-256
+        checksum: items (dedup frames once each), keys, priorities, counters and
+        the sampler's random state."""
+        self._core.save(os.fspath(path))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, **overrides: Any) -> Replay:
+        """Restores a table written by ``save``: same keys, priorities, items,
+        counters and (unless ``seed`` is overridden) the same samples after.
+
+        ``overrides`` may change ``alpha``, ``min_size``, ``samples_per_insert``,
+        ``error_buffer``, ``seed`` and ``timeout``. A truncated or damaged file
+        is refused with a ``ValueError`` naming it.
+        """
+        unknown = set(overrides) - set(_LOAD_OVERRIDES)
+        if unknown:
+            raise TypeError(
+                f"Replay.load cannot override {', '.join(sorted(unknown))}; "
+                f"it can override {', '.join(_LOAD_OVERRIDES)}"
+            )
+        core = _core.Replay.load(os.fspath(path))
+        try:
+            meta = json.loads(core.meta().decode())
+            dedup = tuple(meta["dedup"])
+            schema = _Schema.from_json(meta["schema"]) if meta["schema"] else None
+            timeout = float(meta["timeout"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"replay checkpoint {os.fspath(path)} has bad metadata: {e}") from None
+        self = cls.__new__(cls)
+        self._setup(core, dedup, float(overrides.get("timeout", timeout)))
+        self._schema = schema
+        config = core.config()
+        if any(k in overrides for k in ("alpha", "min_size", "samples_per_insert", "error_buffer")):
+            spi = overrides.get("samples_per_insert", config["samples_per_insert"] or None)
+            eb = overrides.get(
+                "error_buffer",
+                config["error_buffer"] if "samples_per_insert" not in overrides else None,
+            )
+            spi_value, eb_value = _limiter(spi, eb)
+            core.reconfigure(
+                float(overrides.get("alpha", config["alpha"])),
+                int(overrides.get("min_size", config["min_size"])),
+                spi_value,
+                eb_value,
+            )
+        if overrides.get("seed") is not None:
+            core.reseed(int(overrides["seed"]) % 2**64)
+        self._save_meta()
+        return self
+
+
+def _limiter(samples_per_insert: float | None, error_buffer: float | None) -> tuple[float, float]:
+    if samples_per_insert is None:
+        if error_buffer is not None:
+            raise ValueError("replay error_buffer needs samples_per_insert")
+        return 0.0, 0.0
+    spi = float(samples_per_insert)
+    if not spi > 0 or math.isinf(spi):
+        raise ValueError(f"replay samples_per_insert must be positive and finite, got {spi}")
+    # Reverb's smallest buffer that lets both sides move: max(1, SPI).
+    eb = max(1.0, spi) if error_buffer is None else float(error_buffer)
+    return spi, eb
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
