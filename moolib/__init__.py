@@ -16,6 +16,7 @@ from .batcher import Batcher
 from .envpool import EnvPool, EnvStepperFuture
 from .group import AllReduce, Broker, Group
 from .replay import Replay, ReplaySample
+from .replay_rpc import ReplayClient, ReplayError
 from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "ModelMismatchError",
     "Queue",
     "Replay",
+    "ReplayClient",
+    "ReplayError",
     "ReplaySample",
     "Rpc",
     "RpcError",

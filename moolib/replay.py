@@ -452,6 +452,13 @@ class Replay:
         )
         return info
 
+    def serve(self, rpc: Any, name: str) -> None:
+        """Serves this table on ``rpc`` under ``name``, for ``ReplayClient``s of
+        other peers (``insert``, ``sample``, ``update_priorities``, ``info``)."""
+        from .replay_rpc import serve
+
+        serve(self, rpc, name)
+
     def close(self) -> None:
         """Wakes every waiting insert and sample with an error; later calls fail too."""
         self._core.close()

@@ -1,0 +1,116 @@
+"""A replay shard server or an inserting client in its own process.
+
+Usage:
+  replay_peer.py --name NAME --serve TABLE [--capacity N] [--selector S] [--min-size N]
+  replay_peer.py --name NAME --connect ADDR --insert-to PEER/TABLE --writer W
+                 [--batches B] [--batch-size N] [--payload BYTES] [--clients K] [--forever]
+
+Every item is ``{"id": int64, "batch": int64, "payload": uint8[BYTES]}``; ids
+are ``writer * 10**9 + n`` and batch ids ``writer * 10**6 + b``, so a test can
+count what arrived. ``--clients K`` inserts from K Rpcs (K connections) in K
+threads at once, splitting the batches between them.
+
+Prints ``READY <name> <address or ->`` once set up; an inserter then prints
+``INSERTED <batch>`` after each batch, ``VIA <transports>`` (those of its
+connections to the server) when a client is done, and ``DONE`` at the end. Serves or
+waits until its stdin closes, or it is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+import torch
+
+import moolib
+
+
+def items(writer: int, batch: int, first: int, n: int, payload: int) -> dict:
+    ids = torch.arange(first, first + n, dtype=torch.int64) + writer * 10**9
+    return {
+        "id": ids,
+        "batch": torch.full((n,), writer * 10**6 + batch, dtype=torch.int64),
+        "payload": (ids % 251).to(torch.uint8).unsqueeze(1).expand(n, payload).contiguous(),
+    }
+
+
+def make_rpc(name: str, args: argparse.Namespace) -> moolib.Rpc:
+    rpc = moolib.Rpc()
+    rpc.set_name(name)
+    if args.transports:
+        rpc.set_transports(args.transports.split(","))
+    rpc.set_timeout(args.timeout)
+    return rpc
+
+
+def insert_loop(client_index: int, args: argparse.Namespace, lock: threading.Lock) -> None:
+    rpc = make_rpc(f"{args.name}-{client_index}", args)
+    rpc.connect(args.connect)
+    peer, table = args.insert_to.split("/", 1)
+    client = moolib.ReplayClient(rpc, (peer, table), timeout=args.timeout * 4)
+    batch = client_index
+    while args.forever or batch < args.batches:
+        first = batch * args.batch_size
+        client.insert(items(args.writer, batch, first, args.batch_size, args.payload))
+        with lock:
+            print(f"INSERTED {batch}", flush=True)
+        batch += args.clients
+    used = {
+        c["transport"]
+        for p in rpc.debug_info()["peers"]
+        if p["name"] == peer
+        for c in p["connections"]
+    }
+    with lock:
+        print(f"VIA {','.join(sorted(used))}", flush=True)
+    rpc.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--listen", default="127.0.0.1:0")
+    parser.add_argument("--connect", default=None)
+    parser.add_argument("--transports", default=None)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--serve", default=None)
+    parser.add_argument("--capacity", type=int, default=100_000)
+    parser.add_argument("--selector", default="fifo")
+    parser.add_argument("--min-size", type=int, default=1)
+    parser.add_argument("--insert-to", default=None)
+    parser.add_argument("--writer", type=int, default=0)
+    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--payload", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=1)
+    parser.add_argument("--forever", action="store_true")
+    args = parser.parse_args()
+
+    if args.serve:
+        rpc = make_rpc(args.name, args)
+        address = rpc.listen(args.listen)
+        replay = moolib.Replay(args.capacity, selector=args.selector, min_size=args.min_size)
+        replay.serve(rpc, args.serve)
+        print(f"READY {args.name} {address}", flush=True)
+        sys.stdin.read()
+        replay.close()
+        rpc.close()
+        return
+
+    print(f"READY {args.name} -", flush=True)
+    lock = threading.Lock()
+    threads = [
+        threading.Thread(target=insert_loop, args=(i, args, lock)) for i in range(args.clients)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print("DONE", flush=True)
+    sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()

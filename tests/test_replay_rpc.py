@@ -1,0 +1,209 @@
+"""The replay table over RPC: many inserting processes, shards, dead shards, kill -9.
+
+Real processes over shared memory and TCP (tests/helpers/replay_peer.py). The
+tables are read back with the FIFO selector, which returns the oldest items in
+insertion order, so a test can count every item that arrived.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers.util import HELPERS, PeerProcess, kill_process, stop_process, wait_for
+
+import moolib
+
+REPLAY_PEER = HELPERS / "replay_peer.py"
+TRANSPORTS = {"shm": ["shm"], "tcp": ["tcp"]}
+
+
+def replay_peer(tmp_path, name, *args):
+    return PeerProcess(["--name", name, *args], tmp_path / f"{name}.log", script=REPLAY_PEER)
+
+
+def all_items(replay: moolib.Replay) -> dict:
+    """Every item of a FIFO table, oldest first."""
+    return replay.sample(replay.size()).items
+
+
+def served(make_rpc, transports, **table):
+    rpc = make_rpc("server", transports=transports, listen=True, timeout=30)
+    replay = moolib.Replay(table.pop("capacity", 100_000), selector="fifo", **table)
+    replay.serve(rpc, "table")
+    return rpc, replay
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_inserting_processes_lose_and_duplicate_nothing(transport, tmp_path, make_rpc):
+    rpc, replay = served(make_rpc, TRANSPORTS[transport])
+    writers = []
+    try:
+        for w in range(3):
+            writers.append(
+                replay_peer(
+                    tmp_path,
+                    f"writer{w}",
+                    "--connect", rpc.address, "--transports", transport,
+                    "--insert-to", "server/table", "--writer", str(w),
+                    "--batches", "20", "--batch-size", "32", "--payload", "64",
+                )
+            )  # fmt: skip
+        for p in writers:
+            # The transport asked for is used (shm after the TCP introduction).
+            used = p.expect("VIA", timeout=120).split()[1].split(",")
+            assert transport in used and (transport == "shm" or used == ["tcp"])
+            p.expect("DONE")
+        got = all_items(replay)
+        ids = got["id"].tolist()
+        assert len(ids) == len(set(ids)) == 3 * 20 * 32
+        expected = {w * 10**9 + i for w in range(3) for i in range(20 * 32)}
+        assert set(ids) == expected
+        # Payloads arrived intact, and each writer's items are in its order.
+        assert torch.equal(got["payload"][:, 0], (got["id"] % 251).to(torch.uint8))
+        for w in range(3):
+            mine = [i for i in ids if i // 10**9 == w]
+            assert mine == sorted(mine)
+    finally:
+        for p in writers:
+            stop_process(p.proc)
+
+
+def test_64_connections_on_one_shard(tmp_path, make_rpc):
+    rpc, replay = served(make_rpc, None)
+    writers = []
+    try:
+        for w in range(4):
+            writers.append(
+                replay_peer(
+                    tmp_path,
+                    f"writer{w}",
+                    "--connect", rpc.address, "--insert-to", "server/table",
+                    "--writer", str(w), "--clients", "16",
+                    "--batches", "32", "--batch-size", "8",
+                )
+            )  # fmt: skip
+        wait_for(
+            lambda: (
+                len([p for p in rpc.debug_info()["peers"] if p["name"].startswith("writer")]) >= 64
+            ),
+            timeout=120,
+            what="64 inserting connections",
+        )
+        for p in writers:
+            p.expect("DONE", timeout=180)
+        ids = all_items(replay)["id"].tolist()
+        assert len(ids) == len(set(ids)) == 4 * 32 * 8
+    finally:
+        for p in writers:
+            stop_process(p.proc)
+
+
+def test_sampling_across_shards_follows_priority_mass(make_rpc):
+    servers = []
+    for i in range(2):
+        rpc = make_rpc(f"shard{i}", listen=True, timeout=30)
+        replay = moolib.Replay(1000, selector="prioritized", alpha=1.0, seed=i)
+        replay.serve(rpc, "table")
+        servers.append((rpc, replay))
+    # Shard 0 holds 10 items of priority 1, shard 1 holds 10 of priority 3:
+    # shard 1 has three quarters of the mass.
+    for (_, replay), prio in zip(servers, (1.0, 3.0), strict=True):
+        replay.insert({"x": torch.arange(10, dtype=torch.float32)}, torch.full((10,), prio))
+    client_rpc = make_rpc("client", timeout=30)
+    for rpc, _ in servers:
+        client_rpc.connect(rpc.address)
+    client = moolib.ReplayClient(client_rpc, [("shard0", "table"), ("shard1", "table")], seed=0)
+    from_shard1 = 0
+    total = 0
+    for _ in range(20):
+        s = client.sample(100)
+        assert s.keys.shape == (100,) and s.items["x"].shape == (100,)
+        shard = s.keys >> 48
+        from_shard1 += int((shard == 1).sum())
+        total += 100
+        # Probabilities are those of the union: priority / total mass (40).
+        expected = torch.where(shard == 1, 3.0 / 40, 1.0 / 40).to(torch.float64)
+        assert torch.allclose(s.probabilities, expected)
+        assert s.size == 20
+    assert 0.65 < from_shard1 / total < 0.85
+    # Priority updates reach the shard that holds the key.
+    s = client.sample(5)
+    assert client.update_priorities(s.keys, torch.full((5,), 7.0)) == 5
+    masses = [info["priority_mass"] for info in client.info()]
+    assert sum(masses) > 40.0
+
+
+def test_a_dead_shard_fails_naming_the_peer_and_the_others_keep_serving(tmp_path, make_rpc):
+    live_rpc = make_rpc("live", listen=True, timeout=30)
+    live = moolib.Replay(1000, selector="uniform", seed=0)
+    live.serve(live_rpc, "table")
+    live.insert({"x": torch.zeros(10)})
+    dead = replay_peer(tmp_path, "doomed", "--serve", "table", "--selector", "uniform")
+    try:
+        client_rpc = make_rpc("client", timeout=5)
+        client_rpc.connect(live_rpc.address)
+        client_rpc.connect(dead.address)
+        client = moolib.ReplayClient(client_rpc, [("live", "table"), ("doomed", "table")])
+        wait_for(lambda: client.info(), what="both shards answering")
+        inserter = make_rpc("inserter", timeout=30)
+        inserter.connect(dead.address)
+        moolib.ReplayClient(inserter, ("doomed", "table")).insert({"x": torch.ones(10)})
+        assert client.sample(50).size == 20
+        kill_process(dead.proc)
+        start = time.monotonic()
+        with pytest.raises(moolib.ReplayError, match="doomed"):
+            for _ in range(20):
+                client.sample(50)
+        assert time.monotonic() - start < 60
+        # The live shard keeps serving this client.
+        s = client.sample(50)
+        assert (s.keys >> 48).eq(0).all() and s.items["x"].eq(0).all()
+    finally:
+        stop_process(dead.proc)
+
+
+def test_a_client_killed_mid_insert_leaves_the_table_consistent(tmp_path, make_rpc):
+    rpc, replay = served(make_rpc, None)
+    writer = replay_peer(
+        tmp_path,
+        "writer",
+        "--connect", rpc.address, "--insert-to", "server/table", "--forever",
+        "--batch-size", "64", "--payload", str(256 * 1024),
+    )  # fmt: skip
+    try:
+        writer.expect("INSERTED 3", timeout=120)
+        kill_process(writer.proc)
+        got = all_items(replay)
+        batches = got["batch"].tolist()
+        # Every batch that arrived arrived whole: a frame cut by the kill is dropped.
+        for b in set(batches):
+            assert batches.count(b) == 64
+        assert len(set(got["id"].tolist())) == len(batches)
+        # The table goes on serving.
+        replay.insert({k: v[:1] for k, v in got.items()})
+        assert replay.size() == len(batches) + 1
+    finally:
+        stop_process(writer.proc)
+
+
+def test_a_sample_waits_past_the_rpc_timeout_for_min_size(make_rpc):
+    rpc, replay = served(make_rpc, None, min_size=10)
+    client_rpc = make_rpc("client", timeout=2)
+    client_rpc.connect(rpc.address)
+    client = moolib.ReplayClient(client_rpc, ("server", "table"), timeout=60)
+    result = {}
+
+    def sample():
+        result["sample"] = client.sample(4)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    time.sleep(5)  # longer than the RPC timeout: the client must keep asking
+    assert "sample" not in result
+    replay.insert({"x": torch.arange(10)})
+    t.join(timeout=60)
+    assert result["sample"].items["x"].tolist() == [0, 1, 2, 3]
+    assert replay.info()["samples"] == 4
