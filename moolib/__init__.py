@@ -15,6 +15,7 @@ from .accumulator import Accumulator, ModelMismatchError
 from .batcher import Batcher
 from .envpool import EnvPool, EnvStepperFuture
 from .group import AllReduce, Broker, Group
+from .publish import Publisher, Subscriber
 from .replay import Replay, ReplaySample
 from .replay_rpc import ReplayClient, ReplayError
 from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
@@ -30,12 +31,14 @@ __all__ = [
     "Group",
     "ModelMismatchError",
     "Queue",
+    "Publisher",
     "Replay",
     "ReplayClient",
     "ReplayError",
     "ReplaySample",
     "Rpc",
     "RpcError",
+    "Subscriber",
     "create_uid",
     "set_auth_key",
     "set_log_level",
