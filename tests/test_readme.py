@@ -75,7 +75,14 @@ def readme_broker():
 
 
 def test_every_python_example_is_run_here():
-    markers = ['server.set_name("server")', "MEMBERS = 2", "moolib.Accumulator(", "EnvPool("]
+    markers = [
+        'server.set_name("server")',
+        "MEMBERS = 2",
+        "moolib.Accumulator(",
+        "EnvPool(",
+        "moolib.Replay(",
+        "moolib.Publisher(",
+    ]
     assert len(python_blocks()) == len(markers), "a README example this test does not run"
     for m in markers:
         block(m)
@@ -104,3 +111,10 @@ def test_accumulator_example(tmp_path, readme_broker):
 def test_envpool_example(tmp_path):
     out = finish(start(block("EnvPool("), tmp_path, "envpool"))
     assert out.splitlines()[-1] == "torch.Size([32, 4, 84, 84]) torch.float32", out
+
+
+def test_replay_and_publisher_examples(tmp_path):
+    # The publishing example goes on from the replay example's two peers.
+    code = block("moolib.Replay(") + block("moolib.Publisher(")
+    out = finish(start(code, tmp_path, "offpolicy"))
+    assert out.splitlines()[-2:] == ["torch.Size([32, 4]) 64", "True False"], out
