@@ -15,10 +15,9 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from helpers.util import wait_for
+from helpers.util import run_script, wait_for
 
 import moolib
-from moolib import _core
 
 
 class Reference:
@@ -300,26 +299,35 @@ def test_close_wakes_every_waiter():
         replay.insert({"x": torch.arange(2)})
 
 
-def test_a_blocked_sample_in_an_rpc_handler_does_not_starve_the_insert(make_rpc):
-    """The waits run in the core's pool: a handler blocked in sample() must not
-    hold the only worker the insert it waits for needs."""
-    replay = moolib.Replay(100, selector="fifo", min_size=3, timeout=120)
-    server = make_rpc("server", listen=True, timeout=120)
-    server.define("sample", lambda n: replay.sample(n).items["x"].tolist())
-    server.define("insert", lambda x: replay.insert({"x": x}).tolist())
-    client = make_rpc("client", timeout=120)
-    client.connect(server.address)
-    old = _core.get_max_threads()
-    moolib.set_max_threads(1)
-    try:
-        wait_for(lambda: client.sync("server", "insert", torch.tensor([0])) == [0],
-                 what="connected")  # fmt: skip
-        pending = client.async_("server", "sample", 3)
-        wait_for(lambda: replay.info()["waiting_samplers"] == 1, what="the handler waiting")
-        assert client.sync("server", "insert", torch.tensor([1, 2])) == [1, 2]
-        assert pending.result(timeout=60) == [0, 1, 2]
-    finally:
-        moolib.set_max_threads(old)
+BLOCKED_HANDLERS = """
+import torch, moolib
+replay = moolib.Replay(100, selector="fifo", min_size=3, timeout=300)
+server = moolib.Rpc(); server.set_name("server"); server.set_timeout(300)
+address = server.listen("127.0.0.1:0")
+server.define("sample", lambda n: replay.sample(n).items["x"].tolist())
+server.define("insert", lambda x: replay.insert({"x": x}).tolist())
+client = moolib.Rpc(); client.set_timeout(300); client.connect(address)
+assert client.sync("server", "insert", torch.tensor([0])) == [0]
+pending = [client.async_("server", "sample", 3) for _ in range(8)]
+deadline = time.monotonic() + 60
+while replay.info()["waiting_samplers"] < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
+insert = client.async_("server", "insert", torch.tensor([1, 2]))
+print("insert done:", insert.wait(30), flush=True)
+print("samples done:", all(f.wait(30) for f in pending), flush=True)
+print("results:", insert.result(timeout=1), pending[0].result(timeout=1), flush=True)
+replay.close(); client.close(); server.close()
+"""
+
+
+def test_samples_blocked_in_rpc_handlers_do_not_starve_the_insert(tmp_path):
+    """The waits run in the core's pool: handlers blocked in sample() must not
+    hold every worker while the insert they wait for sits in the queue."""
+    out = run_script("import time\n" + BLOCKED_HANDLERS, tmp_path, env={"MOOLIB_MAX_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "insert done: True" in out.stdout, out.stdout[-3000:]
+    assert "samples done: True" in out.stdout
+    assert "results: [1, 2] [0, 1, 2]" in out.stdout
 
 
 # Checkpoints.
