@@ -91,9 +91,18 @@ def _as_tensor(leaf: Any, name: str) -> torch.Tensor:
 
 
 def _bytes_view(t: torch.Tensor) -> Any:
-    # One flat byte view per leaf: any dtype (bool, bfloat16) crosses the
-    # binding as a buffer without a copy when already contiguous on the CPU.
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    """A buffer over the leaf's bytes, without a copy when it is already a
+    contiguous CPU tensor."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.requires_grad:
+        t = t.detach()
+    try:
+        return t.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16): its bytes will do
+        return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _dtype_from_name(name: str) -> torch.dtype:
@@ -489,6 +498,8 @@ class Replay:
                 f"Replay.load cannot override {', '.join(sorted(unknown))}; "
                 f"it can override {', '.join(_LOAD_OVERRIDES)}"
             )
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"replay checkpoint {os.fspath(path)} does not exist")
         core = _core.Replay.load(os.fspath(path))
         try:
             meta = json.loads(core.meta().decode())

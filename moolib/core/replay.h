@@ -134,7 +134,10 @@ class Replay {
   uint32_t internFrame(const uint8_t* data, uint32_t bytes, uint64_t hash);
   void releaseFrame(uint32_t id);
 
+  void setLeafLocked(int64_t slot, double value);
   void setTreeLocked(int64_t slot, double value);
+  // Recomputes the sum tree above `count` slots from `first` (wrapping).
+  void fixParentsLocked(int64_t first, int64_t count);
   int64_t drawLocked(double* probability);
   double weight(double priority) const;
   void rebuildTreeLocked();
