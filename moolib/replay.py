@@ -506,7 +506,14 @@ class Replay:
             dedup = tuple(meta["dedup"])
             schema = _Schema.from_json(meta["schema"]) if meta["schema"] else None
             timeout = float(meta["timeout"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            stored = (
+                [(b, f) for b, f in zip(schema.item_bytes, schema.frames, strict=True)]
+                if schema
+                else []
+            )
+            if stored != [tuple(x) for x in core.layout()]:
+                raise ValueError("its layout does not match its items")
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise ValueError(f"replay checkpoint {os.fspath(path)} has bad metadata: {e}") from None
         self = cls.__new__(cls)
         self._setup(core, dedup, float(overrides.get("timeout", timeout)))

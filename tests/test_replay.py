@@ -6,8 +6,10 @@ passes or fails the same way on every run.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -436,6 +438,61 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         moolib.Replay.load(tmp_path / "missing.ckpt")
     assert moolib.Replay.load(path).size() == 2
+
+
+def with_digest(payload: bytes) -> bytes:
+    return payload + hashlib.sha256(payload).digest()
+
+
+def test_forged_checkpoints_with_valid_checksums_are_refused_not_trusted(tmp_path):
+    """The checksum catches accidents; a file forged with a valid one must
+    still be bounds-checked everywhere: refused with an error, never a crash
+    or an allocation of what it claims."""
+    replay = moolib.Replay(16, selector="uniform", dedup=("obs",), seed=1)
+    replay.insert(
+        {"obs": torch.arange(4 * 2 * 8, dtype=torch.uint8).reshape(4, 2, 8), "r": torch.ones(4)}
+    )
+    path = tmp_path / "good.ckpt"
+    replay.save(path)
+    payload = path.read_bytes()[:-32]
+    header = 100  # magic, version, config and counters: checked field by field below
+    rng = random.Random(0)
+    outcomes = {"refused": 0, "loaded": 0}
+    bad = tmp_path / "forged.ckpt"
+    for i in range(300):
+        data = bytearray(payload)
+        if i % 3 == 0:
+            data = data[: rng.randrange(header, len(data))]
+        else:
+            pos = rng.randrange(header, len(data))
+            data[pos] = rng.choice([0, 1, 0x7F, 0xFF, data[pos] ^ (1 << rng.randrange(8))])
+        bad.write_bytes(with_digest(bytes(data)))
+        try:
+            loaded = moolib.Replay.load(bad)
+        except ValueError as e:
+            assert "forged.ckpt" in str(e)
+            outcomes["refused"] += 1
+            continue
+        outcomes["loaded"] += 1  # a changed byte of an item or the random state
+        if loaded.size():
+            assert len(loaded.sample(3, timeout=1).keys) == 3
+    assert outcomes["refused"] > 100, outcomes
+
+    def forged_header(fmt_offset: int, value: int, fmt: str = "<q") -> bytes:
+        data = bytearray(payload)
+        struct.pack_into(fmt, data, fmt_offset, value)
+        return with_digest(bytes(data))
+
+    for offset, value, fmt, message in [
+        (16, 1 << 50, "<q", "capacity"),  # capacity
+        (16, 0, "<q", "capacity must be positive"),
+        (24, 7, "<i", "unknown selector"),
+        (60, 5, "<q", "bad item range"),  # head past tail
+        (68, 1 << 40, "<q", "bad item range"),  # tail
+    ]:
+        bad.write_bytes(forged_header(offset, value, fmt))
+        with pytest.raises(ValueError, match=f"forged.ckpt is corrupt: .*{message}"):
+            moolib.Replay.load(bad)
 
 
 def test_an_empty_table_round_trips(tmp_path):

@@ -793,6 +793,11 @@ ReplayConfig Replay::config() const {
   return config_;
 }
 
+std::vector<ReplayLeaf> Replay::layout() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return leaves_;
+}
+
 int64_t Replay::size() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return tail_ - head_;
@@ -909,6 +914,15 @@ void Replay::save(const std::string& path) const {
 }
 
 std::unique_ptr<Replay> Replay::load(const std::string& path) {
+  try {
+    return loadChecked(path);
+  } catch (const std::bad_alloc&) {
+    throw std::invalid_argument("replay checkpoint " + path +
+                                " is corrupt: it asks for more memory than there is");
+  }
+}
+
+std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   MOO_ENFORCE(fd.get() >= 0, "replay checkpoint ", path, ": ", std::strerror(errno));
   struct stat st;
@@ -996,6 +1010,16 @@ std::unique_ptr<Replay> Replay::load(const std::string& path) {
         l.frames > l.itemBytes || (l.frames > 0 && l.itemBytes % l.frames != 0)) {
       r.corrupt("bad leaf layout");
     }
+  }
+  // What each item takes in the file bounds its layout: a forged header
+  // cannot make the loader allocate more than the file holds.
+  uint64_t fileBytesPerItem = sizeof(double);
+  for (auto& l : leaves) {
+    if (l.frames > (int64_t(1) << 16)) r.corrupt("bad leaf layout");
+    fileBytesPerItem += l.frames == 0 ? uint64_t(l.itemBytes) : uint64_t(l.frames) * 4;
+  }
+  if (tail > head && fileBytesPerItem > r.left() / uint64_t(tail - head)) {
+    r.corrupt("its items are larger than the file");
   }
   if (hasSchema) {
     try {

@@ -95,6 +95,7 @@ class Replay {
   void reconfigure(double alpha, int64_t minSize, double samplesPerInsert, double errorBuffer);
   void reseed(uint64_t seed);
   ReplayConfig config() const;
+  std::vector<ReplayLeaf> layout() const;
   int64_t size() const;
   double priorityMass() const;
   ReplayInfo info() const;
@@ -109,6 +110,8 @@ class Replay {
   static void validate(const ReplayConfig& config);
 
  private:
+  static std::unique_ptr<Replay> loadChecked(const std::string& path);
+
   struct Frame {
     uint64_t hash = 0;
     uint32_t refs = 0;
