@@ -66,6 +66,18 @@ def _walk(x: Any, path: tuple, leaves: list, paths: list) -> Any:
     return None
 
 
+def _describe(s: Any) -> str:
+    """A skeleton as Python-like text: {'a': [*, *], 'b': (*,)}."""
+    if s is None:
+        return "*"
+    if "d" in s:
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in s["d"]) + "}"
+    inner = ", ".join(_describe(v) for v in s.get("l", s.get("t", [])))
+    if "l" in s:
+        return f"[{inner}]"
+    return f"({inner},)" if len(s["t"]) == 1 else f"({inner})"
+
+
 def _unskeleton(s: Any) -> Any:
     if s is None:
         return None
@@ -203,6 +215,13 @@ class _Schema:
             given = [_name(p) for p in paths]
             missing = [n for n in self.names if n not in given]
             extra = [n for n in given if n not in self.names]
+            if not missing and not extra:
+                raise ValueError(
+                    "replay item structure differs from the table's: the same leaves "
+                    "in other containers (a list where the table has a tuple, or the "
+                    f"reverse); the table stores {_describe(self.skeleton)}, given "
+                    f"{_describe(skeleton)}"
+                )
             raise ValueError(
                 "replay item structure differs from the table's: "
                 f"missing leaves {missing or 'none'}, unexpected leaves {extra or 'none'} "

@@ -533,6 +533,12 @@ def test_errors_name_what_is_wrong_and_change_nothing():
             replay.insert(good, [1.0, 1.0, bad, 1.0])
         with pytest.raises(ValueError, match=f"priority for key 0 is {shown}"):
             replay.update_priorities([1, 0], [2.0, bad])
+    pairs = moolib.Replay(10)
+    pairs.insert({"a": (torch.zeros(2),)})
+    with pytest.raises(
+        ValueError, match=r"other containers.*\{'a': \(\*,\)\}, given \{'a': \[\*\]\}"
+    ):
+        pairs.insert({"a": [torch.zeros(2)]})
     with pytest.raises(ValueError, match="3 priorities for a batch of 4"):
         replay.insert(good, [1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="batch_size must be positive"):
