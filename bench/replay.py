@@ -178,7 +178,17 @@ def run_cpprb(batches, capacity, atari, samples) -> tuple[float, float, str] | N
     kwargs: dict[str, Any] = {}
     if atari:
         # cpprb's own compression: next_obs from the next item, stacks shared.
+        # It stacks frames on the last axis, so it gets (84, 84, 4) frames.
         kwargs = {"next_of": "obs", "stack_compress": "obs"}
+        batches = [
+            {
+                **b,
+                "obs": np.ascontiguousarray(np.moveaxis(b["obs"], 1, -1)),
+                "next_obs": np.ascontiguousarray(np.moveaxis(b["next_obs"], 1, -1)),
+            }
+            for b in batches
+        ]
+        env["obs"] = {"shape": (84, 84, 4), "dtype": np.uint8}
     else:
         env["next_obs"] = {"shape": 4, "dtype": np.float32}
     rb = cpprb.PrioritizedReplayBuffer(capacity, env, alpha=0.6, **kwargs)
@@ -193,8 +203,13 @@ def run_cpprb(batches, capacity, atari, samples) -> tuple[float, float, str] | N
             s = rb.sample(BATCH, beta=0.4)
             rb.update_priorities(s["indexes"], prio)
 
-    note = "next_of/stack_compress" if atari else ""
-    return timed(insert, len(batches) * BATCH), timed(sample, samples * BATCH), note
+    ins, smp = timed(insert, len(batches) * BATCH), timed(sample, samples * BATCH)
+    # It must give back what went in (the check is not timed).
+    s = rb.sample(8, beta=0.4)
+    for j, i in enumerate(s["indexes"].tolist()):
+        for k in ("obs", "next_obs"):
+            assert np.array_equal(s[k][j], batches[i // BATCH][k][i % BATCH]), k
+    return ins, smp, "next_of/stack_compress" if atari else ""
 
 
 def run_memcpy(batches, capacity, atari, samples) -> tuple[float, float, str]:
@@ -229,21 +244,18 @@ def main() -> None:
         ("CartPole", cartpole_batches(200 // scale), 100_000, False, 200 // scale),
         ("Atari", atari_batches(16 // scale), 8192, True, 40 // scale),
     ]
-    print(f"batch {BATCH}; figures are items/s (median of 3 runs); ratio = moolib / reference")
+    print(f"batch {BATCH}; items/s, median of 3 interleaved rounds; ratio = moolib / reference")
     header = f"{'workload':9} {'operation':15} {'backend':9} {'items/s':>12} {'moolib/x':>9}  note"
     print(header)
     print("-" * len(header))
     for name, batches, capacity, atari, samples in workloads:
         results: dict[str, list[tuple[float, float, str]]] = {}
-        for backend, fn in [("moolib", run_moolib), *BACKENDS]:
-            runs = []
-            for _ in range(3):
+        # Rounds interleave the backends, so the machine's load moves them alike.
+        for _ in range(3):
+            for backend, fn in [("moolib", run_moolib), *BACKENDS]:
                 r = fn(batches, capacity, atari, samples)
-                if r is None:
-                    break
-                runs.append(r)
-            if runs:
-                results[backend] = runs
+                if r is not None:
+                    results.setdefault(backend, []).append(r)
         med = {}
         for b, rs in results.items():
             ins, smp = (float(np.median([r[i] for r in rs])) for i in (0, 1))
