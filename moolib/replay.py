@@ -102,6 +102,12 @@ def _as_tensor(leaf: Any, name: str) -> torch.Tensor:
     return t
 
 
+_NUMPY_DTYPES = frozenset(
+    [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+    + [torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+)
+
+
 def _bytes_view(t: torch.Tensor) -> Any:
     """A buffer over the leaf's bytes, without a copy when it is already a
     contiguous CPU tensor."""
@@ -111,10 +117,9 @@ def _bytes_view(t: torch.Tensor) -> Any:
         t = t.contiguous()
     if t.requires_grad:
         t = t.detach()
-    try:
+    if t.dtype in _NUMPY_DTYPES:
         return t.numpy()
-    except TypeError:  # a dtype numpy lacks (bfloat16): its bytes will do
-        return t.reshape(-1).view(torch.uint8).numpy()
+    return t.reshape(-1).view(torch.uint8).numpy()  # numpy lacks it (bfloat16): its bytes
 
 
 def _dtype_from_name(name: str) -> torch.dtype:
