@@ -18,6 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from . import _core, nest
@@ -65,6 +66,18 @@ def _walk(x: Any, path: tuple, leaves: list, paths: list) -> Any:
     return None
 
 
+def _describe(s: Any) -> str:
+    """A skeleton as Python-like text: {'a': [*, *], 'b': (*,)}."""
+    if s is None:
+        return "*"
+    if "d" in s:
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in s["d"]) + "}"
+    inner = ", ".join(_describe(v) for v in s.get("l", s.get("t", [])))
+    if "l" in s:
+        return f"[{inner}]"
+    return f"({inner},)" if len(s["t"]) == 1 else f"({inner})"
+
+
 def _unskeleton(s: Any) -> Any:
     if s is None:
         return None
@@ -89,10 +102,24 @@ def _as_tensor(leaf: Any, name: str) -> torch.Tensor:
     return t
 
 
+_NUMPY_DTYPES = frozenset(
+    [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+    + [torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+)
+
+
 def _bytes_view(t: torch.Tensor) -> Any:
-    # One flat byte view per leaf: any dtype (bool, bfloat16) crosses the
-    # binding as a buffer without a copy when already contiguous on the CPU.
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    """A buffer over the leaf's bytes, without a copy when it is already a
+    contiguous CPU tensor."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype in _NUMPY_DTYPES:
+        return t.numpy()
+    return t.reshape(-1).view(torch.uint8).numpy()  # numpy lacks it (bfloat16): its bytes
 
 
 def _dtype_from_name(name: str) -> torch.dtype:
@@ -193,6 +220,13 @@ class _Schema:
             given = [_name(p) for p in paths]
             missing = [n for n in self.names if n not in given]
             extra = [n for n in given if n not in self.names]
+            if not missing and not extra:
+                raise ValueError(
+                    "replay item structure differs from the table's: the same leaves "
+                    "in other containers (a list where the table has a tuple, or the "
+                    f"reverse); the table stores {_describe(self.skeleton)}, given "
+                    f"{_describe(skeleton)}"
+                )
             raise ValueError(
                 "replay item structure differs from the table's: "
                 f"missing leaves {missing or 'none'}, unexpected leaves {extra or 'none'} "
@@ -361,16 +395,15 @@ class Replay:
         deadline = None if wait >= 1e9 else _now() + wait
         while True:
             schema = self._schema
-            outs = []
+            raw = []
             if schema is not None:
-                outs = [
-                    torch.empty((batch_size, *s), dtype=d)
-                    for s, d in zip(schema.shapes, schema.dtypes, strict=True)
-                ]
+                # numpy's allocator advises huge pages for large arrays: a
+                # fresh Atari batch then costs far fewer page faults.
+                raw = [np.empty(batch_size * b, dtype=np.uint8) for b in schema.item_bytes]
             left = wait if deadline is None else max(0.0, deadline - _now())
             done, waited, size, need_outputs = self._core.sample(
                 batch_size,
-                [o.reshape(-1).view(torch.uint8).numpy() for o in outs],
+                raw,
                 keys.numpy(),
                 probs.numpy(),
                 left,
@@ -379,7 +412,11 @@ class Replay:
                 break
         items = None
         if schema is not None:
-            items = nest.pack_as(schema.structure, [o[:done] for o in outs])
+            outs = [
+                torch.from_numpy(r).view(d).reshape(batch_size, *shape)[:done]
+                for r, d, shape in zip(raw, schema.dtypes, schema.shapes, strict=True)
+            ]
+            items = nest.pack_as(schema.structure, outs)
         return ReplaySample(items, keys[:done], probs[:done], int(size)), waited
 
     def sample(self, batch_size: int, timeout: float | None = None) -> ReplaySample:
@@ -492,13 +529,22 @@ class Replay:
                 f"Replay.load cannot override {', '.join(sorted(unknown))}; "
                 f"it can override {', '.join(_LOAD_OVERRIDES)}"
             )
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"replay checkpoint {os.fspath(path)} does not exist")
         core = _core.Replay.load(os.fspath(path))
         try:
             meta = json.loads(core.meta().decode())
             dedup = tuple(meta["dedup"])
             schema = _Schema.from_json(meta["schema"]) if meta["schema"] else None
             timeout = float(meta["timeout"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            stored = (
+                [(b, f) for b, f in zip(schema.item_bytes, schema.frames, strict=True)]
+                if schema
+                else []
+            )
+            if stored != [tuple(x) for x in core.layout()]:
+                raise ValueError("its layout does not match its items")
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise ValueError(f"replay checkpoint {os.fspath(path)} has bad metadata: {e}") from None
         self = cls.__new__(cls)
         self._setup(core, dedup, float(overrides.get("timeout", timeout)))

@@ -6,8 +6,10 @@ passes or fails the same way on every run.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -15,10 +17,9 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from helpers.util import wait_for
+from helpers.util import run_script, wait_for
 
 import moolib
-from moolib import _core
 
 
 class Reference:
@@ -77,7 +78,8 @@ def test_random_sequences_match_the_reference():
         for _step in range(200):
             op = rng.random()
             if op < 0.4:
-                n = rng.randint(1, 12)
+                # Now and then a batch wraps the ring, or exceeds the capacity.
+                n = rng.randint(1, 12) if rng.random() < 0.9 else rng.randint(30, 120)
                 prios = [rng.choice([0.0, rng.uniform(0.01, 5.0)]) for _ in range(n)]
                 expected = ref.insert(prios)
                 keys = replay.insert(item_of(expected), torch.tensor(prios, dtype=torch.float64))
@@ -300,26 +302,35 @@ def test_close_wakes_every_waiter():
         replay.insert({"x": torch.arange(2)})
 
 
-def test_a_blocked_sample_in_an_rpc_handler_does_not_starve_the_insert(make_rpc):
-    """The waits run in the core's pool: a handler blocked in sample() must not
-    hold the only worker the insert it waits for needs."""
-    replay = moolib.Replay(100, selector="fifo", min_size=3, timeout=120)
-    server = make_rpc("server", listen=True, timeout=120)
-    server.define("sample", lambda n: replay.sample(n).items["x"].tolist())
-    server.define("insert", lambda x: replay.insert({"x": x}).tolist())
-    client = make_rpc("client", timeout=120)
-    client.connect(server.address)
-    old = _core.get_max_threads()
-    moolib.set_max_threads(1)
-    try:
-        wait_for(lambda: client.sync("server", "insert", torch.tensor([0])) == [0],
-                 what="connected")  # fmt: skip
-        pending = client.async_("server", "sample", 3)
-        wait_for(lambda: replay.info()["waiting_samplers"] == 1, what="the handler waiting")
-        assert client.sync("server", "insert", torch.tensor([1, 2])) == [1, 2]
-        assert pending.result(timeout=60) == [0, 1, 2]
-    finally:
-        moolib.set_max_threads(old)
+BLOCKED_HANDLERS = """
+import torch, moolib
+replay = moolib.Replay(100, selector="fifo", min_size=3, timeout=300)
+server = moolib.Rpc(); server.set_name("server"); server.set_timeout(300)
+address = server.listen("127.0.0.1:0")
+server.define("sample", lambda n: replay.sample(n).items["x"].tolist())
+server.define("insert", lambda x: replay.insert({"x": x}).tolist())
+client = moolib.Rpc(); client.set_timeout(300); client.connect(address)
+assert client.sync("server", "insert", torch.tensor([0])) == [0]
+pending = [client.async_("server", "sample", 3) for _ in range(8)]
+deadline = time.monotonic() + 60
+while replay.info()["waiting_samplers"] < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
+insert = client.async_("server", "insert", torch.tensor([1, 2]))
+print("insert done:", insert.wait(30), flush=True)
+print("samples done:", all(f.wait(30) for f in pending), flush=True)
+print("results:", insert.result(timeout=1), pending[0].result(timeout=1), flush=True)
+replay.close(); client.close(); server.close()
+"""
+
+
+def test_samples_blocked_in_rpc_handlers_do_not_starve_the_insert(tmp_path):
+    """The waits run in the core's pool: handlers blocked in sample() must not
+    hold every worker while the insert they wait for sits in the queue."""
+    out = run_script("import time\n" + BLOCKED_HANDLERS, tmp_path, env={"MOOLIB_MAX_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "insert done: True" in out.stdout, out.stdout[-3000:]
+    assert "samples done: True" in out.stdout
+    assert "results: [1, 2] [0, 1, 2]" in out.stdout
 
 
 # Checkpoints.
@@ -424,9 +435,64 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
     (tmp_path / "other").write_bytes(b"x" * 100)
     with pytest.raises(ValueError, match="not a moolib replay checkpoint"):
         moolib.Replay.load(tmp_path / "other")
-    with pytest.raises(RuntimeError, match="missing.ckpt"):
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         moolib.Replay.load(tmp_path / "missing.ckpt")
     assert moolib.Replay.load(path).size() == 2
+
+
+def with_digest(payload: bytes) -> bytes:
+    return payload + hashlib.sha256(payload).digest()
+
+
+def test_forged_checkpoints_with_valid_checksums_are_refused_not_trusted(tmp_path):
+    """The checksum catches accidents; a file forged with a valid one must
+    still be bounds-checked everywhere: refused with an error, never a crash
+    or an allocation of what it claims."""
+    replay = moolib.Replay(16, selector="uniform", dedup=("obs",), seed=1)
+    replay.insert(
+        {"obs": torch.arange(4 * 2 * 8, dtype=torch.uint8).reshape(4, 2, 8), "r": torch.ones(4)}
+    )
+    path = tmp_path / "good.ckpt"
+    replay.save(path)
+    payload = path.read_bytes()[:-32]
+    header = 100  # magic, version, config and counters: checked field by field below
+    rng = random.Random(0)
+    outcomes = {"refused": 0, "loaded": 0}
+    bad = tmp_path / "forged.ckpt"
+    for i in range(300):
+        data = bytearray(payload)
+        if i % 3 == 0:
+            data = data[: rng.randrange(header, len(data))]
+        else:
+            pos = rng.randrange(header, len(data))
+            data[pos] = rng.choice([0, 1, 0x7F, 0xFF, data[pos] ^ (1 << rng.randrange(8))])
+        bad.write_bytes(with_digest(bytes(data)))
+        try:
+            loaded = moolib.Replay.load(bad)
+        except ValueError as e:
+            assert "forged.ckpt" in str(e)
+            outcomes["refused"] += 1
+            continue
+        outcomes["loaded"] += 1  # a changed byte of an item or the random state
+        if loaded.size():
+            assert len(loaded.sample(3, timeout=1).keys) == 3
+    assert outcomes["refused"] > 100, outcomes
+
+    def forged_header(fmt_offset: int, value: int, fmt: str = "<q") -> bytes:
+        data = bytearray(payload)
+        struct.pack_into(fmt, data, fmt_offset, value)
+        return with_digest(bytes(data))
+
+    for offset, value, fmt, message in [
+        (16, 1 << 50, "<q", "capacity"),  # capacity
+        (16, 0, "<q", "capacity must be positive"),
+        (24, 7, "<i", "unknown selector"),
+        (60, 5, "<q", "bad item range"),  # head past tail
+        (68, 1 << 40, "<q", "bad item range"),  # tail
+    ]:
+        bad.write_bytes(forged_header(offset, value, fmt))
+        with pytest.raises(ValueError, match=f"forged.ckpt is corrupt: .*{message}"):
+            moolib.Replay.load(bad)
 
 
 def test_an_empty_table_round_trips(tmp_path):
@@ -467,6 +533,12 @@ def test_errors_name_what_is_wrong_and_change_nothing():
             replay.insert(good, [1.0, 1.0, bad, 1.0])
         with pytest.raises(ValueError, match=f"priority for key 0 is {shown}"):
             replay.update_priorities([1, 0], [2.0, bad])
+    pairs = moolib.Replay(10)
+    pairs.insert({"a": (torch.zeros(2),)})
+    with pytest.raises(
+        ValueError, match=r"other containers.*\{'a': \(\*,\)\}, given \{'a': \[\*\]\}"
+    ):
+        pairs.insert({"a": [torch.zeros(2)]})
     with pytest.raises(ValueError, match="3 priorities for a batch of 4"):
         replay.insert(good, [1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="batch_size must be positive"):

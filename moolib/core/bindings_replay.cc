@@ -147,6 +147,14 @@ void bindReplay(py::module_& m) {
            py::arg("samples_per_insert"), py::arg("error_buffer"))
       .def("reseed", &Replay::reseed, py::arg("seed"))
       .def("config", [](const Replay& r) { return configDict(r.config()); })
+      .def(
+          "layout",
+          [](const Replay& r) {
+            std::vector<std::pair<int64_t, int64_t>> out;
+            for (auto& l : r.layout()) out.emplace_back(l.itemBytes, l.frames);
+            return out;
+          },
+          "[(item bytes, frames)] per leaf; empty before the first insert.")
       .def("size", &Replay::size)
       .def("priority_mass", &Replay::priorityMass)
       .def("info",

@@ -404,13 +404,42 @@ double Replay::weight(double priority) const {
   return config_.alpha == 1.0 ? priority : std::pow(priority, config_.alpha);
 }
 
+void Replay::setLeafLocked(int64_t slot, double value) {
+  if (!tree_.empty()) tree_[size_t(treeLeaves_ + slot)] = value;
+}
+
 void Replay::setTreeLocked(int64_t slot, double value) {
-  if (tree_.empty()) return;
-  int64_t i = treeLeaves_ + slot;
-  tree_[size_t(i)] = value;
+  setLeafLocked(slot, value);
+  fixParentsLocked(slot, 1);
+}
+
+void Replay::fixParentsLocked(int64_t first, int64_t count) {
+  if (tree_.empty() || count <= 0) return;
   // Parents are recomputed from their children, never adjusted by a delta,
-  // so rounding errors do not accumulate over millions of updates.
-  for (i /= 2; i >= 1; i /= 2) tree_[size_t(i)] = tree_[size_t(2 * i)] + tree_[size_t(2 * i + 1)];
+  // so rounding errors do not accumulate over millions of updates. A run of
+  // n consecutive slots (a batch insert) costs O(n + log capacity) this way.
+  auto fix = [this](int64_t lo, int64_t hi) {
+    lo += treeLeaves_;
+    hi += treeLeaves_;
+    while (lo > 1) {
+      lo /= 2;
+      hi /= 2;
+      for (int64_t i = lo; i <= hi; ++i) {
+        tree_[size_t(i)] = tree_[size_t(2 * i)] + tree_[size_t(2 * i + 1)];
+      }
+    }
+  };
+  if (count >= config_.capacity) {
+    fix(0, config_.capacity - 1);
+    return;
+  }
+  int64_t end = first + count;
+  if (end <= config_.capacity) {
+    fix(first, end - 1);
+  } else {
+    fix(first, config_.capacity - 1);
+    fix(0, end - config_.capacity - 1);
+  }
 }
 
 void Replay::rebuildTreeLocked() {
@@ -433,7 +462,8 @@ void Replay::evictOldestLocked() {
     uint32_t* ids = frameIds(j, slot);
     evictedIds_.insert(evictedIds_.end(), ids, ids + leaves_[j].frames);
   }
-  setTreeLocked(slot, 0.0);
+  // Its slot is written again by the insert that evicts it.
+  setLeafLocked(slot, 0.0);
   ++head_;
   ++evictions_;
 }
@@ -457,7 +487,8 @@ void Replay::putLocked(int64_t slot, const std::vector<const uint8_t*>& src, con
   for (uint32_t id : evictedIds_) releaseFrame(id);
   evictedIds_.clear();
   priorities_[size_t(slot)] = priority;
-  setTreeLocked(slot, weight(priority));
+  // The caller fixes the parents once for the whole run it inserted.
+  setLeafLocked(slot, weight(priority));
 }
 
 void Replay::copyOutLocked(int64_t slot, const std::vector<ReplaySpan>& outs, int64_t index) {
@@ -566,6 +597,17 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
   std::vector<const uint8_t*> src(layout.size());
   std::optional<BlockingRegion> blocking;
   std::unique_lock<std::mutex> lock(mutex_);
+  // The sum tree's parents over the slots this call filled since it last
+  // released the lock: fixed before every release, an exception included.
+  struct Run {
+    Replay& table;
+    int64_t first = 0, count = 0;
+    void flush() {
+      table.fixParentsLocked(first, count);
+      count = 0;
+    }
+    ~Run() { flush(); }
+  } run{*this};
   while (progress.done < n) {
     checkOpenLocked();
     if (canInsertLocked()) {
@@ -573,6 +615,7 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
       for (size_t j = 0; j < layout.size(); ++j) src[j] = leaves[j].data + i * layout[j].itemBytes;
       if (tail_ - head_ == config_.capacity) evictOldestLocked();
       int64_t key = tail_;
+      if (run.count++ == 0) run.first = key % config_.capacity;
       putLocked(key % config_.capacity, src, hashes.data() + size_t(i) * framesPerItem,
                 priorities ? priorities[i] : 1.0);
       ++tail_;
@@ -581,6 +624,7 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
       ++progress.done;
       continue;
     }
+    run.flush();
     // Samplers may be waiting for what this batch inserted so far.
     sampleCv_.notify_all();
     if (Clock::now() >= deadline) {
@@ -602,6 +646,7 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
       break;
     }
   }
+  run.flush();
   progress.size = tail_ - head_;
   if (progress.done > 0) sampleCv_.notify_all();
   return progress;
@@ -748,6 +793,11 @@ ReplayConfig Replay::config() const {
   return config_;
 }
 
+std::vector<ReplayLeaf> Replay::layout() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return leaves_;
+}
+
 int64_t Replay::size() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return tail_ - head_;
@@ -864,6 +914,15 @@ void Replay::save(const std::string& path) const {
 }
 
 std::unique_ptr<Replay> Replay::load(const std::string& path) {
+  try {
+    return loadChecked(path);
+  } catch (const std::bad_alloc&) {
+    throw std::invalid_argument("replay checkpoint " + path +
+                                " is corrupt: it asks for more memory than there is");
+  }
+}
+
+std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   MOO_ENFORCE(fd.get() >= 0, "replay checkpoint ", path, ": ", std::strerror(errno));
   struct stat st;
@@ -951,6 +1010,16 @@ std::unique_ptr<Replay> Replay::load(const std::string& path) {
         l.frames > l.itemBytes || (l.frames > 0 && l.itemBytes % l.frames != 0)) {
       r.corrupt("bad leaf layout");
     }
+  }
+  // What each item takes in the file bounds its layout: a forged header
+  // cannot make the loader allocate more than the file holds.
+  uint64_t fileBytesPerItem = sizeof(double);
+  for (auto& l : leaves) {
+    if (l.frames > (int64_t(1) << 16)) r.corrupt("bad leaf layout");
+    fileBytesPerItem += l.frames == 0 ? uint64_t(l.itemBytes) : uint64_t(l.frames) * 4;
+  }
+  if (tail > head && fileBytesPerItem > r.left() / uint64_t(tail - head)) {
+    r.corrupt("its items are larger than the file");
   }
   if (hasSchema) {
     try {

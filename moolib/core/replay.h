@@ -95,6 +95,7 @@ class Replay {
   void reconfigure(double alpha, int64_t minSize, double samplesPerInsert, double errorBuffer);
   void reseed(uint64_t seed);
   ReplayConfig config() const;
+  std::vector<ReplayLeaf> layout() const;
   int64_t size() const;
   double priorityMass() const;
   ReplayInfo info() const;
@@ -109,6 +110,8 @@ class Replay {
   static void validate(const ReplayConfig& config);
 
  private:
+  static std::unique_ptr<Replay> loadChecked(const std::string& path);
+
   struct Frame {
     uint64_t hash = 0;
     uint32_t refs = 0;
@@ -134,7 +137,10 @@ class Replay {
   uint32_t internFrame(const uint8_t* data, uint32_t bytes, uint64_t hash);
   void releaseFrame(uint32_t id);
 
+  void setLeafLocked(int64_t slot, double value);
   void setTreeLocked(int64_t slot, double value);
+  // Recomputes the sum tree above `count` slots from `first` (wrapping).
+  void fixParentsLocked(int64_t first, int64_t count);
   int64_t drawLocked(double* probability);
   double weight(double priority) const;
   void rebuildTreeLocked();

@@ -1,0 +1,278 @@
+"""Replay benchmark: moolib.Replay beside other replay buffers and memcpy, in one run.
+
+Two workloads at batch 512:
+  - CartPole transitions: obs float32[4], action int64, reward float32,
+    next_obs float32[4], done bool;
+  - Atari transitions: obs/next_obs uint8[4, 84, 84] (consecutive stacked
+    frames, so obs and next_obs share 3 of 4 frames and neighbours share the
+    rest), action, reward, done; moolib stores the frames deduplicated.
+
+For each: items/s of insert, and of sample + update_priorities, for
+  - moolib.Replay in this process (prioritized, alpha 0.6);
+  - torchrl's replay buffer (LazyTensorStorage; its PrioritizedReplayBuffer
+    needs torchrl's C++ extension, which does not load with every torch: then
+    its uniform ReplayBuffer stands in, and the row says so);
+  - cpprb's PrioritizedReplayBuffer (C++/Cython; for Atari with its
+    next_of/stack_compress frame compression);
+  - the raw limit: a torch copy of the same bytes (memcpy).
+Ratios are moolib's figure over the reference's. More backends (moolib over
+RPC) are rows of BACKENDS.
+
+Usage: python bench/replay.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+import moolib
+
+BATCH = 512
+
+
+# --- data -------------------------------------------------------------------
+
+
+def cartpole_batches(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        obs = rng.standard_normal((BATCH + 1, 4)).astype(np.float32)
+        out.append(
+            {
+                "obs": obs[:-1],
+                "action": rng.integers(0, 2, BATCH).astype(np.int64),
+                "reward": np.ones(BATCH, dtype=np.float32),
+                "next_obs": obs[1:].copy(),
+                "done": rng.random(BATCH) < 0.05,
+            }
+        )
+        out[-1]["obs"] = np.ascontiguousarray(out[-1]["obs"])
+    return out
+
+
+def atari_batches(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Consecutive stacked 84x84 frames of one synthetic episode, every frame distinct."""
+    rng = np.random.default_rng(seed)
+    background = rng.integers(0, 40, size=(84, 84), dtype=np.uint8)
+    steps = n * BATCH
+    frames = np.empty((steps + 4, 84, 84), dtype=np.uint8)
+    x, y, dx, dy = 40, 20, 2, 3
+    for t in range(steps + 4):
+        f = frames[t]
+        f[:] = background
+        x, y = x + dx, y + dy
+        if not 2 <= x <= 80:
+            dx = -dx
+        if not 2 <= y <= 80:
+            dy = -dy
+        f[y : y + 2, x : x + 2] = 200
+        f[0, :4] = np.frombuffer(np.int32(t).tobytes(), dtype=np.uint8)  # a score counter
+    out = []
+    for b in range(n):
+        t0 = b * BATCH
+        idx = np.arange(t0, t0 + BATCH)[:, None] + np.arange(4)
+        out.append(
+            {
+                "obs": frames[idx],
+                "action": rng.integers(0, 4, BATCH).astype(np.int64),
+                "reward": rng.random(BATCH).astype(np.float32),
+                "next_obs": frames[idx + 1],
+                "done": np.zeros(BATCH, dtype=bool),
+            }
+        )
+    return out
+
+
+def nbytes(batch: dict[str, np.ndarray]) -> int:
+    return sum(v.nbytes for v in batch.values())
+
+
+# --- backends: each returns (insert items/s, sample+update items/s, note) --------
+
+
+def timed(fn: Callable[[], Any], items: int) -> float:
+    t = time.perf_counter()
+    fn()
+    return items / (time.perf_counter() - t)
+
+
+def run_moolib(batches, capacity, atari, samples) -> tuple[float, float, str]:
+    replay = moolib.Replay(capacity, alpha=0.6, dedup=("obs", "next_obs") if atari else (), seed=0)
+    tensors = [{k: torch.from_numpy(v) for k, v in b.items()} for b in batches]
+    prio = torch.rand(BATCH, dtype=torch.float64) + 0.1
+
+    def insert() -> None:
+        for b in tensors:
+            replay.insert(b, prio)
+
+    def sample() -> None:
+        for _ in range(samples):
+            s = replay.sample(BATCH)
+            replay.update_priorities(s.keys, prio)
+
+    ins = timed(insert, len(batches) * BATCH)
+    smp = timed(sample, samples * BATCH)
+    info = replay.info()
+    return ins, smp, f"{info['bytes_per_item']:.0f} B/item stored"
+
+
+def run_torchrl(batches, capacity, atari, samples) -> tuple[float, float, str] | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from tensordict import TensorDict
+            from torchrl.data import LazyTensorStorage, PrioritizedReplayBuffer, ReplayBuffer
+    except ImportError:
+        return None
+    # torchrl logs every storage it initializes at INFO.
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    storage = LazyTensorStorage(capacity)
+    try:
+        rb = PrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=storage)
+        note = "prioritized"
+    except RuntimeError:
+        rb = ReplayBuffer(storage=LazyTensorStorage(capacity))
+        note = "UNIFORM: its prioritized sampler's C++ extension does not load with this torch"
+    prioritized = note == "prioritized"
+    tds = [
+        TensorDict({k: torch.from_numpy(v) for k, v in b.items()}, batch_size=[BATCH])
+        for b in batches
+    ]
+    prio = torch.rand(BATCH) + 0.1
+
+    def insert() -> None:
+        for td in tds:
+            rb.extend(td)
+
+    def sample() -> None:
+        for _ in range(samples):
+            if prioritized:
+                _, info = rb.sample(BATCH, return_info=True)
+                rb.update_priority(info["index"], prio)
+            else:
+                rb.sample(BATCH)
+
+    return timed(insert, len(batches) * BATCH), timed(sample, samples * BATCH), note
+
+
+def run_cpprb(batches, capacity, atari, samples) -> tuple[float, float, str] | None:
+    try:
+        import cpprb
+    except ImportError:
+        return None
+    env = {
+        "obs": {"shape": batches[0]["obs"].shape[1:], "dtype": batches[0]["obs"].dtype},
+        "action": {"dtype": np.int64},
+        "reward": {},
+        "done": {"dtype": np.bool_},
+    }
+    kwargs: dict[str, Any] = {}
+    if atari:
+        # cpprb's own compression: next_obs from the next item, stacks shared.
+        # It stacks frames on the last axis, so it gets (84, 84, 4) frames.
+        kwargs = {"next_of": "obs", "stack_compress": "obs"}
+        batches = [
+            {
+                **b,
+                "obs": np.ascontiguousarray(np.moveaxis(b["obs"], 1, -1)),
+                "next_obs": np.ascontiguousarray(np.moveaxis(b["next_obs"], 1, -1)),
+            }
+            for b in batches
+        ]
+        env["obs"] = {"shape": (84, 84, 4), "dtype": np.uint8}
+    else:
+        env["next_obs"] = {"shape": 4, "dtype": np.float32}
+    rb = cpprb.PrioritizedReplayBuffer(capacity, env, alpha=0.6, **kwargs)
+    prio = np.random.default_rng(0).random(BATCH) + 0.1
+
+    def insert() -> None:
+        for b in batches:
+            rb.add(**b, priorities=prio)
+
+    def sample() -> None:
+        for _ in range(samples):
+            s = rb.sample(BATCH, beta=0.4)
+            rb.update_priorities(s["indexes"], prio)
+
+    ins, smp = timed(insert, len(batches) * BATCH), timed(sample, samples * BATCH)
+    # It must give back what went in (the check is not timed).
+    s = rb.sample(8, beta=0.4)
+    total = len(batches) * BATCH
+    for j, i in enumerate(s["indexes"].tolist()):
+        t = i + (total - 1 - i) // capacity * capacity  # the latest item in slot i
+        for k in ("obs", "next_obs"):
+            assert np.array_equal(s[k][j], batches[t // BATCH][k][t % BATCH]), k
+    return ins, smp, "next_of/stack_compress" if atari else ""
+
+
+def run_memcpy(batches, capacity, atari, samples) -> tuple[float, float, str]:
+    """The bytes of one batch copied with torch, as an insert and as a sample."""
+    src = {k: torch.from_numpy(v) for k, v in batches[0].items()}
+    dst = {k: torch.empty_like(v) for k, v in src.items()}
+    for k, v in src.items():
+        dst[k].copy_(v)  # the pages exist before the clock starts
+
+    rounds = 4 * len(batches)  # short copies: more of them for a stable figure
+
+    def copy_all() -> None:
+        for _ in range(rounds):
+            for k, v in src.items():
+                dst[k].copy_(v)
+
+    rate = timed(copy_all, rounds * BATCH)
+    return rate, rate, f"{nbytes(batches[0]) // BATCH} B/item"
+
+
+BACKENDS: list[tuple[str, Callable[..., tuple[float, float, str] | None]]] = [
+    ("torchrl", run_torchrl),
+    ("cpprb", run_cpprb),
+    ("memcpy", run_memcpy),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer batches")
+    args = parser.parse_args()
+    scale = 4 if args.quick else 1
+    workloads = [
+        ("CartPole", cartpole_batches(200 // scale), 100_000, False, 200 // scale),
+        ("Atari", atari_batches(16 // scale), 8192, True, 40 // scale),
+    ]
+    print(f"batch {BATCH}; items/s, median of 3 interleaved rounds; ratio = moolib / reference")
+    header = f"{'workload':9} {'operation':15} {'backend':9} {'items/s':>12} {'moolib/x':>9}  note"
+    print(header)
+    print("-" * len(header))
+    for name, batches, capacity, atari, samples in workloads:
+        results: dict[str, list[tuple[float, float, str]]] = {}
+        # Rounds interleave the backends, so the machine's load moves them alike.
+        for _ in range(3):
+            for backend, fn in [("moolib", run_moolib), *BACKENDS]:
+                r = fn(batches, capacity, atari, samples)
+                if r is not None:
+                    results.setdefault(backend, []).append(r)
+        med = {}
+        for b, rs in results.items():
+            ins, smp = (float(np.median([r[i] for r in rs])) for i in (0, 1))
+            med[b] = (ins, smp, rs[0][2])
+        ours = med["moolib"]
+        for op, i in (("insert", 0), ("sample+update", 1)):
+            for backend, m in med.items():
+                ratio = "" if backend == "moolib" else f"{ours[i] / m[i]:9.2f}"
+                print(f"{name:9} {op:15} {backend:9} {m[i]:12,.0f} {ratio:>9}  {m[2]}")
+        missing = [b for b, _ in BACKENDS if b not in med]
+        if missing:
+            print(f"{name:9} (not installed: {', '.join(missing)})")
+
+
+if __name__ == "__main__":
+    main()
