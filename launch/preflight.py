@@ -264,11 +264,15 @@ def _env_option_names(cfg: DictConfig) -> list[str]:
     from moolib.envs.atari import make_atari
     from moolib.envs.classic import make_cartpole
     from moolib.envs.envpool_backend import EnvpoolAtari
+    from moolib.envs.minatar import is_minatar_name, make_minatar
 
+    name = str(cfg.env.name)
     if cfg.env.backend == "envpool":
         factory: Any = EnvpoolAtari.__init__
+    elif is_minatar_name(name):
+        factory = make_minatar
     else:
-        factory = make_cartpole if str(cfg.env.name).lower() == "cartpole" else make_atari
+        factory = make_cartpole if name.lower() == "cartpole" else make_atari
     skip = {"self", "name", "batch_size", "num_batches"}
     return [p for p in inspect.signature(factory).parameters if p not in skip]
 
