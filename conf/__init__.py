@@ -80,6 +80,21 @@ def registered_options(group: str) -> list[str]:
     return sorted(n.removesuffix(".yaml") for n in names if n.endswith(".yaml"))
 
 
+def registered_suites(group: str) -> dict[str, list[str]]:
+    """The options of ``group`` registered in code, by suite, sorted:
+    ``{"Atari": [...], "MinAtar": ["minatar-asterix", ...]}`` for ``env``
+    (suites without options are left out)."""
+    from moolib.envs.minatar import is_minatar_name
+
+    files = set(file_options(group))
+    names = [n for n in registered_options(group) if n not in files]
+    suites = {
+        "Atari": [n for n in names if not is_minatar_name(n)] if group == "env" else names,
+        "MinAtar": [n for n in names if is_minatar_name(n)] if group == "env" else [],
+    }
+    return {suite: found for suite, found in suites.items() if found}
+
+
 def group_options(group: str) -> list[str]:
     """Every option ``group=OPTION`` accepts: its files, then the registered ones."""
     files = file_options(group)

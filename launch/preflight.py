@@ -106,12 +106,14 @@ def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = 
             near = resume_lib.nearest_key(option, options) if options else None
             hint = f"; nearest: {near}" if near else ""
             listed = ", ".join(moolib.conf.file_options(group))
-            games = moolib.conf.registered_options(group)
-            if games:
+            suites = moolib.conf.registered_suites(group)
+            if suites.get("Atari"):
                 listed += (
-                    f", or any of {len(games)} Atari games such as breakout, pong "
+                    f", or any of {len(suites['Atari'])} Atari games such as breakout, pong "
                     "(moolib.envs.list_envs())"
                 )
+            if suites.get("MinAtar"):
+                listed += f", or the MinAtar games {', '.join(suites['MinAtar'])}"
             return f"{group}={option}: no such {group} option{hint} (options: {listed})"
     cause = e.__cause__
     full_key = getattr(cause, "full_key", None)
