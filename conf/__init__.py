@@ -22,7 +22,7 @@ MINATAR_CONFIG = "minatar"
 _registered: tuple[str, ...] | None = None
 
 
-def register_atari_games() -> tuple[str, ...]:
+def register_games() -> tuple[str, ...]:
     """Registers ``env=GAME`` for every Atari game and ``env=minatar-GAME`` for every
     MinAtar game, with their tunings (idempotent); returns the Atari games."""
     global _registered
@@ -71,8 +71,9 @@ def file_options(group: str) -> list[str]:
 
 
 def registered_options(group: str) -> list[str]:
-    """The options of ``group`` registered in code (the Atari games of ``env``), sorted."""
-    register_atari_games()
+    """The options of ``group`` registered in code (the Atari and MinAtar games of ``env``,
+    the per-game MinAtar tunings of ``tuning``), sorted."""
+    register_games()
     try:
         names = ConfigStore.instance().list(group)
     except OSError:  # no such group in the store
@@ -81,16 +82,18 @@ def registered_options(group: str) -> list[str]:
 
 
 def registered_suites(group: str) -> dict[str, list[str]]:
-    """The options of ``group`` registered in code, by suite, sorted:
-    ``{"Atari": [...], "MinAtar": ["minatar-asterix", ...]}`` for ``env``
-    (suites without options are left out)."""
+    """The games registered as options of ``env``, by suite, sorted: ``{"Atari":
+    [...], "MinAtar": ["minatar-asterix", ...]}`` (suites without options are left
+    out); ``{}`` for the other groups."""
     from moolib.envs.minatar import is_minatar_name
 
+    if group != "env":  # the tunings registered per MinAtar game are no one's choice
+        return {}
     files = set(file_options(group))
     names = [n for n in registered_options(group) if n not in files]
     suites = {
-        "Atari": [n for n in names if not is_minatar_name(n)] if group == "env" else names,
-        "MinAtar": [n for n in names if is_minatar_name(n)] if group == "env" else [],
+        "Atari": [n for n in names if not is_minatar_name(n)],
+        "MinAtar": [n for n in names if is_minatar_name(n)],
     }
     return {suite: found for suite, found in suites.items() if found}
 
@@ -101,4 +104,4 @@ def group_options(group: str) -> list[str]:
     return files + [n for n in registered_options(group) if n not in files]
 
 
-register_atari_games()
+register_games()
