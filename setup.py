@@ -56,6 +56,8 @@ setup(
         "ale-py>=0.9",
         # gymnasium's AtariPreprocessing resizes frames with OpenCV.
         "opencv-python-headless",
+        # MinAtar's games (env=minatar-breakout, ...); 1.0.15 works with numpy 2.
+        "minatar>=1.0.15",
         "hydra-core>=1.3",
         "wandb",
         "rich",

@@ -1,4 +1,4 @@
-"""Actor-critic networks for the agents: the IMPALA Atari nets and a small MLP.
+"""Actor-critic networks for the agents: the IMPALA Atari nets, the MinAtar net and a small MLP.
 
 Every network has one interface, so an agent never needs to know which it got::
 
@@ -7,7 +7,8 @@ Every network has one interface, so an agent never needs to know which it got::
 ``inputs`` is a dict of time-major tensors:
 
 - ``"state"``: ``[T, B, *observation_shape]`` observations (uint8 frames
-  ``[T, B, C, H, W]`` for Atari, float32 vectors for CartPole);
+  ``[T, B, C, H, W]`` for Atari, uint8 0/1 grids ``[T, B, C, 10, 10]`` for
+  MinAtar, float32 vectors for CartPole);
 - ``"reward"``: ``[T, B]`` float32, the reward that led to the observation;
 - ``"done"``: ``[T, B]`` bool, true where the observation at ``t`` starts a
   new episode (EnvPool returns the reset observation with ``done=True``);
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["NETWORKS", "ImpalaNet", "MLPNet", "create_model"]
+__all__ = ["NETWORKS", "ImpalaNet", "MLPNet", "MinAtarNet", "create_model", "resolve_network"]
 
 CoreState = tuple[torch.Tensor, ...]
 
@@ -210,6 +211,50 @@ class ImpalaNet(_ActorCritic):
         return state.float() / 255.0
 
 
+class MinAtarNet(_ActorCritic):
+    """The network of the MinAtar paper (Young & Tian, 2019) for small grids of channels:
+    one 3x3 convolution with 16 channels and stride 1 (no padding), then a fully
+    connected layer of ``hidden_size`` units (128 in the paper), with optional LSTM.
+
+    Args:
+        observation_shape: ``(C, H, W)`` of one observation, e.g. ``(4, 10, 10)``.
+        num_actions: size of the discrete action space.
+        hidden_size: width of the fully connected layer (and of the LSTM).
+        use_lstm: put a one-layer LSTM core between the torso and the heads.
+
+    Observations are taken as they are (MinAtar's 0/1 cells), not scaled.
+    """
+
+    def __init__(
+        self,
+        observation_shape: Sequence[int],
+        num_actions: int,
+        *,
+        hidden_size: int = 128,
+        use_lstm: bool = False,
+    ) -> None:
+        super().__init__()
+        observation_shape = tuple(observation_shape)
+        if len(observation_shape) != 3 or min(observation_shape[1:]) < 3:
+            raise ValueError(
+                "MinAtarNet needs image observations (C, H, W) of at least 3x3, "
+                f"got shape {observation_shape}"
+            )
+        self.observation_shape = observation_shape
+        self.num_actions = num_actions
+        self.use_lstm = use_lstm
+        channels, height, width = observation_shape
+        conv_size = 16 * (height - 2) * (width - 2)
+        self.torso = nn.Sequential(
+            nn.Conv2d(channels, 16, kernel_size=3, stride=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(conv_size, hidden_size),
+            nn.ReLU(),
+        )
+        self._build_core(hidden_size, hidden_size)
+
+
 class MLPNet(_ActorCritic):
     """A two-layer MLP torso for small vector observations (CartPole & co).
 
@@ -243,14 +288,21 @@ class MLPNet(_ActorCritic):
         self._build_core(hidden_size, hidden_size)
 
 
-NETWORKS = ("impala_deep", "impala_shallow", "mlp")
+NETWORKS = ("impala_deep", "impala_shallow", "minatar", "mlp")
+# Images at most this high and wide are grids of a few cells (MinAtar's 10x10), not
+# frames: auto gives them the MinAtar network, whose 3x3 convolution keeps every cell,
+# where the IMPALA nets' pooling and strides would leave little of them.
+SMALL_IMAGE = 16
 
 
 def resolve_network(network: str, observation_shape: Sequence[int]) -> str:
     """The network an agent config's ``network`` names: ``auto`` is the deep IMPALA
-    network for images (3-d observations) and an MLP for vectors."""
+    network for images (3-d observations), the MinAtar network for small images (at
+    most ``SMALL_IMAGE`` cells high and wide) and an MLP for vectors."""
     if network == "auto":
-        return "impala_deep" if len(observation_shape) == 3 else "mlp"
+        if len(observation_shape) != 3:
+            return "mlp"
+        return "minatar" if max(observation_shape[1:]) <= SMALL_IMAGE else "impala_deep"
     return network
 
 
@@ -267,10 +319,10 @@ def create_model(
     Args:
         observation_shape: shape of one observation (without T and B).
         num_actions: size of the discrete action space.
-        network: ``"impala_deep"``, ``"impala_shallow"`` or ``"mlp"``.
+        network: ``"impala_deep"``, ``"impala_shallow"``, ``"minatar"`` or ``"mlp"``.
         use_lstm: add the LSTM core.
         hidden_size: width of the hidden layers; ``None`` takes the network's
-            default (256 for the IMPALA nets, 64 for the MLP).
+            default (256 for the IMPALA nets, 128 for MinAtar's, 64 for the MLP).
 
     Raises:
         ValueError: for an unknown network name.
@@ -280,6 +332,8 @@ def create_model(
         return ImpalaNet(observation_shape, num_actions, deep=True, use_lstm=use_lstm, **kwargs)
     if network == "impala_shallow":
         return ImpalaNet(observation_shape, num_actions, deep=False, use_lstm=use_lstm, **kwargs)
+    if network == "minatar":
+        return MinAtarNet(observation_shape, num_actions, use_lstm=use_lstm, **kwargs)
     if network == "mlp":
         return MLPNet(observation_shape, num_actions, use_lstm=use_lstm, **kwargs)
     raise ValueError(f"unknown network {network!r}; expected one of {', '.join(NETWORKS)}")

@@ -101,7 +101,8 @@ class AgentConfig(_Checks):
     own config subclasses it, adding its fields and their checks."""
 
     name: str  # the agent's registered name (and its YAML's name)
-    # auto: the deep IMPALA network for images, an MLP for vectors; or one of NETWORKS.
+    # auto: the deep IMPALA network for images, MinAtar's for small grids (10x10), an MLP
+    # for vectors; or one of NETWORKS.
     network: str
     use_lstm: bool  # an LSTM core between the torso and the heads
     hidden_size: int  # width of the torso's output (and of the LSTM)

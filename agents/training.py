@@ -97,18 +97,21 @@ def env_detail(cfg: DictConfig) -> str:
     from importlib import metadata
 
     from moolib.envs.atari import atari_game
+    from moolib.envs.minatar import minatar_game
 
     if cfg.env.backend == "envpool":
-        library = "envpool"
+        library, shown = "envpool", "envpool"
     elif atari_game(cfg.env.name) is not None:
-        library = "ale-py"
+        library, shown = "ale-py", "ALE"
+    elif minatar_game(cfg.env.name) is not None:
+        library, shown = "minatar", "MinAtar"
     else:
         return cfg.env.backend
     try:
         version = metadata.version(library)
     except metadata.PackageNotFoundError:
         version = "?"
-    return f"{'ALE' if library == 'ale-py' else library} {version}"
+    return f"{shown} {version}"
 
 
 def make_envs(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:

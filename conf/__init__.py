@@ -4,7 +4,10 @@ Most options of a config group are YAML files here (``agent/a2c.yaml``). The
 Atari games are one parametrised file, ``env/atari.yaml`` (``game: breakout``);
 importing this package registers every game ale-py knows as an ``env`` option
 of its own in Hydra's ConfigStore (``env=pong`` is ``env=atari env.game=pong``),
-so no per-game file exists and a new ROM needs no edit here.
+so no per-game file exists and a new ROM needs no edit here. The MinAtar games
+are registered the same way over ``env/minatar.yaml`` (``env=minatar-breakout``
+is ``env=minatar env.game=breakout``), and so is each game's tuning: a file
+``tuning/<agent>_minatar.yaml`` serves ``env=minatar-<game>`` for every game.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from importlib import resources
 
 from hydra.core.config_store import ConfigStore
 
-# The parametrised file a registered game option extends.
+# The parametrised files a registered game option extends.
 ATARI_CONFIG = "atari"
+MINATAR_CONFIG = "minatar"
 _registered: tuple[str, ...] | None = None
 
 
-def register_atari_games() -> tuple[str, ...]:
-    """Registers ``env=GAME`` for every Atari game (idempotent); returns the games."""
+def register_games() -> tuple[str, ...]:
+    """Registers ``env=GAME`` for every Atari game and ``env=minatar-GAME`` for every
+    MinAtar game, with their tunings (idempotent); returns the Atari games."""
     global _registered
     if _registered is not None:
         return _registered
@@ -27,14 +32,30 @@ def register_atari_games() -> tuple[str, ...]:
         from moolib.envs.atari import ATARI_GAMES
     except ImportError:  # no ale-py: env=atari env.game=... still composes
         ATARI_GAMES = ()
+    from moolib.envs.minatar import MINATAR_GAMES, PREFIX
+
     store = ConfigStore.instance()
     files = set(file_options("env"))
-    for game in ATARI_GAMES:
-        if game not in files:
-            # Defaults relative to the env group: the game's option is atari.yaml, re-gamed.
+    games = [(game, ATARI_CONFIG, game) for game in ATARI_GAMES]
+    games += [(PREFIX + game, MINATAR_CONFIG, game) for game in MINATAR_GAMES]
+    for option, config, game in games:
+        if option not in files:
+            # Defaults relative to the env group: the game's option is its suite's file, re-gamed.
             store.store(
-                group="env", name=game, node={"defaults": [ATARI_CONFIG, "_self_"], "game": game}
+                group="env", name=option, node={"defaults": [config, "_self_"], "game": game}
             )
+    # tuning: ${agent}_${env} names the env option, so a suite's tuning file
+    # (a2c_minatar.yaml) is registered again under each of its games' options.
+    suffix = f"_{MINATAR_CONFIG}"
+    for tuning in file_options("tuning"):
+        if tuning.endswith(suffix):
+            for game in MINATAR_GAMES:
+                store.store(
+                    group="tuning",
+                    name=f"{tuning}-{game}",
+                    node={"defaults": [tuning, "_self_"]},
+                    package="_global_",
+                )
     _registered = tuple(ATARI_GAMES)
     return _registered
 
@@ -50,13 +71,31 @@ def file_options(group: str) -> list[str]:
 
 
 def registered_options(group: str) -> list[str]:
-    """The options of ``group`` registered in code (the Atari games of ``env``), sorted."""
-    register_atari_games()
+    """The options of ``group`` registered in code (the Atari and MinAtar games of ``env``,
+    the per-game MinAtar tunings of ``tuning``), sorted."""
+    register_games()
     try:
         names = ConfigStore.instance().list(group)
     except OSError:  # no such group in the store
         return []
     return sorted(n.removesuffix(".yaml") for n in names if n.endswith(".yaml"))
+
+
+def registered_suites(group: str) -> dict[str, list[str]]:
+    """The games registered as options of ``env``, by suite, sorted: ``{"Atari":
+    [...], "MinAtar": ["minatar-asterix", ...]}`` (suites without options are left
+    out); ``{}`` for the other groups."""
+    from moolib.envs.minatar import is_minatar_name
+
+    if group != "env":  # the tunings registered per MinAtar game are no one's choice
+        return {}
+    files = set(file_options(group))
+    names = [n for n in registered_options(group) if n not in files]
+    suites = {
+        "Atari": [n for n in names if not is_minatar_name(n)],
+        "MinAtar": [n for n in names if is_minatar_name(n)],
+    }
+    return {suite: found for suite, found in suites.items() if found}
 
 
 def group_options(group: str) -> list[str]:
@@ -65,4 +104,4 @@ def group_options(group: str) -> list[str]:
     return files + [n for n in registered_options(group) if n not in files]
 
 
-register_atari_games()
+register_games()

@@ -4,7 +4,9 @@
   and fast, for tests and quick runs) or an Atari game by short name
   (``"breakout"``, ``"space_invaders"``, ...; see ``ATARI_GAMES``) or ALE id
   (``"ALE/Breakout-v5"``), with the standard DeepMind/IMPALA preprocessing
-  (see ``moolib.envs.atari``): ``uint8`` observations of shape ``(4, 84, 84)``.
+  (see ``moolib.envs.atari``): ``uint8`` observations of shape ``(4, 84, 84)``;
+  or a MinAtar game (``"minatar-breakout"``, ...; see ``MINATAR_ENVS`` and
+  ``moolib.envs.minatar``): ``uint8`` 0/1 observations of shape ``(C, 10, 10)``.
   Picklable as ``functools.partial(create_env, "breakout", ...)``, the form
   ``moolib.EnvPool`` expects.
 - ``create_envpool(name, batch_size, num_batches, **options)``: the same
@@ -21,11 +23,13 @@ import gymnasium
 from .atari import ATARI_GAMES, atari_game, make_atari, unknown_name_message
 from .classic import CLASSIC_ENVS, make_cartpole
 from .envpool_backend import EnvpoolAtari, EnvpoolFuture
+from .minatar import MINATAR_ENVS, make_minatar, minatar_game
 
 __all__ = [
     "ATARI_GAMES",
     "EnvpoolAtari",
     "EnvpoolFuture",
+    "MINATAR_ENVS",
     "create_env",
     "create_env_quietly",
     "create_envpool",
@@ -34,9 +38,9 @@ __all__ = [
 
 
 def list_envs() -> list[str]:
-    """Every short name ``create_env`` accepts: ``"cartpole"``, then the Atari
-    games (ALE ids such as ``"ALE/Breakout-v5"`` are accepted too)."""
-    return [*CLASSIC_ENVS, *ATARI_GAMES]
+    """Every short name ``create_env`` accepts: ``"cartpole"``, the MinAtar games, then
+    the Atari games (ALE ids such as ``"ALE/Breakout-v5"`` are accepted too)."""
+    return [*CLASSIC_ENVS, *MINATAR_ENVS, *ATARI_GAMES]
 
 
 def create_env(name: str, **options: Any) -> gymnasium.Env:
@@ -45,7 +49,10 @@ def create_env(name: str, **options: Any) -> gymnasium.Env:
     ``"cartpole"``: options ``seed``. Atari games: options ``seed``,
     ``noop_max`` (30), ``repeat_action_probability`` (0.25),
     ``full_action_space`` (False), ``max_episode_frames`` (108,000),
-    ``episodic_life`` (False); see ``moolib.envs.atari.make_atari``.
+    ``episodic_life`` (False); see ``moolib.envs.atari.make_atari``. MinAtar
+    games (``"minatar-breakout"``, ...): options ``seed``, ``sticky_action_prob``
+    (0.1), ``difficulty_ramping`` (True), ``minimal_action_set`` (False),
+    ``max_episode_steps`` (None); see ``moolib.envs.minatar.make_minatar``.
 
     Without a ``seed`` each env draws a fresh random one (note that a seed
     bound in a factory, as in ``partial(create_env, "pong", seed=1)``, gives
@@ -55,6 +62,8 @@ def create_env(name: str, **options: Any) -> gymnasium.Env:
     key = name.strip().lower()
     if key == "cartpole":
         return make_cartpole(**options)
+    if minatar_game(name) is not None:
+        return make_minatar(name, **options)
     if atari_game(name) is not None:
         return make_atari(name, **options)
     raise ValueError(unknown_name_message(name, list_envs()))
@@ -79,7 +88,7 @@ def create_envpool(name: str, batch_size: int, num_batches: int, **options: Any)
     ``create_env``; see ``EnvpoolAtari`` (its docstring says how its resets
     differ from ``moolib.EnvPool``'s). Needs ``pip install 'moolib[envpool]'``.
     """
-    if name.strip().lower() in CLASSIC_ENVS:
+    if name.strip().lower() in CLASSIC_ENVS or minatar_game(name) is not None:
         raise ValueError(
             f"create_envpool serves Atari games only, not {name!r}; use create_env "
             "(with moolib.EnvPool) for it"

@@ -96,24 +96,36 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"device={cfg.device}: CUDA is not available on this machine")
     from moolib.envs import list_envs
     from moolib.envs.atari import atari_game
+    from moolib.envs.minatar import MINATAR_GAMES, PREFIX, is_minatar_name, minatar_game
 
-    name = cfg.env.name
+    name = str(cfg.env.name)
     game = cfg.env.get("game")
-    if game is not None and atari_game(str(game)) is None:
-        raise ConfigError(
-            f"env.game {game!r} is not an Atari game ale-py knows (see moolib.envs.list_envs())"
-        )
-    if name not in list_envs() and atari_game(name) is None:
+    # The suite is the config's (conf/env/minatar.yaml names its env minatar-<game>).
+    minatar = is_minatar_name(name)
+    if game is not None:
+        if minatar and str(game) not in MINATAR_GAMES:
+            raise ConfigError(
+                f"env.game {game!r} is not a MinAtar game (one of {', '.join(MINATAR_GAMES)})"
+            )
+        if not minatar and atari_game(str(game)) is None:
+            raise ConfigError(
+                f"env.game {game!r} is not an Atari game ale-py knows (see moolib.envs.list_envs())"
+            )
+    if name not in list_envs() and atari_game(name) is None and minatar_game(name) is None:
         raise ConfigError(
             f"env.name {name!r} is not a known environment (see moolib.envs.list_envs())"
         )
-    if game is not None and atari_game(str(game)) != atari_game(str(name)):
-        raise ConfigError(
-            f"env.name ({name!r}) must follow env.game ({game!r}): set env.game (or "
-            "env=GAME), not env.name"
+    if game is not None:
+        follows = (
+            name == PREFIX + str(game) if minatar else atari_game(str(game)) == atari_game(name)
         )
-    if cfg.env.backend == "envpool" and name == "cartpole":
-        raise ConfigError("env.backend=envpool serves Atari games only; cartpole needs gymnasium")
+        if not follows:
+            raise ConfigError(
+                f"env.name ({name!r}) must follow env.game ({game!r}): set env.game (or "
+                "env=GAME), not env.name"
+            )
+    if cfg.env.backend == "envpool" and (name == "cartpole" or minatar):
+        raise ConfigError(f"env.backend=envpool serves Atari games only; {name} needs gymnasium")
 
 
 def prepare(cfg: DictConfig, savedir: Path) -> DictConfig:

@@ -106,12 +106,14 @@ def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = 
             near = resume_lib.nearest_key(option, options) if options else None
             hint = f"; nearest: {near}" if near else ""
             listed = ", ".join(moolib.conf.file_options(group))
-            games = moolib.conf.registered_options(group)
-            if games:
+            suites = moolib.conf.registered_suites(group)
+            if suites.get("Atari"):
                 listed += (
-                    f", or any of {len(games)} Atari games such as breakout, pong "
+                    f", or any of {len(suites['Atari'])} Atari games such as breakout, pong "
                     "(moolib.envs.list_envs())"
                 )
+            if suites.get("MinAtar"):
+                listed += f", or the MinAtar games {', '.join(suites['MinAtar'])}"
             return f"{group}={option}: no such {group} option{hint} (options: {listed})"
     cause = e.__cause__
     full_key = getattr(cause, "full_key", None)
@@ -264,11 +266,15 @@ def _env_option_names(cfg: DictConfig) -> list[str]:
     from moolib.envs.atari import make_atari
     from moolib.envs.classic import make_cartpole
     from moolib.envs.envpool_backend import EnvpoolAtari
+    from moolib.envs.minatar import is_minatar_name, make_minatar
 
+    name = str(cfg.env.name)
     if cfg.env.backend == "envpool":
         factory: Any = EnvpoolAtari.__init__
+    elif is_minatar_name(name):
+        factory = make_minatar
     else:
-        factory = make_cartpole if str(cfg.env.name).lower() == "cartpole" else make_atari
+        factory = make_cartpole if name.lower() == "cartpole" else make_atari
     skip = {"self", "name", "batch_size", "num_batches"}
     return [p for p in inspect.signature(factory).parameters if p not in skip]
 

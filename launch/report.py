@@ -206,19 +206,23 @@ def choices(group: str, chosen: str | None = None, indent: int = 11, width: int 
     """The options of a config group of moolib.conf (``a2c, vtrace``), the chosen one
     marked ``[...]``, wrapped to ``width`` columns after a first line ``indent`` columns in.
     Options registered in code (the Atari games of ``env``, a hundred of them) are
-    summed up with a few examples rather than listed."""
-    from moolib.conf import file_options, registered_options
+    summed up with a few examples rather than listed; the five MinAtar games are listed."""
+    from moolib.conf import file_options, registered_suites
 
-    files = file_options(group)
-    names = list(files)
-    registered = [n for n in registered_options(group) if n not in files]
-    examples = [n for n in ("breakout", "pong") if n in registered]
-    if chosen in registered and chosen not in examples:
-        examples.insert(0, chosen)
-    text = ", ".join(f"[{n}]" if n == chosen else n for n in names)
+    def mark(options: list[str]) -> str:
+        return ", ".join(f"[{n}]" if n == chosen else n for n in options)
+
+    suites = registered_suites(group)
+    text = mark(file_options(group))
+    registered = suites.get("Atari", [])
     if registered:
-        shown = ", ".join(f"[{n}]" if n == chosen else n for n in examples or registered[:2])
+        examples = [n for n in ("breakout", "pong") if n in registered]
+        if chosen in registered and chosen not in examples:
+            examples.insert(0, chosen)
+        shown = mark(examples or registered[:2])
         text += f", or any of {len(registered)} Atari games ({shown}, ...; moolib.envs.list_envs())"
+    if suites.get("MinAtar"):
+        text += f", or the MinAtar games {mark(suites['MinAtar'])}"
     lines = textwrap.wrap(text, width=width - indent, break_on_hyphens=False)
     return ("\n" + " " * indent).join(lines)
 

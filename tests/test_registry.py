@@ -98,9 +98,10 @@ def test_every_agent_builds_and_takes_a_learner_step(hydra_conf, agent, tmp_path
 
 def test_every_env_option_composes_and_steps(hydra_conf):
     from moolib.envs import ATARI_GAMES, create_env_quietly
+    from moolib.envs.minatar import MINATAR_GAMES
 
     options = moolib.conf.group_options("env")
-    assert ENV_FILES == ["atari", "cartpole"]
+    assert ENV_FILES == ["atari", "cartpole", "minatar"]
     # Every game ale-py knows is an option by name; no file each.
     assert set(ATARI_GAMES) <= set(options) and len(ATARI_GAMES) > 50
     needs_noop_max_0 = []
@@ -108,7 +109,7 @@ def test_every_env_option_composes_and_steps(hydra_conf):
         cfg = _compose(f"env={option}", "agent=a2c")
         config_lib.validate(cfg)
         name = cfg.env.name
-        assert name == ("breakout" if option == "atari" else option)
+        assert name == {"atari": "breakout", "minatar": "minatar-breakout"}.get(option, option)
         env_options = OmegaConf.to_container(cfg.env.options, resolve=True)
         try:
             env = create_env_quietly(name, **env_options)
@@ -129,6 +130,11 @@ def test_every_env_option_composes_and_steps(hydra_conf):
     cfg = _compose("env=atari", "env.game=pong")
     assert cfg.env.name == "pong" and cfg.name == "vtrace-pong"
     assert _compose("env=pong").env == cfg.env
+    # Every MinAtar game is an option by name too, over the one MinAtar config.
+    assert {f"minatar-{g}" for g in MINATAR_GAMES} <= set(options)
+    cfg = _compose("env=minatar", "env.game=freeway")
+    assert cfg.env.name == "minatar-freeway" and cfg.name == "vtrace-minatar-freeway"
+    assert _compose("env=minatar-freeway").env == cfg.env
     # A tuning file still applies to its agent and env.
     assert _compose("agent=a2c", "env=cartpole").agent.hidden_size == 64
 

@@ -332,11 +332,13 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
 def test_every_env_config_composes(tmp_path):
     from moolib.envs import create_env
 
-    assert ENV_FILES == ["atari", "cartpole"]  # one file for all the Atari games
-    for name in (*ENV_FILES, *GAMES):
+    # One file for all the Atari games, one for the MinAtar games.
+    assert ENV_FILES == ["atari", "cartpole", "minatar"]
+    for name in (*ENV_FILES, *GAMES, "minatar-seaquest"):
         cfg = cfg_job(tmp_path, f"env={name}")
         resolved = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
-        assert resolved["env"]["name"] == ("breakout" if name == "atari" else name)
+        named = {"atari": "breakout", "minatar": "minatar-breakout"}
+        assert resolved["env"]["name"] == named.get(name, name)
         # The composed config passes moolib-run's checks, and its env builds and steps.
         config_lib.validate(OmegaConf.create(cfg))
         options = cfg["env"].get("options") or {}

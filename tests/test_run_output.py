@@ -29,6 +29,7 @@ from helpers.run_util import (
     screen_lines,
     wait_for,
 )
+from moolib.envs.minatar import MINATAR_GAMES
 
 CONF = Path(next(iter(moolib.conf.__path__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -300,10 +301,13 @@ def test_help_says_what_moolib_run_is_and_what_to_pick(tmp_path):
         m = re.search(rf"^  {group} +(.+(?:\n {{11}}.+)*)", out, re.M)
         assert m, out
         groups[group] = m.group(1).replace("\n", " ").strip()
-    # The env group's Atari games (one per ROM of ale-py) are summed up, not listed.
+    # The env group's Atari games (one per ROM of ale-py) are summed up, not listed;
+    # the five MinAtar games are listed.
     env, games = groups["env"].split(", or any of ")
+    games, minatar = games.split(", or the MinAtar games ")
     groups["env"] = env
     assert re.fullmatch(r"\d+ Atari games \(\[breakout\], pong, \.\.\.; .+\)", games), games
+    assert re.split(r",\s*", minatar) == [f"minatar-{g}" for g in MINATAR_GAMES], minatar
     assert int(games.split()[0]) > 50, games
     for group, options in groups.items():
         shipped = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
@@ -321,3 +325,6 @@ def test_help_says_what_moolib_run_is_and_what_to_pick(tmp_path):
     assert r.returncode == 0, r.stderr
     assert re.search(r"^  agent +\[a2c\], vtrace$", r.stdout, re.M), r.stdout
     assert "[cartpole]" in r.stdout and "[breakout]" not in r.stdout
+    r = run_quick(tmp_path, "env=minatar-seaquest", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "[minatar-seaquest]" in r.stdout and "[breakout]" not in r.stdout

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The runs behind the result figures of docs/results.md, by name, with their exact
+# moolib-run command lines. Each writes into results/<NAME> (in the repository);
+# running the same NAME again resumes that savedir from its last checkpoint (a
+# finished run says so and exits 0).
+#
+#   scripts/reproduce.sh --list               # every NAME, one a line
+#   scripts/reproduce.sh --print NAME         # its command line, without running it
+#   scripts/reproduce.sh NAME [OVERRIDE ...]  # runs it (overrides are appended: device=cuda, ...)
+#   moolib-plot results/NAME                  # its curve
+#
+# MOOLIB_RESULTS (default results, in the repository) is where the savedirs go.
+#
+# Names:
+#   minatar-<game>-seed<0|1>  V-trace on a MinAtar game (asterix, breakout, freeway, seaquest,
+#                             space_invaders) for the paper's 5M frames (one frame is one env
+#                             step), with conf/tuning/vtrace_minatar.yaml (9k-19k steps/s on a
+#                             2-core CPU, by game: 5 to 10 minutes a run)
+#   pong-cpu, breakout-cpu    V-trace from pixels on a CPU with the shallow IMPALA network (the
+#                             rest as conf/agent/vtrace.yaml: actor batches 2 x 32 on 2 processes,
+#                             learner batch 8 x 20 steps, Adam 6e-4), 5M steps (20M frames):
+#                             ~580 steps/s on a 2-core CPU, about 2.5 hours a run; see
+#                             docs/results.md
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RESULTS=${MOOLIB_RESULTS:-results}
+MINATAR_GAMES=(asterix breakout freeway seaquest space_invaders)
+SEEDS=(0 1)
+
+names() {
+  local game seed
+  for game in "${MINATAR_GAMES[@]}"; do
+    for seed in "${SEEDS[@]}"; do
+      echo "minatar-$game-seed$seed"
+    done
+  done
+  echo pong-cpu
+  echo breakout-cpu
+}
+
+# The moolib-run arguments of NAME (without the savedir), one a line.
+arguments() {
+  local name=$1 game seed
+  case "$name" in
+    minatar-*-seed*)
+      game=${name#minatar-}
+      game=${game%-seed*}
+      seed=${name##*-seed}
+      printf '%s\n' agent=vtrace "env=minatar-$game" "seed=$seed" total_steps=5000000 device=cpu
+      ;;
+    pong-cpu)
+      printf '%s\n' agent=vtrace env=pong agent.network=impala_shallow seed=0 \
+        total_steps=5000000 device=cpu
+      ;;
+    breakout-cpu)
+      printf '%s\n' agent=vtrace env=breakout agent.network=impala_shallow seed=0 \
+        total_steps=5000000 device=cpu
+      ;;
+    *) return 1 ;;
+  esac
+}
+
+usage() {
+  sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+known() {
+  names | grep -qxF -- "$1"
+}
+
+case "${1:-}" in
+  --list)
+    names
+    ;;
+  --print)
+    name=${2:?usage: scripts/reproduce.sh --print NAME}
+    known "$name" || { echo "reproduce.sh: no result named '$name' (see --list)" >&2; exit 2; }
+    echo "moolib-run $(arguments "$name" | tr '\n' ' ')savedir=$RESULTS/$name"
+    ;;
+  "" | -h | --help)
+    usage
+    ;;
+  *)
+    name=$1
+    shift
+    known "$name" || { echo "reproduce.sh: no result named '$name' (see --list)" >&2; exit 2; }
+    mapfile -t args < <(arguments "$name")
+    mkdir -p "$RESULTS"
+    set -x
+    exec moolib-run "${args[@]}" "savedir=$RESULTS/$name" "$@"
+    ;;
+esac
