@@ -81,9 +81,9 @@ def actor(address: str, transport: str, sizes: list[int], rounds: int) -> None:
         row = {name: timed(fn, rounds) for name, fn in
                (("memcpy", memcpy), ("fetch", fetch), ("fetch_into", fetch_into),
                 ("sync_state_dict_copy", user))}  # fmt: skip
-        gbs = mb * (1 << 20) / 1e9
+        rate = mb * (1 << 20) / 1e9 / row["memcpy"]
         print(
-            f"| {transport} | {mb} MB | {row['memcpy'] * 1e3:.2f} ms ({gbs / row['memcpy']:.1f} GB/s)"
+            f"| {transport} | {mb} MB | {row['memcpy'] * 1e3:.2f} ms ({rate:.1f} GB/s)"
             f" | {row['fetch'] * 1e3:.2f} ms ({row['fetch'] / row['memcpy']:.2f}x)"
             f" | {row['fetch_into'] * 1e3:.2f} ms ({row['fetch_into'] / row['memcpy']:.2f}x)"
             f" | {row['sync_state_dict_copy'] * 1e3:.2f} ms"
