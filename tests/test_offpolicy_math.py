@@ -746,7 +746,7 @@ def test_r2d2_loss_matches_definition():
     np.testing.assert_allclose(out.td_errors.numpy()[valid], ref_delta[valid], rtol=1e-4, atol=1e-4)
 
 
-def test_r2d2_loss_ignores_padding_and_trains_only_after_burn_in():
+def test_r2d2_loss_ignores_padding_and_trains_only_the_online_net():
     length, burn_in = 12, 4
     online = recurrent_net(seed=0)
     target = recurrent_net(seed=1)
@@ -760,8 +760,6 @@ def test_r2d2_loss_ignores_padding_and_trains_only_after_burn_in():
     again = r2d2.loss(online, target, noisy, weights, burn_in=burn_in, n=5, discount=0.997)
     assert again.loss.item() == pytest.approx(out.loss.item(), rel=1e-6)
     torch.testing.assert_close(again.priorities, out.priorities)
-    # The burn-in steps' inputs reach the loss only through the (constant) stored state
-    # refresh: their gradient is that of a loss computed from the refreshed state.
     out.loss.backward()
     assert all(p.grad is None for p in target.parameters())
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in online.parameters())
