@@ -201,7 +201,8 @@ def epsilon_greedy(
     q_values: torch.Tensor, epsilons: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """Actions ``[B]`` (int64): per row of ``q_values [B, A]``, a uniformly random
-    action with probability ``epsilons[b]``, else the greedy one."""
+    action with probability ``epsilons[b]``, else the greedy one. A ``generator``
+    must live on ``q_values``' device."""
     batch, num_actions = q_values.shape
     device = q_values.device
     greedy = q_values.argmax(dim=-1)

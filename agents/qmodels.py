@@ -3,9 +3,9 @@
 Both sit on a :class:`Torso`, the observation encoder of one of the actor-critic
 networks of :mod:`moolib.agents.models` (the IMPALA Atari nets, the MLP, or any
 network ``create_model`` knows): the torso is defined once, there, and taken from
-it here, so a network added there is a Q-network torso too. Any module with an
-``output_size`` attribute that maps ``[N, *observation_shape]`` to
-``[N, output_size]`` can stand in for it.
+it here, so a network added there is a Q-network torso too. Any module with
+``observation_shape`` and ``output_size`` attributes that maps
+``[N, *observation_shape]`` to ``[N, output_size]`` can stand in for it.
 
 Ape-X (Horgan et al., 2018)::
 
