@@ -39,6 +39,30 @@ __all__ = ["NETWORKS", "ImpalaNet", "MLPNet", "MinAtarNet", "create_model", "res
 CoreState = tuple[torch.Tensor, ...]
 
 
+def scale_observations(state: torch.Tensor, scale: float) -> torch.Tensor:
+    """``state`` as float32 divided by ``scale`` (no division when it is 1)."""
+    x = state.float()
+    return x / scale if scale != 1.0 else x
+
+
+def unroll_lstm(
+    lstm: nn.LSTM, inputs: torch.Tensor, done: torch.Tensor, state: CoreState
+) -> tuple[torch.Tensor, CoreState]:
+    """Runs ``lstm`` over ``inputs`` [T, B, I] step by step from ``state`` ((h, c), each
+    [layers, B, H]), zeroing the state of env b before step t where ``done[t, b]``
+    (observation t starts a new episode), so no memory crosses an episode boundary.
+    Returns the outputs [T, B, H] and the state after the last step."""
+    num_steps, batch_size = inputs.shape[:2]
+    notdone = (~done.bool()).float()
+    outputs = []
+    for t in range(num_steps):
+        mask = notdone[t].view(1, batch_size, 1)
+        state = tuple(mask * s for s in state)
+        output, state = lstm(inputs[t : t + 1], state)
+        outputs.append(output)
+    return torch.cat(outputs), state
+
+
 class _ActorCritic(nn.Module):
     """The part shared by all networks: core input, optional LSTM core and heads.
 
@@ -71,9 +95,14 @@ class _ActorCritic(nn.Module):
         shape = (self.core.num_layers, batch_size, self.core.hidden_size)
         return tuple(torch.zeros(shape, device=device) for _ in range(2))
 
+    # Observations are divided by this before the torso (255 for uint8 frames, so
+    # actors ship bytes rather than floats). A class attribute rather than code in
+    # forward so the Q-networks, which reuse the torso alone, scale the same way.
+    observation_scale: float = 1.0
+
     def _preprocess(self, state: torch.Tensor) -> torch.Tensor:
         """Turns ``[N, *observation_shape]`` observations into float network input."""
-        return state.float()
+        return scale_observations(state, self.observation_scale)
 
     def forward(
         self, inputs: dict[str, torch.Tensor], core_state: CoreState = ()
@@ -95,17 +124,13 @@ class _ActorCritic(nn.Module):
         if self.use_lstm:
             if not core_state:  # () means "from the start", as for the stateless nets
                 core_state = self.initial_state(batch_size)
-            core_input = core_input.view(num_steps, batch_size, -1)
-            # notdone[t] zeroes the state before step t when observation t starts
-            # a new episode, so no memory crosses an episode boundary.
-            notdone = (~inputs["done"].bool()).float()
-            core_output_list = []
-            for t in range(num_steps):
-                mask = notdone[t].view(1, batch_size, 1)
-                core_state = tuple(mask * s for s in core_state)
-                output, core_state = self.core(core_input[t : t + 1], core_state)
-                core_output_list.append(output)
-            core_output = torch.cat(core_output_list).view(num_steps * batch_size, -1)
+            core_output, core_state = unroll_lstm(
+                self.core,
+                core_input.view(num_steps, batch_size, -1),
+                inputs["done"],
+                core_state,
+            )
+            core_output = core_output.view(num_steps * batch_size, -1)
         else:
             core_output = core_input
 
@@ -207,8 +232,7 @@ class ImpalaNet(_ActorCritic):
         )
         self._build_core(hidden_size, hidden_size)
 
-    def _preprocess(self, state: torch.Tensor) -> torch.Tensor:
-        return state.float() / 255.0
+    observation_scale = 255.0
 
 
 class MinAtarNet(_ActorCritic):
