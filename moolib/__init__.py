@@ -15,6 +15,7 @@ from .accumulator import Accumulator, ModelMismatchError
 from .batcher import Batcher
 from .envpool import EnvPool, EnvStepperFuture
 from .group import AllReduce, Broker, Group
+from .publish import Publisher, Subscriber
 from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
 
 __all__ = [
@@ -27,9 +28,11 @@ __all__ = [
     "Future",
     "Group",
     "ModelMismatchError",
+    "Publisher",
     "Queue",
     "Rpc",
     "RpcError",
+    "Subscriber",
     "create_uid",
     "set_auth_key",
     "set_log_level",
