@@ -107,11 +107,11 @@ def child_env(extra=None):
 class PeerProcess:
     """A tests/helpers/peer.py subprocess; ``address`` is its bound listen address."""
 
-    def __init__(self, args, log_path, env=None, ready_timeout=DEADLINE):
+    def __init__(self, args, log_path, env=None, ready_timeout=DEADLINE, script=PEER_SCRIPT):
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER_SCRIPT), *args],
+            [sys.executable, str(script), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
