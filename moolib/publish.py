@@ -10,9 +10,9 @@ Why it is built this way (see docs/architecture.md, "Parameter publishing"):
 - ``publish()`` copies the nest once into one contiguous buffer (the
   *snapshot*) and pickles a small stream that describes it once. Every fetch
   answers with that same prebuilt stream and buffer: the core frames a header
-  and ships the buffer as one out-of-band segment, so serving N actors costs N
-  sends and no serialization, and the learner may keep training (changing its
-  tensors) while actors fetch the snapshot.
+  and ships the buffer as out-of-band segments (slices of up to 64 MiB), so
+  serving N actors costs N sends and no serialization, and the learner may
+  keep training (changing its tensors) while actors fetch the snapshot.
 - A snapshot never changes after it is built; ``publish()`` swaps in a new one.
   A fetch in flight keeps the snapshot it started with alive (the core holds
   its buffer until sent), so a fetch always returns one version, never a mix,
@@ -21,7 +21,7 @@ Why it is built this way (see docs/architecture.md, "Parameter publishing"):
   is up to date is a few bytes.
 
 The reply is an ordinary moolib reply: ``rpc.sync(peer, name, version)``
-returns ``None`` or ``(version, metadata, buffer)``.
+returns ``None`` or ``(version, metadata, [buffer, ...])``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ __all__ = ["Publisher", "Subscriber"]
 # subscriber makes over the received buffer are aligned for every dtype (and
 # for vector loads).
 _ALIGN = 64
+
+# A snapshot goes out as segments of about this size (leaves never straddle
+# two): the core's receive side caches freed blocks up to a bound, and a model
+# sent as one huge segment would be received into fresh, page-faulting memory
+# every time (over shared memory, smaller segments are also reused sooner).
+_CHUNK = 64 << 20
 
 # The layout of the metadata blob; a subscriber refuses others.
 _FORMAT = 1
@@ -167,30 +173,35 @@ class _Snapshot:
         leaves: list[tuple[str, Any]] = []
         skeleton = _skeleton(nest, "", leaves, _torch_tensor_type())
         specs: list[_Spec] = []
-        offset = 0
+        chunks: list[tuple[int, int]] = []
+        start = offset = 0
         for path, x in leaves:
             library, dtype, shape, nbytes, device = _describe_leaf(x, path)
             offset = -(-offset // _ALIGN) * _ALIGN
+            if offset > start and offset + nbytes - start > _CHUNK:
+                chunks.append((start, offset))
+                start = offset
             specs.append((path, library, dtype, shape, offset, nbytes, device))
             offset += nbytes
         # Never empty: a zero-length segment would gain nothing and is an edge
         # case for every transport.
-        self.buffer = np.empty(max(offset, _ALIGN), dtype=np.uint8)
+        chunks.append((start, max(offset, start + _ALIGN)))
+        self.buffer = np.empty(chunks[-1][1], dtype=np.uint8)
         for spec, (_, x) in zip(specs, leaves, strict=True):
             _copy_leaf(self.buffer, spec, x)
         # The structure alone (no version): equal for every publication of one
         # model, so subscribers parse it once.
-        metadata = pickle.dumps((_FORMAT, skeleton, specs), protocol=5)
+        metadata = pickle.dumps((_FORMAT, skeleton, specs, chunks), protocol=5)
         self.version = version
-        buffers: list[pickle.PickleBuffer] = []
-        # Out of band: the stream holds a reference to segment 1, the buffer
-        # itself is sent from the snapshot's memory, never pickled or copied.
+        segments = [self.buffer[a:b] for a, b in chunks]
+        # Out of band: the stream only refers to segments 1.., which are sent
+        # from the snapshot's memory, never pickled or copied here.
         stream = pickle.dumps(
-            (version, metadata, pickle.PickleBuffer(self.buffer)),
+            (version, metadata, [pickle.PickleBuffer(c) for c in segments]),
             protocol=5,
-            buffer_callback=buffers.append,
+            buffer_callback=lambda _: False,
         )
-        self.reply = (stream, [self.buffer])
+        self.reply = (stream, segments)
 
 
 class Publisher:
@@ -314,10 +325,10 @@ def _check_version(version: Any, what: str) -> int:
 class _Layout:
     """A parsed metadata blob: the nest's skeleton and its leaves' specs."""
 
-    __slots__ = ("raw", "skeleton", "specs", "by_path")
+    __slots__ = ("raw", "skeleton", "specs", "by_path", "chunks", "where")
 
     def __init__(self, raw: bytes) -> None:
-        fmt, skeleton, specs = pickle.loads(raw)
+        fmt, skeleton, specs, chunks = pickle.loads(raw)
         if fmt != _FORMAT:
             raise RuntimeError(
                 f"the publisher sends snapshot format {fmt}, this moolib reads {_FORMAT}: "
@@ -327,6 +338,12 @@ class _Layout:
         self.skeleton = skeleton
         self.specs: list[_Spec] = [tuple(s) for s in specs]  # type: ignore[misc]
         self.by_path = {s[0]: s for s in self.specs}
+        self.chunks = list(chunks)
+        # (segment, offset in it) of each leaf.
+        self.where = []
+        for spec in self.specs:
+            i = max(i for i, (a, _) in enumerate(self.chunks) if a <= spec[4])
+            self.where.append((i, spec[4] - self.chunks[i][0]))
 
 
 def _dtype_name(library: str, dtype: str) -> str:
@@ -338,23 +355,27 @@ def _describe_spec(spec: _Spec) -> str:
     return f"{_dtype_name(library, dtype)} {list(shape)}"
 
 
-def _leaf_views(layout: _Layout, buffer: Any, to_device: bool) -> list[Any]:
-    """Tensors and arrays over ``buffer`` (no copy), one per spec; with
-    ``to_device``, tensors published from a GPU move to a matching local one."""
-    raw = np.frombuffer(buffer, dtype=np.uint8)
-    torch = None
-    flat = None
+def _leaf_views(layout: _Layout, buffers: Sequence[Any], to_device: bool) -> list[Any]:
+    """Tensors and arrays over the received ``buffers`` (no copy), one per spec;
+    with ``to_device``, tensors published from a GPU move to a matching local one."""
+    if len(buffers) != len(layout.chunks):
+        raise RuntimeError(
+            f"a snapshot of {len(layout.chunks)} segments arrived with {len(buffers)}"
+        )
+    raws = [np.frombuffer(b, dtype=np.uint8) for b in buffers]
+    flats: dict[int, Any] = {}
     out = []
-    for _, library, dtype, shape, offset, nbytes, device in layout.specs:
-        window = raw[offset : offset + nbytes]
+    for spec, (chunk, offset) in zip(layout.specs, layout.where, strict=True):
+        _, library, dtype, shape, _, nbytes, device = spec
+        window = raws[chunk][offset : offset + nbytes]
         if library == "numpy":
             out.append(window.view(np.dtype(dtype)).reshape(shape))
             continue
-        if torch is None:
-            import torch
+        import torch
 
-            flat = torch.from_numpy(raw)
-        tensor = flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
+        if chunk not in flats:
+            flats[chunk] = torch.from_numpy(raws[chunk])
+        tensor = flats[chunk][offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
         if device is not None and to_device:
             from .serialization import _to_received_device
 
@@ -435,15 +456,15 @@ class Subscriber:
             raise self._failed(e) from None
 
     def _parse(self, reply: Any) -> tuple[int, _Layout, Any] | None:
-        """(version, layout, buffer) of a reply, or None when it holds nothing newer."""
+        """(version, layout, buffers) of a reply, or None when it holds nothing newer."""
         if reply is None:
             return None
-        version, raw, buffer = reply
+        version, raw, buffers = reply
         layout = self._layout
         if layout is None or layout.raw != raw:
             # Parsed once per model layout, not per fetch.
             layout = self._layout = _Layout(bytes(raw))
-        return version, layout, buffer
+        return version, layout, buffers
 
     # -- fetch -----------------------------------------------------------------
 
@@ -451,12 +472,12 @@ class Subscriber:
         parsed = self._parse(reply)
         if parsed is None:
             return None
-        version, layout, buffer = parsed
+        version, layout, buffers = parsed
         with self._lock:
             if version <= self._version:  # a concurrent fetch got it (or newer) first
                 return None
             self._version = version
-        return version, _fill(layout.skeleton, _leaf_views(layout, buffer, True))
+        return version, _fill(layout.skeleton, _leaf_views(layout, buffers, True))
 
     def fetch(self) -> tuple[int, Any] | None:
         """``(version, nest)`` if the publisher holds a newer version than this
@@ -479,13 +500,13 @@ class Subscriber:
         parsed = self._parse(reply)
         if parsed is None:
             return False
-        version, layout, buffer = parsed
+        version, layout, buffers = parsed
         with self._lock:
             if version <= self._version:
                 return False
             destinations = _destinations(target)
             pairs = _match(layout, destinations, self._name)
-            views = _leaf_views(layout, buffer, False)
+            views = _leaf_views(layout, buffers, False)
             index = {spec[0]: i for i, spec in enumerate(layout.specs)}
             torch = sys.modules.get("torch")
             if torch is not None:

@@ -434,3 +434,33 @@ def test_cuda_weights(pair):
     cpu = torch.nn.Linear(64, 32)
     assert moolib.Subscriber(actor, "learner-local", "weights").fetch_into(cpu)
     assert torch.equal(cpu.weight.cuda() + 1, model.weight)
+
+
+def test_large_snapshots_go_out_in_segments(pair, monkeypatch):
+    """Leaves are grouped into segments of bounded size (never split), and come back exact."""
+    monkeypatch.setattr(publish_module, "_CHUNK", 4096)
+    learner, actor = pair
+    pub = moolib.Publisher(learner, "weights")
+    nest = {
+        "a": torch.arange(1000, dtype=torch.float32),  # 4000 bytes: a segment alone
+        "b": torch.arange(10, dtype=torch.int64),
+        "c": torch.arange(3000, dtype=torch.float64),  # 24000 bytes: bigger than a segment
+        "d": [np.arange(5, dtype=np.int16), torch.empty(0)],
+        "e": torch.ones(2, 3, dtype=torch.bool),
+    }
+    pub.publish(nest)
+    assert len(pub._current.reply[1]) == 4  # a | b | c | d, e
+    version, raw, buffers = actor.sync("learner-local", "weights", -1)
+    assert version == 0 and len(buffers) == 4
+    sub = moolib.Subscriber(actor, "learner-local", "weights", timeout=DEADLINE)
+    _, got = sub.fetch()
+    target = {k: v for k, v in got.items() if k != "d"}
+    target = {k: torch.zeros_like(v) for k, v in target.items()}
+    target["d"] = [np.zeros(5, dtype=np.int16), torch.empty(0)]
+    for k in ("a", "b", "c", "e"):
+        assert torch.equal(got[k], nest[k]), k
+    assert np.array_equal(got["d"][0], nest["d"][0]) and got["d"][1].shape == (0,)
+    pub.publish(nest)
+    assert sub.fetch_into(target) and sub.version == 1
+    for k in ("a", "b", "c", "e"):
+        assert torch.equal(target[k], nest[k]), k
