@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["cat", "flatten", "leaf_paths", "map_structure", "pack_as", "split", "stack", "unstack"]
+__all__ = ["cat", "flatten", "map_structure", "pack_as", "split", "stack", "unstack"]
 
 
 def _keys(d: dict) -> list:
@@ -246,13 +246,6 @@ def _leaf_paths(nest: Any, path: str, out: list[str]) -> None:
             _leaf_paths(x, f"{path}[{j}]", out)
     else:
         out.append(path)
-
-
-def leaf_paths(nest: Any, root: str = "nest") -> list[str]:
-    """Each leaf's path (e.g. ``nest['obs'][0]``), in :func:`flatten`'s order."""
-    out: list[str] = []
-    _leaf_paths(nest, root, out)
-    return out
 
 
 def _pieces_per_leaf(

@@ -23,9 +23,19 @@ Future = _core.Future
 def _future_await(self: Future) -> Any:
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
-    self.add_done_callback(lambda _: loop.call_soon_threadsafe(_resolve, waiter))
+    self.add_done_callback(functools.partial(_wake, loop, waiter))
     yield from waiter.__await__()
     return self.result()
+
+
+def _wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future, _: Any) -> None:
+    # An await that was given up on (asyncio.wait_for's timeout) may complete
+    # after its event loop closed: nobody waits for it any more.
+    if not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(_resolve, waiter)
+        except RuntimeError:  # closed in between
+            pass
 
 
 # The core's Future is the public one (no wrapper on the hot path); asyncio
