@@ -15,16 +15,23 @@ For each: items/s of insert, and of sample + update_priorities, for
   - cpprb's PrioritizedReplayBuffer (C++/Cython; for Atari with its
     next_of/stack_compress frame compression);
   - the raw limit: a torch copy of the same bytes (memcpy).
-Ratios are moolib's figure over the reference's. More backends (moolib over
-RPC) are rows of BACKENDS.
+Ratios are moolib's figure over the reference's.
 
-Usage: python bench/replay.py [--quick]
+Then the same table served over RPC (shared memory, as on one host): items/s
+inserted by 1, 4 and 32 processes at once through ``ReplayClient`` (each
+sends its share of the batches, after all have connected), and sampled with
+priority updates by one process. These rows are rounds of their own (the
+processes start once), after the in-process ones.
+
+Usage: python bench/replay.py [--quick] [--no-rpc]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -239,10 +246,103 @@ BACKENDS: list[tuple[str, Callable[..., tuple[float, float, str] | None]]] = [
 ]
 
 
+# --- over RPC ---------------------------------------------------------------------
+
+
+def make_batches(atari: bool, n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    raw = atari_batches(n, seed) if atari else cartpole_batches(n, seed)
+    return [{k: torch.from_numpy(v) for k, v in b.items()} for b in raw]
+
+
+def rpc_client(args: argparse.Namespace) -> None:
+    """A child process: inserts its batches, or samples and updates, on each GO."""
+    rpc = moolib.Rpc()
+    rpc.set_timeout(120)
+    rpc.connect(args.address)
+    client = moolib.ReplayClient(rpc, ("server", "replay"), timeout=300)
+    client.info()  # connected (over shared memory once the handshake is done)
+    batches = make_batches(args.atari, args.batches, args.rank) if args.role == "insert" else []
+    prio = torch.rand(BATCH, dtype=torch.float64) + 0.1
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "GO":
+            break
+        t = time.perf_counter()
+        if batches:
+            for b in batches:
+                client.insert(b, prio)
+        else:
+            for _ in range(args.batches):
+                s = client.sample(BATCH)
+                client.update_priorities(s.keys, prio)
+        print(f"DONE {time.perf_counter() - t}", flush=True)
+    rpc.close()
+
+
+def spawn_clients(address: str, role: str, n: int, atari: bool, batches: int) -> list:
+    procs = []
+    for rank in range(n):
+        cmd = [sys.executable, __file__, "--role", role, "--address", address]
+        cmd += ["--rank", str(rank), "--batches", str(batches)] + (["--atari"] if atari else [])
+        procs.append(
+            subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        )
+    for p in procs:
+        assert p.stdout.readline().strip() == "READY"
+    return procs
+
+
+def rpc_rounds(procs: list, items: int, rounds: int = 3) -> float:
+    """Items/s of ``rounds`` GO rounds (median), timed from GO to the last DONE."""
+    rates = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for p in procs:
+            p.stdin.write("GO\n")
+            p.stdin.flush()
+        for p in procs:
+            assert p.stdout.readline().startswith("DONE")
+        rates.append(items / (time.perf_counter() - t))
+    for p in procs:
+        p.stdin.close()
+        p.wait(timeout=120)
+    return float(np.median(rates))
+
+
+def rpc_rows(name: str, atari: bool, total_batches: int, samples: int, capacity: int) -> list:
+    server = moolib.Rpc()
+    server.set_name("server")
+    server.set_transports(["shm"])
+    address = server.listen("127.0.0.1:0")
+    replay = moolib.Replay(capacity, alpha=0.6, dedup=("obs", "next_obs") if atari else (), seed=0)
+    replay.serve(server, "replay")
+    rows = []
+    try:
+        for n in (1, 4, 32):
+            per = max(1, total_batches // n)
+            procs = spawn_clients(address, "insert", n, atari, per)
+            rows.append((f"insert, {n} proc", rpc_rounds(procs, n * per * BATCH)))
+        procs = spawn_clients(address, "sample", 1, atari, samples)
+        rows.append(("sample+update", rpc_rounds(procs, samples * BATCH)))
+    finally:
+        replay.close()
+        server.close()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer batches")
+    parser.add_argument("--no-rpc", action="store_true", help="only the in-process rows")
+    parser.add_argument("--role", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--address", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--batches", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--atari", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.role:
+        rpc_client(args)
+        return
     scale = 4 if args.quick else 1
     workloads = [
         ("CartPole", cartpole_batches(200 // scale), 100_000, False, 200 // scale),
@@ -272,6 +372,12 @@ def main() -> None:
         missing = [b for b, _ in BACKENDS if b not in med]
         if missing:
             print(f"{name:9} (not installed: {', '.join(missing)})")
+        if args.no_rpc:
+            continue
+        for op, rate in rpc_rows(name, atari, len(batches), samples, capacity):
+            i = 0 if op.startswith("insert") else 1
+            refs = "  ".join(f"{rate / m[i]:.2f}x {b}" for b, m in med.items())
+            print(f"{name:9} {op:15} {'rpc, shm':9} {rate:12,.0f} {'':>9}  ({refs})")
 
 
 if __name__ == "__main__":

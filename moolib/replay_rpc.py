@@ -176,7 +176,8 @@ class ReplayClient:
                         "for inserts)"
                     )
         total_mass = sum(s.mass for s in live)
-        items = nest.cat([p[1] for p in parts])
+        # One part (one shard, one call) is already the batch: no copy.
+        items = parts[0][1] if len(parts) == 1 else nest.cat([p[1] for p in parts])
         keys = torch.cat([torch.as_tensor(p[2]) | (p[0].index << _SHARD_SHIFT) for p in parts])
         # An item's probability in the union: its shard's share of the mass
         # times its probability within the shard.
