@@ -102,3 +102,12 @@ def broker(logs):
         yield b
     finally:
         b.stop()
+
+
+@pytest.fixture(scope="module")
+def compose_config():
+    """Composes moolib-run's packaged Hydra config from a list of overrides."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
+        yield lambda *overrides: compose("config", overrides=list(overrides))

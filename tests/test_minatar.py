@@ -13,7 +13,6 @@ import functools
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from moolib.agents import models
 from moolib.envs import create_env, create_env_quietly, create_envpool, list_envs
 from moolib.envs.minatar import MINATAR_GAMES, MinAtarEnv
@@ -26,16 +25,6 @@ import moolib
 # The paper's observation channels per game (Young & Tian 2019, section 3).
 CHANNELS = {"asterix": 4, "breakout": 4, "freeway": 7, "seaquest": 10, "space_invaders": 6}
 LEFT, RIGHT = 1, 3  # minatar's action indices of 'l' and 'r' (all 6 actions)
-
-
-@pytest.fixture(scope="module")
-def hydra_conf():
-    with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
-        yield
-
-
-def _compose(*overrides: str):
-    return compose("config", overrides=list(overrides))
 
 
 def _options(cfg) -> dict:
@@ -57,11 +46,11 @@ def test_the_five_games_are_the_packages_and_named_apart_from_atari():
 
 
 @pytest.mark.parametrize("game", list(CHANNELS))
-def test_each_game_composes_and_steps_through_envpool(hydra_conf, game):
-    cfg = _compose(f"env=minatar-{game}")
+def test_each_game_composes_and_steps_through_envpool(compose_config, game):
+    cfg = compose_config(f"env=minatar-{game}")
     config_lib.validate(cfg)
     # One config for the five games: env=minatar-GAME is env=minatar env.game=GAME.
-    assert cfg.env == _compose("env=minatar", f"env.game={game}").env
+    assert cfg.env == compose_config("env=minatar", f"env.game={game}").env
     assert cfg.env.name == f"minatar-{game}" and cfg.name == f"vtrace-minatar-{game}"
     options = _options(cfg)
     assert options["sticky_action_prob"] == 0.1  # the paper's
@@ -129,8 +118,8 @@ def _ignored_fraction(env: MinAtarEnv, steps: int, seed: int) -> float:
     return ignored / moves
 
 
-def test_sticky_actions_are_applied_as_configured(hydra_conf):
-    options = _options(_compose("env=minatar-breakout"))
+def test_sticky_actions_are_applied_as_configured(compose_config):
+    options = _options(compose_config("env=minatar-breakout"))
     env = create_env("minatar-breakout", **options)
     fraction = _ignored_fraction(env.unwrapped, 4000, seed=1)
     # 0.1 of the actions repeat the previous one (binomial std at 4000 steps ~0.005).
@@ -146,13 +135,13 @@ def test_sticky_actions_are_applied_as_configured(hydra_conf):
         create_env("minatar-breakout", sticky_action_prob=1.5)
 
 
-def test_game_and_name_must_agree(hydra_conf):
+def test_game_and_name_must_agree(compose_config):
     with pytest.raises(ConfigError, match=r"env.game 'pong' is not a MinAtar game"):
-        config_lib.validate(_compose("env=minatar", "env.game=pong"))
+        config_lib.validate(compose_config("env=minatar", "env.game=pong"))
     with pytest.raises(ConfigError, match=r"env.name \('minatar-freeway'\) must follow"):
-        config_lib.validate(_compose("env=minatar-breakout", "env.name=minatar-freeway"))
+        config_lib.validate(compose_config("env=minatar-breakout", "env.name=minatar-freeway"))
     with pytest.raises(ConfigError, match="envpool serves Atari games only"):
-        config_lib.validate(_compose("env=minatar-breakout", "env.backend=envpool"))
+        config_lib.validate(compose_config("env=minatar-breakout", "env.backend=envpool"))
 
 
 def test_minatar_network_shapes_and_layers():
@@ -189,8 +178,8 @@ def test_minatar_network_shapes_and_layers():
 
 
 @pytest.mark.parametrize("agent", ["vtrace", "a2c"])
-def test_auto_picks_the_minatar_network_for_both_agents(hydra_conf, agent):
-    cfg = _compose(f"agent={agent}", "env=minatar-space_invaders")
+def test_auto_picks_the_minatar_network_for_both_agents(compose_config, agent):
+    cfg = compose_config(f"agent={agent}", "env=minatar-space_invaders")
     config_lib.validate(cfg)
     assert cfg.agent.network == "auto" and cfg.agent.hidden_size == 128  # the tuning's
     assert models.resolve_network("auto", (6, 10, 10)) == "minatar"

@@ -18,7 +18,6 @@ from pathlib import Path
 import moolib.conf
 import pytest
 import yaml
-from hydra import compose, initialize_config_module
 from moolib.agents import registry
 from moolib.agents.registry import AgentConfig, agent_config, agent_names, get_agent
 from moolib.launch import config as config_lib
@@ -46,17 +45,7 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hydra_conf():
-    with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
-        yield
-
-
-def _compose(*overrides: str):
-    return compose("config", overrides=list(overrides))
-
-
-def test_every_agent_file_is_a_registered_agent_with_a_typed_config(hydra_conf):
+def test_every_agent_file_is_a_registered_agent_with_a_typed_config(compose_config):
     assert AGENT_FILES == agent_names()
     for name in AGENT_FILES:
         shipped = yaml.safe_load((CONF / "agent" / f"{name}.yaml").read_text())
@@ -66,18 +55,18 @@ def test_every_agent_file_is_a_registered_agent_with_a_typed_config(hydra_conf):
         # The dataclass documents exactly the YAML's settings.
         fields = {f.name for f in dataclasses.fields(spec.config)}
         assert fields == set(shipped), (name, fields ^ set(shipped))
-        composed = _compose(f"agent={name}", "env=cartpole")
+        composed = compose_config(f"agent={name}", "env=cartpole")
         settings = agent_config(OmegaConf.to_container(composed.agent, resolve=True))
         assert type(settings) is spec.config
         assert settings.batch_size == composed.agent.batch_size
 
 
 @pytest.mark.parametrize("agent", AGENT_FILES)
-def test_every_agent_builds_and_takes_a_learner_step(hydra_conf, agent, tmp_path):
+def test_every_agent_builds_and_takes_a_learner_step(compose_config, agent, tmp_path):
     from moolib.agents.training import PeerInfo, Trainer
     from moolib.launch.local import EmbeddedBroker
 
-    cfg = _compose(f"agent={agent}", "env=cartpole", *TINY)
+    cfg = compose_config(f"agent={agent}", "env=cartpole", *TINY)
     final = config_lib.prepare(cfg, tmp_path)
     broker = EmbeddedBroker()
     try:
@@ -96,7 +85,7 @@ def test_every_agent_builds_and_takes_a_learner_step(hydra_conf, agent, tmp_path
     assert 0 < float(row["grad_norm"]) < math.inf, row
 
 
-def test_every_env_option_composes_and_steps(hydra_conf):
+def test_every_env_option_composes_and_steps(compose_config):
     from moolib.envs import ATARI_GAMES, create_env_quietly
     from moolib.envs.minatar import MINATAR_GAMES
 
@@ -106,7 +95,7 @@ def test_every_env_option_composes_and_steps(hydra_conf):
     assert set(ATARI_GAMES) <= set(options) and len(ATARI_GAMES) > 50
     needs_noop_max_0 = []
     for option in options:
-        cfg = _compose(f"env={option}", "agent=a2c")
+        cfg = compose_config(f"env={option}", "agent=a2c")
         config_lib.validate(cfg)
         name = cfg.env.name
         assert name == {"atari": "breakout", "minatar": "minatar-breakout"}.get(option, option)
@@ -127,23 +116,23 @@ def test_every_env_option_composes_and_steps(hydra_conf):
             env.close()
     assert len(needs_noop_max_0) < 5, needs_noop_max_0
     # The game is a setting of the one Atari config; the run is named after it.
-    cfg = _compose("env=atari", "env.game=pong")
+    cfg = compose_config("env=atari", "env.game=pong")
     assert cfg.env.name == "pong" and cfg.name == "vtrace-pong"
-    assert _compose("env=pong").env == cfg.env
+    assert compose_config("env=pong").env == cfg.env
     # Every MinAtar game is an option by name too, over the one MinAtar config.
     assert {f"minatar-{g}" for g in MINATAR_GAMES} <= set(options)
-    cfg = _compose("env=minatar", "env.game=freeway")
+    cfg = compose_config("env=minatar", "env.game=freeway")
     assert cfg.env.name == "minatar-freeway" and cfg.name == "vtrace-minatar-freeway"
-    assert _compose("env=minatar-freeway").env == cfg.env
+    assert compose_config("env=minatar-freeway").env == cfg.env
     # A tuning file still applies to its agent and env.
-    assert _compose("agent=a2c", "env=cartpole").agent.hidden_size == 64
+    assert compose_config("agent=a2c", "env=cartpole").agent.hidden_size == 64
 
 
-def test_env_game_and_name_must_agree(hydra_conf):
+def test_env_game_and_name_must_agree(compose_config):
     with pytest.raises(ConfigError, match=r"env.game 'nosuch' is not an Atari game"):
-        config_lib.validate(_compose("env.game=nosuch"))
+        config_lib.validate(compose_config("env.game=nosuch"))
     with pytest.raises(ConfigError, match=r"env.name \('pong'\) must follow env.game"):
-        config_lib.validate(_compose("env=breakout", "env.name=pong"))
+        config_lib.validate(compose_config("env=breakout", "env.name=pong"))
 
 
 @pytest.mark.parametrize(
@@ -157,14 +146,14 @@ def test_env_game_and_name_must_agree(hydra_conf):
         (["agent.name=a3c"], "agent.name must be one of a2c, vtrace; got 'a3c'"),
     ],
 )
-def test_agent_dataclass_names_the_bad_key(hydra_conf, overrides, message):
-    cfg = _compose("agent=vtrace", *overrides)
+def test_agent_dataclass_names_the_bad_key(compose_config, overrides, message):
+    cfg = compose_config("agent=vtrace", *overrides)
     with pytest.raises(ConfigError) as e:
         config_lib.validate(cfg)
     assert message in str(e.value)
 
 
-def test_an_agent_is_registered_not_listed(hydra_conf, monkeypatch):
+def test_an_agent_is_registered_not_listed(compose_config, monkeypatch):
     """An agent defined anywhere (here: in a test) validates once registered: no list
     in moolib-run or the Trainer names the agents."""
 
@@ -182,7 +171,7 @@ def test_an_agent_is_registered_not_listed(hydra_conf, monkeypatch):
     monkeypatch.setitem(
         registry._AGENTS, "tempered", registry.AgentSpec("tempered", TemperedConfig, compute_loss)
     )
-    values = OmegaConf.to_container(_compose("agent=a2c").agent, resolve=True)
+    values = OmegaConf.to_container(compose_config("agent=a2c").agent, resolve=True)
     values.update(name="tempered", temperature=0.5)
     settings = agent_config(values)
     assert isinstance(settings, TemperedConfig) and settings.temperature == 0.5
