@@ -65,6 +65,27 @@ TimePoint deadlineAfter(double seconds) {
                             std::chrono::duration<double>(std::max(0.0, seconds)));
 }
 
+// One round of a rate-limited wait: false once the deadline has passed with
+// the table open and `can()` still false; true to look again. The first round
+// only enters the pool's BlockingRegion, unlocked (a pool worker hands its
+// pending work to others there), so a handler blocked here gets a spare.
+template <class Can>
+bool waitTurn(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, int64_t& waiting,
+              TimePoint deadline, std::optional<BlockingRegion>& blocking, const bool& closed,
+              Can can) {
+  if (Clock::now() >= deadline) return false;
+  if (!blocking) {
+    lock.unlock();
+    blocking.emplace();
+    lock.lock();
+    return true;
+  }
+  ++waiting;
+  bool timedOut = cv.wait_until(lock, deadline) == std::cv_status::timeout;
+  --waiting;
+  return !(timedOut && !closed && !can());
+}
+
 struct MdCtxFree {
   void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
 };
@@ -627,21 +648,8 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
     run.flush();
     // Samplers may be waiting for what this batch inserted so far.
     sampleCv_.notify_all();
-    if (Clock::now() >= deadline) {
-      progress.waited = insertWaitLocked(n, progress.done, waitSeconds);
-      break;
-    }
-    if (!blocking) {
-      // Entered unlocked: a pool worker hands its pending work to others here.
-      lock.unlock();
-      blocking.emplace();
-      lock.lock();
-      continue;
-    }
-    ++waitingInserters_;
-    bool timedOut = insertCv_.wait_until(lock, deadline) == std::cv_status::timeout;
-    --waitingInserters_;
-    if (timedOut && !closed_ && !canInsertLocked()) {
+    if (!waitTurn(lock, insertCv_, waitingInserters_, deadline, blocking, closed_,
+                  [this] { return canInsertLocked(); })) {
       progress.waited = insertWaitLocked(n, progress.done, waitSeconds);
       break;
     }
@@ -722,20 +730,8 @@ ReplayProgress Replay::sample(int64_t n, const std::vector<ReplaySpan>& outs, in
       continue;
     }
     insertCv_.notify_all();
-    if (Clock::now() >= deadline) {
-      progress.waited = sampleWaitLocked(n, progress.done, waitSeconds);
-      break;
-    }
-    if (!blocking) {
-      lock.unlock();
-      blocking.emplace();
-      lock.lock();
-      continue;
-    }
-    ++waitingSamplers_;
-    bool timedOut = sampleCv_.wait_until(lock, deadline) == std::cv_status::timeout;
-    --waitingSamplers_;
-    if (timedOut && !closed_ && !canSampleLocked()) {
+    if (!waitTurn(lock, sampleCv_, waitingSamplers_, deadline, blocking, closed_,
+                  [this] { return canSampleLocked(); })) {
       progress.waited = sampleWaitLocked(n, progress.done, waitSeconds);
       break;
     }
