@@ -3,7 +3,7 @@
 Usage::
 
     moolib-plot SAVEDIR|SWEEP|logs.tsv [...] [--metric NAME] [--x step] [--smooth N] [--peers]
-                [--png out.png] [--no-terminal] [--width W] [--height H] [--list]
+                [--mean] [--png out.png] [--no-terminal] [--width W] [--height H] [--list]
 
 The input is the tab-separated file that ``moolib-run`` writes for each run: a header row, then
 one row per log interval. Any numeric column can be plotted against any other (``--x``, default
@@ -20,7 +20,9 @@ stands for:
   ``.hydra/overrides.yaml`` (else from the differences of their ``config.yaml``);
 - any other folder of runs: one line per run, labelled by its folder name.
 
-Several arguments are drawn side by side, one line each, labelled by their folders.
+Several arguments are drawn side by side, one line each, labelled by their folders; with
+``--mean`` (runs of one config with several seeds) as one line, their mean, with their spread
+(min to max) shaded.
 
 The terminal plot is drawn with plotext (colored when stdout is a terminal and ``NO_COLOR`` is
 unset), the PNG with matplotlib's Agg backend: by default ``<metric>.png`` in the first argument's
@@ -126,8 +128,8 @@ class Table:
 class Series:
     """One run's line: its label and the unbroken stretches of (x, y) points between gaps.
 
-    The mean of several peers also has ``band``: per segment, the lowest and highest peer's
-    values at each x (``peers`` is how many peers it averages).
+    The mean of several peers (or runs, ``members``) also has ``band``: per segment, the lowest
+    and highest member's values at each x (``peers`` is how many it averages).
     """
 
     label: str
@@ -135,6 +137,7 @@ class Series:
     segments: list[Segment]
     band: list[tuple[list[float], list[float]]] | None = None
     peers: int = 1
+    members: str = "peers"  # what ``band`` spans: a run's peers, or the runs of --mean
 
     @property
     def num_points(self) -> int:
@@ -445,7 +448,7 @@ def load_series(table: Table, metric: str, x: str, label: str, window: int = 1) 
     return Series(label=label, path=table.path, segments=segments)
 
 
-def mean_of(members: Sequence[Series], label: str, path: Path) -> Series:
+def mean_of(members: Sequence[Series], label: str, path: Path, of: str = "peers") -> Series:
     """The mean of several peers' series, with their spread (min to max) as ``band``.
 
     Peers log at their own moments, so each is interpolated linearly at every x that any of them
@@ -481,7 +484,9 @@ def mean_of(members: Sequence[Series], label: str, path: Path) -> Series:
             segments.append((grid[start:i].tolist(), mean[start:i].tolist()))
             band.append((low[start:i].tolist(), high[start:i].tolist()))
             start = None
-    return Series(label=label, path=path, segments=segments, band=band, peers=len(members))
+    return Series(
+        label=label, path=path, segments=segments, band=band, peers=len(members), members=of
+    )
 
 
 def default_png_path(first_log: Path, metric: str, x: str = "step") -> Path:
@@ -598,7 +603,7 @@ def write_png(
             ax.plot(rx, ry, color=color, alpha=0.25, linewidth=1)
         if s.band is not None:
             for k, ((sx, _), (lo, hi)) in enumerate(zip(s.segments, s.band, strict=True)):
-                spread = f"{s.label}: min to max of its peers" if k == 0 else None
+                spread = f"{s.label}: min to max of its {s.members}" if k == 0 else None
                 ax.fill_between(sx, lo, hi, color=color, alpha=0.2, linewidth=0, label=spread)
         xs, ys = _joined(s.segments)
         ax.plot(xs, ys, color=color, linewidth=1.5, label=s.label)
@@ -689,6 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="one line per peer of a run of several peers (default: their mean, spread shaded)",
     )
     parser.add_argument(
+        "--mean",
+        action="store_true",
+        help="one line for all the runs given (e.g. seeds of one config): their mean, with "
+        "their spread (min to max) shaded",
+    )
+    parser.add_argument(
         "--png",
         type=Path,
         default=None,
@@ -747,7 +758,7 @@ def _summary(s: Series, metric: str, x: str) -> str:
     )
     if s.band:
         low, high = s.band[-1][0][-1], s.band[-1][1][-1]
-        line += f"; its peers at the last point: {low:.6g} to {high:.6g}"
+        line += f"; its {s.members} at the last point: {low:.6g} to {high:.6g}"
     return line
 
 
@@ -837,6 +848,11 @@ def run(args: argparse.Namespace) -> int:
         empty.extend(skipped)
     if not series:
         raise PlotError("; ".join(str(e) for e in empty))
+    if args.mean and len(series) > 1:
+        label = f"mean of {len(series)} runs"
+        first = runs[0].folder
+        series = [mean_of(series, label, first, "runs")]
+        raw = [mean_of(raw, label, first, "runs")]
     for e in empty:
         print(f"moolib-plot: warning: skipped {e}", file=sys.stderr)
 

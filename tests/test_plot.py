@@ -558,3 +558,23 @@ def test_multi_peer_run_is_their_mean_with_its_spread(tmp_path, capsys):
     assert code == 2
     assert err.startswith(f"moolib-plot: error: {run}: nothing to plot yet (peer0: only the header")
     assert err.count("\n") == 1
+
+
+def test_mean_draws_runs_of_several_seeds_as_one_line_with_their_spread(tmp_path, capsys):
+    seeds = [tmp_path / f"breakout-seed{i}" for i in range(3)]
+    for i, run in enumerate(seeds):
+        write_logs(run / "logs.tsv", rows=10, scale=1.0 + i)
+    png = tmp_path / "seeds.png"
+    code, out, err = run_main(capsys, *map(str, seeds), "--mean", "--png", str(png))
+    assert code == 0, err
+    assert_png(png)
+    m = re.search(r"^mean of 3 runs: 10 points, last mean_episode_return (\S+)", out, re.M)
+    assert m, out
+    last = 10 * math.log1p(9)
+    assert float(m.group(1)) == pytest.approx(2 * last, rel=1e-5)  # (1x + 2x + 3x) / 3
+    low, high = re.search(r"its runs at the last point: (\S+) to (\S+)$", out, re.M).groups()
+    assert float(low) == pytest.approx(last, rel=1e-5)
+    assert float(high) == pytest.approx(3 * last, rel=1e-5)
+    # Without --mean: one line each.
+    code, out, err = run_main(capsys, *map(str, seeds), "--png", str(png))
+    assert code == 0 and "mean of" not in out and out.count(": 10 points") == 3
