@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging as _logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _core
 from .accumulator import Accumulator, ModelMismatchError
@@ -16,9 +16,11 @@ from .batcher import Batcher
 from .envpool import EnvPool, EnvStepperFuture
 from .group import AllReduce, Broker, Group
 from .publish import Publisher, Subscriber
-from .replay import Replay, ReplaySample
 from .replay_rpc import ReplayClient, ReplayError
 from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
+
+if TYPE_CHECKING:
+    from .replay import Replay, ReplaySample
 
 __all__ = [
     "Accumulator",
@@ -45,6 +47,21 @@ __all__ = [
     "set_logging",
     "set_max_threads",
 ]
+
+# moolib.replay works on torch tensors throughout; it is imported on first use so that
+# `import moolib` (env workers, the broker, moolib.envs) does not pay torch's import.
+_LAZY = {"Replay": "replay", "ReplaySample": "replay"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _LEVELS = {"none": 0, "error": 1, "info": 2, "verbose": 3, "debug": 4}
 _PY_LEVELS = {1: _logging.ERROR, 2: _logging.INFO, 3: _logging.DEBUG, 4: _logging.DEBUG}
