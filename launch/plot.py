@@ -850,6 +850,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlotError("; ".join(str(e) for e in empty))
     if args.mean and len(series) > 1:
         label = f"mean of {len(series)} runs"
+        if len(series) <= 4:  # few enough to name: which runs they are shows in title and legend
+            label += f" ({', '.join(s.label for s in series)})"
         first = runs[0].folder
         series = [mean_of(series, label, first, "runs")]
         raw = [mean_of(raw, label, first, "runs")]

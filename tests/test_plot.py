@@ -568,7 +568,8 @@ def test_mean_draws_runs_of_several_seeds_as_one_line_with_their_spread(tmp_path
     code, out, err = run_main(capsys, *map(str, seeds), "--mean", "--png", str(png))
     assert code == 0, err
     assert_png(png)
-    m = re.search(r"^mean of 3 runs: 10 points, last mean_episode_return (\S+)", out, re.M)
+    named = r"mean of 3 runs \(breakout-seed0, breakout-seed1, breakout-seed2\)"
+    m = re.search(rf"^{named}: 10 points, last mean_episode_return (\S+)", out, re.M)
     assert m, out
     last = 10 * math.log1p(9)
     assert float(m.group(1)) == pytest.approx(2 * last, rel=1e-5)  # (1x + 2x + 3x) / 3
