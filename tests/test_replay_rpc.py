@@ -89,7 +89,7 @@ def test_64_connections_on_one_shard(tmp_path, make_rpc):
             lambda: (
                 len([p for p in rpc.debug_info()["peers"] if p["name"].startswith("writer")]) >= 64
             ),
-            timeout=120,
+            timeout=300,
             what="64 inserting connections",
         )
         for p in writers:

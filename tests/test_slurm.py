@@ -364,7 +364,7 @@ def test_failed_peer_is_requeued_until_max_failures(tmp_path, savedirs):
     before = len(peer_rows(savedir, 1))
     wait_for(
         lambda: any(r["peers"] == 2 for r in peer_rows(savedir, 1)[before:]),
-        180,
+        300,
         "the requeued peer to train in the group again",
     )
     # Its failures are used up: the next one ends the job; peer 0 trains on alone.
@@ -386,7 +386,7 @@ def test_failed_broker_is_requeued_and_the_peers_train_on(tmp_path, savedirs):
     os.kill(pid, signal.SIGKILL)
     wait_for(
         lambda: job_log(savedir, broker_id).count("Broker listening") >= 2,
-        180,
+        300,
         "the failed broker job to be requeued and listen again",
     )
     assert "failed (exit status" in job_log(savedir, broker_id)
@@ -403,7 +403,7 @@ def test_interrupted_broker_is_requeued_and_the_peers_train_on(tmp_path, savedir
     job._interrupt()
     wait_for(
         lambda: job_log(savedir, broker_id).count("Starting with JobEnvironment") >= 2,
-        180,
+        300,
         "the broker job to be requeued and start again",
     )
     # Back on the same node, on the same port.

@@ -12,8 +12,8 @@ threads at once, splitting the batches between them.
 
 Prints ``READY <name> <address or ->`` once set up; an inserter then prints
 ``INSERTED <batch>`` after each batch, ``VIA <transports>`` (those of its
-connections to the server) when a client is done, and ``DONE`` at the end. Serves or
-waits until its stdin closes, or it is killed.
+connections to the server) when a client is done, and ``DONE`` when every client is. Serves, or
+keeps its connections, until its stdin closes, or it is killed.
 """
 
 from __future__ import annotations
@@ -45,7 +45,13 @@ def make_rpc(name: str, args: argparse.Namespace) -> moolib.Rpc:
     return rpc
 
 
-def insert_loop(client_index: int, args: argparse.Namespace, lock: threading.Lock) -> None:
+def insert_loop(
+    client_index: int,
+    args: argparse.Namespace,
+    lock: threading.Lock,
+    done: threading.Event,
+    release: threading.Event,
+) -> None:
     rpc = make_rpc(f"{args.name}-{client_index}", args)
     rpc.connect(args.connect)
     peer, table = args.insert_to.split("/", 1)
@@ -65,6 +71,10 @@ def insert_loop(client_index: int, args: argparse.Namespace, lock: threading.Loc
     }
     with lock:
         print(f"VIA {','.join(sorted(used))}", flush=True)
+    done.set()
+    # Connections stay up until the process is told to end, so a test can count them all at
+    # once however the clients' inserts interleave.
+    release.wait()
     rpc.close()
 
 
@@ -101,15 +111,21 @@ def main() -> None:
 
     print(f"READY {args.name} -", flush=True)
     lock = threading.Lock()
+    release = threading.Event()
+    done = [threading.Event() for _ in range(args.clients)]
     threads = [
-        threading.Thread(target=insert_loop, args=(i, args, lock)) for i in range(args.clients)
+        threading.Thread(target=insert_loop, args=(i, args, lock, done[i], release))
+        for i in range(args.clients)
     ]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    for d in done:
+        d.wait()
     print("DONE", flush=True)
     sys.stdin.read()
+    release.set()
+    for t in threads:
+        t.join()
 
 
 if __name__ == "__main__":
