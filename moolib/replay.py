@@ -385,6 +385,17 @@ class Replay:
         returns those items' keys (a prefix of the batch)."""
         return self._insert(items, priorities, max(0.0, float(wait)))[0]
 
+    def _insert_into(self, leaves: list, priorities: Any, keys: Any, wait: float) -> int:
+        """Inserts from caller buffers in the table's layout (one per leaf, the
+        items' bytes back to back; priorities as float64 or None), writing the
+        keys to ``keys`` (int64); waits on the rate limiter at most ``wait``
+        seconds and returns how many went in (a prefix). The table must have
+        its layout (an insert happened)."""
+        if self._schema is None:
+            raise RuntimeError("replay insert from buffers before the table has its layout")
+        done, _, _ = self._core.insert(leaves, priorities, keys, max(0.0, float(wait)))
+        return int(done)
+
     # Sampling.
 
     def _sample(self, batch_size: int, wait: float) -> tuple[ReplaySample, str]:
@@ -419,6 +430,21 @@ class Replay:
             items = nest.pack_as(schema.structure, outs)
         return ReplaySample(items, keys[:done], probs[:done], int(size)), waited
 
+    def _sample_into(
+        self, batch_size: int, outs: list, keys: Any, probs: Any, wait: float
+    ) -> tuple[int, int]:
+        """Samples up to ``batch_size`` items straight into caller buffers (one
+        per leaf, ``batch_size * item_bytes`` bytes each, and the keys' and
+        probabilities' 8 bytes an item), waiting on the rate limiter at most
+        ``wait`` seconds; returns (sampled, table size). The table must have
+        its layout (an insert happened)."""
+        done, _, size, need_outputs = self._core.sample(
+            batch_size, outs, keys, probs, max(0.0, float(wait))
+        )
+        if need_outputs:
+            raise RuntimeError("replay sample into buffers: the table has no items yet")
+        return int(done), int(size)
+
     def sample(self, batch_size: int, timeout: float | None = None) -> ReplaySample:
         """Draws ``batch_size`` items (with replacement, except under fifo).
 
@@ -449,6 +475,14 @@ class Replay:
         if k.numel() == 0:
             return 0
         return int(self._core.update_priorities(k.numpy(), p.contiguous().numpy()))
+
+    def _update_priorities_raw(self, keys: Any, priorities: Any) -> int:
+        """update_priorities from buffers of int64 keys and float64 priorities."""
+        k = np.frombuffer(keys, dtype=np.int64)
+        p = np.frombuffer(priorities, dtype=np.float64)
+        if len(k) != len(p):
+            raise ValueError(f"replay update_priorities: {len(k)} keys but {len(p)} priorities")
+        return int(self._core.update_priorities(k, p)) if len(k) else 0
 
     # State.
 
