@@ -9,9 +9,13 @@ Two workloads at batch 512:
 
 For each: items/s of insert, and of sample + update_priorities, for
   - moolib.Replay in this process (prioritized, alpha 0.6);
-  - torchrl's replay buffer (LazyTensorStorage; its PrioritizedReplayBuffer
-    needs torchrl's C++ extension, which does not load with every torch: then
-    its uniform ReplayBuffer stands in, and the row says so);
+  - torchrl's PrioritizedReplayBuffer (LazyTensorStorage, alpha 0.6, beta
+    0.4, the same priority updates). Its sampler is torchrl's C++ extension,
+    built for one torch release: where it does not load in this interpreter,
+    ``--torchrl-python PATH`` runs these rows in another one (a venv with a
+    torch/torchrl pair that works), in a worker process that makes the same
+    items from the same seeds and runs each round when told, so the rounds
+    still interleave; the versions it used are printed;
   - cpprb's PrioritizedReplayBuffer (C++/Cython; for Atari with its
     next_of/stack_compress frame compression);
   - the raw limit: a torch copy of the same bytes (memcpy).
@@ -23,7 +27,7 @@ sends its share of the batches, after all have connected), and sampled with
 priority updates by one process. These rows are rounds of their own (the
 processes start once), after the in-process ones.
 
-Usage: python bench/replay.py [--quick] [--no-rpc]
+Usage: python bench/replay.py [--quick] [--no-rpc] [--torchrl-python PATH]
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
-import moolib
+# moolib is imported where it is used: the torchrl worker runs in an
+# interpreter that may not have it.
 
 BATCH = 512
 
@@ -113,6 +118,8 @@ def timed(fn: Callable[[], Any], items: int) -> float:
 
 
 def run_moolib(batches, capacity, atari, samples) -> tuple[float, float, str]:
+    import moolib
+
     replay = moolib.Replay(capacity, alpha=0.6, dedup=("obs", "next_obs") if atari else (), seed=0)
     tensors = [{k: torch.from_numpy(v) for k, v in b.items()} for b in batches]
     prio = torch.rand(BATCH, dtype=torch.float64) + 0.1
@@ -132,24 +139,40 @@ def run_moolib(batches, capacity, atari, samples) -> tuple[float, float, str]:
     return ins, smp, f"{info['bytes_per_item']:.0f} B/item stored"
 
 
-def run_torchrl(batches, capacity, atari, samples) -> tuple[float, float, str] | None:
+def torchrl_versions() -> str:
+    import tensordict
+    import torchrl
+
+    return (
+        f"torch {torch.__version__}, torchrl {torchrl.__version__}, "
+        f"tensordict {tensordict.__version__}, {sys.executable}"
+    )
+
+
+def torchrl_prioritized(capacity: int) -> Any:
+    """torchrl's PrioritizedReplayBuffer, or None where its C++ sampler does not load."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from tensordict import TensorDict
-            from torchrl.data import LazyTensorStorage, PrioritizedReplayBuffer, ReplayBuffer
+            from torchrl.data import LazyTensorStorage, PrioritizedReplayBuffer
     except ImportError:
         return None
     # torchrl logs every storage it initializes at INFO.
     logging.getLogger("torchrl").setLevel(logging.WARNING)
-    storage = LazyTensorStorage(capacity)
     try:
-        rb = PrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=storage)
-        note = "prioritized"
-    except RuntimeError:
-        rb = ReplayBuffer(storage=LazyTensorStorage(capacity))
-        note = "UNIFORM: its prioritized sampler's C++ extension does not load with this torch"
-    prioritized = note == "prioritized"
+        return PrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=LazyTensorStorage(capacity))
+    except (RuntimeError, ImportError):
+        return None
+
+
+def run_torchrl(batches, capacity, atari, samples) -> tuple[float, float, str] | None:
+    """torchrl's PrioritizedReplayBuffer in this process: extend, then sample
+    with return_info and update_priority, batch by batch as moolib's rows."""
+    rb = torchrl_prioritized(capacity)
+    if rb is None:
+        return None
+    from tensordict import TensorDict
+
     tds = [
         TensorDict({k: torch.from_numpy(v) for k, v in b.items()}, batch_size=[BATCH])
         for b in batches
@@ -157,18 +180,66 @@ def run_torchrl(batches, capacity, atari, samples) -> tuple[float, float, str] |
     prio = torch.rand(BATCH) + 0.1
 
     def insert() -> None:
+        # extend() gives new items the largest priority so far; the batch's
+        # own priorities (as moolib's insert takes them) are one update more.
         for td in tds:
-            rb.extend(td)
+            rb.update_priority(rb.extend(td), prio)
 
     def sample() -> None:
         for _ in range(samples):
-            if prioritized:
-                _, info = rb.sample(BATCH, return_info=True)
-                rb.update_priority(info["index"], prio)
-            else:
-                rb.sample(BATCH)
+            _, info = rb.sample(BATCH, return_info=True)
+            rb.update_priority(info["index"], prio)
 
-    return timed(insert, len(batches) * BATCH), timed(sample, samples * BATCH), note
+    ins, smp = timed(insert, len(batches) * BATCH), timed(sample, samples * BATCH)
+    # It must give back what went in (the check is not timed).
+    got, info = rb.sample(8, return_info=True)
+    total = len(batches) * BATCH
+    for j, i in enumerate(info["index"].tolist()):
+        t = i + (total - 1 - i) // capacity * capacity  # the latest item in slot i
+        assert np.array_equal(got["obs"][j].numpy(), batches[t // BATCH]["obs"][t % BATCH])
+    return ins, smp, "prioritized"
+
+
+class TorchrlWorker:
+    """torchrl's rows run by another interpreter (--torchrl-python): a worker
+    process that makes the same items and runs one round per request."""
+
+    def __init__(self, python: str, atari: bool, nbatches: int, capacity: int, samples: int):
+        cmd = [python, __file__, "--torchrl-worker", "--batches", str(nbatches)]
+        cmd += ["--capacity", str(capacity), "--samples", str(samples)]
+        cmd += ["--atari"] if atari else []
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("READY "):
+            self.proc.kill()
+            raise RuntimeError(f"torchrl worker ({python}) did not start: {line!r}")
+        self.versions = line.removeprefix("READY ")
+
+    def __call__(self, batches, capacity, atari, samples) -> tuple[float, float, str] | None:
+        self.proc.stdin.write("GO\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline().split()
+        if not line or line[0] != "RESULT":
+            raise RuntimeError(f"torchrl worker failed: {line}")
+        return float(line[1]), float(line[2]), "prioritized"
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def torchrl_worker(args: argparse.Namespace) -> None:
+    """The worker side of TorchrlWorker."""
+    batches = atari_batches(args.batches) if args.atari else cartpole_batches(args.batches)
+    if torchrl_prioritized(args.capacity) is None:
+        print("NO torchrl's PrioritizedReplayBuffer does not load here", flush=True)
+        return
+    print(f"READY {torchrl_versions()}", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "GO":
+            break
+        ins, smp, _ = run_torchrl(batches, args.capacity, args.atari, args.samples)
+        print(f"RESULT {ins} {smp}", flush=True)
 
 
 def run_cpprb(batches, capacity, atari, samples) -> tuple[float, float, str] | None:
@@ -256,6 +327,8 @@ def make_batches(atari: bool, n: int, seed: int) -> list[dict[str, torch.Tensor]
 
 def rpc_client(args: argparse.Namespace) -> None:
     """A child process: inserts its batches, or samples and updates, on each GO."""
+    import moolib
+
     rpc = moolib.Rpc()
     rpc.set_timeout(120)
     rpc.connect(args.address)
@@ -310,6 +383,8 @@ def rpc_rounds(procs: list, items: int, rounds: int = 3) -> float:
 
 
 def rpc_rows(name: str, atari: bool, total_batches: int, samples: int, capacity: int) -> list:
+    import moolib
+
     server = moolib.Rpc()
     server.set_name("server")
     server.set_transports(["shm"])
@@ -338,8 +413,21 @@ def main() -> None:
     parser.add_argument("--address", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--batches", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--torchrl-python",
+        default=None,
+        metavar="PATH",
+        help="run torchrl's rows in this interpreter (where torchrl's prioritized sampler "
+        "does not load in this one)",
+    )
+    parser.add_argument("--torchrl-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--capacity", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--samples", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--atari", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.torchrl_worker:
+        torchrl_worker(args)
+        return
     if args.role:
         rpc_client(args)
         return
@@ -349,17 +437,28 @@ def main() -> None:
         ("Atari", atari_batches(16 // scale), 8192, True, 40 // scale),
     ]
     print(f"batch {BATCH}; items/s, median of 3 interleaved rounds; ratio = moolib / reference")
+    print(f"moolib: torch {torch.__version__}, {sys.executable}")
+    if args.torchrl_python is None and torchrl_prioritized(16) is not None:
+        print(f"torchrl in this process: {torchrl_versions()}")
     header = f"{'workload':9} {'operation':15} {'backend':9} {'items/s':>12} {'moolib/x':>9}  note"
     print(header)
     print("-" * len(header))
     for name, batches, capacity, atari, samples in workloads:
         results: dict[str, list[tuple[float, float, str]]] = {}
+        backends = [("moolib", run_moolib), *BACKENDS]
+        worker = None
+        if args.torchrl_python:
+            worker = TorchrlWorker(args.torchrl_python, atari, len(batches), capacity, samples)
+            print(f"{name:9} torchrl in a worker: {worker.versions}")
+            backends[1] = ("torchrl", worker)
         # Rounds interleave the backends, so the machine's load moves them alike.
         for _ in range(3):
-            for backend, fn in [("moolib", run_moolib), *BACKENDS]:
+            for backend, fn in backends:
                 r = fn(batches, capacity, atari, samples)
                 if r is not None:
                     results.setdefault(backend, []).append(r)
+        if worker is not None:
+            worker.close()
         med = {}
         for b, rs in results.items():
             ins, smp = (float(np.median([r[i] for r in rs])) for i in (0, 1))
@@ -371,7 +470,10 @@ def main() -> None:
                 print(f"{name:9} {op:15} {backend:9} {m[i]:12,.0f} {ratio:>9}  {m[2]}")
         missing = [b for b, _ in BACKENDS if b not in med]
         if missing:
-            print(f"{name:9} (not installed: {', '.join(missing)})")
+            print(
+                f"{name:9} (not here: {', '.join(missing)}; torchrl's row needs its "
+                "prioritized sampler: see --torchrl-python)"
+            )
         if args.no_rpc:
             continue
         for op, rate in rpc_rows(name, atari, len(batches), samples, capacity):
