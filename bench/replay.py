@@ -24,8 +24,9 @@ Ratios are moolib's figure over the reference's.
 Then the same table served over RPC (shared memory, as on one host): items/s
 inserted by 1, 4 and 32 processes at once through ``ReplayClient`` (each
 sends its share of the batches, after all have connected), and sampled with
-priority updates by one process. These rows are rounds of their own (the
-processes start once), after the in-process ones.
+priority updates by one process. The client processes start once; each
+round runs every RPC row once after the in-process backends, and the figures
+are medians of the 3 rounds.
 
 Usage: python bench/replay.py [--quick] [--no-rpc] [--torchrl-python PATH]
 """
@@ -365,44 +366,60 @@ def spawn_clients(address: str, role: str, n: int, atari: bool, batches: int) ->
     return procs
 
 
-def rpc_rounds(procs: list, items: int, rounds: int = 3) -> float:
-    """Items/s of ``rounds`` GO rounds (median), timed from GO to the last DONE."""
-    rates = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for p in procs:
-            p.stdin.write("GO\n")
-            p.stdin.flush()
-        for p in procs:
-            assert p.stdout.readline().startswith("DONE")
-        rates.append(items / (time.perf_counter() - t))
+def rpc_round(procs: list, items: int) -> float:
+    """Items/s of one GO round, timed from GO to the last DONE."""
+    t = time.perf_counter()
     for p in procs:
-        p.stdin.close()
-        p.wait(timeout=120)
-    return float(np.median(rates))
+        p.stdin.write("GO\n")
+        p.stdin.flush()
+    for p in procs:
+        assert p.stdout.readline().startswith("DONE")
+    return items / (time.perf_counter() - t)
 
 
-def rpc_rows(name: str, atari: bool, total_batches: int, samples: int, capacity: int) -> list:
-    import moolib
+class RpcRows:
+    """The table served by this process over shared memory, and the client
+    processes of every RPC row, started once; ``round()`` runs each row once,
+    so that the rows' rounds interleave with the in-process backends'."""
 
-    server = moolib.Rpc()
-    server.set_name("server")
-    server.set_transports(["shm"])
-    address = server.listen("127.0.0.1:0")
-    replay = moolib.Replay(capacity, alpha=0.6, dedup=("obs", "next_obs") if atari else (), seed=0)
-    replay.serve(server, "replay")
-    rows = []
-    try:
-        for n in (1, 4, 32):
-            per = max(1, total_batches // n)
-            procs = spawn_clients(address, "insert", n, atari, per)
-            rows.append((f"insert, {n} proc", rpc_rounds(procs, n * per * BATCH)))
-        procs = spawn_clients(address, "sample", 1, atari, samples)
-        rows.append(("sample+update", rpc_rounds(procs, samples * BATCH)))
-    finally:
-        replay.close()
-        server.close()
-    return rows
+    def __init__(self, atari: bool, total_batches: int, samples: int, capacity: int) -> None:
+        import moolib
+
+        self.server = moolib.Rpc()
+        self.server.set_name("server")
+        self.server.set_transports(["shm"])
+        address = self.server.listen("127.0.0.1:0")
+        dedup = ("obs", "next_obs") if atari else ()
+        self.replay = moolib.Replay(capacity, alpha=0.6, dedup=dedup, seed=0)
+        self.replay.serve(self.server, "replay")
+        self.rows: list[tuple[str, list, int]] = []
+        try:
+            for n in (1, 4, 32):
+                per = max(1, total_batches // n)
+                procs = spawn_clients(address, "insert", n, atari, per)
+                self.rows.append((f"insert, {n} proc", procs, n * per * BATCH))
+            procs = spawn_clients(address, "sample", 1, atari, samples)
+            self.rows.append(("sample+update", procs, samples * BATCH))
+        except BaseException:
+            self.close()
+            raise
+        self.rates: dict[str, list[float]] = {}
+
+    def round(self) -> None:
+        for name, procs, items in self.rows:
+            self.rates.setdefault(name, []).append(rpc_round(procs, items))
+
+    def medians(self) -> list[tuple[str, float]]:
+        return [(name, float(np.median(r))) for name, r in self.rates.items()]
+
+    def close(self) -> None:
+        for _, procs, _ in self.rows:
+            for p in procs:
+                p.stdin.close()
+            for p in procs:
+                p.wait(timeout=120)
+        self.replay.close()
+        self.server.close()
 
 
 def main() -> None:
@@ -451,14 +468,19 @@ def main() -> None:
             worker = TorchrlWorker(args.torchrl_python, atari, len(batches), capacity, samples)
             print(f"{name:9} torchrl in a worker: {worker.versions}")
             backends[1] = ("torchrl", worker)
+        rpc = None if args.no_rpc else RpcRows(atari, len(batches), samples, capacity)
         # Rounds interleave the backends, so the machine's load moves them alike.
         for _ in range(3):
             for backend, fn in backends:
                 r = fn(batches, capacity, atari, samples)
                 if r is not None:
                     results.setdefault(backend, []).append(r)
+            if rpc is not None:
+                rpc.round()
         if worker is not None:
             worker.close()
+        if rpc is not None:
+            rpc.close()
         med = {}
         for b, rs in results.items():
             ins, smp = (float(np.median([r[i] for r in rs])) for i in (0, 1))
@@ -474,9 +496,9 @@ def main() -> None:
                 f"{name:9} (not here: {', '.join(missing)}; torchrl's row needs its "
                 "prioritized sampler: see --torchrl-python)"
             )
-        if args.no_rpc:
+        if rpc is None:
             continue
-        for op, rate in rpc_rows(name, atari, len(batches), samples, capacity):
+        for op, rate in rpc.medians():
             i = 0 if op.startswith("insert") else 1
             refs = "  ".join(f"{rate / m[i]:.2f}x {b}" for b, m in med.items())
             print(f"{name:9} {op:15} {'rpc, shm':9} {rate:12,.0f} {'':>9}  ({refs})")
