@@ -233,6 +233,34 @@ class _Shard:
         return f"replay '{self.name}' on peer '{self.peer}'"
 
 
+class _Pending:
+    """A sample asked for: where its parts go, and the shards' answers to come."""
+
+    def __init__(
+        self,
+        batch_size: int,
+        live: list[_Shard],
+        counts: list[int],
+        deadline: float,
+        offsets: list[int],
+        nbytes: int,
+        sizes: list[int],
+    ) -> None:
+        self.batch_size = batch_size
+        self.live = live
+        self.counts = counts
+        self.deadline = deadline
+        self.offsets = offsets
+        self.nbytes = nbytes
+        self.sizes = sizes
+        self.segment: _Segment
+        self.futures: list[Any] = []
+
+    def rows(self, row: int) -> list[int]:
+        """Where item ``row`` of each leaf, its key and its probability go."""
+        return [o + row * b for o, b in zip(self.offsets, self.sizes, strict=True)]
+
+
 class ReplayClient:
     """Inserts into and samples from replay tables served by other peers.
 
@@ -245,7 +273,10 @@ class ReplayClient:
     With ``shared_memory`` (the default), shards on this host write samples
     straight into this client's shared memory; the sampled tensors are then
     views of it, valid as long as they live (their memory is reused only
-    after they are freed).
+    after they are freed). With ``prefetch`` as well, each ``sample()`` asks
+    for the next batch of the same size before it returns, so the shards draw
+    it while the caller works on this one (as Reverb's samplers do): that
+    batch is drawn before the caller's next ``update_priorities``.
     """
 
     def __init__(
@@ -255,6 +286,7 @@ class ReplayClient:
         timeout: float = 60.0,
         seed: int | None = None,
         shared_memory: bool = True,
+        prefetch: bool = False,
     ) -> None:
         if isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[0], str):
             shards = [shards]
@@ -272,6 +304,8 @@ class ReplayClient:
         # freed (any thread), so these are deques, not lists under a lock.
         self._free: collections.deque[_Segment] = collections.deque()
         self._unmap: collections.deque[tuple[int, int]] = collections.deque()
+        self._prefetch = bool(prefetch)
+        self._pending: _Pending | None = None
 
     # Each call to a shard waits at most this long on the serving peer, so the
     # reply comes well within the RPC timeout.
@@ -331,7 +365,13 @@ class ReplayClient:
 
         from .replay import _bytes_view
 
-        leaves, n = self._schema.flatten(items)  # names the leaf that differs
+        try:
+            leaves, n = self._schema.flatten(items)
+        except (ValueError, TypeError) as e:
+            # As the shard would have refused it (the same text, naming the leaf).
+            raise ReplayError(
+                f"{shard.describe()}: insert failed: {type(e).__name__}: {e}"
+            ) from None
         if n <= 0:
             raise ValueError(f"replay insert of {n} items: a batch needs at least one")
         prioritized = priorities is not None
@@ -340,8 +380,7 @@ class ReplayClient:
             p = p.contiguous()
             if p.numel() != n:
                 raise ValueError(f"replay insert: {p.numel()} priorities for a batch of {n} items")
-        offsets, nbytes = self._layout(n)
-        sizes = [*self._schema.item_bytes, 8, 8]
+        offsets, nbytes, sizes = self._layout(n)
         segment = self._lease(nbytes)
         try:
             if self._attach(shard, segment) is None:
@@ -391,17 +430,27 @@ class ReplayClient:
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        live = self._live()
-        if not live:
-            raise ReplayError(
-                "no replay shard is reachable: " + ", ".join(s.describe() for s in self._shards)
-            )
-        counts = self._split(batch_size, live)
-        deadline = time.monotonic() + self._timeout
         if self._shared_memory:
             self._flush_unmap()
-            if self._shared_layout(live):
-                return self._sample_shared(batch_size, live, counts, deadline)
+            with self._lock:
+                pending, self._pending = self._pending, None
+            if pending is not None and pending.batch_size != batch_size:
+                # Drawn for another batch size: it is dropped (its draws count
+                # for the rate limiter as any other).
+                self._finish_shared(pending)
+                pending = None
+            if pending is None:
+                pending = self._start_shared(batch_size)
+            if pending is not None:
+                sample = self._finish_shared(pending)
+                if self._prefetch:
+                    self._prefetch_next(batch_size)
+                return sample
+        live = self._live()
+        if not live:
+            raise self._none_live()
+        counts = self._split(batch_size, live)
+        deadline = time.monotonic() + self._timeout
         parts = []
         for shard, count in zip(live, counts, strict=True):
             got = 0
@@ -446,15 +495,17 @@ class ReplayClient:
             self._schema = _Schema.from_json(layout)
         return True
 
-    def _layout(self, batch_size: int) -> tuple[list[int], int]:
+    def _layout(self, batch_size: int) -> tuple[list[int], int, list[int]]:
         """Where each leaf's rows, the keys and the probabilities start in a
-        segment for ``batch_size`` items, and the bytes it needs."""
+        segment for ``batch_size`` items, the bytes it needs, and each one's
+        bytes per item."""
         offsets = []
         end = 0
-        for item_bytes in [*self._schema.item_bytes, 8, 8]:
+        sizes = [*self._schema.item_bytes, 8, 8]
+        for item_bytes in sizes:
             offsets.append(end)
             end = -(-(end + batch_size * item_bytes) // _ALIGN) * _ALIGN
-        return offsets, max(end, 16)
+        return offsets, max(end, 16), sizes
 
     def _lease(self, nbytes: int) -> _Segment:
         while True:
@@ -504,34 +555,95 @@ class ReplayClient:
                 segment.ids[shard.index] = sid
         return sid
 
-    def _sample_shared(
-        self, batch_size: int, live: list[_Shard], counts: list[int], deadline: float
-    ) -> ReplaySample | None:
+    def _none_live(self) -> ReplayError:
+        return ReplayError(
+            "no replay shard is reachable: " + ", ".join(s.describe() for s in self._shards)
+        )
+
+    def _prefetch_next(self, batch_size: int) -> None:
+        try:
+            pending = self._start_shared(batch_size)
+        except ReplayError:
+            return  # the next sample asks again, and raises if it must
+        with self._lock:
+            if self._pending is None:
+                self._pending = pending
+                return
+        self._finish_shared(pending)  # another thread prefetched meanwhile
+
+    def _start_shared(self, batch_size: int) -> _Pending | None:
+        """Leases a segment and asks every live shard for its part of a sample
+        into it (without waiting for the answers). None: this client samples
+        through replies (the tables have no items yet, or cannot map it)."""
+        live = self._live()
+        if not live:
+            raise self._none_live()
+        if not self._shared_layout(live):
+            return None
+        counts = self._split(batch_size, live)
+        deadline = time.monotonic() + self._timeout
+        pending = _Pending(batch_size, live, counts, deadline, *self._layout(batch_size))
+        pending.segment = self._lease(pending.nbytes)
+        try:
+            for shard in live:
+                if self._attach(shard, pending.segment) is None:
+                    self._give_back(pending.segment)
+                    return None
+            row = 0
+            for shard, count in zip(live, counts, strict=True):
+                future = None
+                if count:
+                    future = self._rpc.async_(
+                        shard.peer,
+                        f"{shard.name}/sample_into",
+                        pending.segment.ids[shard.index],
+                        pending.rows(row),
+                        count,
+                        self._wait_per_call(deadline),
+                    )
+                pending.futures.append(future)
+                row += count
+        except BaseException:
+            self._give_back(pending.segment)
+            raise
+        return pending
+
+    def _finish_shared(self, pending: _Pending) -> ReplaySample:
+        """Waits for the parts of a sample started by _start_shared, asks again
+        for what the rate limiter held back, and returns the batch."""
         import torch
 
         from .replay import ReplaySample
 
-        offsets, nbytes = self._layout(batch_size)
-        segment = self._lease(nbytes)
+        segment = pending.segment
         try:
-            for shard in live:
-                if self._attach(shard, segment) is None:
-                    # Not on this host: every sample of this client goes as replies.
-                    self._give_back(segment)
-                    return self.sample(batch_size)
-            sizes = [*self._schema.item_bytes, 8, 8]
             row = 0
             table_size = 0
-            for shard, count in zip(live, counts, strict=True):
+            for shard, count, future in zip(
+                pending.live, pending.counts, pending.futures, strict=True
+            ):
                 got = 0
                 size = 0
                 while got < count:
-                    at = row + got
-                    rows = [o + at * b for o, b in zip(offsets, sizes, strict=True)]
-                    wait = self._wait_per_call(deadline)
-                    result = self._call(
-                        shard, "sample_into", segment.ids[shard.index], rows, count - got, wait
-                    )
+                    if future is not None:
+                        try:
+                            result = future.result()
+                        except RpcError as e:
+                            shard.failed_at = time.monotonic()
+                            raise ReplayError(
+                                f"{shard.describe()}: sample_into failed: {e}"
+                            ) from None
+                        shard.failed_at = None
+                        future = None
+                    else:
+                        result = self._call(
+                            shard,
+                            "sample_into",
+                            segment.ids[shard.index],
+                            pending.rows(row + got),
+                            count - got,
+                            self._wait_per_call(pending.deadline),
+                        )
                     if result is None:  # the peer unmapped it meanwhile: map it again
                         del segment.ids[shard.index]
                         if self._attach(shard, segment) is None:
@@ -541,7 +653,7 @@ class ReplayClient:
                         continue
                     done, size, shard.mass = result
                     got += done
-                    if not done and time.monotonic() >= deadline:
+                    if got < count and not done and time.monotonic() >= pending.deadline:
                         raise TimeoutError(
                             f"{shard.describe()}: sample of {count} timed out after "
                             f"{self._timeout:.1f} s ({got} sampled; the rate limiter waits "
@@ -550,10 +662,15 @@ class ReplayClient:
                 row += count
                 table_size += size
         except BaseException:
+            for future in pending.futures:
+                if future is not None:
+                    future.wait()  # the segment is written no more before it is reused
             self._give_back(segment)
             raise
+        batch_size = pending.batch_size
+        offsets = pending.offsets
         # The segment comes back to this client when the last view of it is freed.
-        base = segment.view[:nbytes]
+        base = segment.view[: pending.nbytes]
         weakref.finalize(base, self._give_back, segment)
         whole = torch.from_numpy(base)
         schema = self._schema
@@ -565,14 +682,14 @@ class ReplayClient:
         ]
         keys = whole[offsets[-2] : offsets[-2] + batch_size * 8].view(torch.int64)
         probs = whole[offsets[-1] : offsets[-1] + batch_size * 8].view(torch.float64)
-        if len(live) > 1:
-            total_mass = sum(s.mass for s in live)
+        if len(pending.live) > 1:
+            total_mass = sum(s.mass for s in pending.live)
             row = 0
-            for shard, count in zip(live, counts, strict=True):
+            for shard, count in zip(pending.live, pending.counts, strict=True):
                 keys[row : row + count] |= shard.index << _SHARD_SHIFT
                 probs[row : row + count] *= shard.mass / total_mass
                 row += count
-        items = nest.pack_as(self._schema.structure, outs)
+        items = nest.pack_as(schema.structure, outs)
         return ReplaySample(items, keys, probs, table_size)
 
     def _split(self, batch_size: int, live: list[_Shard]) -> list[int]:

@@ -7,6 +7,7 @@ insertion order, so a test can count every item that arrived.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -207,3 +208,126 @@ def test_a_sample_waits_past_the_rpc_timeout_for_min_size(make_rpc):
     t.join(timeout=60)
     assert result["sample"].items["x"].tolist() == [0, 1, 2, 3]
     assert replay.info()["samples"] == 4
+
+
+def replay_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of ReplayClient segments."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:moolib-replay" in line:
+                start, end = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def in_replay_segment(t: torch.Tensor) -> bool:
+    return any(a <= t.data_ptr() < b for a, b in replay_mappings())
+
+
+def shm_pair(make_rpc, **table):
+    rpc, replay = served(make_rpc, ["shm"], **table)
+    client_rpc = make_rpc("client", transports=["shm"], timeout=30)
+    client_rpc.connect(rpc.address)
+    return replay, moolib.ReplayClient(client_rpc, ("server", "table"), timeout=30)
+
+
+def rows(start: int, n: int) -> dict:
+    x = torch.arange(start, start + n, dtype=torch.float32)
+    return {"x": x[:, None].expand(n, 1000).contiguous(), "k": torch.arange(start, start + n)}
+
+
+def test_samples_are_written_into_the_clients_shared_memory_and_kept_while_used(make_rpc):
+    # 16 items: each insert of 16 replaces the table, so each sample tells which.
+    replay, client = shm_pair(make_rpc, capacity=16)
+    replay.insert(rows(0, 16))
+    a = client.sample(16)
+    # The table gathered the batch straight into this client's segment.
+    assert in_replay_segment(a.items["x"]) and in_replay_segment(a.keys)
+    assert torch.equal(a.items["x"], rows(0, 16)["x"]) and a.items["k"].tolist() == list(range(16))
+    assert a.keys.tolist() == list(range(16)) and a.probabilities.eq(1.0).all() and a.size == 16
+    replay.insert(rows(16, 16))
+    b = client.sample(16)
+    # A sample still held keeps its memory: the next one went elsewhere.
+    assert a.items["k"].tolist() == list(range(16)) and b.items["k"].tolist() == list(range(16, 32))
+    where = a.items["x"].data_ptr()
+    del a
+    gc.collect()
+    replay.insert(rows(32, 16))
+    c = client.sample(16)
+    # Freed, its segment serves the next sample.
+    assert c.items["x"].data_ptr() == where and c.items["k"].tolist() == list(range(32, 48))
+    assert torch.equal(c.items["x"], rows(32, 16)["x"]) and c.keys.tolist() == list(range(32, 48))
+    assert b.items["k"].tolist() == list(range(16, 32))
+    # Priority updates of shared-memory keys reach the table.
+    assert client.update_priorities(c.keys, torch.full((16,), 2.0)) == 16
+
+
+def test_inserts_go_through_shared_memory_and_are_checked_against_the_layout(make_rpc):
+    replay, client = shm_pair(make_rpc)
+    assert client.insert(rows(0, 8)).tolist() == list(range(8))  # learns the layout
+    before = len(replay_mappings())
+    keys = client.insert(rows(8, 100), torch.linspace(0.5, 2.0, 100, dtype=torch.float64))
+    assert keys.tolist() == list(range(8, 108))
+    assert len(replay_mappings()) > before  # the table mapped the client's segment
+    got = replay.sample(replay.size()).items
+    assert got["k"].tolist() == list(range(108))
+    assert torch.equal(got["x"], rows(0, 108)["x"])
+    bad = rows(0, 4)
+    bad["x"] = bad["x"].double()
+    with pytest.raises(moolib.ReplayError, match="leaf x has dtype torch.float64"):
+        client.insert(bad)
+    with pytest.raises(moolib.ReplayError, match="priority at batch index 1 is nan"):
+        client.insert(rows(0, 2), torch.tensor([1.0, float("nan")]))
+    assert replay.size() == 108
+
+
+def test_a_table_that_cannot_map_the_clients_memory_sends_samples_as_replies(make_rpc, monkeypatch):
+    def elsewhere(path, *args, **kwargs):
+        raise FileNotFoundError(path)  # as for a client on another host
+
+    monkeypatch.setattr(moolib.replay_rpc.os, "readlink", elsewhere)
+    replay, client = shm_pair(make_rpc)
+    replay.insert(rows(0, 32))
+    s = client.sample(8)
+    assert s.items["k"].tolist() == list(range(8)) and not in_replay_segment(s.items["x"])
+    assert client.insert(rows(32, 4)).tolist() == list(range(32, 36))
+    assert replay.size() == 36
+
+
+def test_a_segment_the_table_let_go_is_mapped_again(make_rpc, monkeypatch):
+    # Every new mapping drops the others (idle for more than 0 s).
+    monkeypatch.setattr(moolib.replay_rpc, "_SEGMENT_IDLE", 0.0)
+    replay, client = shm_pair(make_rpc, capacity=16)
+    replay.insert(rows(0, 16))
+    a = client.sample(16)
+    replay.insert(rows(16, 16))
+    b = client.sample(16)  # mapping b's segment dropped a's
+    del a
+    gc.collect()
+    replay.insert(rows(32, 16))
+    c = client.sample(16)  # a's segment again: unknown to the table, so mapped anew
+    assert in_replay_segment(c.items["x"])
+    assert c.items["k"].tolist() == list(range(32, 48))
+    assert b.items["k"].tolist() == list(range(16, 32))
+
+
+def test_prefetch_draws_the_next_batch_before_sample_returns(make_rpc):
+    rpc, replay = served(make_rpc, ["shm"], capacity=16)
+    client_rpc = make_rpc("client", transports=["shm"], timeout=30)
+    client_rpc.connect(rpc.address)
+    client = moolib.ReplayClient(client_rpc, ("server", "table"), timeout=30, prefetch=True)
+    replay.insert(rows(0, 16))
+    a = client.sample(16)
+    assert a.items["k"].tolist() == list(range(16))
+    # The next batch was asked for before sample() returned: 32 drawn.
+    wait_for(lambda: replay.info()["samples"] == 32, timeout=30, what="the prefetched batch")
+    replay.insert(rows(16, 16))
+    b = client.sample(16)  # drawn before that insert
+    assert b.items["k"].tolist() == list(range(16)) and in_replay_segment(b.items["x"])
+    c = client.sample(16)
+    assert c.items["k"].tolist() == list(range(16, 32)) and c.keys.tolist() == list(range(16, 32))
+    assert a.items["k"].tolist() == list(range(16))  # still held, still intact
+    # Another batch size: the prefetched one is dropped, not returned.
+    d = client.sample(4)
+    assert d.items["k"].tolist() == list(range(16, 20))
