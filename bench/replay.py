@@ -24,7 +24,8 @@ Ratios are moolib's figure over the reference's.
 Then the same table served over RPC (shared memory, as on one host): items/s
 inserted by 1, 4 and 32 processes at once through ``ReplayClient`` (each
 sends its share of the batches, after all have connected), and sampled with
-priority updates by one process. The client processes start once; each
+priority updates by one process (then again with ``prefetch=True``: the
+next batch is drawn while this one is updated). The client processes start once; each
 round runs every RPC row once after the in-process backends, and the figures
 are medians of the 3 rounds.
 
@@ -333,7 +334,9 @@ def rpc_client(args: argparse.Namespace) -> None:
     rpc = moolib.Rpc()
     rpc.set_timeout(120)
     rpc.connect(args.address)
-    client = moolib.ReplayClient(rpc, ("server", "replay"), timeout=300)
+    client = moolib.ReplayClient(
+        rpc, ("server", "replay"), timeout=300, prefetch=args.role == "prefetch"
+    )
     client.info()  # connected (over shared memory once the handshake is done)
     batches = make_batches(args.atari, args.batches, args.rank) if args.role == "insert" else []
     prio = torch.rand(BATCH, dtype=torch.float64) + 0.1
@@ -398,8 +401,9 @@ class RpcRows:
                 per = max(1, total_batches // n)
                 procs = spawn_clients(address, "insert", n, atari, per)
                 self.rows.append((f"insert, {n} proc", procs, n * per * BATCH))
-            procs = spawn_clients(address, "sample", 1, atari, samples)
-            self.rows.append(("sample+update", procs, samples * BATCH))
+            for role, row in (("sample", "sample+update"), ("prefetch", "... prefetch")):
+                procs = spawn_clients(address, role, 1, atari, samples)
+                self.rows.append((row, procs, samples * BATCH))
         except BaseException:
             self.close()
             raise
