@@ -57,6 +57,8 @@ _ALIGN = 64
 # Free segments a client keeps for its next samples.
 _FREE_SEGMENTS = 4
 _MEMFD_NAME = "moolib-replay"
+# Segments (each an open fd) a client has at most, held samples included.
+_MAX_SEGMENTS = 64
 
 
 class ReplayError(RuntimeError):
@@ -305,6 +307,7 @@ class ReplayClient:
         self._free: collections.deque[_Segment] = collections.deque()
         self._unmap: collections.deque[tuple[int, int]] = collections.deque()
         self._prefetch = bool(prefetch)
+        self._open_segments = 0
         self._pending: _Pending | None = None
 
     # Each call to a shard waits at most this long on the serving peer, so the
@@ -360,7 +363,8 @@ class ReplayClient:
     ) -> Any | None:
         """Inserts through this client's shared memory: the batch is copied
         into a segment that the shard maps and reads from. None: the shard
-        cannot map it (another host), nothing was inserted."""
+        cannot map it (another host), or this client holds all the segments
+        it may; nothing was inserted."""
         import torch
 
         from .replay import _bytes_view
@@ -382,6 +386,8 @@ class ReplayClient:
                 raise ValueError(f"replay insert: {p.numel()} priorities for a batch of {n} items")
         offsets, nbytes, sizes = self._layout(n)
         segment = self._lease(nbytes)
+        if segment is None:
+            return None
         try:
             if self._attach(shard, segment) is None:
                 return None
@@ -507,13 +513,19 @@ class ReplayClient:
             end = -(-(end + batch_size * item_bytes) // _ALIGN) * _ALIGN
         return offsets, max(end, 16), sizes
 
-    def _lease(self, nbytes: int) -> _Segment:
+    def _lease(self, nbytes: int) -> _Segment | None:
+        """A segment of at least ``nbytes`` for one call; None when this client
+        already has _MAX_SEGMENTS open (samples held by the caller keep theirs):
+        that call goes through RPC payloads, and no fd limit is reached."""
         while True:
             try:
                 segment = self._free.pop()
             except IndexError:
+                if self._open_segments >= _MAX_SEGMENTS:
+                    return None
                 # Whole pages, and room for a slightly larger batch later.
                 size = -(-(nbytes + nbytes // 8) // mmap.PAGESIZE) * mmap.PAGESIZE
+                self._open_segments += 1
                 return _Segment(size)
             if segment.size >= nbytes:
                 return segment
@@ -530,6 +542,9 @@ class ReplayClient:
     def _drop(self, segment: _Segment) -> None:
         self._unmap.extend(segment.ids.items())
         segment.close()
+        # Not under a lock (this runs in finalizers, on any thread): the
+        # count may be off by a race, and it is only a bound.
+        self._open_segments -= 1
 
     def _flush_unmap(self) -> None:
         by_shard: dict[int, list[int]] = {}
@@ -583,7 +598,10 @@ class ReplayClient:
         counts = self._split(batch_size, live)
         deadline = time.monotonic() + self._timeout
         pending = _Pending(batch_size, live, counts, deadline, *self._layout(batch_size))
-        pending.segment = self._lease(pending.nbytes)
+        segment = self._lease(pending.nbytes)
+        if segment is None:
+            return None
+        pending.segment = segment
         try:
             for shard in live:
                 if self._attach(shard, pending.segment) is None:

@@ -331,3 +331,16 @@ def test_prefetch_draws_the_next_batch_before_sample_returns(make_rpc):
     # Another batch size: the prefetched one is dropped, not returned.
     d = client.sample(4)
     assert d.items["k"].tolist() == list(range(16, 20))
+
+
+def test_held_samples_beyond_the_segment_bound_come_as_replies(make_rpc, monkeypatch):
+    monkeypatch.setattr(moolib.replay_rpc, "_MAX_SEGMENTS", 3)
+    replay, client = shm_pair(make_rpc, capacity=16)
+    replay.insert(rows(0, 16))
+    held = [client.sample(4) for _ in range(5)]
+    # Three in segments (three open fds), then payloads: all intact.
+    assert [in_replay_segment(s.items["x"]) for s in held] == [True] * 3 + [False] * 2
+    assert all(s.items["k"].tolist() == [0, 1, 2, 3] for s in held)
+    del held
+    gc.collect()
+    assert in_replay_segment(client.sample(4).items["x"])  # freed ones serve again
