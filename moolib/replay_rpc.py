@@ -390,6 +390,7 @@ class ReplayClient:
             return None
         try:
             if self._attach(shard, segment) is None:
+                self._give_back(segment)
                 return None
             view = segment.view
             # numpy's copy is one memcpy; torch's copy_ splits a large one
@@ -414,8 +415,11 @@ class ReplayClient:
                 if start < n and time.monotonic() >= deadline:
                     raise _insert_timeout(shard, n, start, self._timeout)
             keys = torch.from_numpy(view[offsets[-1] : offsets[-1] + n * 8].view(np.int64).copy())
-        finally:
-            self._give_back(segment)
+        except BaseException:
+            # A call that failed (a timeout) may still be reading it: never reused.
+            self._drop(segment)
+            raise
+        self._give_back(segment)
         return keys | (shard.index << _SHARD_SHIFT) if shard.index else keys
 
     def _learn_layout(self, shard: _Shard) -> None:
@@ -622,7 +626,7 @@ class ReplayClient:
                 pending.futures.append(future)
                 row += count
         except BaseException:
-            self._give_back(pending.segment)
+            self._drop(pending.segment)  # an asked part may still be written
             raise
         return pending
 
@@ -680,10 +684,8 @@ class ReplayClient:
                 row += count
                 table_size += size
         except BaseException:
-            for future in pending.futures:
-                if future is not None:
-                    future.wait()  # the segment is written no more before it is reused
-            self._give_back(segment)
+            # A call that failed (a timeout) may still write into it: never reused.
+            self._drop(segment)
             raise
         batch_size = pending.batch_size
         offsets = pending.offsets
