@@ -48,7 +48,7 @@ import moolib
 from . import checkpoint
 from .apex import epsilon_schedule
 from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
-from .offpolicy import importance_weights
+from .offpolicy import epsilon_greedy, importance_weights
 from .qlearning import QConfig, make_acting, make_qnet
 from .registry import agent_config, get_agent
 from .training import GroupLostError, PeerInfo, env_detail, learning_rate, resolve_device
@@ -220,6 +220,14 @@ class ActorLoop:
         try:
             if not self._wait_for_learner(stop):
                 return
+            log.info(
+                "actor loop %d: acting on %d envs (epsilon %.2g..%.2g) for %s",
+                self.index,
+                self.epsilons.numel(),
+                float(self.epsilons.max()),
+                float(self.epsilons.min()),
+                self.learner,
+            )
             noop = torch.zeros(agent.actor_batch_size, dtype=torch.int64)
             futures = [self.envs.step(b, noop) for b in range(nb)]
             since_sync = 0
@@ -665,6 +673,9 @@ class Learner:
             # Actors asking from now on hear that the run is over.
             self.reports.stop = True
             actor_stop.set()
+            # Inserts waiting on the rate limiter fail now, and their actors ask.
+            if self.replay is not None:
+                self.replay.close()
             if actor_thread is not None:
                 actor_thread.join(timeout=60)
             if actor_rpc is not None:
@@ -673,9 +684,6 @@ class Learner:
             logger.close()
             if wandb_run:
                 wandb_run.close()
-            # Inserts waiting on the rate limiter fail now, and their actors ask.
-            if self.replay is not None:
-                self.replay.close()
             self._linger_for_actors()
             self.publisher.close()
             self.rpc.close()
@@ -740,3 +748,52 @@ def make_runner(cfg: DictConfig, rank: int, peer: PeerInfo) -> Learner | Actor:
 def actor_logdir(savedir: Path, index: int) -> Path:
     """Where actor process ``index`` writes its output."""
     return savedir / f"actor{index}"
+
+
+@torch.no_grad()
+def evaluate(savedir: Path, episodes: int = 10, epsilon: float = 0.0, seed: int = 0) -> list[float]:
+    """Returns of ``episodes`` episodes played by the newest checkpoint of ``savedir``
+    with ``epsilon``-greedy actions (0: greedy), on the run's env, one env at a time."""
+    from moolib.launch import config as config_lib
+
+    cfg = config_lib.load(Path(savedir) / config_lib.CONFIG_FILE)
+    loaded = checkpoint.load_latest(Path(savedir))
+    if loaded is None:
+        raise FileNotFoundError(f"{savedir} holds no checkpoint")
+    agent = _typed(cfg)
+    factory, obs_shape, num_actions = _env_factory(cfg)
+    model = make_qnet(agent, obs_shape, num_actions)
+    model.load_state_dict(loaded.state["model"])
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    eps = torch.tensor([epsilon])
+    returns = []
+    for episode in range(episodes):
+        env = factory()
+        try:
+            obs, _ = env.reset(seed=seed + episode)
+            total, reward, done, action = 0.0, 0.0, True, 0
+            core = model.initial_state(1) if agent.name == "r2d2" else ()
+            while True:
+                state = torch.as_tensor(obs)[None]
+                if agent.name == "r2d2":
+                    inputs = {
+                        "state": state[None],
+                        "reward": torch.tensor([[reward]]),
+                        "done": torch.tensor([[done]]),
+                        "prev_action": torch.tensor([[action]]),
+                    }
+                    q, core = model(inputs, core)
+                    q = q[0]
+                else:
+                    q = model(state)
+                action = int(epsilon_greedy(q, eps, generator)[0])
+                obs, reward, terminated, truncated, _ = env.step(action)
+                total += float(reward)
+                done = False
+                if terminated or truncated:
+                    break
+        finally:
+            env.close()
+        returns.append(total)
+    return returns
