@@ -264,7 +264,8 @@ class ActorLoop:
                             pass
                         log.warning("actor loop %d: insert failed: %s", self.index, e)
                         last_report = 0.0
-                if since_sync >= agent.weight_sync * agent.actor_batch_size:
+                # Every env of the loop has taken weight_sync steps since the last fetch.
+                if since_sync >= agent.weight_sync * nb * agent.actor_batch_size:
                     since_sync = 0
                     try:
                         self.weights.fetch_into(self.model)
@@ -362,7 +363,8 @@ class _Reports:
         with self.lock:
             self.env_steps += int(steps)
             self.episodes.extend(episodes)
-            self.seen[actor] = time.monotonic()
+            # Loops of one process share its Rpc name: count loops, not processes.
+            self.seen[f"{actor}/{index}"] = time.monotonic()
             return {"stop": self.stop}
 
     def take_steps(self) -> int:

@@ -46,7 +46,7 @@ class QConfig(AgentConfig):
     actor_loops: int  # actor loops (threads) per actor process, each with its own envs
     epsilon: float  # eps of the actors' eps_i = eps^(1 + epsilon_alpha i / (N - 1))
     epsilon_alpha: float  # alpha of the same
-    weight_sync: int  # env steps of an actor batch between fetches of the learner's weights
+    weight_sync: int  # steps of each env between fetches of the learner's weights
     publish_interval: int  # learner steps between publications of its weights
     n_step: int  # rewards in each return before bootstrapping
     target_update: int  # learner steps between copies of the online net to the target
