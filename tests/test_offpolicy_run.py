@@ -86,7 +86,7 @@ def test_apex_learns_cartpole(tmp_path):
 def test_r2d2_learns_cartpole_without_velocities_and_apex_does_not(tmp_path):
     """CartPole with the velocities hidden needs memory: R2D2's LSTM learns it, Ape-X's
     feed-forward network, given the same env steps, does not."""
-    budget = "total_steps=150000"
+    budget = "total_steps=300000"
     recurrent = tmp_path / "r2d2"
     check_ok(
         run(
