@@ -39,16 +39,18 @@ COLUMNS = (
 
 
 class TsvLog:
-    """Appends one row per log interval to ``path`` (header written once)."""
+    """Appends one row per log interval to ``path`` (header written once) with
+    ``columns`` (``COLUMNS``, the on-policy runs' columns, by default)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, columns: tuple[str, ...] = COLUMNS) -> None:
         self.path = Path(path)
+        self.columns = tuple(columns)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fresh = not self.path.exists() or self.path.stat().st_size == 0
         self._file = open(self.path, "a", newline="")  # noqa: SIM115 - closed in close()
         self._writer = csv.writer(self._file, delimiter="\t", lineterminator="\n")
         if fresh:
-            self._writer.writerow(COLUMNS)
+            self._writer.writerow(self.columns)
             self._file.flush()
 
         self._failing = _WriteFailures(self.path)
@@ -58,7 +60,7 @@ class TsvLog:
         written (full disk, I/O error) is lost and training goes on: the failure is
         reported once, until a write succeeds again."""
         try:
-            self._writer.writerow([_cell(row.get(c)) for c in COLUMNS])
+            self._writer.writerow([_cell(row.get(c)) for c in self.columns])
             self._file.flush()
         except OSError as e:
             self._failing.failed(e)

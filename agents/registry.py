@@ -79,15 +79,20 @@ class OptimizerConfig(_Checks):
     _prefix = "agent.optimizer"
 
     name: str  # adam or rmsprop
-    learning_rate: float  # at step 0; decays linearly to 0 over total_steps
+    learning_rate: float  # at step 0 (see schedule)
     beta1: float  # adam's first-moment decay
     beta2: float  # adam's second-moment decay
     epsilon: float  # added to the denominator (adam and rmsprop)
     alpha: float  # rmsprop's smoothing constant
     momentum: float  # rmsprop's momentum
+    # Defaults keep configs written before these keys existed (a resumed savedir) valid.
+    schedule: str = "linear"  # linear: decays to 0 over total_steps; constant: stays
+    centered: bool = False  # rmsprop: normalise by the gradient's variance, not its 2nd moment
 
     def __post_init__(self) -> None:
         self.check_choice("name", ("adam", "rmsprop"))
+        self.check_choice("schedule", ("linear", "constant"))
+        self.check_bool("centered")
         self.check_number("learning_rate", 0.0)
         for name in ("beta1", "beta2", "alpha"):
             self.check_number(name, 0.0, 1.0)
@@ -146,20 +151,30 @@ class AgentConfig(_Checks):
 
 @dataclass(frozen=True)
 class AgentSpec:
-    """A registered agent: its settings' dataclass and its loss."""
+    """A registered agent: its settings' dataclass, its loss, and the runtime that trains
+    it: ``onpolicy`` (``moolib.agents.training.Trainer``: actors and data-parallel
+    learners in every peer) or ``offpolicy`` (``moolib.agents.offpolicy_run``: actors
+    feeding one learner's prioritized replay)."""
 
     name: str
     config: type[AgentConfig]
     compute_loss: LossFn
+    runtime: str = "onpolicy"
 
 
 _AGENTS: dict[str, AgentSpec] = {}
 _discovered = False
 
 
-def register_agent(name: str, config: type[AgentConfig]) -> Callable[[LossFn], LossFn]:
+def register_agent(
+    name: str, config: type[AgentConfig], runtime: str = "onpolicy"
+) -> Callable[[LossFn], LossFn]:
     """Decorator registering ``compute_loss(cfg, outputs, batch) -> (loss, stats)``
-    as agent ``name`` (the ``name:`` of its YAML), with settings ``config``."""
+    as agent ``name`` (the ``name:`` of its YAML), with settings ``config``, trained
+    by ``runtime`` (see ``AgentSpec``; an off-policy agent's loss takes the online and
+    target networks and a sampled batch instead of outputs)."""
+    if runtime not in ("onpolicy", "offpolicy"):
+        raise ValueError(f"runtime must be onpolicy or offpolicy, got {runtime!r}")
 
     def register(loss: LossFn) -> LossFn:
         known = _AGENTS.get(name)
@@ -167,7 +182,7 @@ def register_agent(name: str, config: type[AgentConfig]) -> Callable[[LossFn], L
             raise ValueError(
                 f"agent {name!r} is registered twice ({known.compute_loss} and {loss})"
             )
-        _AGENTS[name] = AgentSpec(name, config, loss)
+        _AGENTS[name] = AgentSpec(name, config, loss, runtime)
         return loss
 
     return register
@@ -206,7 +221,13 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
             f"unknown key {prefix}.{unknown[0]} ({cls.__name__} has no such setting; "
             f"it has {', '.join(fields)})"
         )
-    missing = [k for k in fields if k not in values]
+    missing = [
+        k
+        for k, f in fields.items()
+        if k not in values
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise ConfigError(f"{prefix}.{missing[0]} is missing ({cls.__name__} needs it)")
     kwargs = dict(values)

@@ -143,6 +143,14 @@ def make_envs(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
     return pool, shape, num_actions
 
 
+def learning_rate(opt: Any, steps: int, total_steps: int) -> float:
+    """The learning rate after ``steps`` of ``total_steps``: ``opt.learning_rate``, decayed
+    linearly to 0 unless ``opt.schedule`` is constant (as Ape-X and R2D2 keep it)."""
+    if opt.schedule == "constant":
+        return float(opt.learning_rate)
+    return opt.learning_rate * max(0.0, 1.0 - steps / total_steps)
+
+
 class Unroll:
     """The steps of one actor batch since its last full unroll."""
 
@@ -261,6 +269,7 @@ class Trainer:
                 alpha=opt.alpha,
                 momentum=opt.momentum,
                 eps=opt.epsilon,
+                centered=opt.centered,
             )
         raise ValueError(f"agent.optimizer.name must be adam or rmsprop, got {opt.name!r}")
 
@@ -402,7 +411,7 @@ class Trainer:
             )
             summed = acc.get_gradient_stats()
             self.steps += summed["batch_size"] * self.agent.unroll_length
-            lr = self.agent.optimizer.learning_rate * max(0.0, 1.0 - self.steps / self.total_steps)
+            lr = learning_rate(self.agent.optimizer, self.steps, self.total_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()

@@ -21,7 +21,7 @@ from typing import Any
 import gymnasium
 
 from .atari import ATARI_GAMES, atari_game, make_atari, unknown_name_message
-from .classic import CLASSIC_ENVS, make_cartpole
+from .classic import CLASSIC_ENVS, make_cartpole, make_cartpole_novel
 from .envpool_backend import EnvpoolAtari, EnvpoolFuture
 from .minatar import MINATAR_ENVS, make_minatar, minatar_game
 
@@ -46,8 +46,9 @@ def list_envs() -> list[str]:
 def create_env(name: str, **options: Any) -> gymnasium.Env:
     """One environment, by short name or ALE id.
 
-    ``"cartpole"``: options ``seed``. Atari games: options ``seed``,
-    ``noop_max`` (30), ``repeat_action_probability`` (0.25),
+    ``"cartpole"``: options ``seed``. ``"cartpole-novel"``: CartPole with the velocities
+    hidden (observations ``(x, theta)``; needs memory), options ``seed``. Atari games:
+    options ``seed``, ``noop_max`` (30), ``repeat_action_probability`` (0.25),
     ``full_action_space`` (False), ``max_episode_frames`` (108,000),
     ``episodic_life`` (False); see ``moolib.envs.atari.make_atari``. MinAtar
     games (``"minatar-breakout"``, ...): options ``seed``, ``sticky_action_prob``
@@ -62,6 +63,8 @@ def create_env(name: str, **options: Any) -> gymnasium.Env:
     key = name.strip().lower()
     if key == "cartpole":
         return make_cartpole(**options)
+    if key == "cartpole-novel":
+        return make_cartpole_novel(**options)
     if minatar_game(name) is not None:
         return make_minatar(name, **options)
     if atari_game(name) is not None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gymnasium
+import numpy as np
 
-CLASSIC_ENVS: dict[str, str] = {"cartpole": "CartPole-v1"}
+# Short name -> the gymnasium id it is made from.
+CLASSIC_ENVS: dict[str, str] = {"cartpole": "CartPole-v1", "cartpole-novel": "CartPole-v1"}
 
 
 def make_cartpole(*, seed: int | None = None) -> gymnasium.Env:
@@ -12,6 +14,38 @@ def make_cartpole(*, seed: int | None = None) -> gymnasium.Env:
     reward 1 per step, episodes cut at 500 steps. ``seed`` seeds the env and
     its ``action_space``; without it each env draws a fresh random seed."""
     env = gymnasium.make(CLASSIC_ENVS["cartpole"])
+    if seed is not None:
+        env.reset(seed=seed)
+        env.action_space.seed(seed)
+    return env
+
+
+class HideVelocities(gymnasium.ObservationWrapper):
+    """CartPole with the velocities removed: observations ``(x, theta)``, shape (2,).
+
+    One observation says where the cart and pole are, not where they are going,
+    so a policy has to remember earlier observations (or their differences) to
+    balance the pole: the test bed of a recurrent agent (R2D2) against a
+    feed-forward one."""
+
+    def __init__(self, env: gymnasium.Env) -> None:
+        super().__init__(env)
+        space = env.observation_space
+        keep = [0, 2]  # cart position, pole angle
+        self.observation_space = gymnasium.spaces.Box(
+            low=space.low[keep], high=space.high[keep], dtype=np.float32
+        )
+        self._keep = keep
+
+    def observation(self, observation: np.ndarray) -> np.ndarray:
+        return np.asarray(observation, dtype=np.float32)[self._keep]
+
+
+def make_cartpole_novel(*, seed: int | None = None) -> gymnasium.Env:
+    """CartPole-v1 with no velocities in the observation (``cartpole-novel``):
+    ``(x, theta)`` float32, 2 actions, episodes cut at 500 steps. Options as
+    ``make_cartpole``."""
+    env = HideVelocities(gymnasium.make(CLASSIC_ENVS["cartpole-novel"]))
     if seed is not None:
         env.reset(seed=seed)
         env.action_space.seed(seed)

@@ -62,6 +62,16 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"torch_threads must be auto or a positive integer, got {threads!r}")
     _choice(cfg, "env.backend", ("gymnasium", "envpool"))
     _choice(cfg, "wandb.mode", ("auto", "online", "offline", "disabled"))
+    from moolib.agents.registry import get_agent
+
+    if get_agent(str(cfg.agent.name)).runtime == "offpolicy":
+        if cfg.scaling.name == "slurm":
+            raise ConfigError(
+                f"agent={cfg.agent.name} runs with scaling=single or scaling=local; "
+                "scaling=slurm is not supported for off-policy agents yet"
+            )
+        if cfg.scaling.name == "local":
+            _int_at_least(cfg, "scaling.actors")
     if cfg.scaling.name == "slurm":
         for key in (
             "scaling.time",
@@ -124,7 +134,7 @@ def validate(cfg: DictConfig) -> None:
                 f"env.name ({name!r}) must follow env.game ({game!r}): set env.game (or "
                 "env=GAME), not env.name"
             )
-    if cfg.env.backend == "envpool" and (name == "cartpole" or minatar):
+    if cfg.env.backend == "envpool" and (name.startswith("cartpole") or minatar):
         raise ConfigError(f"env.backend=envpool serves Atari games only; {name} needs gymnasium")
 
 

@@ -59,10 +59,105 @@ def check_broker(address: str, timeout: float, auth_key: str | None = None) -> N
         rpc.close()
 
 
+def _peer_cmd(config_path: Path, rank: int, address: str, parent_r: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "moolib.launch.peer",
+        "--config",
+        str(config_path),
+        "--rank",
+        str(rank),
+        "--broker",
+        address,
+        "--parent-fd",
+        str(parent_r),
+    ]
+
+
+def run_offpolicy(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
+    """An off-policy run on this machine: a learner process (rank 0, serving the replay)
+    and ``scaling.actors`` actor processes (ranks 1..). An actor that dies while the
+    learner runs (killed, crashed) is started again and rejoins; the run ends with the
+    learner. Returns the learner's exit status (0 when it finished cleanly)."""
+    from moolib.agents.offpolicy_run import actor_logdir
+
+    broker = None if cfg.broker else EmbeddedBroker()
+    address = cfg.broker or broker.address
+    savedir = Path(cfg.savedir)
+    parent_r, parent_w = os.pipe()
+    actors: dict[int, subprocess.Popen] = {}
+    learner: subprocess.Popen | None = None
+    interrupted = False
+
+    def start_actor(index: int) -> subprocess.Popen:
+        logdir = actor_logdir(savedir, index)
+        logdir.mkdir(parents=True, exist_ok=True)
+        with open(logdir / "stdout.log", "ab") as out:
+            return subprocess.Popen(
+                _peer_cmd(config_path, index + 1, address, parent_r),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(parent_r,),
+            )
+
+    try:
+        learner = subprocess.Popen(
+            _peer_cmd(config_path, 0, address, parent_r), pass_fds=(parent_r,)
+        )
+        for index in range(int(cfg.scaling.actors)):
+            actors[index] = start_actor(index)
+        signalled = False
+        while learner.poll() is None:
+            if stop.is_set() and not signalled:
+                for p in (learner, *actors.values()):
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGTERM)
+                signalled = True
+            if not signalled:
+                for index, p in list(actors.items()):
+                    code = p.poll()
+                    if code is not None and code != 0:
+                        print(
+                            f"moolib-run: actor {index} exited with code {code}; starting it again",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        actors[index] = start_actor(index)
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:
+        os.close(parent_r)
+        procs = [p for p in (learner, *actors.values()) if p is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT if interrupted else signal.SIGTERM)
+        deadline = time.monotonic() + (5 if interrupted else 60)
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if broker:
+            broker.close()
+        os.close(parent_w)
+    code = learner.returncode if learner is not None else 1
+    if code:
+        print(f"moolib-run: the learner exited with code {code}", file=sys.stderr)
+    return 1 if code else 0
+
+
 def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
     """Starts the peers (and a broker unless ``cfg.broker`` names one); waits for
     them. ``stop`` (Ctrl-C/SIGTERM) is passed on to every peer. Returns 0 when
     every peer finished cleanly."""
+    from moolib.agents.offpolicy_run import is_offpolicy
+
+    if is_offpolicy(cfg):
+        return run_offpolicy(cfg, config_path, stop)
     broker = None if cfg.broker else EmbeddedBroker()
     address = cfg.broker or broker.address
     savedir = Path(cfg.savedir)

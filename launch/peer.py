@@ -87,10 +87,17 @@ def stop_with_parent(fd: int, stop: threading.Event, rank: int) -> None:
 
 
 def make_trainer(cfg: Any, rank: int, broker: str) -> Any:
-    """The Trainer of peer ``rank`` of the experiment described by ``cfg``."""
+    """The Trainer of peer ``rank`` of the experiment described by ``cfg``; for an
+    off-policy agent, its learner (rank 0) or one of its actor processes."""
     from moolib.agents.training import PeerInfo, Trainer
 
     savedir = Path(cfg.savedir)
+    from moolib.agents import offpolicy_run
+
+    if offpolicy_run.is_offpolicy(cfg):
+        logdir = savedir if rank == 0 else offpolicy_run.actor_logdir(savedir, rank - 1)
+        peer = PeerInfo(rank=rank, savedir=savedir, logdir=logdir, broker=broker)
+        return offpolicy_run.make_runner(cfg, rank, peer)
     peer = PeerInfo(
         rank=rank,
         savedir=savedir,

@@ -264,7 +264,7 @@ def _env_option_names(cfg: DictConfig) -> list[str]:
     import inspect
 
     from moolib.envs.atari import make_atari
-    from moolib.envs.classic import make_cartpole
+    from moolib.envs.classic import CLASSIC_ENVS, make_cartpole
     from moolib.envs.envpool_backend import EnvpoolAtari
     from moolib.envs.minatar import is_minatar_name, make_minatar
 
@@ -274,7 +274,7 @@ def _env_option_names(cfg: DictConfig) -> list[str]:
     elif is_minatar_name(name):
         factory = make_minatar
     else:
-        factory = make_cartpole if name.lower() == "cartpole" else make_atari
+        factory = make_cartpole if name.lower() in CLASSIC_ENVS else make_atari
     skip = {"self", "name", "batch_size", "num_batches"}
     return [p for p in inspect.signature(factory).parameters if p not in skip]
 

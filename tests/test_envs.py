@@ -89,6 +89,27 @@ def test_list_envs_and_atari_games():
         assert atari.atari_game(atari.atari_id(game)) == game
 
 
+def test_cartpole_novel_hides_the_velocities():
+    """cartpole-novel is CartPole-v1 seen through (x, theta): same dynamics, no velocities."""
+    full, novel = envs.create_env("cartpole", seed=3), envs.create_env("cartpole-novel", seed=3)
+    try:
+        assert novel.observation_space.shape == (2,) and novel.action_space.n == 2
+        obs_full, _ = full.reset(seed=3)
+        obs_novel, _ = novel.reset(seed=3)
+        for t in range(200):
+            assert obs_novel.dtype == np.float32
+            np.testing.assert_array_equal(obs_novel, obs_full[[0, 2]])
+            action = t % 2
+            obs_full, r1, term1, trunc1, _ = full.step(action)
+            obs_novel, r2, term2, trunc2, _ = novel.step(action)
+            assert (r1, term1, trunc1) == (r2, term2, trunc2)
+            if term1 or trunc1:
+                break
+    finally:
+        full.close()
+        novel.close()
+
+
 @pytest.mark.parametrize("name", ["breakot", "ALE/Breakot-v5", "brekout"])
 def test_unknown_name_is_a_value_error_with_close_matches(name):
     with pytest.raises(ValueError, match="Unknown environment") as info:

@@ -61,7 +61,63 @@ def test_every_agent_file_is_a_registered_agent_with_a_typed_config(compose_conf
         assert settings.batch_size == composed.agent.batch_size
 
 
-@pytest.mark.parametrize("agent", AGENT_FILES)
+ONPOLICY = [a for a in AGENT_FILES if get_agent(a).runtime == "onpolicy"]
+OFFPOLICY = [a for a in AGENT_FILES if get_agent(a).runtime == "offpolicy"]
+# Off-policy agents: the learner's replay starts sampling at 16 items; sequences of
+# 8 steps for r2d2.
+TINY_OFFPOLICY = [
+    "agent.actor_batch_size=2",
+    "agent.num_actor_batches=2",
+    "agent.num_actor_cpus=1",
+    "agent.batch_size=4",
+    "agent.hidden_size=16",
+    "agent.min_replay_size=16",
+    "agent.replay_capacity=1000",
+    "agent.samples_per_insert=0",
+    "device=cpu",
+    "torch_threads=1",
+    "seed=1",
+    "log_interval=0",
+]
+SEQUENCES = ["agent.sequence_length=8", "agent.overlap=4", "agent.burn_in=2"]
+
+
+@pytest.mark.parametrize("agent", OFFPOLICY)
+def test_every_offpolicy_agent_builds_and_learns_from_its_actors(compose_config, agent, tmp_path):
+    """The learner built from the YAML, with its actor loop as a thread (real EnvPool
+    processes, a real broker, the replay served over RPC): items arrive, it samples
+    them and takes learner steps with a finite loss, and actors hear the run is over."""
+    from moolib.launch.local import EmbeddedBroker
+    from moolib.launch.peer import make_trainer
+
+    extra = SEQUENCES if agent == "r2d2" else []
+    cfg = compose_config(
+        f"agent={agent}", "env=cartpole", *TINY_OFFPOLICY, *extra, "total_steps=600"
+    )
+    final = config_lib.prepare(cfg, tmp_path)
+    broker = EmbeddedBroker()
+    try:
+        learner = make_trainer(final, 0, broker.address)
+        assert learner.loss_fn is get_agent(agent).compute_loss
+        assert isinstance(learner.agent, get_agent(agent).config)
+        learner.run()
+    finally:
+        broker.close()
+    _, rows = _read_tsv(tmp_path / "logs.tsv")
+    assert learner.steps >= 600
+    assert learner.updates >= 1, rows
+    losses = [r["total_loss"] for r in rows if r["total_loss"] != ""]
+    assert losses and all(math.isfinite(float(v)) for v in losses), rows
+    assert max(int(r["replay_size"]) for r in rows) >= 16
+
+
+def _read_tsv(path: Path) -> tuple[list[str], list[dict]]:
+    lines = path.read_text().splitlines()
+    header = lines[0].split("\t")
+    return header, [dict(zip(header, line.split("\t"), strict=True)) for line in lines[1:]]
+
+
+@pytest.mark.parametrize("agent", ONPOLICY)
 def test_every_agent_builds_and_takes_a_learner_step(compose_config, agent, tmp_path):
     from moolib.agents.training import PeerInfo, Trainer
     from moolib.launch.local import EmbeddedBroker
@@ -90,7 +146,7 @@ def test_every_env_option_composes_and_steps(compose_config):
     from moolib.envs.minatar import MINATAR_GAMES
 
     options = moolib.conf.group_options("env")
-    assert ENV_FILES == ["atari", "cartpole", "minatar"]
+    assert ENV_FILES == ["atari", "cartpole", "cartpole-novel", "minatar"]
     # Every game ale-py knows is an option by name; no file each.
     assert set(ATARI_GAMES) <= set(options) and len(ATARI_GAMES) > 50
     needs_noop_max_0 = []
@@ -143,7 +199,7 @@ def test_env_game_and_name_must_agree(compose_config):
         (["agent.optimizer.beta2=2"], "agent.optimizer.beta2 must be a number in [0.0, 1.0]"),
         (["agent.use_lstm=3"], "agent.use_lstm must be true or false, got 3"),
         (["agent.network=resnet"], "agent.network must be one of auto, impala_deep"),
-        (["agent.name=a3c"], "agent.name must be one of a2c, vtrace; got 'a3c'"),
+        (["agent.name=a3c"], "agent.name must be one of a2c, apex, r2d2, vtrace; got 'a3c'"),
     ],
 )
 def test_agent_dataclass_names_the_bad_key(compose_config, overrides, message):
@@ -180,3 +236,50 @@ def test_an_agent_is_registered_not_listed(compose_config, monkeypatch):
         agent_config({**values, "temperature": -1})
     with pytest.raises(ConfigError, match="agent.temperature is missing"):
         agent_config({k: v for k, v in values.items() if k != "temperature"})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["agent=apex", "agent.epsilon=1.5"], "agent.epsilon must be a number in [0.0, 1.0]"),
+        (
+            ["agent=apex", "agent.min_replay_size=10", "agent.replay_capacity=5"],
+            "agent.min_replay_size (10) must not exceed agent.replay_capacity (5)",
+        ),
+        (["agent=apex", "agent.use_lstm=true"], "agent.use_lstm must be false for apex"),
+        (["agent=apex", "agent.n_step=0"], "agent.n_step must be a positive integer, got 0"),
+        (
+            ["agent=apex", "agent.samples_per_insert=-1"],
+            "agent.samples_per_insert must be a number >= 0.0",
+        ),
+        (["agent=r2d2", "agent.use_lstm=false"], "agent.use_lstm must be true for r2d2"),
+        (
+            ["agent=r2d2", "agent.overlap=120"],
+            "agent.overlap (120) must be less than agent.sequence_length (120)",
+        ),
+        (
+            ["agent=r2d2", "agent.burn_in=119"],
+            "agent.burn_in (119) must leave a transition to learn from",
+        ),
+        (
+            ["agent=r2d2", "agent.priority_eta=2"],
+            "agent.priority_eta must be a number in [0.0, 1.0]",
+        ),
+        (
+            ["agent=r2d2", "agent.optimizer.schedule=cosine"],
+            "agent.optimizer.schedule must be one of linear, constant; got 'cosine'",
+        ),
+        (
+            ["agent=apex", "scaling=local", "scaling.actors=0"],
+            "scaling.actors must be a positive integer, got 0",
+        ),
+        (
+            ["agent=apex", "scaling=slurm"],
+            "scaling=slurm is not supported for off-policy agents yet",
+        ),
+    ],
+)
+def test_offpolicy_settings_are_checked_naming_the_key(compose_config, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        config_lib.validate(compose_config("env=cartpole", *overrides))
+    assert message in str(e.value)

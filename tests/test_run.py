@@ -326,14 +326,14 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
     assert over["agent"]["hidden_size"] == 32
     assert over["total_steps"] == 1234
     assert over["agent"]["batch_size"] == 16  # still tuned
-    assert over["scaling"] == {"name": "local", "peers": 3}
+    assert over["scaling"] == {"name": "local", "peers": 3, "actors": 2}
 
 
 def test_every_env_config_composes(tmp_path):
     from moolib.envs import create_env
 
     # One file for all the Atari games, one for the MinAtar games.
-    assert ENV_FILES == ["atari", "cartpole", "minatar"]
+    assert ENV_FILES == ["atari", "cartpole", "cartpole-novel", "minatar"]
     for name in (*ENV_FILES, *GAMES, "minatar-seaquest"):
         cfg = cfg_job(tmp_path, f"env={name}")
         resolved = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)

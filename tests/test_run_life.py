@@ -124,7 +124,11 @@ def test_savedir_resumes_with_its_own_config(tmp_path):
         )
     )
     cfg = load_yaml(savedir / "config.yaml")
-    assert cfg["agent"] == first["agent"] and cfg["scaling"] == {"name": "local", "peers": 2}
+    assert cfg["agent"] == first["agent"] and cfg["scaling"] == {
+        "name": "local",
+        "peers": 2,
+        "actors": 2,
+    }
     assert read_logs(savedir / "peer0" / "logs.tsv")[1]
     assert checkpoint_steps(savedir) >= 6000
     resumes = load_yaml(savedir / "resumes.yaml")

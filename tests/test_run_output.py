@@ -300,7 +300,7 @@ def test_help_says_what_moolib_run_is_and_what_to_pick(tmp_path):
     for group in ("agent", "env", "scaling"):
         m = re.search(rf"^  {group} +(.+(?:\n {{11}}.+)*)", out, re.M)
         assert m, out
-        groups[group] = m.group(1).replace("\n", " ").strip()
+        groups[group] = re.sub(r"\s*\n\s*", " ", m.group(1)).strip()
     # The env group's Atari games (one per ROM of ale-py) are summed up, not listed;
     # the five MinAtar games are listed.
     env, games = groups["env"].split(", or any of ")
@@ -323,7 +323,7 @@ def test_help_says_what_moolib_run_is_and_what_to_pick(tmp_path):
 
     r = run_quick(tmp_path, "agent=a2c", "env=cartpole", "--help")
     assert r.returncode == 0, r.stderr
-    assert re.search(r"^  agent +\[a2c\], vtrace$", r.stdout, re.M), r.stdout
+    assert re.search(r"^  agent +\[a2c\], apex, r2d2, vtrace$", r.stdout, re.M), r.stdout
     assert "[cartpole]" in r.stdout and "[breakout]" not in r.stdout
     r = run_quick(tmp_path, "env=minatar-seaquest", "--help")
     assert r.returncode == 0, r.stderr

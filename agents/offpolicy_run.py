@@ -1,0 +1,801 @@
+"""The off-policy runtime (Ape-X, R2D2): actors feeding one learner's prioritized replay.
+
+Roles (docs/architecture.md, "The off-policy runtime", draws them):
+
+- The **learner** (``Learner``, peer rank 0) owns the ``moolib.Replay`` in its
+  process and serves it over its ``Rpc`` under ``replay``; it samples as fast as
+  the replay's rate limiter lets it, takes the agent's loss with a target
+  network, writes the new priorities back, copies the online net to the target
+  every ``target_update`` steps, and publishes its weights
+  (``moolib.Publisher``, ``weights``) every ``publish_interval`` steps. Actors
+  report their env steps and episodes to it (``actor_report``); its answer tells
+  them when the run is over. It writes logs.tsv, the progress line, wandb and
+  the checkpoints (model, target, optimizer, and the replay if ``save_replay``).
+- **Actors** (``ActorLoop``): each loop steps ``num_actor_batches`` batches of
+  ``actor_batch_size`` envs in a ``moolib.EnvPool`` and runs one batched forward
+  of the agent's network per step; each env has its own epsilon from Ape-X's
+  schedule over every env of the run. Replay items go to the learner in batches
+  through a ``moolib.ReplayClient`` with the actor's own initial priorities;
+  weights come from a ``moolib.Subscriber`` every ``weight_sync`` env steps.
+  Actors never wait for the learner to learn (only on the replay's rate limiter,
+  when ``samples_per_insert`` sets one).
+
+Actors find the learner by name (``moolib-run/<group>/learner``) through the
+broker, so a killed actor or a new one changes nothing on the learner's side.
+With ``scaling=single`` the actor loops are threads of the learner's process;
+with ``scaling=local`` they are ``scaling.actors`` processes of ``actor_loops``
+threads each. Loops in one process run their models concurrently: torch releases
+the GIL inside its ops, and each process uses one intra-op thread per loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+import moolib
+
+from . import checkpoint
+from .apex import epsilon_schedule
+from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
+from .offpolicy import epsilon_greedy, importance_weights
+from .qlearning import QConfig, make_acting, make_qnet
+from .registry import agent_config, get_agent
+from .training import GroupLostError, PeerInfo, env_detail, learning_rate, resolve_device
+
+log = logging.getLogger("moolib.agents")
+
+# Columns of an off-policy run's logs.tsv. Episode returns are split by the acting
+# env's epsilon: the greedy actors' returns show what the policy has learned.
+COLUMNS = (
+    "step",
+    "sps",
+    "env_sps",
+    "mean_episode_return",
+    "mean_episode_length",
+    "episodes",
+    "return_eps_lt_0.01",
+    "return_eps_lt_0.1",
+    "return_eps_ge_0.1",
+    "total_loss",
+    "mean_abs_td",
+    "grad_norm",
+    "learning_rate",
+    "updates",
+    "updates_per_s",
+    "samples_per_s",
+    "inserts_per_s",
+    "sample_insert_ratio",
+    "replay_size",
+    "actors",
+    "model_version",
+    "param_sum",
+    "time",
+)
+EPS_BUCKETS = ((0.01, "return_eps_lt_0.01"), (0.1, "return_eps_lt_0.1"))
+# Seconds between an actor's reports to the learner.
+REPORT_INTERVAL = 1.0
+# An actor that has not reported for this long no longer counts as one.
+ACTOR_STALE = 15.0
+REPLAY_FILE = "replay.bin"
+
+
+def learner_name(group: str) -> str:
+    """The Rpc name of an experiment's learner (actors address it by this)."""
+    return f"moolib-run/{group}/learner"
+
+
+def is_offpolicy(cfg: DictConfig) -> bool:
+    """Whether ``cfg``'s agent is trained by this runtime."""
+    return get_agent(str(cfg.agent.name)).runtime == "offpolicy"
+
+
+def num_actor_processes(cfg: DictConfig) -> int:
+    """Actor processes of the run: ``scaling.actors`` beside the learner, or none when the
+    actors are threads of the learner's process (``scaling=single``)."""
+    if cfg.scaling.name == "single":
+        return 0
+    return int(cfg.scaling.actors)
+
+
+def _typed(cfg: DictConfig) -> QConfig:
+    values = OmegaConf.to_container(cfg.agent, resolve=True)
+    assert isinstance(values, dict)
+    agent = agent_config(values)
+    assert isinstance(agent, QConfig)
+    return agent
+
+
+def _env_factory(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
+    from moolib.envs import create_env_quietly
+
+    options = (
+        OmegaConf.to_container(cfg.env.options, resolve=True) if cfg.env.get("options") else {}
+    )
+    factory = functools.partial(create_env_quietly, cfg.env.name, **options)
+    probe = factory()
+    try:
+        shape = tuple(probe.observation_space.shape)
+        num_actions = int(probe.action_space.n)
+    finally:
+        probe.close()
+    return factory, shape, num_actions
+
+
+def _make_envs(cfg: DictConfig, agent: QConfig) -> tuple[Any, tuple[int, ...], int]:
+    if cfg.env.backend == "envpool":
+        from moolib.envs import create_envpool
+
+        options = OmegaConf.to_container(cfg.env.options, resolve=True) or {}
+        pool = create_envpool(
+            cfg.env.name,
+            agent.actor_batch_size,
+            agent.num_actor_batches,
+            num_threads=agent.num_actor_cpus,
+            **options,
+        )
+        return pool, tuple(pool.observation_space.shape), int(pool.num_actions)
+    factory, shape, num_actions = _env_factory(cfg)
+    pool = moolib.EnvPool(
+        factory, agent.num_actor_cpus, agent.actor_batch_size, agent.num_actor_batches
+    )
+    return pool, shape, num_actions
+
+
+# -- actors ------------------------------------------------------------------------------------
+
+
+class ActorLoop:
+    """One actor loop: its envs, its copy of the network, its replay client.
+
+    ``index`` numbers the loop among all loops of the run (``num_loops``), which
+    places its envs in the run's epsilon schedule."""
+
+    def __init__(
+        self, cfg: DictConfig, rpc: moolib.Rpc, index: int, num_loops: int, seed: int | None
+    ) -> None:
+        self.cfg = cfg
+        self.agent = _typed(cfg)
+        self.rpc = rpc
+        self.index = index
+        self.learner = learner_name(str(cfg.group))
+        agent = self.agent
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.envs, obs_shape, num_actions = _make_envs(cfg, agent)
+        self.model = make_qnet(agent, obs_shape, num_actions)
+        self.model.eval()
+        per_loop = agent.num_actor_batches * agent.actor_batch_size
+        schedule = epsilon_schedule(
+            num_loops * per_loop, agent.epsilon, agent.epsilon_alpha, dtype=torch.float32
+        )
+        mine = schedule[index * per_loop : (index + 1) * per_loop]
+        self.epsilons = mine.view(agent.num_actor_batches, agent.actor_batch_size)
+        self.acting = [make_acting(agent, eps, self.model) for eps in self.epsilons]
+        timeout = float(cfg.lost_group_timeout)
+        self.replay = moolib.ReplayClient(rpc, (self.learner, "replay"), timeout=timeout)
+        self.weights = moolib.Subscriber(rpc, self.learner, "weights")
+        self.env_steps = 0
+        self.inserted = 0
+
+    def _report(self, steps: int, episodes: list) -> bool:
+        """Tells the learner what this loop did; returns whether the run is over."""
+        answer = self.rpc.sync(
+            self.learner, "actor_report", self.rpc.get_name(), self.index, steps, episodes
+        )
+        return bool(answer["stop"])
+
+    def _wait_for_learner(self, stop: threading.Event) -> bool:
+        """Waits until the learner has published weights (and so serves the replay);
+        False if stopped or the learner stayed unreachable for lost_group_timeout."""
+        deadline = time.monotonic() + float(self.cfg.lost_group_timeout)
+        while not stop.is_set():
+            try:
+                if self.weights.fetch_into(self.model):
+                    return True
+            except moolib.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise GroupLostError(
+                    f"actor loop {self.index}: the learner {self.learner} did not answer in "
+                    f"{self.cfg.lost_group_timeout} s (lost_group_timeout); stopping"
+                )
+            stop.wait(0.2)
+        return False
+
+    def run(self, stop: threading.Event) -> None:
+        """Acts until the learner says the run is over or ``stop`` is set."""
+        agent = self.agent
+        nb = agent.num_actor_batches
+        try:
+            if not self._wait_for_learner(stop):
+                return
+            log.info(
+                "actor loop %d: acting on %d envs (epsilon %.2g..%.2g) for %s",
+                self.index,
+                self.epsilons.numel(),
+                float(self.epsilons.max()),
+                float(self.epsilons.min()),
+                self.learner,
+            )
+            noop = torch.zeros(agent.actor_batch_size, dtype=torch.int64)
+            futures = [self.envs.step(b, noop) for b in range(nb)]
+            since_sync = 0
+            unreported = 0
+            episodes: list[tuple[float, float, int]] = []
+            last_report = time.monotonic()
+            last_answer = time.monotonic()
+            b = 0
+            while not stop.is_set():
+                env_out = futures[b].result()
+                done = env_out["done"]
+                if bool(done.any()):
+                    eps = self.epsilons[b][done].tolist()
+                    returns = env_out["episode_return"][done].tolist()
+                    lengths = env_out["episode_length"][done].tolist()
+                    episodes.extend(zip(eps, returns, lengths, strict=True))
+                # The step copies what it keeps of env_out before the next env step
+                # overwrites that shared memory.
+                action, out = self.acting[b].step(env_out, self.model)
+                futures[b] = self.envs.step(b, action)
+                unreported += agent.actor_batch_size
+                since_sync += agent.actor_batch_size
+                if out is not None:
+                    items, priorities = out
+                    try:
+                        self.replay.insert(items, priorities)
+                        self.inserted += len(priorities)
+                    except (moolib.ReplayError, moolib.RpcError, TimeoutError) as e:
+                        # The learner is ending (its replay closed), gone or stalled.
+                        try:
+                            if self._report(0, []):
+                                return
+                        except moolib.RpcError:
+                            pass
+                        log.warning("actor loop %d: insert failed: %s", self.index, e)
+                        last_report = 0.0
+                # Every env of the loop has taken weight_sync steps since the last fetch.
+                if since_sync >= agent.weight_sync * nb * agent.actor_batch_size:
+                    since_sync = 0
+                    try:
+                        self.weights.fetch_into(self.model)
+                    except moolib.RpcError as e:
+                        log.warning("actor loop %d: weight fetch failed: %s", self.index, e)
+                now = time.monotonic()
+                if now - last_report >= REPORT_INTERVAL:
+                    try:
+                        if self._report(unreported, episodes):
+                            return
+                        last_answer = now
+                        unreported, episodes = 0, []
+                    except moolib.RpcError as e:
+                        if now - last_answer > float(self.cfg.lost_group_timeout):
+                            raise GroupLostError(
+                                f"actor loop {self.index}: the learner {self.learner} is "
+                                f"gone ({e}); stopping"
+                            ) from None
+                    last_report = now
+                b = (b + 1) % nb
+        finally:
+            self.envs.close()
+
+
+def run_actor_loops(
+    cfg: DictConfig, rpc: moolib.Rpc, first: int, count: int, stop: threading.Event
+) -> list[BaseException]:
+    """Runs ``count`` actor loops (global indices ``first..first+count-1``) as threads
+    until they end; returns the errors they raised."""
+    agent = _typed(cfg)
+    num_loops = max(1, num_actor_processes(cfg)) * agent.actor_loops
+    errors: list[BaseException] = []
+    seed = None if cfg.seed is None else int(cfg.seed)
+
+    def one(index: int) -> None:
+        try:
+            loop = ActorLoop(cfg, rpc, index, num_loops, None if seed is None else seed + index)
+            loop.run(stop)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            errors.append(e)
+            stop.set()
+
+    threads = [
+        threading.Thread(target=one, args=(first + i,), name=f"moolib-actor-{first + i}")
+        for i in range(count)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+class Actor:
+    """An actor process of ``scaling=local``/``slurm``: ``actor_loops`` loops sharing one Rpc."""
+
+    def __init__(self, cfg: DictConfig, index: int, broker: str) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.broker = broker
+        agent = _typed(cfg)
+        self.loops = agent.actor_loops
+        # One intra-op thread per loop: the loops are the parallelism.
+        torch.set_num_threads(1)
+
+    def run(self, stop: threading.Event) -> dict:
+        """Acts until the learner ends the run, ``stop`` is set, or the learner is lost."""
+        rpc = moolib.Rpc()
+        rpc.set_name(f"{learner_name(str(self.cfg.group))}-actor{self.index}-{os.getpid()}")
+        rpc.set_timeout(30)
+        rpc.connect(self.broker)
+        try:
+            errors = run_actor_loops(self.cfg, rpc, self.index * self.loops, self.loops, stop)
+        finally:
+            rpc.close()
+        if errors:
+            raise errors[0]
+        return {}
+
+
+# -- the learner -------------------------------------------------------------------------------
+
+
+class _Reports:
+    """What the actors told the learner since the last log row (filled on Rpc threads)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.env_steps = 0
+        self.episodes: list[tuple[float, float, int]] = []
+        self.seen: dict[str, float] = {}
+        self.stop = False
+
+    def add(self, actor: str, index: int, steps: int, episodes: list) -> dict:
+        with self.lock:
+            self.env_steps += int(steps)
+            self.episodes.extend(episodes)
+            # Loops of one process share its Rpc name: count loops, not processes.
+            self.seen[f"{actor}/{index}"] = time.monotonic()
+            return {"stop": self.stop}
+
+    def take_steps(self) -> int:
+        """Env steps reported since the last call."""
+        with self.lock:
+            steps, self.env_steps = self.env_steps, 0
+        return steps
+
+    def take(self) -> tuple[list, int]:
+        """The episodes reported since the last call, and the actors heard from lately."""
+        with self.lock:
+            episodes, self.episodes = self.episodes, []
+            now = time.monotonic()
+            live = sum(1 for t in self.seen.values() if now - t < ACTOR_STALE)
+        return episodes, live
+
+
+def _episode_columns(episodes: list) -> dict[str, Any]:
+    row: dict[str, Any] = {"episodes": len(episodes)}
+    returns = [r for _, r, _ in episodes]
+    lengths = [n for _, _, n in episodes]
+    row["mean_episode_return"] = sum(returns) / len(returns) if returns else math.nan
+    row["mean_episode_length"] = sum(lengths) / len(lengths) if lengths else math.nan
+    for limit, column in EPS_BUCKETS:
+        picked = [r for e, r, _ in episodes if e < limit]
+        row[column] = sum(picked) / len(picked) if picked else math.nan
+    high = [r for e, r, _ in episodes if e >= EPS_BUCKETS[-1][0]]
+    row["return_eps_ge_0.1"] = sum(high) / len(high) if high else math.nan
+    return row
+
+
+class Learner:
+    """The learner of an off-policy run (see the module doc)."""
+
+    def __init__(self, cfg: DictConfig, peer: PeerInfo) -> None:
+        self.cfg = cfg
+        self.peer = peer
+        self.agent = _typed(cfg)
+        agent = self.agent
+        self.device = resolve_device(cfg.device)
+        self.loss_fn = get_agent(agent.name).compute_loss
+        if cfg.seed is not None:
+            torch.manual_seed(int(cfg.seed))
+        cores = len(os.sched_getaffinity(0))
+        if cfg.torch_threads != "auto":
+            threads = int(cfg.torch_threads)
+        elif num_actor_processes(cfg) == 0:
+            # The actor loops and their env workers share this process's cores.
+            threads = max(1, cores - agent.num_actor_cpus - agent.actor_loops)
+        else:
+            threads = max(1, cores // 2)
+        torch.set_num_threads(threads)
+        shown = copy.deepcopy(cfg)
+        with open_dict(shown):
+            shown.scaling.peers = 1  # the learner; the actors are on the next line
+        self.banner = start_banner(
+            shown,
+            rank=peer.rank,
+            device=self.device,
+            savedir=peer.savedir,
+            broker=peer.broker,
+            env_detail=env_detail(cfg),
+        )
+        actors = num_actor_processes(cfg)
+        where = f"{actors} actor processes" if actors else "threads of the learner's process"
+        self.banner += (
+            f"\n  actors   {agent.actor_loops} loop(s) of {agent.num_actor_batches}x"
+            f"{agent.actor_batch_size} envs, {where}"
+        )
+        print(self.banner, flush=True)
+        _, obs_shape, num_actions = _env_factory(cfg)
+        self.model = make_qnet(agent, obs_shape, num_actions).to(self.device)
+        self.target = copy.deepcopy(self.model)
+        for p in self.target.parameters():
+            p.requires_grad_(False)
+        self.optimizer = self._make_optimizer()
+        self.steps = 0  # env steps the actors took, all of them
+        self.updates = 0  # learner steps
+        self.elapsed = 0.0
+        self.wandb_id: str | None = None
+        self.replay: moolib.Replay | None = None
+        self._restore()
+        if self.replay is None:
+            self.replay = moolib.Replay(
+                agent.replay_capacity,
+                alpha=agent.priority_exponent,
+                min_size=agent.min_replay_size,
+                samples_per_insert=agent.samples_per_insert or None,
+                dedup=("state", "next_state")
+                if agent.name == "apex" and len(obs_shape) == 3
+                else (),
+                seed=None if cfg.seed is None else int(cfg.seed),
+            )
+        self.reports = _Reports()
+        self.rpc = moolib.Rpc()
+        self.rpc.set_name(learner_name(str(cfg.group)))
+        listen = "0.0.0.0:0" if cfg.scaling.name == "slurm" else "127.0.0.1:0"
+        self.rpc.listen(listen)
+        self.rpc.connect(peer.broker)
+        self.replay.serve(self.rpc, "replay")
+        self.publisher = moolib.Publisher(self.rpc, "weights")
+        self.rpc.define("actor_report", self.reports.add)
+        self._publish()
+
+    # -- setup -------------------------------------------------------------
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        opt = self.agent.optimizer
+        params = self.model.parameters()
+        if opt.name == "adam":
+            return torch.optim.Adam(
+                params, lr=opt.learning_rate, betas=(opt.beta1, opt.beta2), eps=opt.epsilon
+            )
+        return torch.optim.RMSprop(
+            params,
+            lr=opt.learning_rate,
+            alpha=opt.alpha,
+            momentum=opt.momentum,
+            eps=opt.epsilon,
+            centered=opt.centered,
+        )
+
+    def _publish(self) -> None:
+        self.publisher.publish(self.model.state_dict(), version=self.updates)
+
+    def _state(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "target": self.target.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "steps": self.steps,
+            "updates": self.updates,
+            "model_version": self.updates,
+            "param_sum": math.fsum(
+                float(p.detach().double().sum()) for p in self.model.parameters()
+            ),
+            "elapsed": self.elapsed,
+            "wandb_ids": {str(self.peer.rank): self.wandb_id} if self.wandb_id else {},
+            "replay": REPLAY_FILE if self.agent.save_replay else None,
+        }
+
+    def _restore(self) -> None:
+        loaded = checkpoint.load_latest(self.peer.savedir)
+        if loaded is None:
+            return
+        if loaded.skipped:
+            log.warning("%s", checkpoint.describe_fallback(loaded))
+        state = loaded.state
+        self.model.load_state_dict(state["model"])
+        self.target.load_state_dict(state.get("target", state["model"]))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+        self.updates = int(state.get("updates", state["model_version"]))
+        self.elapsed = float(state.get("elapsed", 0.0))
+        self.wandb_id = dict(state.get("wandb_ids", {})).get(str(self.peer.rank))
+        replay_path = self.peer.savedir / REPLAY_FILE
+        agent = self.agent
+        if agent.save_replay and state.get("replay") and replay_path.exists():
+            self.replay = moolib.Replay.load(
+                replay_path,
+                alpha=agent.priority_exponent,
+                min_size=agent.min_replay_size,
+                samples_per_insert=agent.samples_per_insert or None,
+            )
+            log.info("replay restored from %s: %d items", replay_path, self.replay.size())
+        log.info("resumed from %s at step %d", loaded.path, self.steps)
+
+    def _save(self) -> None:
+        """Writes a checkpoint (and the replay first, if configured); a failed write
+        is logged and training goes on."""
+        try:
+            if self.agent.save_replay and self.replay is not None:
+                self.replay.save(self.peer.savedir / REPLAY_FILE)
+            path = checkpoint.save(
+                self.peer.savedir, self._state(), self.steps, history=self.cfg.checkpoint_history
+            )
+        except checkpoint.StaleWriteError as e:
+            log.warning("skipped a stale checkpoint write at step %d: %s", self.steps, e)
+            return
+        except OSError as e:
+            log.error("checkpoint at step %d could not be written: %s", self.steps, e)
+            return
+        log.info("checkpoint at step %d: %s", self.steps, path)
+
+    # -- the loop ------------------------------------------------------------
+
+    def _update(self, stats: dict[str, list]) -> bool:
+        """One learner step, if the replay lets it sample; returns whether it did."""
+        agent, replay = self.agent, self.replay
+        assert replay is not None
+        try:
+            sample = replay.sample(agent.batch_size, timeout=0.2)
+        except TimeoutError:
+            return False
+        items = moolib.nest.map_structure(lambda t: t.to(self.device), sample.items)
+        weights = importance_weights(
+            sample.probabilities, sample.size, agent.importance_sampling_exponent
+        ).to(self.device, torch.float32)
+        self.model.train()
+        loss, loss_stats = self.loss_fn(
+            agent,
+            {"online": self.model, "target": self.target},
+            {"items": items, "weights": weights},
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), agent.grad_norm_clipping
+        )
+        lr = learning_rate(agent.optimizer, self.steps, int(self.cfg.total_steps))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        priorities = loss_stats.pop("priorities")
+        replay.update_priorities(sample.keys, priorities.detach().double().cpu())
+        self.updates += 1
+        if self.updates % agent.target_update == 0:
+            self.target.load_state_dict(self.model.state_dict())
+        if self.updates % agent.publish_interval == 0:
+            self._publish()
+        for k, v in loss_stats.items():
+            stats.setdefault(k, []).append(v)
+        stats.setdefault("grad_norm", []).append(float(grad_norm))
+        stats["learning_rate"] = [lr]
+        return True
+
+    def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
+        """Learns until the actors took ``total_steps`` env steps (or ``stop`` is set);
+        returns the last log row."""
+        cfg = self.cfg
+        stop = stop or threading.Event()
+        guard_log_handlers()
+        logger = TsvLog(self.peer.logdir / "logs.tsv", columns=COLUMNS)
+        progress = Progress(
+            int(cfg.total_steps), prefix="[learner] ", log_path=self.peer.logdir / "progress.log"
+        )
+        progress.record(self.banner)
+        wandb_run = None
+        if cfg.wandb.enabled:
+            wandb_run = Wandb(
+                project=cfg.wandb.project,
+                group=cfg.group,
+                name=f"{cfg.name}-learner",
+                config=OmegaConf.to_container(cfg, resolve=True),
+                savedir=self.peer.logdir,
+                run_id=self.wandb_id,
+                mode=cfg.wandb.mode,
+            )
+            self.wandb_id = wandb_run.run_id
+
+        # scaling=single: the actors are threads of this process.
+        actor_stop = threading.Event()
+        actor_errors: list[BaseException] = []
+        actor_thread = None
+        actor_rpc = None
+        if num_actor_processes(cfg) == 0:
+            actor_rpc = moolib.Rpc()
+            actor_rpc.set_timeout(30)
+            actor_rpc.connect(self.peer.broker)
+
+            def act() -> None:
+                actor_errors.extend(
+                    run_actor_loops(cfg, actor_rpc, 0, self.agent.actor_loops, actor_stop)
+                )
+
+            actor_thread = threading.Thread(target=act, name="moolib-actors", daemon=True)
+            actor_thread.start()
+
+        clock = Clock(self.elapsed)
+        info = self.replay.info() if self.replay else {}
+        last = {
+            "time": clock(),
+            "steps": self.steps,
+            "updates": self.updates,
+            "inserts": info.get("inserts", 0),
+            "samples": info.get("samples", 0),
+        }
+        last_checkpoint = time.monotonic()
+        stats: dict[str, list] = {}
+        row: dict[str, Any] = {}
+        try:
+            progress.start()
+            while self.steps < int(cfg.total_steps) and not stop.is_set():
+                if actor_errors:
+                    raise actor_errors[0]
+                self._update(stats)
+                self.steps += self.reports.take_steps()
+                if clock() - last["time"] >= float(cfg.log_interval):
+                    row = self._log_row(stats, last, clock())
+                    logger.write(row)
+                    progress.update(row)
+                    if wandb_run:
+                        wandb_run.log(row)
+                    stats = {}
+                if time.monotonic() - last_checkpoint >= float(cfg.checkpoint_interval):
+                    self.elapsed = clock()
+                    self._save()
+                    last_checkpoint = time.monotonic()
+            if stats or self.steps != last["steps"] or not row:
+                row = self._log_row(stats, last, clock())
+                logger.write(row)
+                progress.update(row)
+                if wandb_run:
+                    wandb_run.log(row)
+            self.elapsed = clock()
+            self._save()
+        finally:
+            # Actors asking from now on hear that the run is over.
+            self.reports.stop = True
+            actor_stop.set()
+            # Inserts waiting on the rate limiter fail now, and their actors ask.
+            if self.replay is not None:
+                self.replay.close()
+            if actor_thread is not None:
+                actor_thread.join(timeout=60)
+            if actor_rpc is not None:
+                actor_rpc.close()
+            progress.close()
+            logger.close()
+            if wandb_run:
+                wandb_run.close()
+            self._linger_for_actors()
+            self.publisher.close()
+            self.rpc.close()
+        if actor_errors and not isinstance(actor_errors[0], GroupLostError):
+            raise actor_errors[0]
+        return row
+
+    def _linger_for_actors(self) -> None:
+        """Gives actor processes a moment to hear that the run is over (their next
+        report), so they end themselves rather than by the launcher's signal."""
+        if num_actor_processes(self.cfg) == 0:
+            return
+        deadline = time.monotonic() + 2 * REPORT_INTERVAL + 1
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def _log_row(self, stats: dict[str, list], last: dict, now: float) -> dict[str, Any]:
+        self.steps += self.reports.take_steps()
+        episodes, live = self.reports.take()
+        assert self.replay is not None
+        info = self.replay.info()
+        interval = max(1e-9, now - last["time"])
+        inserts = info["inserts"] - last["inserts"]
+        samples = info["samples"] - last["samples"]
+        row: dict[str, Any] = {
+            "step": self.steps,
+            "sps": (self.steps - last["steps"]) / interval,
+            "env_sps": (self.steps - last["steps"]) / interval,
+            "updates": self.updates,
+            "updates_per_s": (self.updates - last["updates"]) / interval,
+            "samples_per_s": samples / interval,
+            "inserts_per_s": inserts / interval,
+            "sample_insert_ratio": samples / inserts if inserts else math.nan,
+            "replay_size": info["size"],
+            "actors": live,
+            "model_version": self.updates,
+            "param_sum": math.fsum(
+                float(p.detach().double().sum()) for p in self.model.parameters()
+            ),
+            "time": now,
+        }
+        row.update(_episode_columns(episodes))
+        for k, values in stats.items():
+            row[k] = sum(values) / len(values) if values else math.nan
+        last.update(
+            time=now,
+            steps=self.steps,
+            updates=self.updates,
+            inserts=info["inserts"],
+            samples=info["samples"],
+        )
+        return row
+
+
+def make_runner(cfg: DictConfig, rank: int, peer: PeerInfo) -> Learner | Actor:
+    """Rank 0 is the learner, ranks 1.. the actor processes (actor ``rank - 1``)."""
+    if rank == 0:
+        return Learner(cfg, peer)
+    return Actor(cfg, rank - 1, peer.broker)
+
+
+def actor_logdir(savedir: Path, index: int) -> Path:
+    """Where actor process ``index`` writes its output."""
+    return savedir / f"actor{index}"
+
+
+@torch.no_grad()
+def evaluate(savedir: Path, episodes: int = 10, epsilon: float = 0.0, seed: int = 0) -> list[float]:
+    """Returns of ``episodes`` episodes played by the newest checkpoint of ``savedir``
+    with ``epsilon``-greedy actions (0: greedy), on the run's env, one env at a time."""
+    from moolib.launch import config as config_lib
+
+    cfg = config_lib.load(Path(savedir) / config_lib.CONFIG_FILE)
+    loaded = checkpoint.load_latest(Path(savedir))
+    if loaded is None:
+        raise FileNotFoundError(f"{savedir} holds no checkpoint")
+    agent = _typed(cfg)
+    factory, obs_shape, num_actions = _env_factory(cfg)
+    model = make_qnet(agent, obs_shape, num_actions)
+    model.load_state_dict(loaded.state["model"])
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    eps = torch.tensor([epsilon])
+    returns = []
+    for episode in range(episodes):
+        env = factory()
+        try:
+            obs, _ = env.reset(seed=seed + episode)
+            total, reward, done, action = 0.0, 0.0, True, 0
+            core = model.initial_state(1) if agent.name == "r2d2" else ()
+            while True:
+                state = torch.as_tensor(obs)[None]
+                if agent.name == "r2d2":
+                    inputs = {
+                        "state": state[None],
+                        "reward": torch.tensor([[reward]]),
+                        "done": torch.tensor([[done]]),
+                        "prev_action": torch.tensor([[action]]),
+                    }
+                    q, core = model(inputs, core)
+                    q = q[0]
+                else:
+                    q = model(state)
+                action = int(epsilon_greedy(q, eps, generator)[0])
+                obs, reward, terminated, truncated, _ = env.step(action)
+                total += float(reward)
+                done = False
+                if terminated or truncated:
+                    break
+        finally:
+            env.close()
+        returns.append(total)
+    return returns

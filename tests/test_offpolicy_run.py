@@ -1,0 +1,267 @@
+"""Ape-X and R2D2 through ``moolib-run``: learning, scaling=local, actors killed and
+restarted, resumes, and nothing left behind.
+
+Real processes (the launcher, a learner serving its replay over RPC, actor
+processes with their EnvPool workers), real Hydra composition, real envs. Learning
+tests assert on returns, never on time: budgets are env steps, generous ones.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.run_util import (
+    STOP_TIMEOUT,
+    Run,
+    check_ok,
+    peers_and_workers,
+    plot_cmd,
+    read_logs,
+    run,
+    run_env,
+    session_pids,
+    wait_for,
+)
+from moolib.agents.offpolicy_run import COLUMNS, evaluate
+
+# Learning runs: their budget is env steps; on a loaded 2-core box they take minutes.
+LEARN_TIMEOUT = 900
+SMALL = ["device=cpu", "log_interval=1", "seed=0"]
+
+
+def load_checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def learned(savedir: Path, column: str = "return_eps_lt_0.1") -> float:
+    """The best logged mean return of the run's low-epsilon actors."""
+    _, rows = read_logs(savedir / "logs.tsv")
+    values = [r[column] for r in rows if r["episodes"] > 0 and r[column] == r[column]]
+    return max(values, default=float("nan"))
+
+
+# -- learning ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(LEARN_TIMEOUT + 60)
+def test_apex_learns_cartpole(tmp_path):
+    savedir = tmp_path / "apex"
+    out = check_ok(
+        run(
+            ["agent=apex", "env=cartpole", *SMALL, "total_steps=200000", f"savedir={savedir}"],
+            tmp_path,
+            timeout=LEARN_TIMEOUT,
+        )
+    )
+    assert "moolib-run: done" in out
+    header, rows = read_logs(savedir / "logs.tsv")
+    assert list(header) == list(COLUMNS)
+    assert rows[-1]["updates"] > 0 and rows[-1]["replay_size"] > 0
+    # The greedy policy of the last checkpoint balances the pole.
+    returns = evaluate(savedir, episodes=10)
+    assert statistics.mean(returns) >= 195, (returns, learned(savedir))
+    # moolib-plot draws the run.
+    png = tmp_path / "apex.png"
+    r = subprocess.run(
+        plot_cmd(
+            str(savedir), "--metric", "return_eps_lt_0.01", "--png", str(png), "--no-terminal"
+        ),
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(2 * LEARN_TIMEOUT + 60)
+def test_r2d2_learns_cartpole_without_velocities_and_apex_does_not(tmp_path):
+    """CartPole with the velocities hidden needs memory: R2D2's LSTM learns it, Ape-X's
+    feed-forward network, given the same env steps, does not."""
+    budget = "total_steps=300000"
+    recurrent = tmp_path / "r2d2"
+    check_ok(
+        run(
+            ["agent=r2d2", "env=cartpole-novel", *SMALL, budget, f"savedir={recurrent}"],
+            tmp_path,
+            timeout=LEARN_TIMEOUT,
+        )
+    )
+    returns = evaluate(recurrent, episodes=10)
+    assert statistics.mean(returns) >= 195, (returns, learned(recurrent))
+
+    feedforward = tmp_path / "apex"
+    check_ok(
+        run(
+            [
+                "agent=apex",
+                "env=cartpole-novel",
+                *SMALL,
+                budget,
+                # Ape-X's CartPole tuning, on the env without velocities.
+                "tuning=apex_cartpole",
+                f"savedir={feedforward}",
+            ],
+            tmp_path,
+            timeout=LEARN_TIMEOUT,
+        )
+    )
+    returns = evaluate(feedforward, episodes=10)
+    assert statistics.mean(returns) < 195, returns
+    assert learned(feedforward) < 195
+
+
+# -- scaling=local: actors die, actors join ------------------------------------------------
+
+
+def _actors(sid: int) -> dict[int, int]:
+    """Actor processes of a run: {actor index: pid}."""
+    peers, _, commands = peers_and_workers(sid)
+    found = {}
+    for pid in peers:
+        m = re.search(r"--rank (\d+)", commands[pid])
+        if m and int(m.group(1)) > 0:
+            found[int(m.group(1)) - 1] = pid
+    return found
+
+
+def _updates(savedir: Path) -> float:
+    _, rows = read_logs(savedir / "logs.tsv")
+    return rows[-1]["updates"] if rows else 0.0
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_actor_does_not_stop_learning_and_a_new_one_joins(tmp_path):
+    savedir = tmp_path / "run"
+    args = [
+        "agent=apex",
+        "env=cartpole",
+        "scaling=local",
+        "scaling.actors=2",
+        *SMALL,
+        "total_steps=1000000000",
+        f"savedir={savedir}",
+    ]
+    r = Run(args, tmp_path, tmp_path / "out.log")
+    try:
+        wait_for(lambda: _updates(savedir) > 0, 240, "the learner to update", proc=r)
+        wait_for(lambda: len(_actors(r.pid)) == 2, 60, "two actor processes", proc=r)
+        victim = _actors(r.pid)[0]
+        joined = savedir / "actor0" / "stdout.log"
+        wait_for(lambda: joined.read_text().count("acting") >= 1, 120, "actor 0 to act", proc=r)
+        os.kill(victim, signal.SIGKILL)
+        at_kill = _updates(savedir)
+        # The learner goes on updating...
+        wait_for(lambda: _updates(savedir) > at_kill + 20, 240, "updates after the kill", proc=r)
+        # ...and actor 0 is started again, and acts for the learner.
+        wait_for(lambda: _actors(r.pid).get(0) not in (None, victim), 120, "a new actor 0", proc=r)
+        wait_for(lambda: joined.read_text().count("acting") >= 2, 240, "the new actor", proc=r)
+        assert "actor 0 exited with code -9; starting it again" in r.output()
+        after_join = _updates(savedir)
+        wait_for(lambda: _updates(savedir) > after_join + 20, 240, "more updates", proc=r)
+        _, rows = read_logs(savedir / "logs.tsv")
+        assert rows[-1]["inserts_per_s"] > 0
+        r.interrupt()
+        assert r.wait(STOP_TIMEOUT) == 130
+        wait_for(lambda: not session_pids(r.pid), 60, "every process of the run to end")
+    finally:
+        r.finish()
+
+
+@pytest.mark.timeout(300)
+def test_killing_the_launcher_leaves_nothing_behind(tmp_path):
+    savedir = tmp_path / "run"
+    args = [
+        "agent=apex",
+        "env=cartpole",
+        "scaling=local",
+        "scaling.actors=1",
+        *SMALL,
+        "total_steps=1000000000",
+        f"savedir={savedir}",
+    ]
+    r = Run(args, tmp_path, tmp_path / "out.log")
+    try:
+        wait_for(lambda: _updates(savedir) > 0, 240, "the learner to update", proc=r)
+        peers, workers, _ = peers_and_workers(r.pid)
+        assert len(peers) == 2 and workers
+        os.kill(r.pid, signal.SIGKILL)
+        wait_for(lambda: not session_pids(r.pid), 90, "every process of the run to end")
+    finally:
+        r.finish()
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_of_a_single_run_checkpoints_and_leaves_nothing_behind(tmp_path):
+    savedir = tmp_path / "run"
+    args = ["agent=apex", "env=cartpole", *SMALL, "total_steps=1000000000", f"savedir={savedir}"]
+    r = Run(args, tmp_path, tmp_path / "out.log")
+    try:
+        wait_for(lambda: _updates(savedir) > 0, 240, "the learner to update", proc=r)
+        r.interrupt()
+        assert r.wait(STOP_TIMEOUT) == 130
+        wait_for(lambda: not session_pids(r.pid), 60, "every process of the run to end")
+        state = load_checkpoint(savedir / "checkpoint.pt")
+        assert state["updates"] > 0
+    finally:
+        r.finish()
+
+
+# -- full runs and resumes -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "agent, env, extra",
+    [
+        ("apex", "cartpole", ["agent.save_replay=true"]),
+        ("r2d2", "cartpole-novel", []),
+    ],
+)
+def test_local_run_and_resume(tmp_path, agent, env, extra):
+    savedir = tmp_path / agent
+    base = [
+        f"agent={agent}",
+        f"env={env}",
+        "scaling=local",
+        "scaling.actors=2",
+        *SMALL,
+        *extra,
+        f"savedir={savedir}",
+    ]
+    out1 = check_ok(run([*base, "total_steps=20000"], tmp_path))
+    assert "resumed" not in out1
+    first = load_checkpoint(savedir / "checkpoint.pt")
+    assert first["steps"] >= 20000 and first["updates"] > 0
+    assert {"model", "target", "optimizer"} <= set(first)
+    _, rows1 = read_logs(savedir / "logs.tsv")
+    assert max(r["actors"] for r in rows1) == 2
+    for index in (0, 1):
+        assert "Traceback" not in (savedir / f"actor{index}" / "stdout.log").read_text()
+    if "agent.save_replay=true" in extra:
+        assert (savedir / "replay.bin").exists()
+
+    out2 = check_ok(run([*base, "total_steps=40000"], tmp_path))
+    assert re.search(rf"resumed from .*checkpoint\.pt at step {first['steps']}\b", out2), out2[
+        -3000:
+    ]
+    second = load_checkpoint(savedir / "checkpoint.pt")
+    assert second["steps"] >= 40000 and second["updates"] > first["updates"]
+    _, rows = read_logs(savedir / "logs.tsv")
+    resumed = rows[len(rows1) :]
+    # Steps go on from the checkpoint's, not from 0.
+    assert resumed and min(r["step"] for r in resumed) >= first["steps"]
+    assert resumed[-1]["step"] >= 40000
+    if "agent.save_replay=true" in extra:
+        # The replay came back with the checkpoint: the resumed learner updates at once
+        # (min_replay_size is met by the restored items) and its replay is not empty.
+        assert "replay restored from" in out2
+        assert resumed[0]["replay_size"] >= rows1[-1]["replay_size"]
