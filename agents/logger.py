@@ -488,6 +488,24 @@ class Wandb:
         )
         self.run_id = self.run.id
 
+    @classmethod
+    def for_run(cls, cfg: Any, name: str, logdir: Path, run_id: str | None) -> Wandb | None:
+        """The wandb run of a process of moolib-run's run ``cfg`` (None when ``cfg.wandb`` is
+        off): in the run's project and group, named ``name``, continuing ``run_id``."""
+        if not cfg.wandb.enabled:
+            return None
+        from omegaconf import OmegaConf
+
+        return cls(
+            project=cfg.wandb.project,
+            group=cfg.group,
+            name=name,
+            config=OmegaConf.to_container(cfg, resolve=True),
+            savedir=logdir,
+            run_id=run_id,
+            mode=cfg.wandb.mode,
+        )
+
     def log(self, row: dict[str, Any]) -> None:
         values = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not _is_nan(v)}
         self.run.log(values, step=int(row["step"]))

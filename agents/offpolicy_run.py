@@ -602,17 +602,8 @@ class Learner:
             int(cfg.total_steps), prefix="[learner] ", log_path=self.peer.logdir / "progress.log"
         )
         progress.record(self.banner)
-        wandb_run = None
-        if cfg.wandb.enabled:
-            wandb_run = Wandb(
-                project=cfg.wandb.project,
-                group=cfg.group,
-                name=f"{cfg.name}-learner",
-                config=OmegaConf.to_container(cfg, resolve=True),
-                savedir=self.peer.logdir,
-                run_id=self.wandb_id,
-                mode=cfg.wandb.mode,
-            )
+        wandb_run = Wandb.for_run(cfg, f"{cfg.name}-learner", self.peer.logdir, self.wandb_id)
+        if wandb_run is not None:
             self.wandb_id = wandb_run.run_id
 
         # scaling=single: the actors are threads of this process.

@@ -59,6 +59,22 @@ def check_broker(address: str, timeout: float, auth_key: str | None = None) -> N
         rpc.close()
 
 
+def stop_processes(procs: list[subprocess.Popen], interrupted: bool) -> None:
+    """Stops a run's processes: SIGTERM, and up to 60 s to checkpoint and end; after a
+    Ctrl-C, SIGINT (a stopping peer then raises KeyboardInterrupt) and 5 s. Whatever still
+    runs after that is killed."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT if interrupted else signal.SIGTERM)
+    deadline = time.monotonic() + (5 if interrupted else 60)
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def _peer_cmd(config_path: Path, rank: int, address: str, parent_r: int) -> list[str]:
     return [
         sys.executable,
@@ -130,17 +146,7 @@ def run_offpolicy(cfg: DictConfig, config_path: Path, stop: threading.Event) -> 
         raise
     finally:
         os.close(parent_r)
-        procs = [p for p in (learner, *actors.values()) if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT if interrupted else signal.SIGTERM)
-        deadline = time.monotonic() + (5 if interrupted else 60)
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes([p for p in (learner, *actors.values()) if p is not None], interrupted)
         if broker:
             broker.close()
         os.close(parent_w)
@@ -209,18 +215,7 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
         raise
     finally:
         os.close(parent_r)
-        # After a second Ctrl-C the peers go at once: SIGINT makes a stopping peer
-        # raise KeyboardInterrupt; whatever still runs after a few seconds is killed.
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT if interrupted else signal.SIGTERM)
-        deadline = time.monotonic() + (5 if interrupted else 60)
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs, interrupted)
         if broker:
             broker.close()
         os.close(parent_w)
