@@ -51,7 +51,14 @@ from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_ba
 from .offpolicy import epsilon_greedy, importance_weights
 from .qlearning import QConfig, make_acting, make_qnet
 from .registry import agent_config, get_agent
-from .training import GroupLostError, PeerInfo, env_detail, learning_rate, resolve_device
+from .training import (
+    GroupLostError,
+    PeerInfo,
+    env_detail,
+    learning_rate,
+    make_optimizer,
+    resolve_device,
+)
 
 log = logging.getLogger("moolib.agents")
 
@@ -440,7 +447,7 @@ class Learner:
         self.target = copy.deepcopy(self.model)
         for p in self.target.parameters():
             p.requires_grad_(False)
-        self.optimizer = self._make_optimizer()
+        self.optimizer = make_optimizer(self.agent.optimizer, self.model.parameters())
         self.steps = 0  # env steps the actors took, all of them
         self.updates = 0  # learner steps
         self.elapsed = 0.0
@@ -470,22 +477,6 @@ class Learner:
         self._publish()
 
     # -- setup -------------------------------------------------------------
-
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        opt = self.agent.optimizer
-        params = self.model.parameters()
-        if opt.name == "adam":
-            return torch.optim.Adam(
-                params, lr=opt.learning_rate, betas=(opt.beta1, opt.beta2), eps=opt.epsilon
-            )
-        return torch.optim.RMSprop(
-            params,
-            lr=opt.learning_rate,
-            alpha=opt.alpha,
-            momentum=opt.momentum,
-            eps=opt.epsilon,
-            centered=opt.centered,
-        )
 
     def _publish(self) -> None:
         self.publisher.publish(self.model.state_dict(), version=self.updates)

@@ -143,6 +143,24 @@ def make_envs(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
     return pool, shape, num_actions
 
 
+def make_optimizer(opt: Any, params: Any) -> torch.optim.Optimizer:
+    """The optimizer an agent's ``optimizer`` settings name (adam or rmsprop) over ``params``."""
+    if opt.name == "adam":
+        return torch.optim.Adam(
+            params, lr=opt.learning_rate, betas=(opt.beta1, opt.beta2), eps=opt.epsilon
+        )
+    if opt.name == "rmsprop":
+        return torch.optim.RMSprop(
+            params,
+            lr=opt.learning_rate,
+            alpha=opt.alpha,
+            momentum=opt.momentum,
+            eps=opt.epsilon,
+            centered=opt.centered,
+        )
+    raise ValueError(f"agent.optimizer.name must be adam or rmsprop, got {opt.name!r}")
+
+
 def learning_rate(opt: Any, steps: int, total_steps: int) -> float:
     """The learning rate after ``steps`` of ``total_steps``: ``opt.learning_rate``, decayed
     linearly to 0 unless ``opt.schedule`` is constant (as Ape-X and R2D2 keep it)."""
@@ -233,7 +251,7 @@ class Trainer:
             use_lstm=self.agent.use_lstm,
             hidden_size=self.agent.hidden_size,
         ).to(self.device)
-        self.optimizer = self._make_optimizer()
+        self.optimizer = make_optimizer(self.agent.optimizer, self.model.parameters())
 
         self.accumulator = moolib.Accumulator(
             f"moolib-run/{cfg.group}", self.model.parameters(), self.model.buffers()
@@ -254,24 +272,6 @@ class Trainer:
         self._restore()
 
     # -- setup -------------------------------------------------------------
-
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        opt = self.agent.optimizer
-        params = self.model.parameters()
-        if opt.name == "adam":
-            return torch.optim.Adam(
-                params, lr=opt.learning_rate, betas=(opt.beta1, opt.beta2), eps=opt.epsilon
-            )
-        if opt.name == "rmsprop":
-            return torch.optim.RMSprop(
-                params,
-                lr=opt.learning_rate,
-                alpha=opt.alpha,
-                momentum=opt.momentum,
-                eps=opt.epsilon,
-                centered=opt.centered,
-            )
-        raise ValueError(f"agent.optimizer.name must be adam or rmsprop, got {opt.name!r}")
 
     def _state(self) -> dict:
         return {

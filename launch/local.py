@@ -179,19 +179,7 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
             logdir.mkdir(parents=True, exist_ok=True)
             # Peer 0 draws the progress line here; the others log to files.
             out = None if rank == 0 else open(logdir / "stdout.log", "ab")  # noqa: SIM115
-            cmd = [
-                sys.executable,
-                "-m",
-                "moolib.launch.peer",
-                "--config",
-                str(config_path),
-                "--rank",
-                str(rank),
-                "--broker",
-                address,
-                "--parent-fd",
-                str(parent_r),
-            ]
+            cmd = _peer_cmd(config_path, rank, address, parent_r)
             procs.append(
                 subprocess.Popen(
                     cmd,
