@@ -194,12 +194,22 @@ class ActorLoop:
         self.weights = moolib.Subscriber(rpc, self.learner, "weights")
         self.env_steps = 0
         self.inserted = 0
+        self.learner_uid: str | None = None  # the learner process heard from last
 
     def _report(self, steps: int, episodes: list) -> bool:
         """Tells the learner what this loop did; returns whether the run is over."""
         answer = self.rpc.sync(
             self.learner, "actor_report", self.rpc.get_name(), self.index, steps, episodes
         )
+        uid = answer.get("learner")
+        if self.learner_uid is not None and uid != self.learner_uid:
+            # A new learner process (a requeued SLURM job, resumed from its checkpoint):
+            # its weight versions start again below those this loop holds, which a
+            # Subscriber would wait to see exceeded; a new one takes the next version.
+            log.info("actor loop %d: the learner restarted: fetching its weights", self.index)
+            self.weights = moolib.Subscriber(self.rpc, self.learner, "weights")
+            self.weights.fetch_into(self.model)
+        self.learner_uid = uid
         return bool(answer["stop"])
 
     def _wait_for_learner(self, stop: threading.Event) -> bool:
@@ -297,27 +307,40 @@ class ActorLoop:
             self.envs.close()
 
 
-def run_actor_loops(
-    cfg: DictConfig, rpc: moolib.Rpc, first: int, count: int, stop: threading.Event
-) -> list[BaseException]:
-    """Runs ``count`` actor loops (global indices ``first..first+count-1``) as threads
-    until they end; returns the errors they raised."""
+def make_actor_loops(cfg: DictConfig, rpc: moolib.Rpc, first: int, count: int) -> list[ActorLoop]:
+    """``count`` actor loops (global indices ``first..first+count-1``), their env
+    workers started from this thread (so they inherit its signal mask: a SLURM
+    job blocks USR2 there, which is for its main process only)."""
     agent = _typed(cfg)
     num_loops = max(1, num_actor_processes(cfg)) * agent.actor_loops
-    errors: list[BaseException] = []
     seed = None if cfg.seed is None else int(cfg.seed)
+    loops: list[ActorLoop] = []
+    try:
+        for index in range(first, first + count):
+            loops.append(
+                ActorLoop(cfg, rpc, index, num_loops, None if seed is None else seed + index)
+            )
+    except BaseException:
+        for loop in loops:
+            loop.envs.close()
+        raise
+    return loops
 
-    def one(index: int) -> None:
+
+def run_actor_loops(loops: list[ActorLoop], stop: threading.Event) -> list[BaseException]:
+    """Runs the actor loops, one thread each, until they end; returns the errors they raised."""
+    errors: list[BaseException] = []
+
+    def one(loop: ActorLoop) -> None:
         try:
-            loop = ActorLoop(cfg, rpc, index, num_loops, None if seed is None else seed + index)
             loop.run(stop)
         except BaseException as e:  # noqa: BLE001 - reported by the caller
             errors.append(e)
             stop.set()
 
     threads = [
-        threading.Thread(target=one, args=(first + i,), name=f"moolib-actor-{first + i}")
-        for i in range(count)
+        threading.Thread(target=one, args=(loop,), name=f"moolib-actor-{loop.index}")
+        for loop in loops
     ]
     for t in threads:
         t.start()
@@ -332,22 +355,29 @@ class Actor:
     def __init__(self, cfg: DictConfig, index: int, broker: str) -> None:
         self.cfg = cfg
         self.index = index
-        self.broker = broker
-        agent = _typed(cfg)
-        self.loops = agent.actor_loops
+        count = _typed(cfg).actor_loops
         # One intra-op thread per loop: the loops are the parallelism.
         torch.set_num_threads(1)
+        self.rpc = moolib.Rpc()
+        self.rpc.set_name(f"{learner_name(str(cfg.group))}-actor{index}-{os.getpid()}")
+        self.rpc.set_timeout(30)
+        self.rpc.connect(broker)
+        try:
+            self.loops = make_actor_loops(cfg, self.rpc, index * count, count)
+        except BaseException:
+            self.rpc.close()
+            raise
+
+    def connect(self, broker: str) -> None:
+        """Finds the learner through the broker at ``broker`` too (one that moved)."""
+        self.rpc.connect(broker)
 
     def run(self, stop: threading.Event) -> dict:
         """Acts until the learner ends the run, ``stop`` is set, or the learner is lost."""
-        rpc = moolib.Rpc()
-        rpc.set_name(f"{learner_name(str(self.cfg.group))}-actor{self.index}-{os.getpid()}")
-        rpc.set_timeout(30)
-        rpc.connect(self.broker)
         try:
-            errors = run_actor_loops(self.cfg, rpc, self.index * self.loops, self.loops, stop)
+            errors = run_actor_loops(self.loops, stop)
         finally:
-            rpc.close()
+            self.rpc.close()
         if errors:
             raise errors[0]
         return {}
@@ -360,19 +390,31 @@ class _Reports:
     """What the actors told the learner since the last log row (filled on Rpc threads)."""
 
     def __init__(self) -> None:
+        # Tells the actors when the learner they report to is another process.
+        self.uid = moolib.create_uid()
         self.lock = threading.Lock()
         self.env_steps = 0
         self.episodes: list[tuple[float, float, int]] = []
         self.seen: dict[str, float] = {}
         self.stop = False
+        self.told: set[str] = set()  # loops answered that the run is over
 
     def add(self, actor: str, index: int, steps: int, episodes: list) -> dict:
         with self.lock:
             self.env_steps += int(steps)
             self.episodes.extend(episodes)
             # Loops of one process share its Rpc name: count loops, not processes.
-            self.seen[f"{actor}/{index}"] = time.monotonic()
-            return {"stop": self.stop}
+            loop = f"{actor}/{index}"
+            self.seen[loop] = time.monotonic()
+            if self.stop:
+                self.told.add(loop)
+            return {"stop": self.stop, "learner": self.uid}
+
+    def all_told(self) -> bool:
+        """Whether every loop heard from lately has been told that the run is over."""
+        with self.lock:
+            now = time.monotonic()
+            return all(k in self.told for k, t in self.seen.items() if now - t < ACTOR_STALE)
 
     def take_steps(self) -> int:
         """Env steps reported since the last call."""
@@ -477,6 +519,10 @@ class Learner:
         self._publish()
 
     # -- setup -------------------------------------------------------------
+
+    def connect(self, broker: str) -> None:
+        """Stays findable by the actors through the broker at ``broker`` too (one that moved)."""
+        self.rpc.connect(broker)
 
     def _publish(self) -> None:
         self.publisher.publish(self.model.state_dict(), version=self.updates)
@@ -606,11 +652,14 @@ class Learner:
             actor_rpc = moolib.Rpc()
             actor_rpc.set_timeout(30)
             actor_rpc.connect(self.peer.broker)
+            try:
+                loops = make_actor_loops(cfg, actor_rpc, 0, self.agent.actor_loops)
+            except BaseException:
+                actor_rpc.close()
+                raise
 
             def act() -> None:
-                actor_errors.extend(
-                    run_actor_loops(cfg, actor_rpc, 0, self.agent.actor_loops, actor_stop)
-                )
+                actor_errors.extend(run_actor_loops(loops, actor_stop))
 
             actor_thread = threading.Thread(target=act, name="moolib-actors", daemon=True)
             actor_thread.start()
@@ -627,6 +676,7 @@ class Learner:
         last_checkpoint = time.monotonic()
         stats: dict[str, list] = {}
         row: dict[str, Any] = {}
+        ended = False  # trained to total_steps, or stopped: the actors may end too
         try:
             progress.start()
             while self.steps < int(cfg.total_steps) and not stop.is_set():
@@ -653,9 +703,17 @@ class Learner:
                     wandb_run.log(row)
             self.elapsed = clock()
             self._save()
+            ended = True
+        except SystemExit:
+            # submitit's handler of a preemption or time-out (USR2), which has requeued
+            # this job: the requeued learner resumes from here. The actors wait for it.
+            self.elapsed = clock()
+            self._save()
+            raise
         finally:
-            # Actors asking from now on hear that the run is over.
-            self.reports.stop = True
+            # Actors asking from now on hear that the run is over (not when this
+            # learner crashed or was preempted: a restarted one goes on with them).
+            self.reports.stop = ended
             actor_stop.set()
             # Inserts waiting on the rate limiter fail now, and their actors ask.
             if self.replay is not None:
@@ -668,7 +726,8 @@ class Learner:
             logger.close()
             if wandb_run:
                 wandb_run.close()
-            self._linger_for_actors()
+            if ended:
+                self._linger_for_actors()
             self.publisher.close()
             self.rpc.close()
         if actor_errors and not isinstance(actor_errors[0], GroupLostError):
@@ -676,12 +735,13 @@ class Learner:
         return row
 
     def _linger_for_actors(self) -> None:
-        """Gives actor processes a moment to hear that the run is over (their next
-        report), so they end themselves rather than by the launcher's signal."""
+        """Serves until every actor loop heard from lately has heard that the run is
+        over (at its next report), so actor processes end themselves: on SLURM no
+        launcher stops them. Bounded by ACTOR_STALE seconds (a stalled actor)."""
         if num_actor_processes(self.cfg) == 0:
             return
-        deadline = time.monotonic() + 2 * REPORT_INTERVAL + 1
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + ACTOR_STALE
+        while time.monotonic() < deadline and not self.reports.all_told():
             time.sleep(0.2)
 
     def _log_row(self, stats: dict[str, list], last: dict, now: float) -> dict[str, Any]:

@@ -273,6 +273,10 @@ class Trainer:
 
     # -- setup -------------------------------------------------------------
 
+    def connect(self, broker: str) -> None:
+        """Joins the group through the broker at ``broker`` (one that moved)."""
+        self.accumulator.connect(broker)
+
     def _state(self) -> dict:
         return {
             "model": self.model.state_dict(),

@@ -64,14 +64,9 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg, "wandb.mode", ("auto", "online", "offline", "disabled"))
     from moolib.agents.registry import get_agent
 
-    if get_agent(str(cfg.agent.name)).runtime == "offpolicy":
-        if cfg.scaling.name == "slurm":
-            raise ConfigError(
-                f"agent={cfg.agent.name} runs with scaling=single or scaling=local; "
-                "scaling=slurm is not supported for off-policy agents yet"
-            )
-        if cfg.scaling.name == "local":
-            _int_at_least(cfg, "scaling.actors")
+    offpolicy = get_agent(str(cfg.agent.name)).runtime == "offpolicy"
+    if offpolicy and cfg.scaling.name in ("local", "slurm"):
+        _int_at_least(cfg, "scaling.actors")
     if cfg.scaling.name == "slurm":
         for key in (
             "scaling.time",
@@ -82,9 +77,13 @@ def validate(cfg: DictConfig) -> None:
         ):
             _int_at_least(cfg, key)
         per_job = cfg.scaling.nodes * cfg.scaling.tasks_per_node
-        if cfg.scaling.peers % per_job:
+        # Off-policy runs spread their actor processes over the array's jobs (the
+        # learner has a job of its own); the others their peers.
+        what = "actors" if offpolicy else "peers"
+        count = cfg.scaling[what]
+        if count % per_job:
             raise ConfigError(
-                f"scaling.peers ({cfg.scaling.peers}) must be a multiple of the peers per job, "
+                f"scaling.{what} ({count}) must be a multiple of the {what} per job, "
                 f"scaling.nodes x scaling.tasks_per_node ({per_job})"
             )
         _number(cfg, "scaling.broker_timeout", 1.0)

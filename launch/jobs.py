@@ -12,7 +12,9 @@ from .slurm_files import JOBS_FILE, SLURM_DIR, read_json
 
 
 def recorded_jobs(savedir: Path, everything: bool = False) -> list[tuple[str, str]]:
-    """(job id, role) of the latest launch (every launch with ``everything``).
+    """(job id, role) of the latest launch (every launch with ``everything``): the
+    broker, the peers (``peer 0``, or ``peers 0-1`` for a job of two), or an
+    off-policy run's ``learner`` and actors (``actor 0``, numbered as their logdirs).
 
     A folder without jobs.json but with experiments in its subfolders (a ``-m``
     sweep's folder) gives theirs, each role prefixed with its subfolder.
@@ -32,12 +34,15 @@ def recorded_jobs(savedir: Path, everything: bool = False) -> list[tuple[str, st
     for entry in launches:
         if entry.get("broker", {}).get("job_id"):
             found.append((entry["broker"]["job_id"], "broker"))
-        peers = entry.get("peers", {})
-        per_job = peers.get("peers_per_job", 1)
-        for index, job_id in enumerate(peers.get("job_ids", [])):
-            first = index * per_job
-            role = f"peer {first}" if per_job == 1 else f"peers {first}-{first + per_job - 1}"
-            found.append((job_id, role))
+        if entry.get("learner", {}).get("job_id"):  # an off-policy run's
+            found.append((entry["learner"]["job_id"], "learner"))
+        for key, noun in (("peers", "peer"), ("actors", "actor")):
+            array = entry.get(key, {})
+            per_job = array.get(f"{key}_per_job", 1)
+            for index, job_id in enumerate(array.get("job_ids", [])):
+                first = index * per_job
+                role = f"{noun} {first}" if per_job == 1 else f"{key} {first}-{first + per_job - 1}"
+                found.append((job_id, role))
     return found
 
 

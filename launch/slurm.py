@@ -12,7 +12,10 @@ The launcher
 3. submits the peers as one job array, each job running ``nodes x
    tasks_per_node`` peers, one per task (rank = array index x peers per job +
    the task's rank), which read the broker address from the file and train
-   through ``launch.peer``;
+   through ``launch.peer``; an off-policy run (agent=apex, r2d2) gets a learner
+   job instead (rank 0, one task: it serves the replay and publishes the
+   weights) and an array of ``scaling.actors`` actor processes (ranks 1..,
+   without GPUs), which find the learner by name through the broker;
 4. records every job in ``<savedir>/jobs.json``, prints the job ids, the
    savedir and the log folder, and returns (``scaling.wait=true`` follows the
    jobs instead).
@@ -29,10 +32,14 @@ key is ``MOOLIB_AUTH_KEY`` (or none): it has to be the running broker's.
 
 Peer jobs are ``submitit.helpers.Checkpointable``: a preempted or timed-out
 peer is requeued and rejoins its group (the Accumulator hands it the leader's
-state); the other peers keep training meanwhile. Running the same command
-again with the same savedir resumes from the leader's checkpoint. The broker
-job ends by itself once every peer has finished training or no peer job is
-left in the queue.
+state); the other peers keep training meanwhile. A requeued actor job reconnects to the
+learner and feeds it again; a requeued learner job writes a checkpoint as it is
+preempted, resumes from it (model, target, optimizer, and the replay with
+``agent.save_replay``), and its actors, waiting up to ``lost_group_timeout``,
+feed it again. Running the same command again with the same savedir resumes
+from the leader's (learner's) checkpoint. The broker job ends by itself once
+every peer (the learner) has finished training or no training job is left in
+the queue.
 """
 
 from __future__ import annotations
@@ -156,13 +163,16 @@ def _wait_for_broker(
 class Launched:
     """The jobs one launch submitted (what ``follow`` watches)."""
 
-    peer_jobs: list[submitit.Job]
+    peer_jobs: list[submitit.Job]  # an off-policy run's: its learner job, then its actor jobs
     broker_job: submitit.Job | None  # None with broker=host:port
 
 
 def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> Launched:
     """Submits the experiment's jobs and records them in jobs.json. ``stop``
     (Ctrl-C) while the broker job starts cancels it."""
+    from moolib.agents.offpolicy_run import is_offpolicy
+
+    offpolicy = is_offpolicy(cfg)
     savedir = Path(cfg.savedir).resolve()
     folder = savedir / SLURM_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -194,7 +204,9 @@ def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> Launche
             gpus_per_task=None,
             **({"mem": s.broker_mem} if s.broker_mem else {}),
         )
-        broker_job = executor.submit(BrokerJob(), str(savedir), token, int(s.peers), s.broker_host)
+        # The broker serves until every peer finished; an off-policy run's until its learner did.
+        finishers = 1 if offpolicy else int(s.peers)
+        broker_job = executor.submit(BrokerJob(), str(savedir), token, finishers, s.broker_host)
         entry["broker"] = {"job_id": broker_job.job_id}
         record_jobs(savedir, entry)
         print(f"moolib-run: broker job {broker_job.job_id} submitted", flush=True)
@@ -208,37 +220,39 @@ def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> Launche
             raise
         entry["broker"]["address"] = address
 
-    executor = _executor(cfg, folder)
-    executor.update_parameters(
-        job_name=cfg.name, array_parallelism=int(s.array_parallelism or s.peers)
-    )
-    per_job = peers_per_job(cfg)
-    indices = list(range(int(s.peers) // per_job))
     broker_arg = cfg.broker or None
-    jobs = executor.map_array(
-        PeerJob(),
-        [str(config_path)] * len(indices),
-        indices,
-        [token] * len(indices),
-        [broker_arg] * len(indices),
+    per_job = peers_per_job(cfg)
+    said = f"moolib-run: broker at {address}" + (
+        f" (job {broker_job.job_id})" if broker_job else ""
     )
-    array_id = jobs[0].job_id.split("_")[0]
-    entry["peers"] = {
-        "array_job_id": array_id,
-        "job_ids": [j.job_id for j in jobs],
-        "peers_per_job": per_job,
-    }
+    if offpolicy:
+        # One learner (rank 0: it serves the replay) in a job of its own, with the
+        # GPU; the actor processes (ranks 1..) in the array, on CPUs.
+        learner_executor = _executor(cfg, folder)
+        learner_executor.update_parameters(
+            job_name=f"{cfg.name}-learner", nodes=1, ntasks_per_node=1
+        )
+        learner = learner_executor.submit(PeerJob(), str(config_path), 0, token, broker_arg)
+        entry["learner"] = {"job_id": learner.job_id}
+        record_jobs(savedir, entry)
+        jobs = _submit_array(
+            cfg, folder, config_path, token, broker_arg, "actors", gpus_per_task=None
+        )
+        entry["actors"] = _array_entry(jobs, per_job, "actors")
+        said += f"; learner job {learner.job_id}; " + _describe_array(jobs, per_job, "actor")
+        logs = f"{savedir}/logs.tsv (the learner's); actors' output in the SLURM logs"
+        jobs = [learner, *jobs]
+    else:
+        jobs = _submit_array(cfg, folder, config_path, token, broker_arg, "peers")
+        entry["peers"] = _array_entry(jobs, per_job, "peers")
+        said += "; " + _describe_array(jobs, per_job, "peer")
+        logs = f"{savedir}/peer<rank>/logs.tsv"
     record_jobs(savedir, entry)
     print(
-        f"moolib-run: broker at {address}"
-        + (f" (job {broker_job.job_id})" if broker_job else "")
-        + f"; {len(jobs)} peer jobs"
-        + (f" of {per_job} peers (one per task)" if per_job > 1 else "")
-        + f": array {array_id} ({', '.join(j.job_id for j in jobs)})\n"
+        f"{said}\n"
         f"moolib-run: savedir {savedir} (must be on a shared filesystem, mounted at this path "
         "on every node)\n"
-        f"moolib-run: SLURM logs in {folder}/<job id>/*_log.out|err; training logs in "
-        f"{savedir}/peer<rank>/logs.tsv\n"
+        f"moolib-run: SLURM logs in {folder}/<job id>/*_log.out|err; training logs in {logs}\n"
         f"moolib-run: moolib-jobs {savedir}   # states;  moolib-jobs {savedir} --cancel   "
         "# stop them",
         flush=True,
@@ -246,10 +260,56 @@ def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> Launche
     return Launched(jobs, broker_job)
 
 
+def _submit_array(
+    cfg: DictConfig,
+    folder: Path,
+    config_path: Path,
+    token: str,
+    broker: str | None,
+    what: str,
+    **params: Any,
+) -> list[submitit.Job]:
+    """Submits ``scaling.<what>`` peers (``peers``, or an off-policy run's ``actors``,
+    ranks 1..) as one job array, ``peers_per_job`` of them per job."""
+    s = cfg.scaling
+    count = int(s[what])
+    executor = _executor(cfg, folder)
+    executor.update_parameters(
+        job_name=cfg.name if what == "peers" else f"{cfg.name}-actor",
+        array_parallelism=int(s.array_parallelism or count),
+        **params,
+    )
+    indices = list(range(count // peers_per_job(cfg)))
+    first_rank = 0 if what == "peers" else 1
+    n = len(indices)
+    return executor.map_array(
+        PeerJob(), [str(config_path)] * n, indices, [token] * n, [broker] * n, [first_rank] * n
+    )
+
+
+def _array_entry(jobs: list[submitit.Job], per_job: int, what: str) -> dict[str, Any]:
+    """What jobs.json keeps of a job array (``moolib-jobs`` names its jobs' roles from it)."""
+    return {
+        "array_job_id": jobs[0].job_id.split("_")[0],
+        "job_ids": [j.job_id for j in jobs],
+        f"{what}_per_job": per_job,
+    }
+
+
+def _describe_array(jobs: list[submitit.Job], per_job: int, noun: str) -> str:
+    """``2 actor jobs: array 12 (12_0, 12_1)``, as the launcher prints it."""
+    array_id = jobs[0].job_id.split("_")[0]
+    return (
+        f"{len(jobs)} {noun} jobs"
+        + (f" of {per_job} {noun}s (one per task)" if per_job > 1 else "")
+        + f": array {array_id} ({', '.join(j.job_id for j in jobs)})"
+    )
+
+
 def follow(launched: Launched, stop: threading.Event) -> int:
-    """``scaling.wait=true``: waits for the peer jobs (printing state changes), then
-    for the broker job; ``stop`` (Ctrl-C) cancels them. Returns 0 when every peer
-    job completed."""
+    """``scaling.wait=true``: waits for the training jobs (printing state changes),
+    then for the broker job; ``stop`` (Ctrl-C) cancels them. Returns 0 when every
+    training job completed."""
     jobs, broker_job = launched.peer_jobs, launched.broker_job
     states: dict[str, str] = {}
     while True:
@@ -271,7 +331,7 @@ def follow(launched: Launched, stop: threading.Event) -> int:
             j.results()  # one per task
         except Exception as e:  # noqa: BLE001 - reported, not raised
             failed.append(j.job_id)
-            print(f"moolib-run: peer job {j.job_id} failed: {e}", file=sys.stderr, flush=True)
+            print(f"moolib-run: job {j.job_id} failed: {e}", file=sys.stderr, flush=True)
     if broker_job is not None:
         deadline = time.monotonic() + 60
         while not broker_job.done() and time.monotonic() < deadline:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +50,15 @@ class _RequeueableJob(submitit.helpers.Checkpointable):
 class BrokerJob(_RequeueableJob):
     """The broker job: serves a broker and publishes its address in the savedir.
 
-    Ends when every peer of its launch has finished training, or when none of
-    the launch's peer jobs is left in the queue (all done, failed or cancelled).
+    Ends when ranks ``0..finishers-1`` of its launch have finished training
+    (every peer; an off-policy run's learner), or when none of the launch's
+    training jobs is left in the queue (all done, failed or cancelled).
     Preempted, it is requeued: back on the same node it listens on the same
     port, so the peers' links come back by themselves; elsewhere the peers
     read the new address from the file.
     """
 
-    def __call__(self, savedir: str, launch: str, peers: int, host: str | None) -> str:
+    def __call__(self, savedir: str, launch: str, finishers: int, host: str | None) -> str:
         import moolib
 
         savedir_path = Path(savedir)
@@ -95,55 +97,64 @@ class BrokerJob(_RequeueableJob):
                 if time.monotonic() - last_check < 10:
                     continue
                 last_check = time.monotonic()
-                done = len(list(finished.glob("*"))) if finished.exists() else 0
-                if done >= peers:
-                    print("every peer finished training; broker stops", flush=True)
+                if all((finished / str(rank)).exists() for rank in range(finishers)):
+                    print("training finished; broker stops", flush=True)
                     break
-                if _peers_gone(savedir_path, launch):
-                    print("no peer job left in the queue; broker stops", flush=True)
+                if _jobs_gone(savedir_path, launch):
+                    print("no training job left in the queue; broker stops", flush=True)
                     break
         finally:
             broker.close()
         return address
 
 
-def _peers_gone(savedir: Path, launch: str) -> bool:
-    """Whether the launch's peer job array has left the queue (pending/running/requeued)."""
+def _in_queue(job_id: str) -> bool:
+    """Whether a job (or any job of an array) is pending, running or requeued;
+    True when squeue cannot tell."""
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    if out.returncode != 0:
+        # squeue fails for an id that is no longer known: the job is gone.
+        return "Invalid job id" not in out.stderr
+    return bool(out.stdout.strip())
+
+
+def _jobs_gone(savedir: Path, launch: str) -> bool:
+    """Whether every training job of the launch (the peer array; an off-policy
+    run's learner job and actor array) has left the queue."""
     for entry in read_json(savedir / JOBS_FILE) or []:
-        if entry.get("launch") == launch and entry.get("peers"):
-            array = entry["peers"]["array_job_id"]
-            try:
-                out = subprocess.run(
-                    ["squeue", "-h", "-j", str(array), "-o", "%T"],
-                    capture_output=True,
-                    text=True,
-                    timeout=30,
-                )
-            except (OSError, subprocess.TimeoutExpired):
-                return False
-            if out.returncode != 0:
-                # squeue fails for an id that is no longer known: the jobs are gone.
-                return "Invalid job id" in out.stderr
-            return not out.stdout.strip()
-    return False  # peers not submitted yet
+        if entry.get("launch") == launch and (entry.get("peers") or entry.get("actors")):
+            ids = [entry[k]["array_job_id"] for k in ("peers", "actors") if entry.get(k)]
+            ids += [entry["learner"]["job_id"]] if entry.get("learner") else []
+            return not any(_in_queue(str(job_id)) for job_id in ids)
+    return False  # not submitted yet
 
 
 class PeerJob(_RequeueableJob):
-    """A peer job's task: trains as one peer of the experiment in ``config_path``,
-    rank ``index x peers per job + the task's global rank``.
+    """A training job's task: runs as one peer of the experiment in ``config_path``,
+    rank ``first_rank + index x tasks per job + the task's global rank`` (an
+    off-policy run's learner is rank 0, its actor processes ranks 1..).
 
     Requeued (preempted, timed out or failed), its peers rejoin the group as
-    the same ranks, with the leader's state (or its checkpoint).
+    the same ranks, with the leader's state (or its checkpoint); a requeued
+    learner resumes from its checkpoint and its actors reconnect to it.
     """
 
-    def __call__(self, config_path: str, index: int, launch: str, broker: str | None) -> dict:
+    def __call__(
+        self, config_path: str, index: int, launch: str, broker: str | None, first_rank: int = 0
+    ) -> dict:
         import logging
 
         from . import config as config_lib
         from .peer import make_trainer
 
         cfg = config_lib.load(Path(config_path))
-        rank = index * peers_per_job(cfg) + submitit.JobEnvironment().global_rank
+        env = submitit.JobEnvironment()
+        rank = first_rank + index * env.num_tasks + env.global_rank
         logging.basicConfig(level=logging.INFO, format=f"[peer {rank}] %(message)s")
         savedir = Path(cfg.savedir)
         use_auth_key(savedir, launch)
@@ -171,7 +182,7 @@ class PeerJob(_RequeueableJob):
         if not broker:  # a requeued broker job may come back elsewhere
             threading.Thread(
                 target=_follow_broker_file,
-                args=(trainer.accumulator, savedir, launch, address, stop),
+                args=(trainer.connect, savedir, launch, address, stop),
                 daemon=True,
             ).start()
         row = trainer.run(stop)
@@ -183,19 +194,19 @@ class PeerJob(_RequeueableJob):
 
 
 def peers_per_job(cfg: DictConfig) -> int:
-    """Peers in one peer job: one per task."""
+    """Peers (actor processes, for an off-policy run) in one job of the array: one per task."""
     return int(cfg.scaling.nodes) * int(cfg.scaling.tasks_per_node)
 
 
 def _follow_broker_file(
-    accumulator: Any, savedir: Path, launch: str, address: str, stop: threading.Event
+    connect: Callable[[str], None], savedir: Path, launch: str, address: str, stop: threading.Event
 ) -> None:
     """Connects to the broker's new address when its (requeued) job writes one."""
     while not stop.wait(5):
         new = read_broker_file(savedir, launch)
         if new and new != address:
             print(f"the broker moved to {new}: connecting", flush=True)
-            accumulator.connect(new)
+            connect(new)
             address = new
 
 

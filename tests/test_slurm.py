@@ -125,9 +125,11 @@ def both_training(savedir: Path) -> bool:
     return all(any(r["peers"] == 2 for r in peer_rows(savedir, k)) for k in (0, 1))
 
 
-def job_log(savedir: Path, job_id: str) -> str:
+def job_log(savedir: Path, job_id: str, which: str = "*") -> str:
+    """The job's SLURM logs (``which``: out or err, each in the order written)."""
     return "".join(
-        p.read_text(errors="replace") for p in (savedir / "slurm" / job_id).glob("*_log.*")
+        p.read_text(errors="replace")
+        for p in sorted((savedir / "slurm" / job_id).glob(f"*_log.{which}"))
     )
 
 
@@ -525,6 +527,200 @@ def test_sweep_gives_each_point_its_own_group_and_returns(tmp_path, savedirs):
     assert table.count("COMPLETED") == 6 and "0: broker" in table and "1: peer 1" in table, table
 
 
+# -- off-policy: a learner job and actor jobs ---------------------------------------------
+
+# Ape-X on CartPole (its CartPole tuning: a rate-limited replay, so the learner
+# learns each transition a set number of times however loaded the machine is).
+APEX = [
+    "agent=apex",
+    "env=cartpole",
+    "device=cpu",
+    "scaling=slurm",
+    "scaling.actors=2",
+    "scaling.cpus_per_task=1",
+    "scaling.time=30",
+    "agent.num_actor_cpus=1",
+    "log_interval=1",
+    "checkpoint_interval=5",
+    # An actor waits this long for a learner that is gone (requeued) before failing.
+    "lost_group_timeout=240",
+]
+
+
+def learner_rows(savedir: Path) -> list[dict[str, float]]:
+    path = savedir / "logs.tsv"
+    return read_logs(path)[1] if path.exists() else []
+
+
+def learner_updates(savedir: Path) -> float:
+    rows = learner_rows(savedir)
+    return rows[-1]["updates"] if rows else 0.0
+
+
+def role_ids(savedir: Path) -> dict[str, str]:
+    """role -> job id of the latest launch."""
+    return {role: job_id for job_id, role in jobs_lib.recorded_jobs(savedir)}
+
+
+def learn_forever(tmp_path: Path, savedirs: list[Path], *extra: str) -> Path:
+    """Launches an Ape-X run that trains until cancelled and waits until the learner
+    updates on transitions of both actor jobs."""
+    savedir = tmp_path / "apex"
+    savedirs.append(savedir)
+    result = run([*APEX, FOREVER, *extra, f"savedir={savedir}"], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "learner job" in result.stdout and "2 actor jobs: array" in result.stdout, result.stdout
+    wait_for(
+        lambda: any(r["actors"] == 2 and r["updates"] > 0 for r in learner_rows(savedir)),
+        300,
+        "the learner to update on both actors' transitions",
+    )
+    return savedir
+
+
+def updates_go_on(savedir: Path, what: str, more: int = 50) -> None:
+    """Waits until the learner has made ``more`` updates after its current ones."""
+    now = learner_updates(savedir)
+    wait_for(lambda: learner_updates(savedir) >= now + more, 240, what)
+
+
+@needs_slurm
+def test_apex_learner_and_actor_jobs_learn_and_end_together(tmp_path, savedirs):
+    savedir = tmp_path / "apex"
+    savedirs.append(savedir)
+    goal = 20000
+    result = run(
+        [*APEX, f"total_steps={goal}", "scaling.wait=true", f"savedir={savedir}"],
+        tmp_path,
+        timeout=600,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-5000:]
+    assert "learner job" in out and "2 actor jobs: array" in out, out
+    roles = [role for _, role in jobs_lib.recorded_jobs(savedir)]
+    assert roles == ["broker", "learner", "actor 0", "actor 1"], roles
+    rows = learner_rows(savedir)
+    assert rows, "the learner wrote no logs"
+    # The learner updated on what both actor jobs inserted into its replay.
+    assert rows[-1]["step"] >= goal and rows[-1]["updates"] > 0
+    assert max(r["actors"] for r in rows) == 2
+    assert rows[-1]["replay_size"] > 0 and any(r["inserts_per_s"] > 0 for r in rows)
+    assert (savedir / "checkpoint.pt").exists()
+    ids = role_ids(savedir)
+    for role in ("actor 0", "actor 1"):
+        assert "acting on" in job_log(savedir, ids[role]), role
+    # The learner's end ends its actors (they hear it) and the broker: all COMPLETED.
+    wait_for(lambda: all_ended(savedir), 90, "every job to end")
+    assert set(states(savedir).values()) == {"COMPLETED"}, states(savedir)
+    table = moolib_jobs(str(savedir))
+    assert "learner" in table and "actor 1" in table and table.count("COMPLETED") == 4, table
+
+
+@needs_slurm
+def test_a_cancelled_or_killed_actor_job_never_stops_learning(tmp_path, savedirs):
+    savedir = learn_forever(tmp_path, savedirs)
+    ids = role_ids(savedir)
+    # Actor 1's job cancelled: the learner goes on updating on actor 0's transitions.
+    subprocess.run(["scancel", ids["actor 1"]], check=True)
+    wait_for(lambda: states(savedir)["actor 1"] == "CANCELLED", 90, "actor 1 cancelled")
+    wait_for(
+        lambda: any(r["actors"] == 1 for r in learner_rows(savedir)[-3:]),
+        90,
+        "the learner to see one actor",
+    )
+    updates_go_on(savedir, "updates with actor 1 gone")
+    # Actor 0's process killed (as by the OOM killer): its job is requeued, and the
+    # new actor feeds the learner again.
+    pid = wait_for(lambda: job_pid(savedir, ids["actor 0"]), 60, "actor 0's process")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(
+        lambda: job_log(savedir, ids["actor 0"]).count("acting on") >= 2,
+        240,
+        "the requeued actor 0 to act again",
+    )
+    assert "failed (exit status" in job_log(savedir, ids["actor 0"])
+    updates_go_on(savedir, "updates after actor 0 came back")
+    assert states(savedir)["learner"] == "RUNNING"
+    cancel_all(savedir)
+
+
+@needs_slurm
+def test_preempted_learner_resumes_from_its_checkpoint_and_the_actors_rejoin(tmp_path, savedirs):
+    savedir = learn_forever(tmp_path, savedirs, "agent.save_replay=true")
+    ids = role_ids(savedir)
+    learner = ids["learner"]
+    wait_for(lambda: (savedir / "checkpoint.pt").exists(), 120, "a checkpoint")
+    before = len(learner_rows(savedir))
+    job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=learner)
+    job._interrupt()  # preemption: SIGTERM, then USR2 (checkpoint + requeue)
+    wait_for(
+        lambda: job_log(savedir, learner).count("broker at") >= 2,
+        240,
+        "the preempted learner to start again",
+    )
+    wait_for(lambda: "resumed from" in job_log(savedir, learner, "err"), 120, "a resume")
+    log = job_log(savedir, learner, "err")
+    assert "requeued" in job_log(savedir, learner)
+    # It resumed from the checkpoint it wrote as it was preempted, with its replay.
+    before_resume, after_resume = log.split("resumed from", 1)
+    saved = re.findall(r"checkpoint at step (\d+)", before_resume)
+    resumed = [int(re.match(r" \S+ at step (\d+)", after_resume).group(1))]
+    assert saved and int(saved[-1]) == resumed[-1], (saved, resumed)
+    assert "replay restored from" in log  # a new run has none to restore
+    stopped = learner_rows(savedir)[before - 1]
+    # The actors (their jobs still running) reconnect and feed the new learner.
+    for role in ("actor 0", "actor 1"):
+        wait_for(
+            lambda r=role: "the learner restarted" in job_log(savedir, ids[r]),
+            240,
+            f"{role} to reconnect to the requeued learner",
+        )
+    wait_for(
+        lambda: any(
+            r["actors"] == 2 and r["updates"] > stopped["updates"]
+            for r in learner_rows(savedir)[before:]
+        ),
+        240,
+        "the resumed learner to update on both actors' transitions",
+    )
+    after = learner_rows(savedir)[before:]
+    # Not from 0: steps and updates go on from the checkpoint's.
+    assert min(r["step"] for r in after) >= resumed[-1]
+    assert min(r["updates"] for r in after) > 0
+    assert states(savedir) == {
+        "broker": "RUNNING",
+        "learner": "RUNNING",
+        "actor 0": "RUNNING",
+        "actor 1": "RUNNING",
+    }
+    cancel_all(savedir)
+
+
+@needs_slurm
+def test_r2d2_learner_and_actor_job_run_to_the_end(tmp_path, savedirs):
+    savedir = tmp_path / "r2d2"
+    savedirs.append(savedir)
+    result = run(
+        [
+            *APEX,
+            "agent=r2d2",
+            "env=cartpole-novel",
+            "scaling.actors=1",
+            "total_steps=10000",
+            "scaling.wait=true",
+            f"savedir={savedir}",
+        ],
+        tmp_path,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-5000:]
+    rows = learner_rows(savedir)
+    assert rows and rows[-1]["step"] >= 10000 and rows[-1]["updates"] > 0, rows[-1:]
+    assert [role for _, role in jobs_lib.recorded_jobs(savedir)] == ["broker", "learner", "actor 0"]
+    wait_for(lambda: all_ended(savedir), 90, "every job to end")
+    assert set(states(savedir).values()) == {"COMPLETED"}, states(savedir)
+
+
 # -- without a cluster ------------------------------------------------------------------
 
 
@@ -541,6 +737,11 @@ def test_slurm_config_composes_and_bad_values_name_their_key(tmp_path):
             ["scaling.peers=3", "scaling.tasks_per_node=2"],
             "scaling.peers (3) must be a multiple of the peers per job",
         ),
+        (
+            ["agent=apex", "scaling.actors=3", "scaling.tasks_per_node=2"],
+            "scaling.actors (3) must be a multiple of the actors per job",
+        ),
+        (["agent=r2d2", "scaling.actors=0"], "scaling.actors must be a positive integer"),
     ]:
         base = ["agent=a2c", "env=cartpole", "scaling=slurm", f"savedir={tmp_path}/r"]
         result = run([*base, *bad], tmp_path, timeout=120)
