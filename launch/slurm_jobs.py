@@ -155,11 +155,16 @@ class PeerJob(_RequeueableJob):
         cfg = config_lib.load(Path(config_path))
         env = submitit.JobEnvironment()
         rank = first_rank + index * env.num_tasks + env.global_rank
-        logging.basicConfig(level=logging.INFO, format=f"[peer {rank}] %(message)s")
+        from moolib.agents.offpolicy_run import is_offpolicy
+
+        who = f"peer {rank}"
+        if is_offpolicy(cfg):  # named as moolib-jobs names their jobs
+            who = "learner" if rank == 0 else f"actor {rank - 1}"
+        logging.basicConfig(level=logging.INFO, format=f"[{who}] %(message)s")
         savedir = Path(cfg.savedir)
         use_auth_key(savedir, launch)
         address = broker or _wait_for_broker_file(savedir, launch, cfg.scaling.broker_timeout)
-        print(f"peer {rank}: broker at {address}", flush=True)
+        print(f"{who}: broker at {address}", flush=True)
         # SIGINT (moolib-jobs --cancel sends it first) stops after the current
         # step, the leader writing a last checkpoint.
         stop = threading.Event()

@@ -721,6 +721,34 @@ def test_r2d2_learner_and_actor_job_run_to_the_end(tmp_path, savedirs):
     assert set(states(savedir).values()) == {"COMPLETED"}, states(savedir)
 
 
+@needs_slurm
+def test_apex_sweep_gives_each_point_its_learner_and_actors_and_returns(tmp_path, savedirs):
+    sweep = tmp_path / "sweep"
+    result = run(
+        [
+            "-m",
+            *APEX,
+            "scaling.actors=1",
+            "total_steps=5000",
+            f"hydra.sweep.dir={sweep}",
+            "agent.optimizer.learning_rate=1e-3,5e-4",
+        ],
+        tmp_path,
+        timeout=300,
+    )
+    points = [sweep / "0", sweep / "1"]
+    savedirs.extend(points)
+    assert result.returncode == 0, result.stdout[-5000:]
+    configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in points]
+    assert configs[0]["group"] != configs[1]["group"]
+    for p in points:
+        wait_for(lambda p=p: all_ended(p), 300, f"the jobs of {p.name} to end")
+        assert set(states(p).values()) == {"COMPLETED"}, states(p)
+        assert learner_rows(p)[-1]["step"] >= 5000
+    table = moolib_jobs(str(sweep))
+    assert "0: learner" in table and "1: actor 0" in table and table.count("COMPLETED") == 6, table
+
+
 # -- without a cluster ------------------------------------------------------------------
 
 
