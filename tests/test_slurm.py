@@ -166,17 +166,21 @@ def cancel_all(savedir: Path) -> None:
     wait_for(lambda: all_ended(savedir), 60, "every job to end")
 
 
+def run_to_the_end(
+    tmp_path: Path, savedirs: list[Path], name: str, *args: str, timeout: float = 300
+) -> tuple[Path, str]:
+    """``moolib-run ARGS scaling.wait=true`` into ``tmp_path/name``, which must succeed;
+    returns the savedir and moolib-run's output."""
+    savedir = tmp_path / name
+    savedirs.append(savedir)
+    result = run([*args, "scaling.wait=true", f"savedir={savedir}"], tmp_path, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-5000:]
+    return savedir, result.stdout
+
+
 @needs_slurm
 def test_two_peers_train_and_log(tmp_path, savedirs):
-    savedir = tmp_path / "run"
-    savedirs.append(savedir)
-    result = run(
-        [*SMALL, f"total_steps={TOGETHER}", "scaling.wait=true", f"savedir={savedir}"],
-        tmp_path,
-        timeout=300,
-    )
-    out = result.stdout
-    assert result.returncode == 0, out[-5000:]
+    savedir, out = run_to_the_end(tmp_path, savedirs, "run", *SMALL, f"total_steps={TOGETHER}")
     assert "broker job" in out and "peer jobs: array" in out, out
     assert "shared" in out  # the savedir must be on a shared filesystem: said
     broker = yaml.safe_load((savedir / "broker.json").read_text())
@@ -495,21 +499,14 @@ def test_an_existing_broker_is_used_instead_of_a_broker_job(tmp_path, savedirs):
         assert any(r["peers"] == 2 for r in peer_rows(savedir, k))
 
 
-@needs_slurm
-def test_sweep_gives_each_point_its_own_group_and_returns(tmp_path, savedirs):
+def sweep_of_two(tmp_path: Path, savedirs: list[Path], *args: str) -> tuple[Path, list[Path]]:
+    """Runs ``moolib-run -m ARGS`` over two learning rates, which returns once the
+    jobs are submitted; returns the sweep's folder and its points' savedirs, each
+    point checked to be its own experiment (group) with its own value."""
     sweep = tmp_path / "sweep"
     started = time.monotonic()
-    result = run(
-        [
-            "-m",
-            *SMALL,
-            "total_steps=20000",
-            f"hydra.sweep.dir={sweep}",
-            "agent.optimizer.learning_rate=2e-3,1e-3",
-        ],
-        tmp_path,
-        timeout=240,
-    )
+    rates = "agent.optimizer.learning_rate=2e-3,1e-3"
+    result = run(["-m", *args, f"hydra.sweep.dir={sweep}", rates], tmp_path, timeout=240)
     points = [sweep / "0", sweep / "1"]
     savedirs.extend(points)
     assert result.returncode == 0, result.stdout[-5000:]
@@ -517,6 +514,12 @@ def test_sweep_gives_each_point_its_own_group_and_returns(tmp_path, savedirs):
     configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in points]
     assert configs[0]["group"] != configs[1]["group"]
     assert [c["agent"]["optimizer"]["learning_rate"] for c in configs] == [2e-3, 1e-3]
+    return sweep, points
+
+
+@needs_slurm
+def test_sweep_gives_each_point_its_own_group_and_returns(tmp_path, savedirs):
+    sweep, points = sweep_of_two(tmp_path, savedirs, *SMALL, "total_steps=20000")
     for p in points:
         wait_for(lambda p=p: all_ended(p), 240, f"the jobs of {p.name} to end")
         assert set(states(p).values()) == {"COMPLETED"}, states(p)
@@ -586,16 +589,10 @@ def updates_go_on(savedir: Path, what: str, more: int = 50) -> None:
 
 @needs_slurm
 def test_apex_learner_and_actor_jobs_learn_and_end_together(tmp_path, savedirs):
-    savedir = tmp_path / "apex"
-    savedirs.append(savedir)
     goal = 20000
-    result = run(
-        [*APEX, f"total_steps={goal}", "scaling.wait=true", f"savedir={savedir}"],
-        tmp_path,
-        timeout=600,
+    savedir, out = run_to_the_end(
+        tmp_path, savedirs, "apex", *APEX, f"total_steps={goal}", timeout=600
     )
-    out = result.stdout
-    assert result.returncode == 0, out[-5000:]
     assert "learner job" in out and "2 actor jobs: array" in out, out
     roles = [role for _, role in jobs_lib.recorded_jobs(savedir)]
     assert roles == ["broker", "learner", "actor 0", "actor 1"], roles
@@ -698,22 +695,8 @@ def test_preempted_learner_resumes_from_its_checkpoint_and_the_actors_rejoin(tmp
 
 @needs_slurm
 def test_r2d2_learner_and_actor_job_run_to_the_end(tmp_path, savedirs):
-    savedir = tmp_path / "r2d2"
-    savedirs.append(savedir)
-    result = run(
-        [
-            *APEX,
-            "agent=r2d2",
-            "env=cartpole-novel",
-            "scaling.actors=1",
-            "total_steps=10000",
-            "scaling.wait=true",
-            f"savedir={savedir}",
-        ],
-        tmp_path,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-5000:]
+    r2d2 = ["agent=r2d2", "env=cartpole-novel", "scaling.actors=1", "total_steps=10000"]
+    savedir, _ = run_to_the_end(tmp_path, savedirs, "r2d2", *APEX, *r2d2, timeout=600)
     rows = learner_rows(savedir)
     assert rows and rows[-1]["step"] >= 10000 and rows[-1]["updates"] > 0, rows[-1:]
     assert [role for _, role in jobs_lib.recorded_jobs(savedir)] == ["broker", "learner", "actor 0"]
@@ -723,24 +706,7 @@ def test_r2d2_learner_and_actor_job_run_to_the_end(tmp_path, savedirs):
 
 @needs_slurm
 def test_apex_sweep_gives_each_point_its_learner_and_actors_and_returns(tmp_path, savedirs):
-    sweep = tmp_path / "sweep"
-    result = run(
-        [
-            "-m",
-            *APEX,
-            "scaling.actors=1",
-            "total_steps=5000",
-            f"hydra.sweep.dir={sweep}",
-            "agent.optimizer.learning_rate=1e-3,5e-4",
-        ],
-        tmp_path,
-        timeout=300,
-    )
-    points = [sweep / "0", sweep / "1"]
-    savedirs.extend(points)
-    assert result.returncode == 0, result.stdout[-5000:]
-    configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in points]
-    assert configs[0]["group"] != configs[1]["group"]
+    sweep, points = sweep_of_two(tmp_path, savedirs, *APEX, "scaling.actors=1", "total_steps=5000")
     for p in points:
         wait_for(lambda p=p: all_ended(p), 300, f"the jobs of {p.name} to end")
         assert set(states(p).values()) == {"COMPLETED"}, states(p)
