@@ -614,9 +614,25 @@ def test_apex_learner_and_actor_jobs_learn_and_end_together(tmp_path, savedirs):
 
 
 @needs_slurm
-def test_a_cancelled_or_killed_actor_job_never_stops_learning(tmp_path, savedirs):
+def test_actor_jobs_preempted_cancelled_or_killed_never_stop_learning(tmp_path, savedirs):
     savedir = learn_forever(tmp_path, savedirs)
     ids = role_ids(savedir)
+    # Actor 1's job preempted: requeued, it acts for the learner again.
+    job = submitit.SlurmJob(folder=savedir / "slurm" / "%j", job_id=ids["actor 1"])
+    job._interrupt()  # SIGTERM, then USR2 (requeue)
+    wait_for(
+        lambda: job_log(savedir, ids["actor 1"]).count("acting on") >= 2,
+        240,
+        "the preempted actor 1 to act again",
+    )
+    assert "requeued" in job_log(savedir, ids["actor 1"])
+    rows = len(learner_rows(savedir))
+    wait_for(
+        lambda: any(r["actors"] == 2 for r in learner_rows(savedir)[rows + 2 :]),
+        120,
+        "the learner to hear from both actors again",
+    )
+    updates_go_on(savedir, "updates after actor 1 came back")
     # Actor 1's job cancelled: the learner goes on updating on actor 0's transitions.
     subprocess.run(["scancel", ids["actor 1"]], check=True)
     wait_for(lambda: states(savedir)["actor 1"] == "CANCELLED", 90, "actor 1 cancelled")
