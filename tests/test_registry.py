@@ -274,8 +274,12 @@ def test_an_agent_is_registered_not_listed(compose_config, monkeypatch):
             "scaling.actors must be a positive integer, got 0",
         ),
         (
-            ["agent=apex", "scaling=slurm"],
-            "scaling=slurm is not supported for off-policy agents yet",
+            ["agent=r2d2", "scaling=slurm", "scaling.actors=0"],
+            "scaling.actors must be a positive integer, got 0",
+        ),
+        (
+            ["agent=apex", "scaling=slurm", "scaling.actors=3", "scaling.tasks_per_node=2"],
+            "scaling.actors (3) must be a multiple of the actors per job",
         ),
     ],
 )
