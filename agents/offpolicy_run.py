@@ -26,8 +26,9 @@ With ``scaling=single`` the actor loops are threads of the learner's process;
 with ``scaling=local`` and ``scaling=slurm`` they are ``scaling.actors``
 processes (SLURM: jobs of an array) of ``actor_loops`` threads each. A learner
 that restarts (a requeued SLURM job) resumes from its checkpoint; its actors
-see its new uid in the answer to their reports and fetch its weights again. Loops in one process run their models concurrently: torch releases
-the GIL inside its ops, and each process uses one intra-op thread per loop.
+see its new uid in the answer to their reports and fetch its weights again.
+Loops in one process run their models concurrently: torch releases the GIL
+inside its ops, and each process uses one intra-op thread per loop.
 """
 
 from __future__ import annotations
