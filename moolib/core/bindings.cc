@@ -345,8 +345,12 @@ OutSegment constantSegment(const std::string& bytes) {
   return s;
 }
 
-// Encodes value as moolib.serialization.dumps would; its segments.
-std::vector<OutSegment> encodeValue(py::handle value) {
+// Encodes value as moolib.serialization.dumps would; its segments. keep
+// holds what dumps made until the segments are handed to the core: the last
+// reference to a buffer object must not drop in the send, under the
+// connection's write lock, with the GIL held (freeing a tensor may release
+// the GIL, and the thread that takes it may wait for that lock).
+std::vector<OutSegment> encodeValue(py::handle value, py::object& keep) {
   FastCodec& fc = fastCodec();
   std::vector<OutSegment> segs;
   if (value.is_none()) {
@@ -360,6 +364,7 @@ std::vector<OutSegment> encodeValue(py::handle value) {
   } else {
     py::tuple encoded = codec().dumps(value);
     segs = exportSegments(encoded[0], encoded[1].cast<py::list>());
+    keep = std::move(encoded);
   }
   return segs;
 }
@@ -413,6 +418,7 @@ std::string describeError(py::error_already_set& e) {
 void servePlain(py::handle plain, Responder& responder, std::vector<BufferPtr>& args) {
   FastCodec& fc = fastCodec();
   std::vector<OutSegment> reply;
+  py::object keep, result;  // until the reply is handed to the core (see encodeValue)
   try {
     py::object fn = plain.attr("fn");
     py::object callArgs, callKwargs;
@@ -439,12 +445,12 @@ void servePlain(py::handle plain, Responder& responder, std::vector<BufferPtr>& 
     // The reply goes out after the arguments are released, so shared-memory
     // segments are free for reuse by the time the caller's next call needs one.
     args.clear();
-    py::object result = py::reinterpret_steal<py::object>(
+    result = py::reinterpret_steal<py::object>(
         PyObject_Call(fn.ptr(), callArgs.ptr(), callKwargs ? callKwargs.ptr() : nullptr));
     if (!result) throw py::error_already_set();
     callArgs = py::object();
     callKwargs = py::object();
-    reply = encodeValue(result);
+    reply = encodeValue(result, keep);
   } catch (py::error_already_set& e) {
     responder.error(describeError(e));
     return;
@@ -521,10 +527,11 @@ Rpc::Handler pythonDispatcher(py::handle ownerRef, const std::string& name) {
 PyFuture callWithArgs(PyRpc& self, const std::string& peer, const std::string& function,
                       py::args args, py::kwargs kwargs) {
   std::vector<OutSegment> segs;
+  py::object keep;  // until the call is handed to the core (see encodeValue)
   if (args.empty() && kwargs.empty()) {
     segs.push_back(constantSegment(fastCodec().emptyCall));
   } else {
-    segs = encodeValue(py::make_tuple(args, kwargs));
+    segs = encodeValue(py::make_tuple(args, kwargs), keep);
   }
   // The GIL stays held: a call never blocks (sockets are non-blocking) and no
   // core lock is ever held while waiting for the GIL, so this cannot
