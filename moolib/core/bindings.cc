@@ -524,21 +524,6 @@ Rpc::Handler pythonDispatcher(py::handle ownerRef, const std::string& name) {
   };
 }
 
-PyFuture callWithArgs(PyRpc& self, const std::string& peer, const std::string& function,
-                      py::args args, py::kwargs kwargs) {
-  std::vector<OutSegment> segs;
-  py::object keep;  // until the call is handed to the core (see encodeValue)
-  if (args.empty() && kwargs.empty()) {
-    segs.push_back(constantSegment(fastCodec().emptyCall));
-  } else {
-    segs = encodeValue(py::make_tuple(args, kwargs), keep);
-  }
-  // The GIL stays held: a call never blocks (sockets are non-blocking) and no
-  // core lock is ever held while waiting for the GIL, so this cannot
-  // deadlock, and it saves a GIL hand-off per call.
-  return PyFuture{self.rpc->call(peer, function, std::move(segs))};
-}
-
 // moolib.Future as a plain CPython type: one is made per call, and a
 // pybind11 object costs an instance registry entry, a holder and its
 // dispatcher on every method call, several times what the call itself costs
@@ -734,6 +719,82 @@ PyObject* wrapFuture(FuturePtr state) {
 
 namespace {
 
+// Rpc.async_ and Rpc.sync as vectorcall methods: (peer, fn, *args, **kwargs)
+// parsed here rather than by pybind11, which builds an args tuple and a
+// kwargs dict and converts both names to std::string on every call.
+FuturePtr callFromArgs(const char* method, PyObject* self, PyObject* const* args, Py_ssize_t nargs,
+                       PyObject* kwnames) {
+  if (nargs < 2) {
+    PyErr_Format(PyExc_TypeError, "%s() takes the peer's name and the function's name first",
+                 method);
+    throw py::error_already_set();
+  }
+  Py_ssize_t peerSize, functionSize;
+  const char* peer = PyUnicode_AsUTF8AndSize(args[0], &peerSize);
+  if (!peer) throw py::error_already_set();
+  const char* function = PyUnicode_AsUTF8AndSize(args[1], &functionSize);
+  if (!function) throw py::error_already_set();
+  PyRpc& rpc = py::cast<PyRpc&>(py::handle(self));
+  std::vector<OutSegment> segs;
+  py::object keep;  // until the call is handed to the core (see encodeValue)
+  Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (nargs == 2 && nkw == 0) {
+    segs.push_back(constantSegment(fastCodec().emptyCall));
+  } else {
+    py::tuple callArgs(nargs - 2);
+    for (Py_ssize_t i = 2; i != nargs; ++i) {
+      PyTuple_SET_ITEM(callArgs.ptr(), i - 2, py::handle(args[i]).inc_ref().ptr());
+    }
+    py::dict callKwargs;
+    for (Py_ssize_t i = 0; i != nkw; ++i) {
+      if (PyDict_SetItem(callKwargs.ptr(), PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) != 0) {
+        throw py::error_already_set();
+      }
+    }
+    segs = encodeValue(py::make_tuple(callArgs, callKwargs), keep);
+  }
+  // The GIL stays held: a call never blocks (sockets are non-blocking) and no
+  // core lock is ever held while waiting for the GIL, so this cannot
+  // deadlock, and it saves a GIL hand-off per call.
+  return rpc.rpc->call(std::string(peer, size_t(peerSize)),
+                       std::string(function, size_t(functionSize)), std::move(segs));
+}
+
+PyObject* rpcAsync(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  return guarded([&] {
+    return wrapFuture(callFromArgs("async_", self, args, PyVectorcall_NARGS(nargsf), kwnames));
+  });
+}
+
+PyObject* rpcSync(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  return guarded([&]() -> PyObject* {
+    FuturePtr state = callFromArgs("sync", self, args, PyVectorcall_NARGS(nargsf), kwnames);
+    futureWait(state, -1);
+    if (!state->error().empty()) {
+      PyErr_SetString(gRpcError, state->error().c_str());
+      return nullptr;
+    }
+    return decodeSegments(state->result()).release().ptr();
+  });
+}
+
+// Adds a METH_FASTCALL | METH_KEYWORDS method to a pybind11 class.
+void addFastMethod(py::handle cls, PyMethodDef* def) {
+  PyObject* descr = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(cls.ptr()), def);
+  if (!descr) throw py::error_already_set();
+  py::setattr(cls, def->ml_name, py::reinterpret_steal<py::object>(descr));
+}
+
+PyMethodDef rpcAsyncDef = {
+    "async_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rpcAsync)),
+    METH_FASTCALL | METH_KEYWORDS,
+    "async_(peer, fn, *args, **kwargs)\n--\n\nCalls fn on peer; returns a Future for the result."};
+PyMethodDef rpcSyncDef = {
+    "sync", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rpcSync)),
+    METH_FASTCALL | METH_KEYWORDS,
+    "sync(peer, fn, *args, **kwargs)\n--\n\nCalls fn on peer and waits for the result (raises "
+    "RpcError on failure)."};
+
 // What the Python Rpc objects of one core Rpc, and the Groups and Brokers
 // made on them, share. Core threads hold the Rpc itself, for as long as a
 // function runs or a timer fires; when the last Python-side share goes
@@ -875,7 +936,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("peer", &Responder::peer)
       .def_property_readonly("function", &Responder::function);
 
-  py::class_<PyRpc>(m, "Rpc", "The C++ peer; moolib.Rpc adds the Python-level API.")
+  py::class_<PyRpc> rpcClass(m, "Rpc", "The C++ peer; moolib.Rpc adds the Python-level API.");
+  addFastMethod(rpcClass, &rpcAsyncDef);
+  addFastMethod(rpcClass, &rpcSyncDef);
+  rpcClass
       .def(py::init(&createRpc))
       .def("set_name", onRpc(&Rpc::setName))
       .def("get_name", onRpc(&Rpc::name))
@@ -904,20 +968,6 @@ PYBIND11_MODULE(_core, m) {
                  });
            })
       .def("undefine", onRpc(&Rpc::undefine), py::call_guard<GilRelease>())
-      .def("async_", &callWithArgs, "Calls fn on peer; returns a Future for the result.")
-      .def(
-          "sync",
-          [](PyRpc& self, const std::string& peer, const std::string& function, py::args args,
-             py::kwargs kwargs) {
-            PyFuture f = callWithArgs(self, peer, function, std::move(args), std::move(kwargs));
-            futureWait(f.state, -1);
-            if (!f.state->error().empty()) {
-              PyErr_SetString(rpcError.ptr(), f.state->error().c_str());
-              throw py::error_already_set();
-            }
-            return decodeSegments(f.state->result());
-          },
-          "Calls fn on peer and waits for the result (raises RpcError on failure).")
       .def("close", onRpc(&Rpc::close), py::call_guard<GilRelease>())
       .def("debug_info", [](PyRpc& self) {
         DebugInfo info;
