@@ -144,7 +144,9 @@ def test_peer_process_over_each_transport(spawn_peer, make_rpc, transports):
     peer = spawn_peer("far", transports=transports)
     client = make_rpc("client", transports=transports, timeout=DEADLINE)
     client.connect(peer.address)
-    for args, kwargs in CALLS.values():
+    for name, (args, kwargs) in CALLS.items():
+        if name.startswith("str subclass"):
+            continue  # its class lives in this test module, which the peer cannot import
         assert_same((args, kwargs), client.sync("far", "echo_all", *args, **kwargs))
     assert client.sync("far", "pid") != 0  # no arguments, an int back
     futures = [client.async_("far", "echo", i) for i in range(1000)]
@@ -248,17 +250,3 @@ sys.exit(0)
         assert rpc.sync("target", "add", 2, 2) == 4  # the peer is unharmed
     finally:
         rpc.close()
-
-
-def test_handler_of_a_deleted_rpc(make_rpc):
-    client = make_rpc("client", timeout=DEADLINE)
-    server = moolib.Rpc()
-    server.set_name("gone")
-    address = server.listen("127.0.0.1:0")
-    server.define("f", lambda: 1)
-    client.connect(address)
-    assert client.sync("gone", "f") == 1
-    del server
-    gc.collect()
-    with pytest.raises(moolib.RpcError):
-        client.async_("gone", "f").result(timeout=DEADLINE)
