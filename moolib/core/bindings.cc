@@ -165,6 +165,28 @@ PyObject* callParkingOnExit(PyObject* fn, PyObject* const* args, size_t n) {
   }
 }
 
+// fn(*args, **kwargs) (kwargs may be null) likewise.
+PyObject* callParkingOnExit(PyObject* fn, PyObject* args, PyObject* kwargs) {
+  try {
+    return PyObject_Call(fn, args, kwargs);
+  } catch (abi::__forced_unwind&) {
+    parkForever();
+  }
+}
+
+// Every call into Python on a core thread goes through callParkingOnExit,
+// whose catch sits right around the CPython call: a forced unwind at exit
+// must not run the destructors of frames that own Python objects (pybind11's
+// call operator owns its argument tuple), which would release them without
+// the GIL. This one raises the Python error as py::error_already_set.
+template <typename... Args>
+py::object callOrThrow(py::handle fn, Args... args) {
+  PyObject* argv[] = {py::handle(args).ptr()...};
+  auto r = py::reinterpret_steal<py::object>(callParkingOnExit(fn.ptr(), argv, sizeof...(Args)));
+  if (!r) throw py::error_already_set();
+  return r;
+}
+
 // Runs body with the GIL on a core thread (or not at all once exiting).
 template <typename Body>
 void withPython(Body&& body) {
@@ -356,13 +378,13 @@ std::vector<OutSegment> encodeValue(py::handle value, py::object& keep) {
   if (value.is_none()) {
     segs.push_back(constantSegment(fc.noneValue));
   } else if (isPlain(value.ptr(), 3)) {
-    py::bytes data = fc.dumps(value, 5);
+    py::object data = callOrThrow(fc.dumps, value, py::int_(5));
     char* p;
     Py_ssize_t n;
     PyBytes_AsStringAndSize(data.ptr(), &p, &n);
     segs.push_back(ownedSegment(std::string(p, size_t(n))));
   } else {
-    py::tuple encoded = codec().dumps(value);
+    py::tuple encoded = callOrThrow(codec().dumps, value);
     segs = exportSegments(encoded[0], encoded[1].cast<py::list>());
     keep = std::move(encoded);
   }
@@ -378,8 +400,8 @@ py::object decodeSegments(const std::vector<BufferPtr>& segs) {
   if (segs.size() == 1 && segmentIs(*segs[0], fastCodec().noneValue)) return py::none();
   if (segs.size() == 1 && segs[0]->size() <= 65536) {
     // No out-of-band buffers: what codec().loads would do, without its frame.
-    return fastCodec().loads(
-        py::bytes(reinterpret_cast<const char*>(segs[0]->data()), segs[0]->size()));
+    return callOrThrow(fastCodec().loads, py::bytes(reinterpret_cast<const char*>(segs[0]->data()),
+                                                    segs[0]->size()));
   }
   // The pickle stream is usually small: a bytes copy is cheaper than a
   // buffer object (and pickle reads it either way).
@@ -391,7 +413,7 @@ py::object decodeSegments(const std::vector<BufferPtr>& segs) {
   }
   py::list buffers(segs.size() - 1);
   for (size_t i = 1; i < segs.size(); ++i) buffers[i - 1] = py::cast(PyBuffer{segs[i]});
-  return codec().loads(stream, buffers);
+  return callOrThrow(codec().loads, stream, buffers);
 }
 
 // What the caller sees of the Python exception e: moolib.rpc._describe of
@@ -406,7 +428,7 @@ std::string describeError(py::error_already_set& e) {
   Py_XDECREF(type);
   Py_XDECREF(trace);
   try {
-    return fastCodec().describe(exc).cast<std::string>();
+    return callOrThrow(fastCodec().describe, exc).cast<std::string>();
   } catch (py::error_already_set& inner) {
     return inner.what();
   }
@@ -446,7 +468,7 @@ void servePlain(py::handle plain, Responder& responder, std::vector<BufferPtr>& 
     // segments are free for reuse by the time the caller's next call needs one.
     args.clear();
     result = py::reinterpret_steal<py::object>(
-        PyObject_Call(fn.ptr(), callArgs.ptr(), callKwargs ? callKwargs.ptr() : nullptr));
+        callParkingOnExit(fn.ptr(), callArgs.ptr(), callKwargs ? callKwargs.ptr() : nullptr));
     if (!result) throw py::error_already_set();
     callArgs = py::object();
     callKwargs = py::object();
