@@ -13,7 +13,7 @@ the ratio of the two. The baseline is one of:
   - a Python interpreter whose environment has the other moolib installed;
   - a directory holding a source tree of moolib with its core built in place
     (``python setup.py build_ext --inplace``), run with this interpreter;
-  - a git ref of this repository: checked out (git worktree) under
+  - a git ref of this repository: exported (git archive) under
     ~/.cache/moolib-bench and built in place there with this interpreter.
 
 Each moolib runs in a client process of its own (with its own server
@@ -172,10 +172,16 @@ def baseline_env(spec: str) -> tuple[str, dict]:
         ).strip()
         path = Path.home() / ".cache" / "moolib-bench" / sha[:12]
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.check_call(
-                ["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), sha]
+            # An exported tree, not a worktree: nothing is registered in the repository.
+            part = path.with_name(path.name + ".part")
+            part.mkdir(parents=True, exist_ok=True)
+            archive = subprocess.Popen(
+                ["git", "-C", str(REPO), "archive", sha], stdout=subprocess.PIPE
             )
+            subprocess.check_call(["tar", "-x", "-C", str(part)], stdin=archive.stdout)
+            if archive.wait() != 0:
+                raise RuntimeError(f"git archive {sha} failed")
+            part.rename(path)
     if not list((path / "moolib").glob("_core*.so")):
         print(f"building the baseline's core in {path} ...", file=sys.stderr, flush=True)
         subprocess.check_call(
