@@ -2,34 +2,53 @@
 
 Prints, for the shared-memory and the TCP transport:
   - round trip of a tiny sync call, beside a plain Python socket ping-pong
-    (Unix socket and TCP) measured in the same run;
+    between two processes (Unix socket and TCP) measured in the same run;
   - async throughput: 10,000 async_ no-op calls, then waiting for all;
-  - bandwidth of a 64 MiB float32 tensor argument, beside a 64 MiB memcpy and a
-    plain socket transfer of 64 MiB measured in the same run.
+  - bandwidth of a 64 MiB float32 tensor argument, beside a 64 MiB memcpy
+    and a plain socket sending the same 64 MiB in 1 MiB writes.
 
-Usage: python bench/rpc.py [--repeats N]
+With --baseline, a second moolib (today's main, say) is measured beside this
+one in the same run, rounds interleaved, and the table gains its figures and
+the ratio of the two. The baseline is one of:
+  - a Python interpreter whose environment has the other moolib installed;
+  - a directory holding a source tree of moolib with its core built in place
+    (``python setup.py build_ext --inplace``), run with this interpreter;
+  - a git ref of this repository: exported (git archive) under
+    ~/.cache/moolib-bench and built in place there with this interpreter.
+
+Each moolib runs in a client process of its own (with its own server
+process), so that the two never share an interpreter; the raw references run
+in this process.
+
+Usage: python bench/rpc.py [--repeats N] [--calls N] [--baseline REF_OR_PYTHON_OR_DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
-import torch
-
-import moolib
 
 MIB64 = 64 << 20
+CHUNK = 1 << 20
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --- the moolib side: a server, and a client that measures on request --------
 
 
 def serve() -> None:
+    import moolib
+
     rpc = moolib.Rpc()
     rpc.set_name("bench-server")
     rpc.define("noop", lambda *args: None)
@@ -38,16 +57,141 @@ def serve() -> None:
     sys.stdin.read()  # until the client closes our stdin
 
 
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def connect(moolib, address: str, transport: str):
+    rpc = moolib.Rpc()
+    rpc.set_name(f"bench-client-{transport}")
+    rpc.set_transports([transport])
+    rpc.connect(address)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        peers = {p["name"]: p for p in rpc.debug_info()["peers"]}
+        links = peers.get("bench-server", {}).get("connections", [])
+        if any(c["transport"] == transport for c in links):
+            return rpc
+        time.sleep(0.01)
+    raise RuntimeError(f"no {transport} link to the server")
 
 
-# --- raw references ---------------------------------------------------------
+def client() -> None:
+    """Measures one figure per line read from stdin; answers with a JSON line."""
+    import torch
+
+    import moolib
+
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = server.stdout.readline().strip()
+        rpcs = {t: connect(moolib, address, t) for t in ("shm", "tcp")}
+        tensor = torch.rand(MIB64 // 4)
+
+        def round_trip(rpc, n: int) -> float:
+            t = time.perf_counter()
+            for _ in range(n):
+                rpc.sync("bench-server", "noop")
+            return (time.perf_counter() - t) / n
+
+        def async_calls(rpc, n: int) -> float:
+            t = time.perf_counter()
+            futures = [rpc.async_("bench-server", "noop") for _ in range(n)]
+            for f in futures:
+                f.result()
+            return n / (time.perf_counter() - t)
+
+        def bandwidth(rpc) -> float:
+            t = time.perf_counter()
+            rpc.sync("bench-server", "take", tensor)
+            return MIB64 * 1e-9 / (time.perf_counter() - t)
+
+        for rpc in rpcs.values():
+            round_trip(rpc, 500)
+            async_calls(rpc, 1000)
+            bandwidth(rpc)
+        print(json.dumps({"ready": moolib.__file__}), flush=True)
+        for line in sys.stdin:
+            name, _, arg = line.strip().partition(" ")
+            kind, _, transport = name.partition("_")
+            rpc = rpcs[transport]
+            if kind == "rtt":
+                value = round_trip(rpc, int(arg))
+            elif kind == "async":
+                value = async_calls(rpc, int(arg))
+            else:
+                value = bandwidth(rpc)
+            print(json.dumps({"value": value}), flush=True)
+        for rpc in rpcs.values():
+            rpc.close()
+    finally:
+        server.stdin.close()
+        server.wait(timeout=30)
+
+
+class Client:
+    """A client process of one moolib install."""
+
+    def __init__(self, python: str, env: dict) -> None:
+        self.proc = subprocess.Popen(
+            [python, __file__, "--client"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.module = self._read()["ready"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench client exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def measure(self, name: str, arg: int = 0) -> float:
+        self.proc.stdin.write(f"{name} {arg}\n")
+        self.proc.stdin.flush()
+        return self._read()["value"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def baseline_env(spec: str) -> tuple[str, dict]:
+    """(python, environment) that runs the baseline moolib named by spec."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    path = Path(spec)
+    if path.is_file() and os.access(path, os.X_OK):
+        return str(path), env
+    if not path.is_dir():
+        sha = subprocess.check_output(
+            ["git", "-C", str(REPO), "rev-parse", "--verify", f"{spec}^{{commit}}"], text=True
+        ).strip()
+        path = Path.home() / ".cache" / "moolib-bench" / sha[:12]
+        if not path.exists():
+            # An exported tree, not a worktree: nothing is registered in the repository.
+            part = path.with_name(path.name + ".part")
+            part.mkdir(parents=True, exist_ok=True)
+            archive = subprocess.Popen(
+                ["git", "-C", str(REPO), "archive", sha], stdout=subprocess.PIPE
+            )
+            subprocess.check_call(["tar", "-x", "-C", str(part)], stdin=archive.stdout)
+            if archive.wait() != 0:
+                raise RuntimeError(f"git archive {sha} failed")
+            part.rename(path)
+    if not list((path / "moolib").glob("_core*.so")):
+        print(f"building the baseline's core in {path} ...", file=sys.stderr, flush=True)
+        subprocess.check_call(
+            [sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=path, env=env
+        )
+    env["PYTHONPATH"] = str(path)
+    return sys.executable, env
+
+
+# --- raw references -----------------------------------------------------------
 
 
 def socket_pair(family: int) -> tuple[socket.socket, int]:
@@ -88,7 +232,7 @@ class RawPeer:
 
     def __init__(self, family: int) -> None:
         self.sock, self.pid = socket_pair(family)
-        self.data = memoryview(bytearray(os.urandom(1 << 20) * 64))
+        self.data = memoryview(bytearray(os.urandom(CHUNK) * (MIB64 // CHUNK)))
         for _ in range(500):
             self.ping()
 
@@ -102,10 +246,14 @@ class RawPeer:
             self.ping()
         return (time.perf_counter() - t) / n
 
-    def bulk(self) -> None:
+    def bulk(self) -> float:
+        """GB/s of 64 MiB sent in 1 MiB writes, as a program streaming data would."""
+        t = time.perf_counter()
         self.sock.sendall(b"b")
-        self.sock.sendall(self.data)
+        for offset in range(0, MIB64, CHUNK):
+            self.sock.sendall(self.data[offset : offset + CHUNK])
         self.sock.recv(1)
+        return MIB64 * 1e-9 / (time.perf_counter() - t)
 
     def close(self) -> None:
         # Close every peer before waiting for any: each forked child holds
@@ -116,48 +264,13 @@ class RawPeer:
         os.waitpid(self.pid, 0)
 
 
-# --- moolib -------------------------------------------------------------------
-
-
-def connect(address: str, transport: str) -> moolib.Rpc:
-    rpc = moolib.Rpc()
-    rpc.set_name(f"bench-client-{transport}")
-    rpc.set_transports([transport])
-    rpc.connect(address)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        peers = {p["name"]: p for p in rpc.debug_info()["peers"]}
-        links = peers.get("bench-server", {}).get("connections", [])
-        if any(c["transport"] == transport for c in links):
-            return rpc
-        time.sleep(0.01)
-    raise RuntimeError(f"no {transport} link to the server")
-
-
-def moolib_round_trip(rpc: moolib.Rpc, n: int) -> float:
+def memcpy_rate(src: np.ndarray, dst: np.ndarray) -> float:
     t = time.perf_counter()
-    for _ in range(n):
-        rpc.sync("bench-server", "noop")
-    return (time.perf_counter() - t) / n
+    np.copyto(dst, src)
+    return MIB64 * 1e-9 / (time.perf_counter() - t)
 
 
-def moolib_async(rpc: moolib.Rpc, n: int = 10_000) -> float:
-    t = time.perf_counter()
-    futures = [rpc.async_("bench-server", "noop") for _ in range(n)]
-    for f in futures:
-        f.result()
-    return n / (time.perf_counter() - t)
-
-
-def interleaved(repeats: int, measures: dict) -> dict:
-    """Runs every measure once per round, rounds interleaved, and keeps the
-    median of each: load from elsewhere on the machine then hits every figure
-    alike, which keeps the ratios meaningful."""
-    samples = {name: [] for name in measures}
-    for _ in range(repeats):
-        for name, fn in measures.items():
-            samples[name].append(fn())
-    return {name: statistics.median(v) for name, v in samples.items()}
+# --- the run ------------------------------------------------------------------
 
 
 def main() -> None:
@@ -171,98 +284,97 @@ def main() -> None:
     parser.add_argument(
         "--calls", type=int, default=10_000, help="sync calls timed per round trip figure"
     )
+    parser.add_argument(
+        "--async-calls", type=int, default=10_000, help="async_ calls per throughput figure"
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="REF_OR_PYTHON_OR_DIR",
+        help="a second moolib measured beside this one (see above)",
+    )
     args = parser.parse_args()
 
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--serve"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    tensor = torch.rand(MIB64 // 4)
+    # Raw references first: forking after the clients start would copy them.
+    raw = {"unix": RawPeer(socket.AF_UNIX), "tcp": RawPeer(socket.AF_INET)}
+    clients = {"moolib": Client(sys.executable, dict(os.environ))}
+    if args.baseline:
+        clients["base"] = Client(*baseline_env(args.baseline))
     src = np.random.rand(MIB64 // 8)
     dst = np.empty_like(src)
+    n, na = args.calls, args.async_calls
+
+    measures = {
+        "rtt_unix": lambda: raw["unix"].round_trip(n),
+        "rtt_tcp_raw": lambda: raw["tcp"].round_trip(n),
+        "memcpy": lambda: memcpy_rate(src, dst),
+        "bulk_tcp": raw["tcp"].bulk,
+        "bulk_unix": raw["unix"].bulk,
+    }
+    for who, c in clients.items():
+        for t in ("shm", "tcp"):
+            measures[f"{who}:rtt_{t}"] = lambda c=c, t=t: c.measure(f"rtt_{t}", n)
+            measures[f"{who}:async_{t}"] = lambda c=c, t=t: c.measure(f"async_{t}", na)
+            measures[f"{who}:bw_{t}"] = lambda c=c, t=t: c.measure(f"bw_{t}")
+    # Every measure once per round, rounds interleaved, and the median of
+    # each kept: load from elsewhere on the machine then hits every figure
+    # alike, which keeps the ratios meaningful.
+    samples = {name: [] for name in measures}
     try:
-        address = server.stdout.readline().strip()
-        rpcs = {t: connect(address, t) for t in ("shm", "tcp")}
-        raw = {"unix": RawPeer(socket.AF_UNIX), "tcp": RawPeer(socket.AF_INET)}
-        for rpc in rpcs.values():
-            moolib_round_trip(rpc, 500)
-            rpc.sync("bench-server", "take", tensor)
-        n = args.calls
-
-        def timed(fn):
-            return lambda: median_time(fn, 1)
-
-        m = interleaved(
-            args.repeats,
-            {
-                "rtt_unix": lambda: raw["unix"].round_trip(n),
-                "rtt_shm": lambda: moolib_round_trip(rpcs["shm"], n),
-                "rtt_tcp_raw": lambda: raw["tcp"].round_trip(n),
-                "rtt_tcp": lambda: moolib_round_trip(rpcs["tcp"], n),
-                "async_shm": lambda: moolib_async(rpcs["shm"]),
-                "async_tcp": lambda: moolib_async(rpcs["tcp"]),
-                "memcpy": timed(lambda: np.copyto(dst, src)),
-                "bw_shm": timed(lambda: rpcs["shm"].sync("bench-server", "take", tensor)),
-                "bulk_tcp": timed(raw["tcp"].bulk),
-                "bw_tcp": timed(lambda: rpcs["tcp"].sync("bench-server", "take", tensor)),
-                "bulk_unix": timed(raw["unix"].bulk),
-            },
-        )
+        for _ in range(args.repeats):
+            for name, fn in measures.items():
+                samples[name].append(fn())
+    finally:
+        for c in clients.values():
+            c.close()
         for peer in raw.values():
             peer.close()
         for peer in raw.values():
             peer.wait()
-        for rpc in rpcs.values():
-            rpc.close()
-    finally:
-        server.stdin.close()
-        server.wait(timeout=30)
+    m = {name: statistics.median(v) for name, v in samples.items()}
 
-    us, gb = 1e6, MIB64 * 1e-9
+    us = 1e6
     rows = [
-        (
-            "sync round trip, shm (us)",
-            m["rtt_shm"] * us,
-            "unix socket ping-pong",
-            m["rtt_unix"] * us,
-        ),
-        (
-            "sync round trip, tcp (us)",
-            m["rtt_tcp"] * us,
-            "tcp socket ping-pong",
-            m["rtt_tcp_raw"] * us,
-        ),
-        ("async no-op calls/s, shm", m["async_shm"], "-", None),
-        ("async no-op calls/s, tcp", m["async_tcp"], "-", None),
-        ("64 MiB tensor arg, shm (GB/s)", gb / m["bw_shm"], "64 MiB memcpy", gb / m["memcpy"]),
-        (
-            "64 MiB tensor arg, tcp (GB/s)",
-            gb / m["bw_tcp"],
-            "tcp socket 64 MiB",
-            gb / m["bulk_tcp"],
-        ),
-        (
-            "(64 MiB over a unix socket, GB/s)",
-            gb / m["bulk_unix"],
-            "64 MiB memcpy",
-            gb / m["memcpy"],
-        ),
+        ("sync round trip, shm (us)", "rtt_shm", us, "unix socket ping-pong", m["rtt_unix"] * us),
+        ("sync round trip, tcp (us)", "rtt_tcp", us, "tcp socket ping-pong", m["rtt_tcp_raw"] * us),
+        ("async no-op calls/s, shm", "async_shm", 1, "", None),
+        ("async no-op calls/s, tcp", "async_tcp", 1, "", None),
+        ("64 MiB tensor arg, shm (GB/s)", "bw_shm", 1, "64 MiB memcpy", m["memcpy"]),
+        ("64 MiB tensor arg, tcp (GB/s)", "bw_tcp", 1, "tcp socket, 1 MiB writes", m["bulk_tcp"]),
     ]
     cores = os.cpu_count()
     print(
-        f"moolib RPC, two processes on {cores} cores (medians of {args.repeats} interleaved rounds)"
+        f"moolib RPC, two processes on {cores} cores (medians of {args.repeats} interleaved "
+        f"rounds, load average {os.getloadavg()[0]:.2f} at the end)"
     )
-    print(f"{'figure':<34}{'moolib':>14}{'reference':>30}{'ratio':>8}")
-    for name, value, ref_name, ref in rows:
-        ref_text = f"{ref_name} {ref:,.1f}" if ref is not None else ref_name
+    for who, c in clients.items():
+        print(f"  {who}: {c.module}")
+    head = f"{'figure':<32}{'moolib':>12}"
+    if "base" in clients:
+        head += f"{'base':>12}{'x base':>8}"
+    head += f"{'reference':>36}{'ratio':>7}"
+    print(head)
+    for label, key, scale, ref_name, ref in rows:
+        value = m[f"moolib:{key}"] * scale
+        line = f"{label:<32}{value:>12,.1f}"
+        if "base" in clients:
+            base = m[f"base:{key}"] * scale
+            # How many times better: less time for a round trip, more of the rest.
+            better = base / value if key.startswith("rtt") else value / base
+            line += f"{base:>12,.1f}{better:>8.2f}"
+        ref_text = f"{ref_name} {ref:,.1f}" if ref is not None else ""
         ratio = f"{value / ref:.2f}" if ref else ""
-        print(f"{name:<34}{value:>14,.1f}{ref_text:>30}{ratio:>8}")
+        line += f"{ref_text:>36}{ratio:>7}"
+        print(line)
+    print(
+        f"{'(64 MiB over a unix socket, GB/s)':<32}{m['bulk_unix']:>12,.1f}"
+        f"   (1 MiB writes; memcpy {m['memcpy']:,.1f})"
+    )
 
 
 if __name__ == "__main__":
     if "--serve" in sys.argv:
         serve()
+    elif "--client" in sys.argv:
+        client()
     else:
         main()

@@ -246,15 +246,15 @@ class Queue:
         return await self
 
 
-def _serve(fn: Callable, responder: Any, segments: list) -> tuple | None:
-    """Runs fn on a call's arguments; returns the encoded result for the core to send."""
-    try:
-        args, kwargs = _decode(segments)
-        del segments[:]  # the core sends the reply once the arguments are released
-        return dumps(fn(*args, **kwargs))
-    except BaseException as e:  # noqa: BLE001 - every failure is reported to the caller
-        responder.error(_describe(e))
-        return None
+class _Plain:
+    """The handler of a function defined with Rpc.define (no batching): the core
+    decodes the call, runs ``fn(*args, **kwargs)`` and encodes its result itself
+    (as the codec would), and answers a failure with ``_describe`` of it."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
 
 
 def _serve_deferred(fn: Callable, responder: Any, segments: list) -> None:
@@ -263,27 +263,6 @@ def _serve_deferred(fn: Callable, responder: Any, segments: list) -> None:
         fn(_Reply([responder]), *args, **kwargs)
     except BaseException as e:  # noqa: BLE001
         responder.error(_describe(e))
-
-
-def _dispatch(rpc: weakref.ref, name: str) -> Callable:
-    """What the core holds for a function defined in Python: it finds the handler
-    through a weak reference to the Rpc object, which owns it.
-
-    A handler that refers back to its Rpc's owner (``self.rpc.define("f", self.f)``)
-    makes a cycle that the garbage collector sees whole, since no strong reference
-    to it hides in the core.
-    """
-
-    def call(responder: Any, segments: list) -> tuple | None:
-        owner = rpc()
-        handler = owner._handlers.get(name) if owner is not None else None
-        del owner  # a call in progress does not keep the Rpc alive
-        if handler is None:
-            responder.error(f"function '{name}' is gone: its Rpc was deleted")
-            return None
-        return handler(responder, segments)
-
-    return call
 
 
 _default_auth_key: str | None = None
@@ -299,6 +278,7 @@ def set_auth_key(key: str | None) -> None:
 
 
 _core.set_codec(dumps, loads)
+_core.set_dispatch(_Plain, _describe)
 
 
 class Rpc(_core.Rpc):
@@ -324,13 +304,17 @@ class Rpc(_core.Rpc):
         if _default_auth_key is not None:
             self.set_auth_key(_default_auth_key)
 
-    def _define(self, name: str, handler: Callable) -> None:
+    def _define(self, name: str, handler: Callable | _Plain) -> None:
+        # The core finds the handler through a weak reference to this object,
+        # which owns it: a handler that refers back to its Rpc's owner
+        # (``self.rpc.define("f", self.f)``) makes a cycle that the garbage
+        # collector sees whole, since no strong reference to it hides in the core.
         if name in self._handlers:
             # The core raises its usual error: the name is taken.
-            super().define(name, _dispatch(weakref.ref(self), name))
+            self._define_owned(name, weakref.ref(self))
         self._handlers[name] = handler
         try:
-            super().define(name, _dispatch(weakref.ref(self), name))
+            self._define_owned(name, weakref.ref(self))
         except BaseException:
             del self._handlers[name]
             raise
@@ -350,7 +334,7 @@ class Rpc(_core.Rpc):
         batch, and its result is split back along that dimension to each caller.
         """
         if batch_size is None:
-            self._define(name, functools.partial(_serve, fn))
+            self._define(name, _Plain(fn))
             return
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")

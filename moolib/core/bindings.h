@@ -50,6 +50,10 @@ struct PyFuture {
   FuturePtr state;
 };
 
+// A new moolib.Future over state (a new reference; null with the Python
+// error set if it could not be made). PyFuture converts to one.
+PyObject* wrapFuture(FuturePtr state);
+
 // Takes a buffer export of a Python object; the view stays valid until the
 // returned segment (and every copy of its keepalive) is gone. With writable,
 // the object must allow writing through it.
@@ -62,3 +66,19 @@ void bindGroup(py::module_& m);
 void bindReplay(py::module_& m);
 
 }  // namespace moolib::binding
+
+namespace pybind11::detail {
+
+// Functions bound with pybind11 return a PyFuture as a moolib.Future (a
+// plain CPython type; see bindings.cc). Futures are never taken as arguments.
+template <>
+struct type_caster<moolib::binding::PyFuture> {
+ public:
+  PYBIND11_TYPE_CASTER(moolib::binding::PyFuture, const_name("Future"));
+  bool load(handle, bool) { return false; }
+  static handle cast(const moolib::binding::PyFuture& f, return_value_policy, handle) {
+    return moolib::binding::wrapFuture(f.state);
+  }
+};
+
+}  // namespace pybind11::detail

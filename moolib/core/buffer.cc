@@ -72,7 +72,25 @@ Buffer::~Buffer() {
   }
 }
 
+namespace {
+
+// Small received segments (the pickle stream of a call, most often) live in
+// the same heap block as their Buffer and its reference count: one
+// allocation per segment instead of three.
+constexpr size_t kInlineBytes = 192;
+struct InlineBuffer {
+  alignas(kAlignment) uint8_t bytes[kInlineBytes];
+  Buffer buffer;
+  explicit InlineBuffer(size_t size) : buffer(bytes, size, nullptr) {}
+};
+
+}  // namespace
+
 BufferPtr allocateBuffer(size_t size) {
+  if (size <= kInlineBytes) {
+    auto holder = std::make_shared<InlineBuffer>(size);
+    return BufferPtr(holder, &holder->buffer);
+  }
   size_t capacity = roundUp(std::max<size_t>(size, 1));
   Block block;
   if (capacity >= kCacheMinSize) block = cache().take(capacity);

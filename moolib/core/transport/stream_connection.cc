@@ -75,21 +75,26 @@ void StreamConnection::send(OutgoingFrame&& frame) {
                 uint32_t(frame.segments.size()),
                 uint32_t(frame.meta.size()),
                 0};
-  std::vector<SegmentDesc> descs(frame.segments.size());
-  std::vector<OutSegment> inlineSegments;
-  inlineSegments.reserve(frame.segments.size());
+  // The descriptors go straight into the head, and the inline segments stay
+  // in the frame's own vector (those sent out of band are dropped from it):
+  // a small call makes one allocation here, the head.
+  item.head.reserve(sizeof(h) + frame.segments.size() * sizeof(SegmentDesc) + frame.meta.size());
+  item.head.append(reinterpret_cast<const char*>(&h), sizeof(h));
+  size_t kept = 0;
   for (size_t i = 0; i != frame.segments.size(); ++i) {
-    if (encodeSegment(frame.segments[i], descs[i], item.fds) && frame.segments[i].size) {
-      inlineSegments.push_back(std::move(frame.segments[i]));
+    SegmentDesc desc;
+    bool inlined = encodeSegment(frame.segments[i], desc, item.fds);
+    item.head.append(reinterpret_cast<const char*>(&desc), sizeof(desc));
+    if (inlined && frame.segments[i].size) {
+      item.total += frame.segments[i].size;
+      if (kept != i) frame.segments[kept] = std::move(frame.segments[i]);
+      ++kept;
     }
   }
-  item.head.reserve(sizeof(h) + descs.size() * sizeof(SegmentDesc) + frame.meta.size());
-  item.head.append(reinterpret_cast<const char*>(&h), sizeof(h));
-  item.head.append(reinterpret_cast<const char*>(descs.data()), descs.size() * sizeof(SegmentDesc));
+  frame.segments.resize(kept);
   item.head.append(frame.meta);
-  item.total = item.head.size();
-  for (auto& s : inlineSegments) item.total += s.size;
-  item.segments = std::move(inlineSegments);
+  item.total += item.head.size();
+  item.segments = std::move(frame.segments);
 
   // Only replies are corked: a request a function sends must not wait for
   // the rest of its batch.
