@@ -404,7 +404,12 @@ class ReplayClient:
         batch that fails raises its error from this client's next ``insert``
         (before that call sends its own batch) or ``flush``, once the other
         batches in flight have been answered; every other batch goes in
-        once. The batch's tensors may be reused as soon as this returns.
+        once. Through shared memory (a shard on this host) the batch is
+        copied before this returns, and its tensors may be reused at once;
+        sent as the call's payload (another host), it is read until the
+        reply comes, so change it in place only after ``flush()``. Call
+        ``flush()`` before dropping the client, or errors of the last
+        batches go unseen.
         """
         # Errors of batches in flight come first, and room for this one.
         self._reap(wait=not block, keep=self._max_inflight - 1)
