@@ -30,7 +30,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -625,10 +625,10 @@ class ReplayClient:
             if pending is None:
                 pending = self._start_shared(batch_size)
             if pending is not None:
-                sample = self._finish_shared(pending)
-                if self._prefetch:
-                    self._prefetch_next(batch_size)
-                return sample
+                # The next batch is asked for once this one is in, so the
+                # table draws it while this one's tensors are made.
+                then = (lambda: self._prefetch_next(batch_size)) if self._prefetch else None
+                return self._finish_shared(pending, then)
         self._send_updates()
         live = self._live()
         if not live:
@@ -813,9 +813,12 @@ class ReplayClient:
             raise
         return pending
 
-    def _finish_shared(self, pending: _Pending) -> ReplaySample:
+    def _finish_shared(
+        self, pending: _Pending, then: Callable[[], None] | None = None
+    ) -> ReplaySample:
         """Waits for the parts of a sample started by _start_shared, asks again
-        for what the rate limiter held back, and returns the batch."""
+        for what the rate limiter held back, calls ``then`` once every part
+        is in, and returns the batch."""
         import torch
 
         from .replay import ReplaySample
@@ -874,6 +877,8 @@ class ReplayClient:
             # A call that failed (a timeout) may still write into it: never reused.
             self._drop(segment)
             raise
+        if then is not None:
+            then()
         batch_size = pending.batch_size
         offsets = pending.offsets
         # The segment comes back to this client when the last view of it is freed.

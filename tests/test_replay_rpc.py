@@ -88,7 +88,7 @@ def test_pipelined_inserts_from_processes_lose_and_duplicate_nothing(transport, 
                 )
             )  # fmt: skip
         for p in writers:
-            p.expect("DONE", timeout=120)  # after flush(): every batch answered
+            p.expect("DONE", timeout=300)  # after flush(): every batch answered
         got = all_items(replay)
         ids = got["id"].tolist()
         assert len(ids) == len(set(ids)) == 2 * 30 * 16
