@@ -789,23 +789,25 @@ class ReplayClient:
             for shard, count in zip(live, counts, strict=True):
                 future = None
                 keys, priorities = self._take_update(shard.index)
-                if count:
-                    # The priority update deferred for this shard rides along.
-                    future = self._rpc.async_(
-                        shard.peer,
-                        f"{shard.name}/sample_into",
-                        pending.segment.ids[shard.index],
-                        pending.rows(row),
-                        count,
-                        self._wait_per_call(deadline),
-                        keys,
-                        priorities,
-                    )
-                    pending.updates.append((keys, priorities))
-                else:
-                    pending.updates.append((None, None))
-                    if keys is not None:
+                try:
+                    if count:
+                        # The priority update deferred for this shard rides along.
+                        future = self._rpc.async_(
+                            shard.peer,
+                            f"{shard.name}/sample_into",
+                            pending.segment.ids[shard.index],
+                            pending.rows(row),
+                            count,
+                            self._wait_per_call(deadline),
+                            keys,
+                            priorities,
+                        )
+                    elif keys is not None:
                         self._call(shard, "update_priorities_raw", keys, priorities)
+                except BaseException:
+                    self._restore_update(shard.index, (keys, priorities))  # not sent
+                    raise
+                pending.updates.append((keys, priorities) if count else (None, None))
                 pending.futures.append(future)
                 row += count
         except BaseException:

@@ -141,6 +141,14 @@ def test_sampling_across_shards_follows_priority_mass(make_rpc):
     assert client.update_priorities(s.keys, torch.full((5,), 7.0)) == 5
     masses = [info["priority_mass"] for info in client.info()]
     assert sum(masses) > 40.0
+    # Deferred, each shard's part goes with that shard's next sample call
+    # (or alone, where the shard draws nothing this time).
+    keys = torch.tensor([0, 1, 1 << 48, (1 << 48) + 1])
+    client.update_priorities(keys, torch.full((4,), 0.0), block=False)
+    assert [r.info()["priority_mass"] for _, r in servers] == masses
+    client.sample(50)
+    after = [r.info()["priority_mass"] for _, r in servers]
+    assert after[0] < masses[0] and after[1] < masses[1]
 
 
 def test_a_dead_shard_fails_naming_the_peer_and_the_others_keep_serving(tmp_path, make_rpc):
