@@ -23,9 +23,13 @@ Ratios are moolib's figure over the reference's.
 
 Then the same table served over RPC (shared memory, as on one host): items/s
 inserted by 1, 4 and 32 processes at once through ``ReplayClient`` (each
-sends its share of the batches, after all have connected), and sampled with
-priority updates by one process (then again with ``prefetch=True``: the
-next batch is drawn while this one is updated). The client processes start once; each
+sends its share of the batches, after all have connected, pipelined with
+``insert(block=False)``: an actor needs no keys back), and sampled with
+priority updates by one process (each update deferred with
+``update_priorities(block=False)``, so it travels with the next sample
+call; then again with ``prefetch=True``: the next batch is drawn while this
+one is updated). The rows "waited" do the same one process, waiting for
+every reply (``block=True``, the default). The client processes start once; each
 round runs every RPC row once after the in-process backends, and the figures
 are medians of the 3 rounds.
 
@@ -338,7 +342,12 @@ def rpc_client(args: argparse.Namespace) -> None:
         rpc, ("server", "replay"), timeout=300, prefetch=args.role == "prefetch"
     )
     client.info()  # connected (over shared memory once the handshake is done)
-    batches = make_batches(args.atari, args.batches, args.rank) if args.role == "insert" else []
+    inserting = args.role.startswith("insert")
+    batches = make_batches(args.atari, args.batches, args.rank) if inserting else []
+    # An actor needs no keys back, and a learner's update needs no count:
+    # without "-sync", batches are pipelined and each update rides with the
+    # next sample call (flush() waits for the last of them).
+    block = args.role.endswith("-sync")
     prio = torch.rand(BATCH, dtype=torch.float64) + 0.1
     print("READY", flush=True)
     for line in sys.stdin:
@@ -347,11 +356,12 @@ def rpc_client(args: argparse.Namespace) -> None:
         t = time.perf_counter()
         if batches:
             for b in batches:
-                client.insert(b, prio)
+                client.insert(b, prio, block=block)
         else:
             for _ in range(args.batches):
                 s = client.sample(BATCH)
-                client.update_priorities(s.keys, prio)
+                client.update_priorities(s.keys, prio, block=block)
+        client.flush()
         print(f"DONE {time.perf_counter() - t}", flush=True)
     rpc.close()
 
@@ -397,11 +407,20 @@ class RpcRows:
         self.replay.serve(self.server, "replay")
         self.rows: list[tuple[str, list, int]] = []
         try:
-            for n in (1, 4, 32):
+            for n, role, row in (
+                (1, "insert-sync", "insert, waited"),
+                (1, "insert", "insert, 1 proc"),
+                (4, "insert", "insert, 4 proc"),
+                (32, "insert", "insert, 32 proc"),
+            ):
                 per = max(1, total_batches // n)
-                procs = spawn_clients(address, "insert", n, atari, per)
-                self.rows.append((f"insert, {n} proc", procs, n * per * BATCH))
-            for role, row in (("sample", "sample+update"), ("prefetch", "... prefetch")):
+                procs = spawn_clients(address, role, n, atari, per)
+                self.rows.append((row, procs, n * per * BATCH))
+            for role, row in (
+                ("sample-sync", "s+u, waited"),
+                ("sample", "sample+update"),
+                ("prefetch", "... prefetch"),
+            ):
                 procs = spawn_clients(address, role, 1, atari, samples)
                 self.rows.append((row, procs, samples * BATCH))
         except BaseException:

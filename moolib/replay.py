@@ -150,6 +150,15 @@ class _Schema:
             math.prod(s) * torch.empty((), dtype=d).element_size()
             for s, d in zip(shapes, dtypes, strict=True)
         ]
+        # Items that are one flat dict of tensors (the usual transition) are
+        # checked without walking the nest: the keys in table order, each
+        # leaf's (dtype, shape); anything else takes the full walk.
+        self._flat_keys: tuple | None = None
+        if isinstance(skeleton, dict) and "d" in skeleton:
+            entries = skeleton["d"]
+            if all(v is None for _, v in entries):
+                self._flat_keys = tuple(k for k, _ in entries)
+        self._checks = list(zip(dtypes, shapes, strict=True))
 
     @classmethod
     def learn(cls, items: Any, dedup: Sequence[str]) -> _Schema:
@@ -213,6 +222,31 @@ class _Schema:
     def flatten(self, items: Any) -> tuple[list[torch.Tensor], int]:
         """The leaves of items in table order, and the batch size; raises
         naming the leaf whose structure, dtype or shape differs."""
+        keys = self._flat_keys
+        if keys is not None and type(items) is dict and len(items) == len(keys):
+            fast = self._flatten_flat(items, keys)
+            if fast is not None:
+                return fast
+        return self._flatten_walk(items)
+
+    def _flatten_flat(self, items: dict, keys: tuple) -> tuple[list[torch.Tensor], int] | None:
+        """A flat dict of CPU tensors that matches the table; None: anything
+        else (the walk then says what differs)."""
+        try:
+            tensors = [items[k] for k in keys]
+        except KeyError:
+            return None
+        n = -1
+        for t, (dtype, shape) in zip(tensors, self._checks, strict=True):
+            if type(t) is not torch.Tensor or t.dtype != dtype or t.dim() == 0:
+                return None
+            size = t.shape
+            if size[1:] != shape or (n >= 0 and size[0] != n):
+                return None
+            n = size[0]
+        return tensors, n
+
+    def _flatten_walk(self, items: Any) -> tuple[list[torch.Tensor], int]:
         leaves: list = []
         paths: list = []
         skeleton = _walk(items, (), leaves, paths)

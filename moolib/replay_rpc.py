@@ -30,7 +30,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -169,10 +169,22 @@ def serve(replay: Replay, rpc: Rpc, name: str) -> None:
         schema = replay._schema
         return None if schema is None else schema.to_json()
 
-    def sample_into(sid: int, rows: list, count: int, wait: float) -> tuple | None:
+    def sample_into(
+        sid: int,
+        rows: list,
+        count: int,
+        wait: float,
+        keys: bytes | None = None,
+        priorities: bytes | None = None,
+    ) -> tuple | None:
         """Samples ``count`` items into segment ``sid``: ``rows`` holds the byte
         offset where each leaf's rows start, then the keys' and the
-        probabilities'. None: the segment is not mapped (attach it again)."""
+        probabilities'. None: the segment is not mapped (attach it again).
+        ``keys`` and ``priorities`` (int64 and float64 bytes): a priority
+        update the client deferred, applied before the draw, as if it had
+        been its own call just before."""
+        if keys is not None:
+            replay._update_priorities_raw(keys, priorities)
         schema = _layout_of(replay)
         outs = outputs(sid, rows, [*schema.item_bytes, 8, 8], count)
         if outs is None:
@@ -257,10 +269,48 @@ class _Pending:
         self.sizes = sizes
         self.segment: _Segment
         self.futures: list[Any] = []
+        # The deferred priority update each shard's call carries (or Nones).
+        self.updates: list[tuple[Any, Any]] = []
 
     def rows(self, row: int) -> list[int]:
         """Where item ``row`` of each leaf, its key and its probability go."""
         return [o + row * b for o, b in zip(self.offsets, self.sizes, strict=True)]
+
+
+class _InsertCall:
+    """A batch on its way into a shard, and how much of it went in so far."""
+
+    __slots__ = (
+        "shard",
+        "deadline",
+        "n",
+        "start",
+        "future",
+        "segment",
+        "offsets",
+        "sizes",
+        "prioritized",
+        "items",
+        "priorities",
+        "keys",
+    )
+
+    def __init__(self, shard: _Shard, deadline: float) -> None:
+        self.shard = shard
+        self.deadline = deadline
+        self.n = 0
+        self.start = 0  # rows inserted so far
+        self.future: Any = None  # the call in flight, if any
+        # Through shared memory: the segment, where each leaf's rows (then
+        # the priorities' and keys') start in it, and their bytes per item.
+        self.segment: _Segment | None = None
+        self.offsets: list[int] = []
+        self.sizes: list[int] = []
+        self.prioritized = False
+        # Through the call's payload: the batch, and the keys of its parts.
+        self.items: Any = None
+        self.priorities: Any = None
+        self.keys: list[Any] = []
 
 
 class ReplayClient:
@@ -279,6 +329,12 @@ class ReplayClient:
     for the next batch of the same size before it returns, so the shards draw
     it while the caller works on this one (as Reverb's samplers do): that
     batch is drawn before the caller's next ``update_priorities``.
+
+    For callers that do not need the replies: ``insert(..., block=False)``
+    keeps up to ``max_inflight`` batches travelling at once, and
+    ``update_priorities(..., block=False)`` sends the update with the next
+    sample call to its shard (one round trip for both). ``flush()`` waits
+    for the first and sends the second.
     """
 
     def __init__(
@@ -289,6 +345,7 @@ class ReplayClient:
         seed: int | None = None,
         shared_memory: bool = True,
         prefetch: bool = False,
+        max_inflight: int = 8,
     ) -> None:
         if isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[0], str):
             shards = [shards]
@@ -309,6 +366,15 @@ class ReplayClient:
         self._prefetch = bool(prefetch)
         self._open_segments = 0
         self._pending: _Pending | None = None
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
+        self._max_inflight = int(max_inflight)
+        # Each in-flight insert holds a segment: the pool keeps that many.
+        self._keep_free = _FREE_SEGMENTS + self._max_inflight
+        self._inflight: collections.deque[_InsertCall] = collections.deque()
+        # Deferred priority updates: shard index -> (int64 keys, float64
+        # priorities) as bytes, sent with that shard's next sample call.
+        self._updates: dict[int, tuple[bytes, bytes]] = {}
 
     # Each call to a shard waits at most this long on the serving peer, so the
     # reply comes well within the RPC timeout.
@@ -328,47 +394,96 @@ class ReplayClient:
         now = time.monotonic()
         return [s for s in self._shards if s.failed_at is None or now - s.failed_at > _RETRY_AFTER]
 
-    def insert(self, items: Any, priorities: Any = None) -> Any:
-        """Inserts a batch (leading dim N in every leaf) into the next shard; returns the keys."""
-        import torch
+    def insert(self, items: Any, priorities: Any = None, *, block: bool = True) -> Any:
+        """Inserts a batch (leading dim N in every leaf) into the next shard; returns the keys.
 
+        With ``block=False`` the batch is sent and the call returns None at
+        once, without waiting for the shard's reply: up to ``max_inflight``
+        batches travel at the same time (then the oldest is waited for), and
+        they may enter the table in any order among themselves. An in-flight
+        batch that fails raises its error from this client's next ``insert``
+        (before that call sends its own batch) or ``flush``, once the other
+        batches in flight have been answered; every other batch goes in
+        once. Through shared memory (a shard on this host) the batch is
+        copied before this returns, and its tensors may be reused at once;
+        sent as the call's payload (another host), it is read until the
+        reply comes, so change it in place only after ``flush()``. Call
+        ``flush()`` before dropping the client, or errors of the last
+        batches go unseen.
+        """
+        # Errors of batches in flight come first, and room for this one.
+        self._reap(wait=not block, keep=self._max_inflight - 1)
         with self._lock:
             live = self._live() or self._shards
             shard = live[self._next_insert % len(live)]
             self._next_insert += 1
-        deadline = time.monotonic() + self._timeout
-        if self._shared_memory and self._schema is not None and shard.shared is not False:
-            keys = self._insert_shared(shard, items, priorities, deadline)
-            if keys is not None:
-                return keys
-        done: list[torch.Tensor] = []
-        n = _batch_size(items)
-        start = 0
-        while True:
-            rest = items if start == 0 else _rows_from(items, start)
-            rest_p = None if priorities is None else priorities[start:]
-            keys = self._call(shard, "insert", rest, rest_p, self._wait_per_call(deadline))
-            done.append(torch.as_tensor(keys, dtype=torch.int64))
-            start += len(keys)
-            if start >= n:
-                break
-            if time.monotonic() >= deadline:
-                raise _insert_timeout(shard, n, start, self._timeout)
-        if self._shared_memory and self._schema is None:
-            self._learn_layout(shard)
-        return torch.cat(done) | (shard.index << _SHARD_SHIFT)
+        call = self._start_insert(shard, items, priorities)
+        if block or self._schema is None:
+            keys = self._finish_insert(call)
+            if self._shared_memory and self._schema is None:
+                self._learn_layout(shard)
+            return None if not block else keys
+        try:
+            self._send_insert(call)
+        except BaseException:
+            if call.segment is not None:
+                self._give_back(call.segment)  # nothing was sent from it
+            raise
+        with self._lock:
+            self._inflight.append(call)
+        return None
 
-    def _insert_shared(
-        self, shard: _Shard, items: Any, priorities: Any, deadline: float
-    ) -> Any | None:
-        """Inserts through this client's shared memory: the batch is copied
-        into a segment that the shard maps and reads from. None: the shard
-        cannot map it (another host), or this client holds all the segments
-        it may; nothing was inserted."""
+    def flush(self) -> None:
+        """Waits for every batch sent with ``insert(block=False)`` and sends
+        the priority updates deferred by ``update_priorities(block=False)``;
+        raises the first error of an in-flight batch (``ReplayError``,
+        ``TimeoutError``), after the others have been answered."""
+        self._reap(wait=True, keep=0)
+        self._send_updates()
+
+    def _reap(self, wait: bool, keep: int = 0) -> None:
+        """Finishes the in-flight inserts whose replies came (with ``wait``:
+        the oldest, until at most ``keep`` remain); on an error, waits for
+        every other one in flight, then raises the first."""
+        error: BaseException | None = None
+        while True:
+            with self._lock:
+                if not self._inflight:
+                    break
+                call = self._inflight[0]
+                if error is None and not (wait and len(self._inflight) > keep):
+                    if call.future is None or not call.future.done():
+                        break
+                self._inflight.popleft()
+            try:
+                self._finish_insert(call)
+            except BaseException as e:  # noqa: BLE001 - raised once the rest are answered
+                if error is None:
+                    error = e
+        if error is not None:
+            raise error
+
+    def _start_insert(self, shard: _Shard, items: Any, priorities: Any) -> _InsertCall:
+        """Prepares an insert of ``items`` into ``shard``: through this
+        client's shared memory where the shard maps it, else in the call."""
+        call = _InsertCall(shard, time.monotonic() + self._timeout)
+        if self._shared_memory and self._schema is not None and shard.shared is not False:
+            if self._stage_shared(call, items, priorities):
+                return call
+        call.n = _batch_size(items)
+        call.items = items
+        call.priorities = priorities
+        return call
+
+    def _stage_shared(self, call: _InsertCall, items: Any, priorities: Any) -> bool:
+        """Copies the batch into a segment that the shard maps. False: the
+        shard cannot map it (another host), or this client holds all the
+        segments it may; nothing was sent."""
         import torch
 
         from .replay import _bytes_view
 
+        shard = call.shard
         try:
             leaves, n = self._schema.flatten(items)
         except (ValueError, TypeError) as e:
@@ -380,18 +495,19 @@ class ReplayClient:
             raise ValueError(f"replay insert of {n} items: a batch needs at least one")
         prioritized = priorities is not None
         if prioritized:
-            p = torch.as_tensor(priorities, dtype=torch.float64).detach().cpu().reshape(-1)
-            p = p.contiguous()
+            p = torch.as_tensor(priorities, dtype=torch.float64)
+            if p.device.type != "cpu" or p.requires_grad:
+                p = p.detach().cpu()
             if p.numel() != n:
                 raise ValueError(f"replay insert: {p.numel()} priorities for a batch of {n} items")
         offsets, nbytes, sizes = self._layout(n)
         segment = self._lease(nbytes)
         if segment is None:
-            return None
+            return False
         try:
             if self._attach(shard, segment) is None:
                 self._give_back(segment)
-                return None
+                return False
             view = segment.view
             # numpy's copy is one memcpy; torch's copy_ splits a large one
             # over its threads, which wait for each other on a busy machine
@@ -399,27 +515,84 @@ class ReplayClient:
             for t, o, b in zip(leaves, offsets, sizes, strict=False):
                 np.copyto(view[o : o + n * b], _bytes_view(t).reshape(-1).view(np.uint8))
             if prioritized:
-                np.copyto(view[offsets[-2] : offsets[-2] + n * 8].view(np.float64), p.numpy())
-            start = 0
-            while start < n:
-                rows = [o + start * b for o, b in zip(offsets, sizes, strict=True)]
-                wait = self._wait_per_call(deadline)
-                sid = segment.ids[shard.index]
-                done = self._call(shard, "insert_from", sid, rows, prioritized, n - start, wait)
-                if done is None:  # the peer unmapped it meanwhile: map it again
+                prio_rows = view[offsets[-2] : offsets[-2] + n * 8].view(np.float64)
+                np.copyto(prio_rows, p.reshape(-1).numpy())
+        except BaseException:
+            self._drop(segment)
+            raise
+        call.n = n
+        call.segment = segment
+        call.offsets = offsets
+        call.sizes = sizes
+        call.prioritized = prioritized
+        return True
+
+    def _insert_args(self, call: _InsertCall) -> tuple[str, tuple]:
+        """The function and arguments that insert the rest of ``call``'s batch."""
+        wait = self._wait_per_call(call.deadline)
+        if call.segment is None:
+            start = call.start
+            rest = call.items if start == 0 else _rows_from(call.items, start)
+            rest_p = None if call.priorities is None else call.priorities[start:]
+            return "insert", (rest, rest_p, wait)
+        rows = call.offsets
+        if call.start:
+            rows = [o + call.start * b for o, b in zip(call.offsets, call.sizes, strict=True)]
+        sid = call.segment.ids[call.shard.index]
+        return "insert_from", (sid, rows, call.prioritized, call.n - call.start, wait)
+
+    def _send_insert(self, call: _InsertCall) -> None:
+        fn, args = self._insert_args(call)
+        call.future = self._rpc.async_(call.shard.peer, f"{call.shard.name}/{fn}", *args)
+
+    def _finish_insert(self, call: _InsertCall) -> Any:
+        """Waits for ``call``'s reply, asks again for what the rate limiter
+        held back, and returns the batch's keys."""
+        import torch
+
+        shard = call.shard
+        segment = call.segment
+        try:
+            while True:
+                if call.future is not None:
+                    future, call.future = call.future, None
+                    fn = "insert" if segment is None else "insert_from"
+                    try:
+                        result = future.result()
+                    except RpcError as e:
+                        shard.failed_at = time.monotonic()
+                        raise ReplayError(f"{shard.describe()}: {fn} failed: {e}") from None
+                    shard.failed_at = None
+                else:
+                    fn, args = self._insert_args(call)
+                    result = self._call(shard, fn, *args)
+                if segment is None:
+                    call.keys.append(torch.as_tensor(result, dtype=torch.int64))
+                    done = len(result)
+                elif result is None:  # the peer unmapped it meanwhile: map it again
                     del segment.ids[shard.index]
                     if self._attach(shard, segment) is None:
                         raise ReplayError(f"{shard.describe()}: cannot map this client's memory")
                     continue
-                start += done
-                if start < n and time.monotonic() >= deadline:
-                    raise _insert_timeout(shard, n, start, self._timeout)
-            keys = torch.from_numpy(view[offsets[-1] : offsets[-1] + n * 8].view(np.int64).copy())
+                else:
+                    done = result
+                call.start += done
+                if call.start >= call.n:
+                    break
+                if time.monotonic() >= call.deadline:
+                    raise _insert_timeout(shard, call.n, call.start, self._timeout)
+            if segment is None:
+                keys = torch.cat(call.keys)
+            else:
+                o = call.offsets[-1]
+                keys = torch.from_numpy(segment.view[o : o + call.n * 8].view(np.int64).copy())
         except BaseException:
-            # A call that failed (a timeout) may still be reading it: never reused.
-            self._drop(segment)
+            if segment is not None:
+                # A call that failed (a timeout) may still be reading it: never reused.
+                self._drop(segment)
             raise
-        self._give_back(segment)
+        if segment is not None:
+            self._give_back(segment)
         return keys | (shard.index << _SHARD_SHIFT) if shard.index else keys
 
     def _learn_layout(self, shard: _Shard) -> None:
@@ -452,10 +625,11 @@ class ReplayClient:
             if pending is None:
                 pending = self._start_shared(batch_size)
             if pending is not None:
-                sample = self._finish_shared(pending)
-                if self._prefetch:
-                    self._prefetch_next(batch_size)
-                return sample
+                # The next batch is asked for once this one is in, so the
+                # table draws it while this one's tensors are made.
+                then = (lambda: self._prefetch_next(batch_size)) if self._prefetch else None
+                return self._finish_shared(pending, then)
+        self._send_updates()
         live = self._live()
         if not live:
             raise self._none_live()
@@ -537,7 +711,7 @@ class ReplayClient:
 
     def _give_back(self, segment: _Segment) -> None:
         self._free.append(segment)
-        while len(self._free) > _FREE_SEGMENTS:
+        while len(self._free) > self._keep_free:
             try:
                 self._drop(self._free.popleft())
             except IndexError:
@@ -614,15 +788,26 @@ class ReplayClient:
             row = 0
             for shard, count in zip(live, counts, strict=True):
                 future = None
-                if count:
-                    future = self._rpc.async_(
-                        shard.peer,
-                        f"{shard.name}/sample_into",
-                        pending.segment.ids[shard.index],
-                        pending.rows(row),
-                        count,
-                        self._wait_per_call(deadline),
-                    )
+                keys, priorities = self._take_update(shard.index)
+                try:
+                    if count:
+                        # The priority update deferred for this shard rides along.
+                        future = self._rpc.async_(
+                            shard.peer,
+                            f"{shard.name}/sample_into",
+                            pending.segment.ids[shard.index],
+                            pending.rows(row),
+                            count,
+                            self._wait_per_call(deadline),
+                            keys,
+                            priorities,
+                        )
+                    elif keys is not None:
+                        self._call(shard, "update_priorities_raw", keys, priorities)
+                except BaseException:
+                    self._restore_update(shard.index, (keys, priorities))  # not sent
+                    raise
+                pending.updates.append((keys, priorities) if count else (None, None))
                 pending.futures.append(future)
                 row += count
         except BaseException:
@@ -630,9 +815,12 @@ class ReplayClient:
             raise
         return pending
 
-    def _finish_shared(self, pending: _Pending) -> ReplaySample:
+    def _finish_shared(
+        self, pending: _Pending, then: Callable[[], None] | None = None
+    ) -> ReplaySample:
         """Waits for the parts of a sample started by _start_shared, asks again
-        for what the rate limiter held back, and returns the batch."""
+        for what the rate limiter held back, calls ``then`` once every part
+        is in, and returns the batch."""
         import torch
 
         from .replay import ReplaySample
@@ -641,8 +829,8 @@ class ReplayClient:
         try:
             row = 0
             table_size = 0
-            for shard, count, future in zip(
-                pending.live, pending.counts, pending.futures, strict=True
+            for i, (shard, count, future) in enumerate(
+                zip(pending.live, pending.counts, pending.futures, strict=True)
             ):
                 got = 0
                 size = 0
@@ -652,6 +840,10 @@ class ReplayClient:
                             result = future.result()
                         except RpcError as e:
                             shard.failed_at = time.monotonic()
+                            # The update it carried may not have been made:
+                            # it goes with the next call again (it is
+                            # idempotent, and older than any made since).
+                            self._restore_update(shard.index, pending.updates[i])
                             raise ReplayError(
                                 f"{shard.describe()}: sample_into failed: {e}"
                             ) from None
@@ -687,6 +879,8 @@ class ReplayClient:
             # A call that failed (a timeout) may still write into it: never reused.
             self._drop(segment)
             raise
+        if then is not None:
+            then()
         batch_size = pending.batch_size
         offsets = pending.offsets
         # The segment comes back to this client when the last view of it is freed.
@@ -726,38 +920,86 @@ class ReplayClient:
             counts[i] += 1
         return counts
 
-    def update_priorities(self, keys: Any, priorities: Any) -> int:
-        """Routes each key to its shard; keys evicted meanwhile are ignored."""
+    def update_priorities(self, keys: Any, priorities: Any, *, block: bool = True) -> int | None:
+        """Routes each key to its shard; keys evicted meanwhile are ignored.
+        Returns how many keys were still present.
+
+        With ``block=False`` nothing is sent now: each shard's part goes with
+        this client's next sample call to that shard (or ``flush()``), which
+        applies it before drawing, as the call would have been; a shard's
+        deferred updates apply in the order they were made. Returns None.
+        The priorities are checked here (a NaN, infinite or negative one is
+        refused naming its key)."""
         import torch
 
         keys = torch.as_tensor(keys, dtype=torch.int64).reshape(-1)
         priorities = torch.as_tensor(priorities, dtype=torch.float64).reshape(-1)
+        if keys.device.type != "cpu" or keys.requires_grad:
+            keys = keys.detach().cpu()
+        if priorities.device.type != "cpu" or priorities.requires_grad:
+            priorities = priorities.detach().cpu()
         if keys.numel() != priorities.numel():
             raise ValueError(
                 f"replay update_priorities: {keys.numel()} keys but {priorities.numel()} priorities"
             )
-        if len(self._shards) == 1 and keys.numel() and int(keys.max()) <= _LOCAL_MASK:
-            if int(keys.min()) >= 0:
-                # One shard: the keys go as they are, as bytes (no tensors to pickle).
-                return self._call(
-                    self._shards[0],
-                    "update_priorities_raw",
-                    keys.detach().cpu().contiguous().numpy().tobytes(),
-                    priorities.detach().cpu().contiguous().numpy().tobytes(),
-                )
-        shard_of = keys >> _SHARD_SHIFT
+        if not keys.numel():
+            return None if not block else 0
+        one = len(self._shards) == 1 and int(keys.max()) <= _LOCAL_MASK and int(keys.min()) >= 0
+        if not block:
+            _check_priorities(keys.numpy(), priorities.numpy())
+            parts = [(0, keys, priorities)] if one else self._by_shard(keys, priorities)
+            with self._lock:
+                for index, k, p in parts:
+                    kb = k.numpy().tobytes()
+                    pb = p.numpy().tobytes()
+                    old = self._updates.get(index)
+                    self._updates[index] = (kb, pb) if old is None else (old[0] + kb, old[1] + pb)
+            return None
+        if one:
+            # One shard: the keys go as they are, as bytes (no tensors to pickle).
+            return self._call(
+                self._shards[0],
+                "update_priorities_raw",
+                keys.contiguous().numpy().tobytes(),
+                priorities.contiguous().numpy().tobytes(),
+            )
         updated = 0
+        for index, k, p in self._by_shard(keys, priorities):
+            updated += self._call(self._shards[index], "update_priorities", k, p)
+        return updated
+
+    def _by_shard(self, keys: Any, priorities: Any) -> list[tuple[int, Any, Any]]:
+        """Each shard's index, its keys (the table's own) and their priorities."""
+        shard_of = keys >> _SHARD_SHIFT
+        parts = []
         for index in shard_of.unique().tolist():
             if not 0 <= index < len(self._shards):
                 raise ValueError(f"key with shard index {index}: not a key of this client")
             mask = shard_of == index
-            updated += self._call(
-                self._shards[index],
-                "update_priorities",
-                keys[mask] & _LOCAL_MASK,
-                priorities[mask],
-            )
-        return updated
+            parts.append((index, keys[mask] & _LOCAL_MASK, priorities[mask]))
+        return parts
+
+    def _take_update(self, index: int) -> tuple[bytes, bytes] | tuple[None, None]:
+        with self._lock:
+            return self._updates.pop(index, (None, None))
+
+    def _restore_update(self, index: int, update: tuple[Any, Any]) -> None:
+        keys, priorities = update
+        if keys is None:
+            return
+        with self._lock:
+            newer = self._updates.get(index)
+            if newer is not None:
+                keys, priorities = keys + newer[0], priorities + newer[1]
+            self._updates[index] = (keys, priorities)
+
+    def _send_updates(self) -> None:
+        """Sends every deferred priority update on its own (for the sample
+        calls that cannot carry them)."""
+        with self._lock:
+            updates, self._updates = self._updates, {}
+        for index, (keys, priorities) in updates.items():
+            self._call(self._shards[index], "update_priorities_raw", keys, priorities)
 
     def info(self) -> list[dict]:
         """Each shard's ``info()``, with its peer and name."""
@@ -768,6 +1010,19 @@ def _insert_timeout(shard: _Shard, n: int, done: int, timeout: float) -> Timeout
     return TimeoutError(
         f"{shard.describe()}: insert of {n} items timed out after {timeout:.1f} s with "
         f"{done} inserted (the rate limiter waits for samplers)"
+    )
+
+
+def _check_priorities(keys: np.ndarray, priorities: np.ndarray) -> None:
+    """Refuses a NaN, infinite or negative priority as the table would, naming its key."""
+    # min() is NaN where any is: one test covers NaN and negatives.
+    if priorities.min() >= 0 and priorities.max() < np.inf:
+        return
+    bad = ~(np.isfinite(priorities) & (priorities >= 0))
+    i = int(np.flatnonzero(bad)[0])
+    raise ValueError(
+        f"replay update_priorities: the priority for key {int(keys[i])} is "
+        f"{float(priorities[i])}; priorities must be finite and >= 0"
     )
 
 

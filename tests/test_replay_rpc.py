@@ -37,8 +37,9 @@ def served(make_rpc, transports, **table):
     return rpc, replay
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["waited", "pipelined"])
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
-def test_inserting_processes_lose_and_duplicate_nothing(transport, tmp_path, make_rpc):
+def test_inserting_processes_lose_and_duplicate_nothing(transport, pipelined, tmp_path, make_rpc):
     rpc, replay = served(make_rpc, TRANSPORTS[transport])
     writers = []
     try:
@@ -50,11 +51,13 @@ def test_inserting_processes_lose_and_duplicate_nothing(transport, tmp_path, mak
                     "--connect", rpc.address, "--transports", transport,
                     "--insert-to", "server/table", "--writer", str(w),
                     "--batches", "20", "--batch-size", "32", "--payload", "64",
+                    *(["--pipelined"] if pipelined else []),
                 )
             )  # fmt: skip
         for p in writers:
-            # The transport asked for is used (shm after the TCP introduction).
-            used = p.expect("VIA", timeout=120).split()[1].split(",")
+            # The transport asked for is used (shm after the TCP introduction);
+            # a pipelining writer says so after flush(): every batch answered.
+            used = p.expect("VIA", timeout=300).split()[1].split(",")
             assert transport in used and (transport == "shm" or used == ["tcp"])
             p.expect("DONE")
         got = all_items(replay)
@@ -62,11 +65,14 @@ def test_inserting_processes_lose_and_duplicate_nothing(transport, tmp_path, mak
         assert len(ids) == len(set(ids)) == 3 * 20 * 32
         expected = {w * 10**9 + i for w in range(3) for i in range(20 * 32)}
         assert set(ids) == expected
-        # Payloads arrived intact, and each writer's items are in its order.
+        # Payloads arrived intact, and each writer's items are in its order
+        # (batches in flight at once may go in in any order, each one whole).
         assert torch.equal(got["payload"][:, 0], (got["id"] % 251).to(torch.uint8))
-        for w in range(3):
+        for w in range(3 if not pipelined else 0):
             mine = [i for i in ids if i // 10**9 == w]
             assert mine == sorted(mine)
+        for start in range(0, len(ids), 32):
+            assert got["batch"][start : start + 32].eq(got["batch"][start]).all()
     finally:
         for p in writers:
             stop_process(p.proc)
@@ -135,6 +141,14 @@ def test_sampling_across_shards_follows_priority_mass(make_rpc):
     assert client.update_priorities(s.keys, torch.full((5,), 7.0)) == 5
     masses = [info["priority_mass"] for info in client.info()]
     assert sum(masses) > 40.0
+    # Deferred, each shard's part goes with that shard's next sample call
+    # (or alone, where the shard draws nothing this time).
+    keys = torch.tensor([0, 1, 1 << 48, (1 << 48) + 1])
+    client.update_priorities(keys, torch.full((4,), 0.0), block=False)
+    assert [r.info()["priority_mass"] for _, r in servers] == masses
+    client.sample(50)
+    after = [r.info()["priority_mass"] for _, r in servers]
+    assert after[0] < masses[0] and after[1] < masses[1]
 
 
 def test_a_dead_shard_fails_naming_the_peer_and_the_others_keep_serving(tmp_path, make_rpc):
@@ -344,3 +358,69 @@ def test_held_samples_beyond_the_segment_bound_come_as_replies(make_rpc, monkeyp
     del held
     gc.collect()
     assert in_replay_segment(client.sample(4).items["x"])  # freed ones serve again
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_pipelined_insert_that_fails_is_raised_and_the_others_go_in_once(transport, make_rpc):
+    rpc, replay = served(make_rpc, TRANSPORTS[transport])
+    client_rpc = make_rpc("client", transports=TRANSPORTS[transport], timeout=30)
+    client_rpc.connect(rpc.address)
+    client = moolib.ReplayClient(client_rpc, ("server", "table"), timeout=30, max_inflight=3)
+    assert client.insert(rows(0, 8), block=False) is None  # learns the layout (waits)
+    nan = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    sent, raised = [], []
+    for b in range(1, 9):
+        # Batch 4 is refused by the table: its priority 1 is NaN. Its error
+        # comes from a later insert (which then sends nothing) or flush().
+        try:
+            client.insert(rows(8 * b, 4), nan if b == 4 else torch.ones(4), block=False)
+            sent.append(b)
+        except moolib.ReplayError as e:
+            raised.append(str(e))
+    try:
+        client.flush()
+    except moolib.ReplayError as e:
+        raised.append(str(e))
+    assert len(raised) == 1 and "priority at batch index 1 is nan" in raised[0]
+    assert 4 in sent and len(sent) == 7
+    client.flush()  # raised once
+    k = sorted(all_items(replay)["k"].tolist())
+    sent = list(range(8)) + [i for b in sent if b != 4 for i in range(8 * b, 8 * b + 4)]
+    assert k == sent  # every other batch once, none of batch 4
+    # One batch in flight at most: the failure of the one before is raised by
+    # the next insert, which then sends nothing.
+    client = moolib.ReplayClient(client_rpc, ("server", "table"), timeout=30, max_inflight=1)
+    client.insert(rows(200, 4), block=False)  # the layout, and no shared memory yet
+    client.insert(rows(300, 4), nan, block=False)
+    with pytest.raises(moolib.ReplayError, match="priority at batch index 1 is nan"):
+        client.insert(rows(400, 4), block=False)
+    client.insert(rows(500, 4), block=False)
+    client.flush()
+    k = sorted(all_items(replay)["k"].tolist())
+    assert k == sorted(sent + list(range(200, 204)) + list(range(500, 504)))
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_deferred_priority_update_rides_with_the_next_sample(transport, make_rpc):
+    rpc = make_rpc("server", transports=TRANSPORTS[transport], listen=True, timeout=30)
+    replay = moolib.Replay(100, selector="prioritized", alpha=1.0, seed=0)
+    replay.serve(rpc, "table")
+    client_rpc = make_rpc("client", transports=TRANSPORTS[transport], timeout=30)
+    client_rpc.connect(rpc.address)
+    client = moolib.ReplayClient(client_rpc, ("server", "table"), timeout=30, seed=0)
+    keys = replay.insert(rows(0, 4), torch.ones(4))
+    client.sample(4)  # the client learns the layout: later samples use shared memory
+    assert replay.info()["priority_mass"] == 4.0
+    with pytest.raises(ValueError, match="priority for key 2 is -1.0"):
+        client.update_priorities(keys, torch.tensor([1.0, 1.0, -1.0, 1.0]), block=False)
+    only = torch.tensor([0.0, 0.0, 5.0, 0.0])
+    assert client.update_priorities(keys, only, block=False) is None
+    assert replay.info()["priority_mass"] == 4.0  # not sent yet
+    s = client.sample(64)  # the update is made before the draw
+    assert s.items["k"].eq(2).all() and s.probabilities.eq(1.0).all()
+    assert replay.info()["priority_mass"] == 5.0
+    # Deferred updates apply in order; flush() sends what no sample took.
+    client.update_priorities(torch.tensor([0, 1]), torch.tensor([1.0, 1.0]), block=False)
+    client.update_priorities(torch.tensor([1]), torch.tensor([2.0]), block=False)
+    client.flush()
+    assert replay.info()["priority_mass"] == 8.0

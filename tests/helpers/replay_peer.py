@@ -4,11 +4,13 @@ Usage:
   replay_peer.py --name NAME --serve TABLE [--capacity N] [--selector S] [--min-size N]
   replay_peer.py --name NAME --connect ADDR --insert-to PEER/TABLE --writer W
                  [--batches B] [--batch-size N] [--payload BYTES] [--clients K] [--forever]
+                 [--pipelined]
 
 Every item is ``{"id": int64, "batch": int64, "payload": uint8[BYTES]}``; ids
 are ``writer * 10**9 + n`` and batch ids ``writer * 10**6 + b``, so a test can
 count what arrived. ``--clients K`` inserts from K Rpcs (K connections) in K
-threads at once, splitting the batches between them.
+threads at once, splitting the batches between them. ``--pipelined`` sends
+the batches with ``insert(block=False)`` (then ``flush()``).
 
 Prints ``READY <name> <address or ->`` once set up; an inserter then prints
 ``INSERTED <batch>`` after each batch, ``VIA <transports>`` (those of its
@@ -59,10 +61,12 @@ def insert_loop(
     batch = client_index
     while args.forever or batch < args.batches:
         first = batch * args.batch_size
-        client.insert(items(args.writer, batch, first, args.batch_size, args.payload))
+        batch_items = items(args.writer, batch, first, args.batch_size, args.payload)
+        client.insert(batch_items, block=not args.pipelined)
         with lock:
             print(f"INSERTED {batch}", flush=True)
         batch += args.clients
+    client.flush()
     used = {
         c["transport"]
         for p in rpc.debug_info()["peers"]
@@ -96,6 +100,7 @@ def main() -> None:
     parser.add_argument("--payload", type=int, default=8)
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--forever", action="store_true")
+    parser.add_argument("--pipelined", action="store_true")
     args = parser.parse_args()
 
     if args.serve:
