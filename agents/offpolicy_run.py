@@ -363,15 +363,19 @@ class _Reports:
         self.lock = threading.Lock()
         self.env_steps = 0
         self.episodes: list[tuple[float, float, int]] = []
-        self.seen: dict[str, float] = {}
+        # Per actor loop (its index in the run): when it last reported, and from where.
+        self.seen: dict[int, tuple[float, str]] = {}
         self.stop = False
 
     def add(self, actor: str, index: int, steps: int, episodes: list) -> dict:
         with self.lock:
             self.env_steps += int(steps)
             self.episodes.extend(episodes)
-            # Loops of one process share its Rpc name: count loops, not processes.
-            self.seen[f"{actor}/{index}"] = time.monotonic()
+            # Keyed by the loop's index, not by its process's Rpc name (which holds the
+            # pid): a restarted actor takes over its predecessor's entry rather than
+            # counting beside it until that one goes stale. Loops of one process
+            # share its name and have their own indices: loops are counted.
+            self.seen[int(index)] = (time.monotonic(), actor)
             return {"stop": self.stop}
 
     def take_steps(self) -> int:
@@ -385,7 +389,7 @@ class _Reports:
         with self.lock:
             episodes, self.episodes = self.episodes, []
             now = time.monotonic()
-            live = sum(1 for t in self.seen.values() if now - t < ACTOR_STALE)
+            live = sum(1 for t, _ in self.seen.values() if now - t < ACTOR_STALE)
         return episodes, live
 
 

@@ -173,6 +173,8 @@ def test_a_killed_actor_does_not_stop_learning_and_a_new_one_joins(tmp_path):
         wait_for(lambda: _updates(savedir) > after_join + 20, 240, "more updates", proc=r)
         _, rows = read_logs(savedir / "logs.tsv")
         assert rows[-1]["inserts_per_s"] > 0
+        # The restarted actor took its predecessor's place in the count.
+        assert max(row["actors"] for row in rows) <= 2, [row["actors"] for row in rows]
         r.interrupt()
         assert r.wait(STOP_TIMEOUT) == 130
         wait_for(lambda: not session_pids(r.pid), 60, "every process of the run to end")
