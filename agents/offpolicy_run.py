@@ -739,19 +739,31 @@ def actor_logdir(savedir: Path, index: int) -> Path:
 
 
 @torch.no_grad()
-def evaluate(savedir: Path, episodes: int = 10, epsilon: float = 0.0, seed: int = 0) -> list[float]:
+def evaluate(
+    savedir: Path,
+    episodes: int = 10,
+    epsilon: float = 0.0,
+    seed: int = 0,
+    checkpoint_path: Path | None = None,
+) -> list[float]:
     """Returns of ``episodes`` episodes played by the newest checkpoint of ``savedir``
-    with ``epsilon``-greedy actions (0: greedy), on the run's env, one env at a time."""
+    (or the one at ``checkpoint_path``, e.g. one of ``checkpoint.list_history``) with
+    ``epsilon``-greedy actions (0: greedy), on the run's env, one env at a time. The
+    network gets the inputs an actor gives it (see ``R2D2Acting``)."""
     from moolib.launch import config as config_lib
 
     cfg = config_lib.load(Path(savedir) / config_lib.CONFIG_FILE)
-    loaded = checkpoint.load_latest(Path(savedir))
-    if loaded is None:
-        raise FileNotFoundError(f"{savedir} holds no checkpoint")
+    if checkpoint_path is not None:
+        state = checkpoint.load(Path(checkpoint_path))
+    else:
+        loaded = checkpoint.load_latest(Path(savedir))
+        if loaded is None:
+            raise FileNotFoundError(f"{savedir} holds no checkpoint")
+        state = loaded.state
     agent = _typed(cfg)
     factory, obs_shape, num_actions = _env_factory(cfg)
     model = make_qnet(agent, obs_shape, num_actions)
-    model.load_state_dict(loaded.state["model"])
+    model.load_state_dict(state["model"])
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     eps = torch.tensor([epsilon])
