@@ -1,6 +1,7 @@
 """End-to-end training throughput of moolib-run, beside its limit, in one run.
 
     python bench/train.py [--seconds 90] [--device cpu]
+    python bench/train.py --cases --apex-loops 1 2 4 [--apex-seconds 45] [--apex-replay 2000]
 
 For V-trace on Breakout (the deep IMPALA network; actor batch 32 x 2, learner
 batch 8, unroll 20, as in the original moolib's example) and A2C on CartPole
@@ -21,8 +22,8 @@ batch 8, unroll 20, as in the original moolib's example) and A2C on CartPole
 and ``--busy-cores K`` keeps K other processes spinning meanwhile (a busy
 neighbour), so the two can be compared in one run.
 
-``--apex-loops 1 2 4`` (case ``apex-breakout``, off by default in ``--cases``)
-runs Ape-X on Breakout (``agent=apex env=breakout``, the real ALE, scaling=single:
+``--apex-loops 1 2 4`` (``--cases`` with no names skips the cases above) runs
+Ape-X on Breakout (``agent=apex env=breakout``, the real ALE, scaling=single:
 the learner and ``agent.actor_loops`` actor loops as threads of one process)
 once per loop count, with a replay of ``--apex-replay`` transitions that the
 learner starts sampling only when it is full (``min_replay_size`` = capacity)
@@ -422,7 +423,10 @@ def main() -> None:
     parser.add_argument("--apex-batch", type=int, default=64, help="learner batch (paper: 512)")
     parser.add_argument("--apex-replay", type=int, default=4000, help="replay capacity")
     parser.add_argument(
-        "--apex-start-timeout", type=float, default=300.0, help="for the replay to fill"
+        "--apex-start-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for the replay to fill (4 loops: 256 envs x 53 steps before a first insert)",
     )
     args = parser.parse_args()
     burners = [
