@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .registry import AgentConfig, register_agent
+from .registry import ActorCriticConfig, register_agent
 
 
 @dataclass(frozen=True)
-class A2CConfig(AgentConfig):
-    """A2C's settings (``conf/agent/a2c.yaml``): those every agent has, no others."""
+class A2CConfig(ActorCriticConfig):
+    """A2C's settings (``conf/agent/a2c.yaml``): the actor-critic agents', no others."""
 
 
 def n_step_returns(

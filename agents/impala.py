@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from . import vtrace
-from .registry import AgentConfig, register_agent
+from .registry import ActorCriticConfig, register_agent
 
 
 @dataclass(frozen=True)
-class VTraceConfig(AgentConfig):
-    """IMPALA's settings (``conf/agent/vtrace.yaml``): every agent's, and V-trace's
-    truncation levels of the importance weights."""
+class VTraceConfig(ActorCriticConfig):
+    """IMPALA's settings (``conf/agent/vtrace.yaml``): the actor-critic agents', and
+    V-trace's truncation levels of the importance weights."""
 
     clip_rho_threshold: float  # rho-bar: truncates the weights of the value targets
     clip_pg_rho_threshold: float  # truncates the weights of the policy-gradient advantages

@@ -398,17 +398,21 @@ class _Reports:
         self.lock = threading.Lock()
         self.env_steps = 0
         self.episodes: list[tuple[float, float, int]] = []
-        self.seen: dict[str, float] = {}
+        # Per actor loop (its index in the run): when it last reported, and from where.
+        self.seen: dict[int, tuple[float, str]] = {}
         self.stop = False
-        self.told: set[str] = set()  # loops answered that the run is over
+        self.told: set[int] = set()  # loops answered that the run is over
 
     def add(self, actor: str, index: int, steps: int, episodes: list) -> dict:
         with self.lock:
             self.env_steps += int(steps)
             self.episodes.extend(episodes)
-            # Loops of one process share its Rpc name: count loops, not processes.
-            loop = f"{actor}/{index}"
-            self.seen[loop] = time.monotonic()
+            # Keyed by the loop's index, not by its process's Rpc name (which holds the
+            # pid): a restarted actor takes over its predecessor's entry rather than
+            # counting beside it until that one goes stale. Loops of one process
+            # share its name and have their own indices: loops are counted.
+            loop = int(index)
+            self.seen[loop] = (time.monotonic(), actor)
             if self.stop:
                 self.told.add(loop)
             return {"stop": self.stop, "learner": self.uid}
@@ -417,7 +421,7 @@ class _Reports:
         """Whether every loop heard from lately has been told that the run is over."""
         with self.lock:
             now = time.monotonic()
-            return all(k in self.told for k, t in self.seen.items() if now - t < ACTOR_STALE)
+            return all(k in self.told for k, (t, _) in self.seen.items() if now - t < ACTOR_STALE)
 
     def take_steps(self) -> int:
         """Env steps reported since the last call."""
@@ -430,7 +434,7 @@ class _Reports:
         with self.lock:
             episodes, self.episodes = self.episodes, []
             now = time.monotonic()
-            live = sum(1 for t in self.seen.values() if now - t < ACTOR_STALE)
+            live = sum(1 for t, _ in self.seen.values() if now - t < ACTOR_STALE)
         return episodes, live
 
 
@@ -798,19 +802,31 @@ def actor_logdir(savedir: Path, index: int) -> Path:
 
 
 @torch.no_grad()
-def evaluate(savedir: Path, episodes: int = 10, epsilon: float = 0.0, seed: int = 0) -> list[float]:
+def evaluate(
+    savedir: Path,
+    episodes: int = 10,
+    epsilon: float = 0.0,
+    seed: int = 0,
+    checkpoint_path: Path | None = None,
+) -> list[float]:
     """Returns of ``episodes`` episodes played by the newest checkpoint of ``savedir``
-    with ``epsilon``-greedy actions (0: greedy), on the run's env, one env at a time."""
+    (or the one at ``checkpoint_path``, e.g. one of ``checkpoint.list_history``) with
+    ``epsilon``-greedy actions (0: greedy), on the run's env, one env at a time. The
+    network gets the inputs an actor gives it (see ``R2D2Acting``)."""
     from moolib.launch import config as config_lib
 
     cfg = config_lib.load(Path(savedir) / config_lib.CONFIG_FILE)
-    loaded = checkpoint.load_latest(Path(savedir))
-    if loaded is None:
-        raise FileNotFoundError(f"{savedir} holds no checkpoint")
+    if checkpoint_path is not None:
+        state = checkpoint.load(Path(checkpoint_path))
+    else:
+        loaded = checkpoint.load_latest(Path(savedir))
+        if loaded is None:
+            raise FileNotFoundError(f"{savedir} holds no checkpoint")
+        state = loaded.state
     agent = _typed(cfg)
     factory, obs_shape, num_actions = _env_factory(cfg)
     model = make_qnet(agent, obs_shape, num_actions)
-    model.load_state_dict(loaded.state["model"])
+    model.load_state_dict(state["model"])
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     eps = torch.tensor([epsilon])

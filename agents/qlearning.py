@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from moolib.launch.config import ConfigError
@@ -39,9 +39,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class QConfig(AgentConfig):
-    """Settings Ape-X and R2D2 share (the actor-critic keys of ``AgentConfig`` that a
-    Q-learner has no use for are checked but unused: ``unroll_length``,
-    ``virtual_batch_size``, ``baseline_cost``, ``entropy_cost``)."""
+    """Settings Ape-X and R2D2 share. The actor-critic keys their configs carried
+    before the schema was split per family (``unroll_length``,
+    ``virtual_batch_size``, ``baseline_cost``, ``entropy_cost``) are retired: a
+    savedir holding them resumes, and they are ignored."""
+
+    retired_keys: ClassVar[frozenset[str]] = frozenset(
+        {"unroll_length", "virtual_batch_size", "baseline_cost", "entropy_cost"}
+    )
 
     actor_loops: int  # actor loops (threads) per actor process, each with its own envs
     epsilon: float  # eps of the actors' eps_i = eps^(1 + epsilon_alpha i / (N - 1))

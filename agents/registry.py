@@ -25,7 +25,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from moolib.launch.config import ConfigError
 
@@ -102,8 +102,15 @@ class OptimizerConfig(_Checks):
 
 @dataclass(frozen=True)
 class AgentConfig(_Checks):
-    """The settings every agent has (the keys of ``conf/agent/*.yaml``). An agent's
-    own config subclasses it, adding its fields and their checks."""
+    """The settings every agent has (keys of every ``conf/agent/*.yaml``). An agent's
+    own config subclasses it (or the config of its family: ``ActorCriticConfig``,
+    ``moolib.agents.qlearning.QConfig``), adding its fields and their checks.
+
+    ``retired_keys`` names keys an agent's configs once carried and no longer
+    read: a savedir written then still resumes (its ``config.yaml`` has them), and
+    they are dropped unchecked."""
+
+    retired_keys: ClassVar[frozenset[str]] = frozenset()
 
     name: str  # the agent's registered name (and its YAML's name)
     # auto: the deep IMPALA network for images, MinAtar's for small grids (10x10), an MLP
@@ -114,13 +121,9 @@ class AgentConfig(_Checks):
     actor_batch_size: int  # envs in one actor batch (the model acts on a batch at once)
     num_actor_batches: int  # actor batches in flight (2: one steps while one acts)
     num_actor_cpus: int  # env worker processes; each steps a slice of every batch
-    batch_size: int  # unrolls in one learner batch
-    unroll_length: int  # env steps in one unroll (plus one to bootstrap)
-    virtual_batch_size: int  # unrolls summed over all peers before each optimizer step
+    batch_size: int  # items in one learner batch (unrolls, transitions, sequences)
     discounting: float  # the discount factor, in [0, 1]
     reward_clip: float  # rewards clipped to [-reward_clip, reward_clip]; 0: not clipped
-    baseline_cost: float  # weight of the value loss
-    entropy_cost: float  # weight of the entropy bonus
     grad_norm_clipping: float  # gradients' global norm is clipped to this
     optimizer: OptimizerConfig
 
@@ -130,13 +133,11 @@ class AgentConfig(_Checks):
             "num_actor_batches",
             "num_actor_cpus",
             "batch_size",
-            "unroll_length",
-            "virtual_batch_size",
             "hidden_size",
         ):
             self.check_int(name)
         self.check_number("discounting", 0.0, 1.0)
-        for name in ("reward_clip", "baseline_cost", "entropy_cost", "grad_norm_clipping"):
+        for name in ("reward_clip", "grad_norm_clipping"):
             self.check_number(name, 0.0)
         self.check_choice("name", tuple(agent_names()))
         self.check_choice("network", ("auto", *NETWORKS))
@@ -147,6 +148,24 @@ class AgentConfig(_Checks):
                 f"agent.actor_batch_size ({self.actor_batch_size}): each process steps "
                 "a slice of every actor batch"
             )
+
+
+@dataclass(frozen=True)
+class ActorCriticConfig(AgentConfig):
+    """The settings of the on-policy actor-critic agents (V-trace, A2C), trained on
+    unrolls by ``moolib.agents.training.Trainer``."""
+
+    unroll_length: int  # env steps in one unroll (plus one to bootstrap)
+    virtual_batch_size: int  # unrolls summed over all peers before each optimizer step
+    baseline_cost: float  # weight of the value loss
+    entropy_cost: float  # weight of the entropy bonus
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_int("unroll_length")
+        self.check_int("virtual_batch_size")
+        self.check_number("baseline_cost", 0.0)
+        self.check_number("entropy_cost", 0.0)
 
 
 @dataclass(frozen=True)
@@ -214,6 +233,8 @@ def get_agent(name: str) -> AgentSpec:
 
 
 def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    retired = getattr(cls, "retired_keys", frozenset())
+    values = {k: v for k, v in values.items() if k not in retired}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:

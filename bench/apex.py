@@ -49,12 +49,8 @@ def _config(hidden: int):
         num_actor_batches=2,
         num_actor_cpus=2,
         batch_size=64,
-        unroll_length=1,
-        virtual_batch_size=64,
         discounting=0.99,
         reward_clip=1.0,
-        baseline_cost=0.0,
-        entropy_cost=0.0,
         grad_norm_clipping=40.0,
         optimizer=OptimizerConfig(
             "rmsprop", 6.25e-5, 0.9, 0.999, 1.5e-7, 0.95, 0.0, "constant", True
@@ -128,37 +124,17 @@ def actor_loops(loops: int, hidden: int, seconds: float, threads: bool) -> float
     return total / seconds
 
 
-def learner(hidden: int, batch_size: int, seconds: float, capacity: int) -> tuple[float, float]:
-    """(learner steps/s on a full replay, learner steps/s on one fixed batch)."""
+def _learner_step(hidden: int) -> object:
+    """Ape-X's learner step without the replay: ``step(items, weights) -> priorities``
+    (loss, backward, clipping, centered RMSProp), on the network ``agent=apex
+    env=breakout`` builds."""
     from moolib.agents import apex
-    from moolib.agents.offpolicy import importance_weights
     from moolib.agents.qlearning import make_qnet
 
-    import moolib
-
-    torch.set_num_threads(1)
     cfg = _config(hidden)
     model = make_qnet(cfg, OBS, ACTIONS)
     target = copy.deepcopy(model)
     opt = torch.optim.RMSprop(model.parameters(), lr=6.25e-5, alpha=0.95, eps=1.5e-7, centered=True)
-    replay = moolib.Replay(capacity, alpha=0.6, dedup=("state", "next_state"), seed=0)
-    g = torch.Generator().manual_seed(0)
-    # A stream of frames; transitions of stacked frames share them, as Atari's do.
-    frames = torch.randint(0, 256, (capacity + 8, *OBS[1:]), dtype=torch.uint8, generator=g)
-    chunk = 1000
-    for first in range(0, capacity, chunk):
-        n = min(chunk, capacity - first)
-        idx = torch.arange(first, first + n)[:, None] + torch.arange(4)[None, :]
-        replay.insert(
-            {
-                "state": frames[idx],
-                "action": torch.randint(0, ACTIONS, (n,), generator=g),
-                "return": torch.rand(n, generator=g),
-                "discount": torch.full((n,), 0.99**3),
-                "next_state": frames[idx + 3],
-            },
-            torch.rand(n, generator=g) + 0.1,
-        )
 
     def step(items: dict, weights: torch.Tensor) -> torch.Tensor:
         out = apex.loss(model, target, items, weights)
@@ -168,31 +144,79 @@ def learner(hidden: int, batch_size: int, seconds: float, capacity: int) -> tupl
         opt.step()
         return out.priorities
 
+    return step
+
+
+def _transitions(n: int, g: torch.Generator) -> dict:
+    """``n`` Breakout-shaped transitions whose stacked frames overlap, as Atari's do."""
+    frames = torch.randint(0, 256, (n + 8, *OBS[1:]), dtype=torch.uint8, generator=g)
+    idx = torch.arange(n)[:, None] + torch.arange(4)[None, :]
+    return {
+        "state": frames[idx],
+        "action": torch.randint(0, ACTIONS, (n,), generator=g),
+        "return": torch.rand(n, generator=g),
+        "discount": torch.full((n,), 0.99**3),
+        "next_state": frames[idx + 3],
+    }
+
+
+def _rate(fn: object, seconds: float) -> float:
+    """Calls of ``fn`` per second, after one warm-up call."""
+    fn()  # type: ignore[operator]
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()  # type: ignore[operator]
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def compute_limit(hidden: int, batch_size: int, seconds: float, threads: int = 1) -> float:
+    """Learner steps/s of the learner's compute alone: loss, backward, clipping and the
+    optimizer step on one fixed batch of ``batch_size`` transitions (no replay), with
+    ``threads`` torch threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        step = _learner_step(hidden)
+        fixed = _transitions(batch_size, torch.Generator().manual_seed(0))
+        ones = torch.ones(batch_size)
+        return _rate(lambda: step(fixed, ones), seconds)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def learner(hidden: int, batch_size: int, seconds: float, capacity: int) -> tuple[float, float]:
+    """(learner steps/s on a full replay, learner steps/s on one fixed batch)."""
+    from moolib.agents.offpolicy import importance_weights
+
+    import moolib
+
+    torch.set_num_threads(1)
+    step = _learner_step(hidden)
+    replay = moolib.Replay(capacity, alpha=0.6, dedup=("state", "next_state"), seed=0)
+    g = torch.Generator().manual_seed(0)
+    chunk = 1000
+    for first in range(0, capacity, chunk):
+        n = min(chunk, capacity - first)
+        replay.insert(_transitions(n, g), torch.rand(n, generator=g) + 0.1)
+
     def from_replay() -> None:
         sample = replay.sample(batch_size)
         weights = importance_weights(sample.probabilities, sample.size, 0.4).float()
-        priorities = step(sample.items, weights)
+        priorities = step(sample.items, weights)  # type: ignore[operator]
         replay.update_priorities(sample.keys, priorities.double())
 
     fixed = replay.sample(batch_size).items
     ones = torch.ones(batch_size)
 
     def compute_only() -> None:
-        step(fixed, ones)
-
-    def rate(fn: object) -> float:
-        fn()  # type: ignore[operator]
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            fn()  # type: ignore[operator]
-            n += 1
-        return n / (time.perf_counter() - t0)
+        step(fixed, ones)  # type: ignore[operator]
 
     # Alternate to share the machine's ups and downs between the two.
     with_replay, alone = [], []
     for _ in range(2):
-        with_replay.append(rate(from_replay))
-        alone.append(rate(compute_only))
+        with_replay.append(_rate(from_replay, seconds))
+        alone.append(_rate(compute_only, seconds))
     replay.close()
     return max(with_replay), max(alone)
 

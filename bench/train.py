@@ -1,6 +1,7 @@
 """End-to-end training throughput of moolib-run, beside its limit, in one run.
 
     python bench/train.py [--seconds 90] [--device cpu]
+    python bench/train.py --cases --apex-loops 1 2 4 [--apex-seconds 45] [--apex-replay 2000]
 
 For V-trace on Breakout (the deep IMPALA network; actor batch 32 x 2, learner
 batch 8, unroll 20, as in the original moolib's example) and A2C on CartPole
@@ -20,12 +21,33 @@ batch 8, unroll 20, as in the original moolib's example) and A2C on CartPole
 ``torch_threads`` (``N`` = this machine's core count is torch's own default),
 and ``--busy-cores K`` keeps K other processes spinning meanwhile (a busy
 neighbour), so the two can be compared in one run.
+
+``--apex-loops 1 2 4`` (``--cases`` with no names skips the cases above) runs
+Ape-X on Breakout (``agent=apex env=breakout``, the real ALE, scaling=single:
+the learner and ``agent.actor_loops`` actor loops as threads of one process)
+once per loop count, with a replay of ``--apex-replay`` transitions that the
+learner starts sampling only when it is full (``min_replay_size`` = capacity)
+and learner batches of ``--apex-batch``. From each run's logs.tsv, over the
+rows after the learner's first update (all with the replay full), it prints:
+
+- the actors' env steps/s while the learner runs, beside the EnvPool limit
+  (the same ``moolib.EnvPool`` the actor loop builds, stepped double-buffered
+  with random actions and nothing else, in this process, measured in the same
+  run) and beside the acting limit (Ape-X's acting step, the network's batched
+  forward and the n-step bookkeeping, on recorded frames, no env);
+- the learner's updates/s and sampled items/s beside its compute limit
+  (loss, backward, clipping and the optimizer step on one fixed batch of the
+  same shape, no replay, with the learner's torch threads).
+
+Targets (issue 16): actors >= 0.8 of the EnvPool limit, learner >= 0.8 of
+its compute limit.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import os
 import subprocess
 import sys
@@ -138,35 +160,46 @@ def limits(case: dict, device: str, seconds: float) -> tuple[float, float]:
     return 1.0 / learn_per_step, 1.0 / (learn_per_step + act_per_step)
 
 
+def _run_command(overrides: list[str], savedir: str) -> list[str]:
+    """A moolib-run that runs until interrupted, logging every 2 s, no checkpoint
+    before the end."""
+    return [
+        sys.executable,
+        "-m",
+        "moolib.launch.run",
+        *overrides,
+        f"savedir={savedir}",
+        "total_steps=1000000000",
+        "log_interval=2",
+        "checkpoint_interval=1000000",
+    ]
+
+
+def _interrupt(proc: subprocess.Popen) -> None:
+    """Ctrl-C: the run stops after its current step (killed if it takes 2 minutes)."""
+    proc.send_signal(2)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run_sps(
     case: dict, device: str, seconds: float, warmup: float, threads: str = "auto"
 ) -> tuple[float, str]:
     """moolib-run's SPS: steps learned per second between the first log row
     after ``warmup`` seconds and the last row, over ``seconds`` of training."""
     with tempfile.TemporaryDirectory() as savedir:
-        cmd = [
-            sys.executable,
-            "-m",
-            "moolib.launch.run",
-            *case["overrides"],
-            f"device={device}",
-            f"torch_threads={threads}",
-            f"savedir={savedir}",
-            "total_steps=1000000000",
-            "log_interval=2",
-            "checkpoint_interval=1000000",
-        ]
+        cmd = _run_command(
+            [*case["overrides"], f"device={device}", f"torch_threads={threads}"], savedir
+        )
         env = dict(os.environ, WANDB_MODE="disabled")
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         try:
             time.sleep(warmup + seconds)
         finally:
-            proc.send_signal(2)  # Ctrl-C: the run stops after its current step
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _interrupt(proc)
         with open(Path(savedir) / "logs.tsv") as f:
             rows = [r for r in csv.DictReader(f, delimiter="\t")]
     timed = [r for r in rows if float(r["time"]) >= warmup and r["step"]]
@@ -177,6 +210,204 @@ def run_sps(
     return steps / (float(last["time"]) - float(first["time"])), " ".join(cmd[3:])
 
 
+# -- Ape-X on Breakout ---------------------------------------------------------------------
+
+APEX_OVERRIDES = ["agent=apex", "env=breakout", "scaling=single"]
+
+
+def _apex_config(loops: int, batch: int, replay: int) -> object:
+    """The composed and checked config the Ape-X runs use (for the limits' pools)."""
+    from hydra import compose, initialize_config_module
+    from moolib.launch import config as config_lib
+
+    with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
+        cfg = compose("config", overrides=_apex_overrides(loops, batch, replay))
+    config_lib.validate(cfg)
+    return cfg
+
+
+def _apex_overrides(loops: int, batch: int, replay: int) -> list[str]:
+    return [
+        *APEX_OVERRIDES,
+        f"agent.actor_loops={loops}",
+        f"agent.batch_size={batch}",
+        f"agent.replay_capacity={replay}",
+        f"agent.min_replay_size={replay}",
+    ]
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    if len(lines) < 2:
+        return []
+    header = lines[0].split("\t")
+    rows = []
+    for line in lines[1:]:
+        values = line.split("\t")
+        if len(values) == len(header):
+            rows.append(dict(zip(header, values, strict=True)))
+    return rows
+
+
+def _num(row: dict, key: str) -> float:
+    value = row.get(key, "")
+    return float(value) if value not in ("", None) else float("nan")
+
+
+def apex_run(
+    loops: int, device: str, seconds: float, batch: int, replay: int, start_timeout: float
+) -> dict:
+    """One moolib-run of Ape-X on Breakout: runs until the learner has updated for
+    ``seconds`` (after its first update, with the replay full), then Ctrl-C.
+    Returns the actors' env steps/s while the learner ran and while it waited for
+    the replay to fill, the learner's updates/s and samples/s, and the command."""
+    with tempfile.TemporaryDirectory() as savedir:
+        cmd = _run_command([*_apex_overrides(loops, batch, replay), f"device={device}"], savedir)
+        env = dict(os.environ, WANDB_MODE="disabled")
+        logs = Path(savedir) / "logs.tsv"
+        with open(Path(savedir).parent / f"apex-bench-{os.getpid()}.log", "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + start_timeout
+            learning_since = None
+            while proc.poll() is None and time.monotonic() < deadline:
+                rows = _read_rows(logs)
+                if learning_since is None and any(_num(r, "updates") > 0 for r in rows):
+                    learning_since = time.monotonic()
+                    deadline = learning_since + seconds + 2 * 2  # two more log rows
+                time.sleep(0.5)
+        finally:
+            _interrupt(proc)
+        rows = _read_rows(logs)
+    result = {
+        "command": " ".join(cmd[3:]),
+        "env_sps": float("nan"),
+        "fill_env_sps": float("nan"),
+        "updates_per_s": float("nan"),
+        "samples_per_s": float("nan"),
+        "replay_size": float("nan"),
+        "rows": len(rows),
+    }
+    learning = [i for i, r in enumerate(rows) if _num(r, "updates") > 0]
+    filling = rows[: learning[0]] if learning else rows
+    # The first rows hold the start-up (envs, the network, the first fetch).
+    filling = [r for r in filling[1:] if _num(r, "sps") > 0]
+    if len(filling) >= 2:
+        a, b = filling[0], filling[-1]
+        result["fill_env_sps"] = (_num(b, "step") - _num(a, "step")) / (
+            _num(b, "time") - _num(a, "time")
+        )
+    if len(learning) >= 2:
+        # From the row of the first update (its updates started in the row's interval).
+        a, b = rows[learning[0]], rows[-1]
+        span = _num(b, "time") - _num(a, "time")
+        result["env_sps"] = (_num(b, "step") - _num(a, "step")) / span
+        result["updates_per_s"] = (_num(b, "updates") - _num(a, "updates")) / span
+        result["samples_per_s"] = result["updates_per_s"] * batch
+        result["replay_size"] = min(_num(r, "replay_size") for r in rows[learning[0] :])
+    return result
+
+
+def envpool_limit(cfg: object, seconds: float) -> float:
+    """Env steps/s of the pool an Ape-X actor loop builds (same env, batches, worker
+    processes), stepped double-buffered with random actions and nothing else."""
+    from moolib.agents.offpolicy_run import _make_envs, _typed
+
+    agent = _typed(cfg)  # type: ignore[arg-type]
+    pool, _, num_actions = _make_envs(cfg, agent)  # type: ignore[arg-type]
+    nb, bs = agent.num_actor_batches, agent.actor_batch_size
+    g = torch.Generator().manual_seed(0)
+
+    def actions() -> torch.Tensor:
+        return torch.randint(0, num_actions, (bs,), generator=g)
+
+    try:
+        futures = [pool.step(b, actions()) for b in range(nb)]
+        steps, b, start = 0, 0, None
+        warm_until = time.perf_counter() + 2.0
+        while True:
+            futures[b].result()
+            now = time.perf_counter()
+            if start is None and now >= warm_until:
+                start, steps = now, 0
+            elif start is not None:
+                steps += bs
+                if now - start >= seconds:
+                    break
+            futures[b] = pool.step(b, actions())
+            b = (b + 1) % nb
+        for f in futures:
+            f.result()
+        return steps / (time.perf_counter() - start)
+    finally:
+        pool.close()
+
+
+def acting_limit(loops: int, hidden: int, seconds: float) -> float:
+    """Env steps/s of ``loops`` Ape-X acting steps as threads of this process, on
+    recorded frames (no env): the actors' compute alone (bench/apex.py)."""
+    return _bench_apex().actor_loops(loops, hidden, seconds, threads=True)
+
+
+@functools.cache
+def _bench_apex() -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_apex", Path(__file__).with_name("apex.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def report_apex(args: argparse.Namespace) -> None:
+    """Ape-X on Breakout: per loop count, one run, then right after it (so that the
+    machine's load from elsewhere is alike) the limits on the same cores."""
+    cfg = _apex_config(args.apex_loops[0], args.apex_batch, args.apex_replay)
+    agent = cfg.agent
+    hidden = int(agent.hidden_size)
+    # The learner's torch threads with scaling=single: the cores less the env workers
+    # and the actor loops (offpolicy_run.Learner).
+    cores = len(os.sched_getaffinity(0))
+    limit_seconds = min(15.0, args.apex_seconds / 3)
+    print(
+        f"Ape-X on Breakout (scaling=single, learner batch {args.apex_batch}, replay of "
+        f"{args.apex_replay:,} transitions, full while the learner runs; each loop: EnvPool "
+        f"{agent.num_actor_batches}x{agent.actor_batch_size} envs on {agent.num_actor_cpus} "
+        f"processes), {cores} cores, load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'loops':>5} {'actors steps/s':>15} {'EnvPool limit':>14} {'ratio':>6} "
+        f"{'acting limit':>13} {'ratio':>6} {'(filling)':>10} {'updates/s':>10} "
+        f"{'samples/s':>10} {'compute limit':>14} {'ratio':>6}"
+    )
+    for loops in args.apex_loops:
+        run = apex_run(
+            loops,
+            args.device,
+            args.apex_seconds,
+            args.apex_batch,
+            args.apex_replay,
+            args.apex_start_timeout,
+        )
+        pool = envpool_limit(cfg, limit_seconds)
+        act = acting_limit(loops, hidden, limit_seconds)
+        threads = max(1, cores - int(agent.num_actor_cpus) - loops)
+        limit = _bench_apex().compute_limit(hidden, args.apex_batch, limit_seconds, threads)
+        print(
+            f"{loops:>5} {run['env_sps']:>15,.0f} {pool:>14,.0f} {run['env_sps'] / pool:>6.3f} "
+            f"{act:>13,.0f} {run['env_sps'] / act:>6.2f} {run['fill_env_sps']:>10,.0f} "
+            f"{run['updates_per_s']:>10.3f} {run['samples_per_s']:>10,.1f} "
+            f"{limit:>14.3f} {run['updates_per_s'] / limit:>6.2f}"
+        )
+        print(
+            f"  command: {run['command']} (learner torch threads {threads}; replay size while "
+            f"learning >= {run['replay_size']:,.0f}; load average {os.getloadavg()[0]:.2f})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=90.0, help="timed training per case")
@@ -185,12 +416,27 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=list(CASES))
     parser.add_argument("--torch-threads", nargs="*", default=["auto"])
     parser.add_argument("--busy-cores", type=int, default=0, help="spinning processes meanwhile")
+    parser.add_argument(
+        "--apex-loops", type=int, nargs="*", default=[], help="Ape-X on Breakout: actor loops"
+    )
+    parser.add_argument("--apex-seconds", type=float, default=60.0, help="timed learning per run")
+    parser.add_argument("--apex-batch", type=int, default=64, help="learner batch (paper: 512)")
+    parser.add_argument("--apex-replay", type=int, default=4000, help="replay capacity")
+    parser.add_argument(
+        "--apex-start-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for the replay to fill (4 loops: 256 envs x 53 steps before a first insert)",
+    )
     args = parser.parse_args()
     burners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cores)
     ]
     try:
-        report(args)
+        if args.cases:
+            report(args)
+        if args.apex_loops:
+            report_apex(args)
     finally:
         for b in burners:
             b.kill()

@@ -23,11 +23,7 @@ COMMON = dict(
     num_actor_batches=1,
     num_actor_cpus=1,
     batch_size=4,
-    unroll_length=1,
-    virtual_batch_size=4,
     reward_clip=0.0,
-    baseline_cost=0.0,
-    entropy_cost=0.0,
     grad_norm_clipping=40.0,
     optimizer=OPT,
     actor_loops=1,
@@ -160,3 +156,20 @@ def test_r2d2_sequences_keep_the_state_they_started_from():
             t, b = matches[0]
             h, c = items["core"]
             assert torch.equal(h[k], cores[t][0][0, b]) and torch.equal(c[k], cores[t][1][0, b])
+
+
+def test_a_restarted_actor_loop_counts_once():
+    """The learner's ``actors`` column counts actor loops by their index in the run: a
+    loop restarted in a new process (a new Rpc name) replaces its predecessor at once
+    instead of counting beside it until that one goes stale."""
+    from moolib.agents.offpolicy_run import _Reports
+
+    reports = _Reports()
+    reports.add("learner-actor0-100", 0, 10, [])
+    reports.add("learner-actor0-100", 1, 10, [])  # a second loop of the same process
+    reports.add("learner-actor1-101", 2, 10, [])
+    assert reports.take()[1] == 3
+    reports.add("learner-actor0-200", 0, 10, [])  # actor process 0, restarted
+    reports.add("learner-actor0-200", 1, 10, [])
+    assert reports.take()[1] == 3
+    assert reports.take_steps() == 50

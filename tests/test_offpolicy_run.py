@@ -29,6 +29,7 @@ from helpers.run_util import (
     session_pids,
     wait_for,
 )
+from moolib.agents import checkpoint
 from moolib.agents.offpolicy_run import COLUMNS, evaluate
 
 # Learning runs: their budget is env steps; on a loaded 2-core box they take minutes.
@@ -40,11 +41,22 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def learned(savedir: Path, column: str = "return_eps_lt_0.1") -> float:
-    """The best logged mean return of the run's low-epsilon actors."""
+def _logged(savedir: Path, column: str) -> list[float]:
     _, rows = read_logs(savedir / "logs.tsv")
-    values = [r[column] for r in rows if r["episodes"] > 0 and r[column] == r[column]]
-    return max(values, default=float("nan"))
+    return [r[column] for r in rows if r["episodes"] > 0 and r[column] == r[column]]
+
+
+def learned(savedir: Path, column: str = "return_eps_lt_0.1") -> float:
+    """The best logged mean return of the run's low-epsilon actors (the best of many
+    rows of a few episodes each: an optimistic figure)."""
+    return max(_logged(savedir, column), default=float("nan"))
+
+
+def final(savedir: Path, column: str = "return_eps_lt_0.1", rows: int = 10) -> float:
+    """The low-epsilon actors' mean return over the last ``rows`` log rows that saw
+    their episodes: what the policy of the run's end scores while acting."""
+    values = _logged(savedir, column)[-rows:]
+    return statistics.mean(values) if values else float("nan")
 
 
 # -- learning ------------------------------------------------------------------------------
@@ -90,17 +102,36 @@ def test_r2d2_learns_cartpole_without_velocities_and_apex_does_not(tmp_path):
     recurrent = tmp_path / "r2d2"
     check_ok(
         run(
-            ["agent=r2d2", "env=cartpole-novel", *SMALL, budget, f"savedir={recurrent}"],
+            # Checkpoints every 60 s: the history holds the last three policies.
+            [
+                "agent=r2d2",
+                "env=cartpole-novel",
+                *SMALL,
+                budget,
+                "checkpoint_interval=60",
+                f"savedir={recurrent}",
+            ],
             tmp_path,
             timeout=LEARN_TIMEOUT,
         )
     )
-    # Its low-epsilon actors' mean return reached 195. The final checkpoint played greedily
-    # is checked against a lower bar: on this env it has scored from 134 to over 195 (a
-    # checkpoint may land in a dip), still far above what the feed-forward agent reaches.
-    assert learned(recurrent) >= 195, learned(recurrent)
+    # Its low-epsilon actors' mean return reached 195 (the best log row's: the policy
+    # still moves from update to update, and the mean of the last rows has ended at 163
+    # and at 347 in two runs).
+    assert learned(recurrent) >= 195, (learned(recurrent), final(recurrent))
+    # Played greedily, a recent checkpoint balances the pole as well. Evaluation feeds
+    # the network what the actors do, but one checkpoint is one point of that moving
+    # policy: the final one alone has scored 134 and 164 (clustered: a deterministic
+    # failure) where the one before it scored 277 and the actors, acting on a span of
+    # weight versions, 308. So the best of the last three checkpoints is held to 195
+    # and the final one to 100, far above what the feed-forward agent reaches.
+    greedy = {
+        p.name: statistics.mean(evaluate(recurrent, episodes=10, checkpoint_path=p))
+        for p in checkpoint.list_history(recurrent)
+    }
+    assert max(greedy.values()) >= 195, (greedy, final(recurrent))
     returns = evaluate(recurrent, episodes=10)
-    assert statistics.mean(returns) >= 100, (returns, learned(recurrent))
+    assert statistics.mean(returns) >= 100, (returns, greedy, final(recurrent))
 
     feedforward = tmp_path / "apex"
     check_ok(
@@ -173,6 +204,8 @@ def test_a_killed_actor_does_not_stop_learning_and_a_new_one_joins(tmp_path):
         wait_for(lambda: _updates(savedir) > after_join + 20, 240, "more updates", proc=r)
         _, rows = read_logs(savedir / "logs.tsv")
         assert rows[-1]["inserts_per_s"] > 0
+        # The restarted actor took its predecessor's place in the count.
+        assert max(row["actors"] for row in rows) <= 2, [row["actors"] for row in rows]
         r.interrupt()
         assert r.wait(STOP_TIMEOUT) == 130
         wait_for(lambda: not session_pids(r.pid), 60, "every process of the run to end")

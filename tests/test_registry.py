@@ -19,7 +19,13 @@ import moolib.conf
 import pytest
 import yaml
 from moolib.agents import registry
-from moolib.agents.registry import AgentConfig, agent_config, agent_names, get_agent
+from moolib.agents.registry import (
+    ActorCriticConfig,
+    AgentConfig,
+    agent_config,
+    agent_names,
+    get_agent,
+)
 from moolib.launch import config as config_lib
 from moolib.launch.config import ConfigError
 from omegaconf import OmegaConf
@@ -214,7 +220,7 @@ def test_an_agent_is_registered_not_listed(compose_config, monkeypatch):
     in moolib-run or the Trainer names the agents."""
 
     @dataclasses.dataclass(frozen=True)
-    class TemperedConfig(AgentConfig):
+    class TemperedConfig(ActorCriticConfig):
         temperature: float  # softmax temperature of the policy
 
         def __post_init__(self) -> None:
@@ -287,3 +293,35 @@ def test_offpolicy_settings_are_checked_naming_the_key(compose_config, overrides
     with pytest.raises(ConfigError) as e:
         config_lib.validate(compose_config("env=cartpole", *overrides))
     assert message in str(e.value)
+
+
+ACTOR_CRITIC_KEYS = {"unroll_length", "virtual_batch_size", "baseline_cost", "entropy_cost"}
+
+
+def test_the_config_schema_is_per_agent_family(compose_config):
+    """Actor-critic agents carry the unroll and loss-weight keys; off-policy agents do
+    not, and a savedir written when they did (its config.yaml has them) still builds."""
+    for name in ONPOLICY:
+        assert issubclass(get_agent(name).config, ActorCriticConfig)
+    for name in OFFPOLICY:
+        config = get_agent(name).config
+        assert not issubclass(config, ActorCriticConfig)
+        assert not ACTOR_CRITIC_KEYS & {f.name for f in dataclasses.fields(config)}
+        values = OmegaConf.to_container(compose_config(f"agent={name}").agent, resolve=True)
+        assert not ACTOR_CRITIC_KEYS & set(values)
+        old = {
+            **values,
+            "unroll_length": 1,
+            "virtual_batch_size": values["batch_size"],
+            "baseline_cost": 0.0,
+            "entropy_cost": 0.0,
+        }
+        assert agent_config(old) == agent_config(values)
+        # A key no config of the agent ever had is still an error naming it.
+        with pytest.raises(ConfigError, match="unknown key agent.clip_rho_threshold"):
+            agent_config({**values, "clip_rho_threshold": 1.0})
+    # An actor-critic agent needs its keys, named when missing.
+    values = OmegaConf.to_container(compose_config("agent=vtrace").agent, resolve=True)
+    del values["unroll_length"]
+    with pytest.raises(ConfigError, match="agent.unroll_length is missing"):
+        agent_config(values)
