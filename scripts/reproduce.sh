@@ -69,7 +69,13 @@ usage() {
 }
 
 known() {
-  names | grep -qxF -- "$1"
+  # No pipe into grep -q: it exits at the first match, and under pipefail the
+  # SIGPIPE that names then takes would make a known name look unknown.
+  local name
+  for name in $(names); do
+    [[ $name == "$1" ]] && return 0
+  done
+  return 1
 }
 
 case "${1:-}" in

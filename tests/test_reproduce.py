@@ -67,7 +67,9 @@ def hydra_conf():
 
 def test_every_command_composes_into_a_valid_config(hydra_conf):
     for name in names():
-        args = shlex.split(script("--print", name).stdout)[1:]
+        printed = script("--print", name)
+        assert printed.returncode == 0, (name, printed.stderr)
+        args = shlex.split(printed.stdout)[1:]
         overrides = [a for a in args if not a.startswith("savedir=")]
         cfg = compose("config", overrides=overrides)
         config_lib.validate(cfg)
