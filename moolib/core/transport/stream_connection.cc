@@ -26,6 +26,13 @@ constexpr int kMaxFdsPerMessage = 64;
 constexpr auto kBurstGap = std::chrono::microseconds(10);
 constexpr auto kBurstDelay = std::chrono::microseconds(50);
 constexpr size_t kBurstFrames = 64;
+// A thread that served the fd itself (a caller waiting for a reply, a worker
+// serving a connection it took requests from) leaves it out of the epoll set
+// this long rather than re-arming it at once: the same thread usually takes
+// it back within microseconds (the next sync() on it, the request after the
+// one it ran), and each hand-over would otherwise cost two epoll_ctl calls.
+// Frames arriving while nobody serves a parked fd wait at most this long.
+constexpr auto kParkWindow = std::chrono::microseconds(500);
 }  // namespace
 
 StreamConnection::StreamConnection(Fd fd, std::string local, std::string remote)
@@ -52,6 +59,11 @@ uint32_t StreamConnection::wantedEvents() const {
 
 void StreamConnection::updateArm() {
   std::lock_guard<std::mutex> lock(stateMutex_);
+  if (parked_) {
+    // The socket is full: the rest must not wait for the park window.
+    unparkLocked();
+    return;
+  }
   if (armed_ && token_) Loop::instance().rearm(fd_.get(), token_, wantedEvents());
 }
 
@@ -225,6 +237,8 @@ void StreamConnection::close(const Error& reason) {
   writeQueue_.clear();
   // The hang-up wakes whoever handles the fd, which then finalizes.
   if (fd_) ::shutdown(fd_.get(), SHUT_RDWR);
+  std::lock_guard<std::mutex> stateLock(stateMutex_);
+  if (parked_) unparkLocked();
 }
 
 void StreamConnection::fail(const std::string& why) {
@@ -319,6 +333,7 @@ bool StreamConnection::tryOwn() {
   std::lock_guard<std::mutex> lock(stateMutex_);
   if (owned_ || handling_ || finalized_ || !token_) return false;
   owned_ = true;
+  parked_ = false;  // taken back: no epoll_ctl either way
   if (armed_) {
     armed_ = false;
     Loop::instance().rearm(fd_.get(), token_, 0);
@@ -326,13 +341,40 @@ bool StreamConnection::tryOwn() {
   return true;
 }
 
-void StreamConnection::unown() {
-  std::lock_guard<std::mutex> lock(stateMutex_);
+void StreamConnection::unownLocked() {
   owned_ = false;
-  if (!finalized_) {
+  if (finalized_) return;
+  if (closed_ || wantWrite_) {
+    // A hang-up to finalize, or writes waiting for room: no delay for these.
     armed_ = true;
     Loop::instance().rearm(fd_.get(), token_, wantedEvents());
+    return;
   }
+  parked_ = true;
+  if (parkTimer_) return;  // the pending one re-arms the fd if still parked then
+  std::weak_ptr<StreamConnection> weak = shared_from_this();
+  parkTimer_ = Loop::instance().addTimer(Clock::now() + kParkWindow, [weak] {
+    if (auto self = weak.lock()) self->onParkTimer();
+  });
+}
+
+void StreamConnection::unown() {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  unownLocked();
+}
+
+void StreamConnection::unparkLocked() {
+  parked_ = false;
+  if (finalized_) return;
+  armed_ = true;
+  Loop::instance().rearm(fd_.get(), token_, wantedEvents());
+}
+
+void StreamConnection::onParkTimer() {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  parkTimer_ = 0;
+  // Owned now: its owner parks it again when done, with a timer of its own.
+  if (parked_) unparkLocked();
 }
 
 bool StreamConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline) {

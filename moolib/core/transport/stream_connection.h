@@ -78,7 +78,14 @@ class StreamConnection : public Connection,
   // handles the connection (a loop worker, or a thread in serveWhile).
   void handle(uint32_t events);
   bool tryOwn();
+  // Gives the fd up; it stays out of the epoll set (parked) for a short
+  // while, see kParkWindow. stateMutex_ held.
+  void unownLocked();
   void unown();
+  // Puts a parked fd back into the epoll set. stateMutex_ held.
+  void unparkLocked();
+  // Re-arms the fd if it is still parked once the window has passed.
+  void onParkTimer();
   // Serves the fd on this thread until done() or the deadline; false if it
   // could not take the fd. Requests read run here when runInline.
   bool serve(const std::function<bool()>& done, TimePoint deadline, bool runInline, bool* active);
@@ -110,12 +117,16 @@ class StreamConnection : public Connection,
   uint64_t flushTimer_ = 0;  // pending flush of a coalesced burst
 
   // Who handles the fd: the loop (armed_ in epoll, or handling_ now) or a
-  // thread in serveWhile (owned_). Exactly one at a time.
+  // thread in serveWhile (owned_). Exactly one at a time, or none while the
+  // fd is parked_: out of the epoll set after a thread served it, until it
+  // serves it again or parkTimer_ puts it back.
   std::mutex stateMutex_;
   bool armed_ = false;
   bool handling_ = false;
   bool owned_ = false;
+  bool parked_ = false;
   bool finalized_ = false;
+  uint64_t parkTimer_ = 0;
 
   // Read side; touched only by the thread handling the connection.
   std::vector<uint8_t> staging_;

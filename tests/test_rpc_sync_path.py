@@ -1,0 +1,149 @@
+"""The sync() round trip between processes: a caller serves the connection its
+reply comes on, and a connection a thread served itself stays out of the
+event loop's epoll set for a short while afterwards (parked) before the loop
+takes it back. These tests cover what must still work around that: frames
+that arrive while nobody serves a parked connection, many threads and both
+sides calling over one connection, nested calls, large replies, timeouts and
+a peer that dies while its connection is parked."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+from helpers.util import DEADLINE, TRANSPORT_IDS, TRANSPORTS, wait_for
+
+import moolib
+
+pytestmark = pytest.mark.usefixtures("watchdog")
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS[1:], ids=TRANSPORT_IDS[1:])
+def server(request, module_spawn_peer):
+    """A peer process on one transport (shm, tcp), shared by the module."""
+    name = "sync-srv-" + TRANSPORT_IDS[TRANSPORTS.index(request.param)]
+    peer = module_spawn_peer(name, transports=request.param, timeout=DEADLINE)
+    peer.transports = request.param
+    return peer
+
+
+@pytest.fixture
+def client(make_rpc, server):
+    rpc = make_rpc(
+        "sync-client-" + moolib.create_uid()[:8], transports=server.transports, timeout=DEADLINE
+    )
+    rpc.connect(server.address)
+    assert rpc.sync(server.name, "pid") == server.pid
+    return rpc
+
+
+def test_back_to_back_syncs_return_their_own_results(client, server):
+    for i in range(2000):
+        assert client.sync(server.name, "echo", i) == i
+
+
+def test_peer_request_reaches_us_while_nobody_waits(client, server):
+    # Our syncs leave the connection parked; the peer's call back into us then
+    # arrives while no thread of ours serves it, and must still be read.
+    client.define("hello", lambda who: f"hello {who}")
+    for round_ in range(20):
+        for i in range(20):
+            assert client.sync(server.name, "echo", i) == i
+        future = client.async_(server.name, "call", client.get_name(), "hello", round_)
+        # Poll without waiting on the future: waiting would serve the connection.
+        wait_for(future.done, what="the peer's call back into us")
+        assert future.result() == f"hello {round_}"
+
+
+def test_many_threads_sync_over_one_connection(client, server):
+    errors = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(300):
+                value = (t, i)
+                assert client.sync(server.name, "echo", value) == value
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[:3]
+
+
+def test_both_sides_sync_at_once(client, server):
+    # Some threads call plain functions while others call a function that
+    # calls back into us with its own sync, so both processes wait on, serve
+    # and park the same connection concurrently.
+    client.define("twice", lambda x: 2 * x)
+    errors = []
+
+    def plain(t: int) -> None:
+        try:
+            for i in range(200):
+                assert client.sync(server.name, "add", t, i) == t + i
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def nested(t: int) -> None:
+        try:
+            for i in range(100):
+                assert client.sync(server.name, "call", client.get_name(), "twice", i) == 2 * i
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=plain, args=(t,)) for t in range(3)]
+    threads += [threading.Thread(target=nested, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[:3]
+
+
+@pytest.mark.parametrize("size", [1, 300_000, 64 << 20])
+def test_sync_with_a_large_reply(client, server, size):
+    for _ in range(3):
+        reply = client.sync(server.name, "zeros", size)
+        assert reply.numel() == size and int(reply.sum()) == 0
+        assert client.sync(server.name, "echo", size) == size
+
+
+def test_timeout_fires_while_the_caller_serves_the_connection(client, server):
+    client.set_timeout(0.5)
+    start = time.monotonic()
+    with pytest.raises(moolib.RpcError, match="timed out"):
+        client.sync(server.name, "sleep", 3)
+    assert time.monotonic() - start < DEADLINE
+    client.set_timeout(DEADLINE)
+    # The late reply is dropped; the connection goes on working.
+    for i in range(50):
+        assert client.sync(server.name, "echo", i) == i
+
+
+def test_peer_killed_while_its_connection_is_parked(make_rpc, spawn_peer, server):
+    peer = spawn_peer("sync-doomed", transports=server.transports)
+    rpc = make_rpc("sync-survivor", transports=server.transports, timeout=DEADLINE)
+    rpc.connect(peer.address)
+    for i in range(100):
+        assert rpc.sync("sync-doomed", "echo", i) == i
+    rpc.set_timeout(2)
+    peer.kill(signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        rpc.sync("sync-doomed", "pid")
+    assert time.monotonic() - start < DEADLINE
+    # The loss is noticed without anyone calling: the link goes away.
+    wait_for(
+        lambda: not any(
+            p["name"] == "sync-doomed" and p["connections"] for p in rpc.debug_info()["peers"]
+        ),
+        what="the dead peer's connection to close",
+    )
