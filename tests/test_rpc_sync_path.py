@@ -142,8 +142,10 @@ def test_peer_killed_while_its_connection_is_parked(make_rpc, spawn_peer, server
     assert time.monotonic() - start < DEADLINE
     # The loss is noticed without anyone calling: the link goes away.
     wait_for(
-        lambda: not any(
-            p["name"] == "sync-doomed" and p["connections"] for p in rpc.debug_info()["peers"]
+        lambda: (
+            not any(
+                p["name"] == "sync-doomed" and p["connections"] for p in rpc.debug_info()["peers"]
+            )
         ),
         what="the dead peer's connection to close",
     )
