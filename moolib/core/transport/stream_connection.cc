@@ -351,9 +351,14 @@ void StreamConnection::unownLocked() {
     return;
   }
   parked_ = true;
-  if (parkTimer_) return;  // the pending one re-arms the fd if still parked then
+  parkedAt_ = Clock::now();
+  if (parkTimer_) return;  // the pending one sees to it
+  armParkTimerLocked(parkedAt_ + kParkWindow);
+}
+
+void StreamConnection::armParkTimerLocked(TimePoint when) {
   std::weak_ptr<StreamConnection> weak = shared_from_this();
-  parkTimer_ = Loop::instance().addTimer(Clock::now() + kParkWindow, [weak] {
+  parkTimer_ = Loop::instance().addTimer(when, [weak] {
     if (auto self = weak.lock()) self->onParkTimer();
   });
 }
@@ -373,8 +378,16 @@ void StreamConnection::unparkLocked() {
 void StreamConnection::onParkTimer() {
   std::lock_guard<std::mutex> lock(stateMutex_);
   parkTimer_ = 0;
-  // Owned now: its owner parks it again when done, with a timer of its own.
-  if (parked_) unparkLocked();
+  // Owned now: its owner parks it again when done, and sees to a timer then.
+  if (!parked_ || finalized_) return;
+  // Parked again since this timer was set (a caller making sync() calls back
+  // to back takes it and parks it every few microseconds): it has a full
+  // window from then, without an epoll_ctl pair now.
+  if (Clock::now() - parkedAt_ < kParkWindow) {
+    armParkTimerLocked(parkedAt_ + kParkWindow);
+    return;
+  }
+  unparkLocked();
 }
 
 bool StreamConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline) {

@@ -84,8 +84,9 @@ class StreamConnection : public Connection,
   void unown();
   // Puts a parked fd back into the epoll set. stateMutex_ held.
   void unparkLocked();
-  // Re-arms the fd if it is still parked once the window has passed.
+  // Re-arms the fd once it has been parked for a whole window.
   void onParkTimer();
+  void armParkTimerLocked(TimePoint when);
   // Serves the fd on this thread until done() or the deadline; false if it
   // could not take the fd. Requests read run here when runInline.
   bool serve(const std::function<bool()>& done, TimePoint deadline, bool runInline, bool* active);
@@ -127,6 +128,7 @@ class StreamConnection : public Connection,
   bool parked_ = false;
   bool finalized_ = false;
   uint64_t parkTimer_ = 0;
+  TimePoint parkedAt_{};
 
   // Read side; touched only by the thread handling the connection.
   std::vector<uint8_t> staging_;
