@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "transport/transport.h"
+
 namespace moolib {
 
 bool FutureState::setResult(std::vector<BufferPtr> segments) {
@@ -28,11 +30,13 @@ bool FutureState::complete(std::vector<BufferPtr> segments, std::string error, b
     // its (thread-local) Waiter cannot be gone, its eventfd closed and the
     // number reused, while it is written to here.
     Waiter* self = existingWaiter();  // not created here: completing must not need a descriptor
-    for (Waiter* w : waiters_) {
-      // The poller re-checks its own condition after each round anyway.
+    // The poller re-checks its own condition after each round anyway.
+    if (waiter_ && waiter_ != self) waiter_->notify();
+    waiter_ = nullptr;
+    for (Waiter* w : moreWaiters_) {
       if (w != self) w->notify();
     }
-    waiters_.clear();
+    moreWaiters_.clear();
     callbacks.swap(callbacks_);
   }
   for (auto& cb : callbacks) Loop::instance().schedule(std::move(cb));
@@ -41,33 +45,44 @@ bool FutureState::complete(std::vector<BufferPtr> segments, std::string error, b
 
 bool FutureState::wait(TimePoint deadline) {
   Waiter* self = &currentWaiter();
-  Serve serve;
+  std::weak_ptr<Connection> serve;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_.load(std::memory_order_relaxed)) return true;
-    waiters_.push_back(self);
+    if (!waiter_) {
+      waiter_ = self;
+    } else {
+      moreWaiters_.push_back(self);
+    }
     serve = serve_;
   }
-  auto isDone = [this] { return done(); };
+  std::function<bool()> isDone = [this] { return done(); };
   // A pool worker waiting here must not leave the pool short of the worker
   // that may have to run what it waits for (a nested call back into this
   // process).
   BlockingRegion blocking;
+  bool serving = !serve.expired();
   while (!done() && Clock::now() < deadline) {
-    if (!serve || !serve(isDone, deadline)) {
-      serve = nullptr;  // someone else handles that connection: they will notify us
-      self->sleepUntil(deadline);
+    if (serving) {
+      auto conn = serve.lock();
+      serving = conn && conn->serveWhile(isDone, deadline);
     }
+    // Someone else handles that connection: they will notify us.
+    if (!serving) self->sleepUntil(deadline);
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = std::find(waiters_.begin(), waiters_.end(), self);
-  if (it != waiters_.end()) waiters_.erase(it);
+  if (waiter_ == self) {
+    waiter_ = nullptr;
+  } else {
+    auto it = std::find(moreWaiters_.begin(), moreWaiters_.end(), self);
+    if (it != moreWaiters_.end()) moreWaiters_.erase(it);
+  }
   return done();
 }
 
-void FutureState::setServe(Serve serve) {
+void FutureState::setServe(std::weak_ptr<Connection> conn) {
   std::lock_guard<std::mutex> lock(mutex_);
-  serve_ = std::move(serve);
+  serve_ = std::move(conn);
 }
 
 void FutureState::onDone(Task fn) {

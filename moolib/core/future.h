@@ -13,6 +13,8 @@
 
 namespace moolib {
 
+class Connection;
+
 class FutureState {
  public:
   // The first completion wins; later ones return false.
@@ -27,10 +29,9 @@ class FutureState {
   bool wait(TimePoint deadline);
   // Runs fn on a pool worker once done (at once if already done).
   void onDone(Task fn);
-  // How a waiting thread can serve the I/O the completion will come from
-  // (the connection the request went out on); see Connection::serveWhile.
-  using Serve = std::function<bool(const std::function<bool()>& done, TimePoint deadline)>;
-  void setServe(Serve serve);
+  // The connection the completion will come from (the one the request went
+  // out on): a waiting thread serves it itself; see Connection::serveWhile.
+  void setServe(std::weak_ptr<Connection> conn);
 
   // Valid once done().
   const std::string& error() const { return error_; }
@@ -44,9 +45,12 @@ class FutureState {
   bool cancelled_ = false;
   std::string error_;
   std::vector<BufferPtr> result_;
-  std::vector<Waiter*> waiters_;
+  // Threads waiting; nearly always one (a sync() call), kept without a
+  // vector's allocation.
+  Waiter* waiter_ = nullptr;
+  std::vector<Waiter*> moreWaiters_;
   std::vector<Task> callbacks_;
-  Serve serve_;
+  std::weak_ptr<Connection> serve_;
 };
 using FuturePtr = std::shared_ptr<FutureState>;
 

@@ -294,11 +294,7 @@ FuturePtr Rpc::call(const std::string& peer, const std::string& function,
   }
   pending.sent = true;
   lock.unlock();
-  std::weak_ptr<Connection> conn = link->conn;
-  future->setServe([conn](const std::function<bool()>& done, TimePoint deadline) {
-    auto c = conn.lock();
-    return c && c->serveWhile(done, deadline);
-  });
+  future->setServe(link->conn);
   sendRequest(link, id, function, std::move(segments));
   return future;
 }

@@ -341,10 +341,10 @@ bool StreamConnection::tryOwn() {
   return true;
 }
 
-void StreamConnection::unownLocked() {
+void StreamConnection::unownLocked(bool park) {
   owned_ = false;
   if (finalized_) return;
-  if (closed_ || wantWrite_) {
+  if (!park || closed_ || wantWrite_) {
     // A hang-up to finalize, or writes waiting for room: no delay for these.
     armed_ = true;
     Loop::instance().rearm(fd_.get(), token_, wantedEvents());
@@ -363,9 +363,9 @@ void StreamConnection::armParkTimerLocked(TimePoint when) {
   });
 }
 
-void StreamConnection::unown() {
+void StreamConnection::unown(bool park) {
   std::lock_guard<std::mutex> lock(stateMutex_);
-  unownLocked();
+  unownLocked(park);
 }
 
 void StreamConnection::unparkLocked() {
@@ -427,7 +427,10 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
     }
   }
   if (closed_) handle(EPOLLIN);
-  unown();
+  // A caller that got its reply usually calls again at once; a worker that
+  // served the connection by itself goes back to the pool, and may run
+  // anything there: the loop takes the connection back now.
+  unown(!runInline);
   return true;
 }
 

@@ -78,10 +78,10 @@ class StreamConnection : public Connection,
   // handles the connection (a loop worker, or a thread in serveWhile).
   void handle(uint32_t events);
   bool tryOwn();
-  // Gives the fd up; it stays out of the epoll set (parked) for a short
-  // while, see kParkWindow. stateMutex_ held.
-  void unownLocked();
-  void unown();
+  // Gives the fd up: back into the epoll set, or, with park, out of it
+  // (parked) for a short while, see kParkWindow. stateMutex_ held.
+  void unownLocked(bool park);
+  void unown(bool park = true);
   // Puts a parked fd back into the epoll set. stateMutex_ held.
   void unparkLocked();
   // Re-arms the fd once it has been parked for a whole window.
