@@ -149,3 +149,22 @@ def test_peer_killed_while_its_connection_is_parked(make_rpc, spawn_peer, server
         ),
         what="the dead peer's connection to close",
     )
+
+
+def test_peer_killed_while_a_sync_waits(make_rpc, spawn_peer, server):
+    peer = spawn_peer("sync-victim", transports=server.transports)
+    rpc = make_rpc("sync-waiter", transports=server.transports, timeout=DEADLINE)
+    rpc.connect(peer.address)
+    assert rpc.sync("sync-victim", "pid") == peer.pid
+    rpc.set_timeout(2)
+    killer = threading.Timer(0.5, peer.kill)
+    killer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError):
+            rpc.sync("sync-victim", "sleep", 30)
+    finally:
+        killer.join()
+    assert time.monotonic() - start < DEADLINE
+    rpc.define("local", lambda: "fine")
+    assert rpc.sync("sync-waiter", "local") == "fine"
