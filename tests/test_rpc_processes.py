@@ -15,7 +15,9 @@ from helpers.util import (
     TRANSPORT_IDS,
     TRANSPORTS,
     assert_same,
+    client_of,
     connections,
+    module_server,
     peer_entry,
     sample_payload,
     transports_to,
@@ -30,19 +32,12 @@ pytestmark = pytest.mark.usefixtures("watchdog")
 @pytest.fixture(scope="module", params=TRANSPORTS, ids=TRANSPORT_IDS)
 def server(request, module_spawn_peer):
     """A peer process restricted to the transports of the parameter, shared by the module."""
-    name = "srv-" + TRANSPORT_IDS[TRANSPORTS.index(request.param)]
-    peer = module_spawn_peer(name, transports=request.param, timeout=DEADLINE)
-    peer.transports = request.param
-    return peer
+    return module_server(module_spawn_peer, "srv-", request.param)
 
 
 @pytest.fixture
 def client(make_rpc, server):
-    rpc = make_rpc(
-        "client-" + moolib.create_uid()[:8], transports=server.transports, timeout=DEADLINE
-    )
-    rpc.connect(server.address)
-    return rpc
+    return client_of(make_rpc, server, "client-")
 
 
 # ---------------------------------------------------------------------------

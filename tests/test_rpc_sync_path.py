@@ -8,12 +8,21 @@ a peer that dies while its connection is parked."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
 
 import pytest
-from helpers.util import DEADLINE, TRANSPORT_IDS, TRANSPORTS, wait_for
+from helpers.util import (
+    DEADLINE,
+    TRANSPORT_IDS,
+    TRANSPORTS,
+    client_of,
+    module_server,
+    run_in_threads,
+    wait_for,
+)
 
 import moolib
 
@@ -23,18 +32,12 @@ pytestmark = pytest.mark.usefixtures("watchdog")
 @pytest.fixture(scope="module", params=TRANSPORTS[1:], ids=TRANSPORT_IDS[1:])
 def server(request, module_spawn_peer):
     """A peer process on one transport (shm, tcp), shared by the module."""
-    name = "sync-srv-" + TRANSPORT_IDS[TRANSPORTS.index(request.param)]
-    peer = module_spawn_peer(name, transports=request.param, timeout=DEADLINE)
-    peer.transports = request.param
-    return peer
+    return module_server(module_spawn_peer, "sync-srv-", request.param)
 
 
 @pytest.fixture
 def client(make_rpc, server):
-    rpc = make_rpc(
-        "sync-client-" + moolib.create_uid()[:8], transports=server.transports, timeout=DEADLINE
-    )
-    rpc.connect(server.address)
+    rpc = client_of(make_rpc, server, "sync-client-")
     assert rpc.sync(server.name, "pid") == server.pid
     return rpc
 
@@ -58,23 +61,11 @@ def test_peer_request_reaches_us_while_nobody_waits(client, server):
 
 
 def test_many_threads_sync_over_one_connection(client, server):
-    errors = []
-
     def work(t: int) -> None:
-        try:
-            for i in range(300):
-                value = (t, i)
-                assert client.sync(server.name, "echo", value) == value
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for i in range(300):
+            assert client.sync(server.name, "echo", (t, i)) == (t, i)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(DEADLINE)
-    assert not any(t.is_alive() for t in threads)
-    assert not errors, errors[:3]
+    run_in_threads(*(functools.partial(work, t) for t in range(8)))
 
 
 def test_both_sides_sync_at_once(client, server):
@@ -82,30 +73,16 @@ def test_both_sides_sync_at_once(client, server):
     # calls back into us with its own sync, so both processes wait on, serve
     # and park the same connection concurrently.
     client.define("twice", lambda x: 2 * x)
-    errors = []
 
     def plain(t: int) -> None:
-        try:
-            for i in range(200):
-                assert client.sync(server.name, "add", t, i) == t + i
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for i in range(200):
+            assert client.sync(server.name, "add", t, i) == t + i
 
-    def nested(t: int) -> None:
-        try:
-            for i in range(100):
-                assert client.sync(server.name, "call", client.get_name(), "twice", i) == 2 * i
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+    def nested() -> None:
+        for i in range(100):
+            assert client.sync(server.name, "call", client.get_name(), "twice", i) == 2 * i
 
-    threads = [threading.Thread(target=plain, args=(t,)) for t in range(3)]
-    threads += [threading.Thread(target=nested, args=(t,)) for t in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(DEADLINE)
-    assert not any(t.is_alive() for t in threads)
-    assert not errors, errors[:3]
+    run_in_threads(*(functools.partial(plain, t) for t in range(3)), nested, nested, nested)
 
 
 @pytest.mark.parametrize("size", [1, 300_000, 64 << 20])

@@ -371,3 +371,40 @@ def assert_same(a, b, path="root"):
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b, f"{path}: {b!r} != {a!r}"
+
+
+def module_server(module_spawn_peer, prefix, transports):
+    """A peer process restricted to ``transports``, named after them, for a module."""
+    name = prefix + TRANSPORT_IDS[TRANSPORTS.index(transports)]
+    peer = module_spawn_peer(name, transports=transports, timeout=DEADLINE)
+    peer.transports = transports
+    return peer
+
+
+def client_of(make_rpc, server, prefix):
+    """A fresh in-process Rpc on the server's transports, connected to it."""
+    import moolib
+
+    rpc = make_rpc(prefix + moolib.create_uid()[:8], transports=server.transports, timeout=DEADLINE)
+    rpc.connect(server.address)
+    return rpc
+
+
+def run_in_threads(*targets):
+    """Runs each callable on a thread of its own; raises the first error any of them raised."""
+    errors = []
+
+    def run(fn):
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE)
+    assert not any(t.is_alive() for t in threads), "threads still running"
+    if errors:
+        raise errors[0]
