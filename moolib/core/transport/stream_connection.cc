@@ -79,6 +79,7 @@ BufferPtr StreamConnection::decodeShared(const SegmentDesc&) {
 
 void StreamConnection::send(OutgoingFrame&& frame) {
   if (closed_) return;
+  bool isRequest = frame.type == FrameType::kRequest;
   WriteItem item;
   FrameHeader h{kFrameMagic,
                 kWireVersion,
@@ -115,6 +116,7 @@ void StreamConnection::send(OutgoingFrame&& frame) {
   std::lock_guard<std::mutex> lock(writeMutex_);
   if (closed_) return;
   writeQueue_.push_back(std::move(item));
+  if (isRequest) requestsOut_.fetch_add(1, std::memory_order_relaxed);
   if (corked) return;
   // A thread issuing a burst of calls (sends microseconds apart) gets them
   // coalesced: held back until a batch is full, the thread waits for a
@@ -418,19 +420,24 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
     if (p[0].revents & POLLIN) events |= EPOLLIN;
     if (p[0].revents & POLLOUT) events |= EPOLLOUT;
     if (p[0].revents & (POLLHUP | POLLERR)) events |= EPOLLIN | EPOLLHUP;
+    uint64_t requestsBefore = requestsRead_;
     handle(events);
     if (runInline && Loop::hasInlineTasks()) {
-      // Let the pool read further requests while these run.
-      unown();
+      // Let the pool read further requests while these run: at once when
+      // this read brought several (a burst, more may follow), after the park
+      // window when it brought one (the peer waits for its reply).
+      unown(requestsRead_ - requestsBefore <= 1 && !awaitingReplies());
       Loop::instance().runInlineTasks();
       if (!tryOwn()) return true;
     }
   }
   if (closed_) handle(EPOLLIN);
-  // A caller that got its reply usually calls again at once; a worker that
-  // served the connection by itself goes back to the pool, and may run
-  // anything there: the loop takes the connection back now.
-  unown(!runInline);
+  // A caller that got its reply usually calls again at once, unless more
+  // replies are due on this connection (a caller collecting the results of
+  // a burst of calls): workers may read those while it handles this one. A
+  // worker that served the connection by itself goes back to the pool, and
+  // may run anything there. In both cases the loop takes it back now.
+  unown(!runInline && !awaitingReplies());
   return true;
 }
 
@@ -628,6 +635,8 @@ void StreamConnection::deliver() {
   IncomingFrame frame = std::move(frame_);
   frame_ = IncomingFrame{};
   if (handleInternal(frame)) return;
+  if (frame.type == FrameType::kRequest) ++requestsRead_;
+  if (frame.type == FrameType::kResponse) requestsOut_.fetch_sub(1, std::memory_order_relaxed);
   if (onFrame_) onFrame_(std::move(frame));
 }
 

@@ -129,6 +129,11 @@ class StreamConnection : public Connection,
   bool finalized_ = false;
   uint64_t parkTimer_ = 0;
   TimePoint parkedAt_{};
+  // Requests sent on this connection less replies received on it: whether
+  // more replies are due (then a caller done with its own does not park it).
+  // Only a hint: a reply may come on another link after a reconnect.
+  std::atomic<int64_t> requestsOut_{0};
+  bool awaitingReplies() const { return requestsOut_.load(std::memory_order_relaxed) > 0; }
 
   // Read side; touched only by the thread handling the connection.
   std::vector<uint8_t> staging_;
@@ -139,6 +144,7 @@ class StreamConnection : public Connection,
   IncomingFrame frame_;
   size_t segmentIndex_ = 0;
   size_t segmentFilled_ = 0;
+  uint64_t requestsRead_ = 0;
 };
 
 }  // namespace moolib
