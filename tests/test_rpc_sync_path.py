@@ -145,3 +145,14 @@ def test_peer_killed_while_a_sync_waits(make_rpc, spawn_peer, server):
     assert time.monotonic() - start < DEADLINE
     rpc.define("local", lambda: "fine")
     assert rpc.sync("sync-waiter", "local") == "fine"
+
+
+def test_burst_results_collected_between_syncs(client, server):
+    # While replies to a burst are due, a caller done with its own reply
+    # leaves the connection to the loop; syncs in between still park it.
+    for round_ in range(5):
+        futures = [client.async_(server.name, "echo", (round_, i)) for i in range(300)]
+        for i, f in enumerate(futures):
+            if i % 50 == 0:
+                assert client.sync(server.name, "add", i, 1) == i + 1
+            assert f.result() == (round_, i)
