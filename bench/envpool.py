@@ -682,8 +682,10 @@ def plan(args, atari_skip: str | None) -> list[dict]:
     if importlib.util.find_spec("envpool") is None:  # optional: its rows are skipped
         rows = [r for r in rows if r["key"] not in ("b_envpool", "a_envpool")]
     if args.only:
-        keep = set(args.only.split(",")) | {"b_single", "a_single"}  # ratios need the limits
-        rows = [r for r in rows if r["key"] in keep]
+        keep = set(args.only.split(","))
+        asked = {r["group"] for r in rows if r["key"] in keep}
+        limits = {"b_single", "a_single"}  # the ratios of their groups need them
+        rows = [r for r in rows if r["key"] in keep or (r["key"] in limits and r["group"] in asked)]
     return rows
 
 
@@ -796,7 +798,7 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in samples.items()}
     best = {k: max(v) for k, v in samples.items()}
-    limit_b = med["b_single"]
+    limit_b = med.get("b_single")
     out = []
     for r in rows:
         k = r["key"]
