@@ -820,6 +820,10 @@ def main() -> None:
             entry["ratio_to_limit"] = med[k] / med["a_single"]
         elif r["group"] == "grid" and "g_original" in med:
             entry["ratio_to_original"] = med[k] / med["g_original"]
+            # Both run in every round, one right after the other: the ratio within
+            # a round is less exposed to load that comes and goes over a run.
+            pairs = zip(samples[k], samples["g_original"], strict=True)
+            entry["ratio_per_round"] = [a / b for a, b in pairs]
         out.append(entry)
 
     if args.json:
@@ -880,6 +884,12 @@ def main() -> None:
             ratio = e.get("ratio_to_limit", e.get("ratio_to_original"))
             ratio_text = f"{ratio:>7.2f}" if ratio is not None else " " * 7
             note = ""
+            if e["key"] == "g_moolib" and "ratio_per_round" in e:
+                per_round = e["ratio_per_round"]
+                note = (
+                    f"  per-round ratios: median {statistics.median(per_round):.2f}, "
+                    f"{min(per_round):.2f} to {max(per_round):.2f}"
+                )
             if e["key"] == "b_moolib":
                 ok = e["ratio_to_limit"] >= TARGET_BREAKOUT_RATIO
                 note = f"  target >= {TARGET_BREAKOUT_RATIO:.2f}: {'ok' if ok else 'MISSED'}"
