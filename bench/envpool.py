@@ -31,7 +31,16 @@ with fresh random actions. Configurations:
   double or halve), stepped by moolib.EnvPool(env, num_processes=4,
   batch_size=32, num_batches=2) -- that test's settings -- and, in the same
   rounds, by the original moolib's EnvPool with the same settings, run by the
-  Python at PATH (where the original is installed) in a subprocess.
+  Python at PATH (where the original is installed) in a subprocess. The
+  original 0.0.9b0 builds from its PyPI sdist against torch 2.13 (CPU) with
+  USE_CUDA=0 and CMAKE_POLICY_VERSION_MINIMUM=3.5 once two things are changed
+  in its copy: its CMakeLists.txt finds pybind11 2.13.6 from pip
+  (find_package(pybind11 CONFIG) with pybind11_DIR from pybind11.get_cmake_dir())
+  instead of add_subdirectory(third_party/pybind11), which predates Python 3.11;
+  and RpcDeferredReturn in src/rpc.h picks its function type through a
+  specialised trait instead of std::conditional_t, whose void(const void&)
+  branch GCC 12 rejects. py/moolib and the built _C module then go into that
+  Python's site-packages.
   Preprocessed Atari, if ``moolib.envs.create_env`` exists: Breakout through
   it in moolib.EnvPool, and through ``moolib.envs.create_envpool`` (the
   envpool library, 1 thread per batch), beside its single-process limit.
