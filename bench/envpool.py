@@ -149,8 +149,9 @@ class GridEnv:
     doubles it and 2 halves it, in place; the reward is |sum - 4| and the
     episode ends when the sum falls below 1. That test returns them as 0-d
     tensors, which the original converts with float() and bool(); here they
-    are a Python float and bool, the same work done in the env, because
-    moolib's EnvPool refuses a tensor reward. Doubling has no bound: an
+    are a Python float and bool, the same work done in the env, so that both
+    pools store the same values the same way (moolib's EnvPool takes 0-d tensor
+    rewards too, since 2026-11-26, converting them as the original does). Doubling has no bound: an
     episode can reach an infinite reward and stay there, which is why moolib's
     pool counts non-finite rewards here.
     """
@@ -721,7 +722,7 @@ configurations (all: batch 32 x 2, double-buffered; random actions; one fresh po
       observation {{"n": 4x4 float32 tensor}}, actions 0 keep / 1 double / 2 halve it, reward
       |sum - 4|, done when the sum < 1; old gym API (reset() -> obs, step() -> 3-tuple);
       reward and done a Python float and bool (that test's are 0-d tensors, which
-      moolib's EnvPool refuses).
+      both pools convert with float()/bool(): done here in the env, on both sides).
       Stepped with that test's settings: num_processes=4, batch_size=32, num_batches=2, random
       actions in 0..2. moolib's pool gets nonfinite_rewards="count" (doubling without bound
       reaches an infinite reward; the original stores it unchecked). The original runs in a
