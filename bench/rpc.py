@@ -15,6 +15,8 @@ the ratio of the two. The baseline is one of:
     (``python setup.py build_ext --inplace``), run with this interpreter;
   - a git ref of this repository: exported (git archive) under
     ~/.cache/moolib-bench and built in place there with this interpreter.
+The interpreter may also be one where the original moolib (0.0.9b0) is
+installed: it is told apart by its module, and driven through its own API.
 
 Each moolib runs in a client process of its own (with its own server
 process), so that the two never share an interpreter; the raw references run
@@ -45,21 +47,52 @@ REPO = Path(__file__).resolve().parent.parent
 
 # --- the moolib side: a server, and a client that measures on request --------
 
+# The original moolib (facebookresearch's 0.0.9b0) can be the baseline too. Its Rpc
+# differs in what these need: transport names, listen() returns no address,
+# debug_info() only prints, and there is no close().
+ORIGINAL_TRANSPORTS = {"shm": "shared memory", "tcp": "tcp/ip"}
+
+
+def is_original(moolib) -> bool:
+    return not hasattr(moolib, "_core")
+
 
 def serve() -> None:
     import moolib
+
+    if is_original(moolib):
+        # Without torch imported here, its server never answers a call with a tensor.
+        import torch  # noqa: F401
 
     rpc = moolib.Rpc()
     rpc.set_name("bench-server")
     rpc.define("noop", lambda *args: None)
     rpc.define("take", lambda tensor: None)
-    print(rpc.listen("127.0.0.1:0"), flush=True)
+    if is_original(moolib):
+        with socket.socket() as s:  # a free port (it cannot say which port 0 became)
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+        rpc.listen(address)
+    else:
+        address = rpc.listen("127.0.0.1:0")
+    print(address, flush=True)
     sys.stdin.read()  # until the client closes our stdin
 
 
 def connect(moolib, address: str, transport: str):
     rpc = moolib.Rpc()
     rpc.set_name(f"bench-client-{transport}")
+    if is_original(moolib):
+        # Its connect() always dials TCP, and its calls wait for the peer: the
+        # first one that returns made the link; the transport is narrowed after
+        # it (it links every transport the peers share). Which transport then
+        # carries the calls cannot be read back there.
+        rpc.set_timeout(30)
+        rpc.connect(address)
+        rpc.sync("bench-server", "noop")
+        rpc.set_transports([ORIGINAL_TRANSPORTS[transport]])
+        rpc.sync("bench-server", "noop")
+        return rpc
     rpc.set_transports([transport])
     rpc.connect(address)
     deadline = time.time() + 30
@@ -111,7 +144,7 @@ def client() -> None:
             round_trip(rpc, 500)
             async_calls(rpc, 1000)
             bandwidth(rpc)
-        print(json.dumps({"ready": moolib.__file__}), flush=True)
+        print(json.dumps({"ready": moolib.__file__, "original": is_original(moolib)}), flush=True)
         for line in sys.stdin:
             name, _, arg = line.strip().partition(" ")
             kind, _, transport = name.partition("_")
@@ -124,7 +157,8 @@ def client() -> None:
                 value = bandwidth(rpc)
             print(json.dumps({"value": value}), flush=True)
         for rpc in rpcs.values():
-            rpc.close()
+            if hasattr(rpc, "close"):  # the original's Rpc has none
+                rpc.close()
     finally:
         server.stdin.close()
         server.wait(timeout=30)
@@ -141,7 +175,9 @@ class Client:
             text=True,
             env=env,
         )
-        self.module = self._read()["ready"]
+        ready = self._read()
+        self.module = ready["ready"]
+        self.original = ready.get("original", False)
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -347,7 +383,13 @@ def main() -> None:
         f"rounds, load average {os.getloadavg()[0]:.2f} at the end)"
     )
     for who, c in clients.items():
-        print(f"  {who}: {c.module}")
+        if c.original:
+            print(
+                f"  {who}: {c.module} (the original moolib: its shm and tcp figures are calls "
+                "after set_transports() narrowed it to that transport, which it cannot confirm)"
+            )
+        else:
+            print(f"  {who}: {c.module}")
     head = f"{'figure':<32}{'moolib':>12}"
     if "base" in clients:
         head += f"{'base':>12}{'x base':>8}"

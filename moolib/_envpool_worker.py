@@ -69,6 +69,17 @@ def _reward_number(reward: Any) -> float:
         )
     if isinstance(reward, float):  # a subclass of float
         return float(reward)
+    if hasattr(reward, "__array__"):  # a tensor: the original moolib's test envs return 0-d ones
+        name = type(reward).__name__
+        try:
+            arr = np.asarray(reward)
+        except (TypeError, ValueError, RuntimeError) as e:  # a CUDA tensor, say
+            raise Refused(f"reward must be a real number, got {name} ({e})") from None
+        if arr.shape == () and arr.dtype.kind in "biuf":
+            return float(arr)
+        raise Refused(
+            f"reward must be a real number, got {name} of shape {arr.shape} ({arr.dtype})"
+        )
     raise Refused(f"reward must be a real number, got {type(reward).__name__} {_short(reward)}")
 
 

@@ -109,7 +109,9 @@ class EnvPool:
     must lie in the dtype's range (small Python ints into a uint8 image are
     fine, 300 or -1 are not), floats may round to the nearest float32 but not
     overflow, and nothing changes kind (no float into an int array, no None).
-    Rewards must be real numbers that fit in float32. Anything else makes
+    Rewards must be real numbers that fit in float32 (Python or numpy
+    numbers, or 0-d arrays and tensors, as the original moolib's test envs
+    return). Anything else makes
     ``result()`` raise RuntimeError naming the worker, the env, the key and
     what was expected and got; that env is reset at its next step, and the
     batch's other envs take their steps as usual. A NaN or infinite reward

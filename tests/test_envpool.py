@@ -397,6 +397,8 @@ REFUSED = [
     (VECTOR, NORMAL, "1.5", ["reward", "str"]),
     (VECTOR, NORMAL, np.ones(1), ["reward", "ndarray", "(1,)"]),
     (VECTOR, NORMAL, 1j, ["reward", "complex"]),
+    (VECTOR, NORMAL, torch.ones(2), ["reward", "Tensor of shape (2,)"]),
+    (VECTOR, NORMAL, torch.tensor(1 + 2j), ["reward", "Tensor", "complex"]),
 ]
 REFUSED_IDS = [
     "shape-1-into-4",
@@ -425,6 +427,8 @@ REFUSED_IDS = [
     "reward-str",
     "reward-array",
     "reward-complex",
+    "reward-tensor-of-2",
+    "reward-complex-tensor",
 ]
 
 
@@ -497,8 +501,15 @@ def test_values_the_dtype_holds_exactly_are_stored(example, value, stored):
 
 @pytest.mark.parametrize(
     "reward,stored",
-    [(np.float32(0.25), 0.25), (np.int64(3), 3.0), (True, 1.0), (np.array(-2.0), -2.0)],
-    ids=["float32", "int64", "bool", "0-d-array"],
+    [
+        (np.float32(0.25), 0.25),
+        (np.int64(3), 3.0),
+        (True, 1.0),
+        (np.array(-2.0), -2.0),
+        (torch.tensor(0.5), 0.5),
+        (torch.tensor(2), 2.0),
+    ],
+    ids=["float32", "int64", "bool", "0-d-array", "0-d-tensor", "0-d-int-tensor"],
 )
 def test_number_rewards_of_any_numeric_type_are_stored(reward, stored):
     with moolib.EnvPool(misbehaving(VECTOR, NORMAL, reward), 1, 2, 1) as pool:
