@@ -1,10 +1,9 @@
 """The sync() round trip between processes: a caller serves the connection its
-reply comes on, and a connection a thread served itself stays out of the
-event loop's epoll set for a short while afterwards (parked) before the loop
-takes it back. These tests cover what must still work around that: frames
-that arrive while nobody serves a parked connection, many threads and both
-sides calling over one connection, nested calls, large replies, timeouts and
-a peer that dies while its connection is parked."""
+reply comes on (it takes the connection from the event loop while it waits,
+and gives it back after). These tests cover what must still work around
+that: frames that arrive while nobody waits, many threads and both sides
+calling over one connection, nested calls, large replies, timeouts, bursts
+of calls, and a peer that dies between syncs or while one waits."""
 
 from __future__ import annotations
 
@@ -48,8 +47,8 @@ def test_back_to_back_syncs_return_their_own_results(client, server):
 
 
 def test_peer_request_reaches_us_while_nobody_waits(client, server):
-    # Our syncs leave the connection parked; the peer's call back into us then
-    # arrives while no thread of ours serves it, and must still be read.
+    # Our syncs served the connection themselves; the peer's call back into us
+    # then arrives while no thread of ours waits on it, and must still be read.
     client.define("hello", lambda who: f"hello {who}")
     for round_ in range(20):
         for i in range(20):
@@ -70,8 +69,8 @@ def test_many_threads_sync_over_one_connection(client, server):
 
 def test_both_sides_sync_at_once(client, server):
     # Some threads call plain functions while others call a function that
-    # calls back into us with its own sync, so both processes wait on, serve
-    # and park the same connection concurrently.
+    # calls back into us with its own sync, so both processes wait on and
+    # serve the same connection concurrently.
     client.define("twice", lambda x: 2 * x)
 
     def plain(t: int) -> None:
@@ -105,7 +104,7 @@ def test_timeout_fires_while_the_caller_serves_the_connection(client, server):
         assert client.sync(server.name, "echo", i) == i
 
 
-def test_peer_killed_while_its_connection_is_parked(make_rpc, spawn_peer, server):
+def test_peer_killed_between_syncs(make_rpc, spawn_peer, server):
     peer = spawn_peer("sync-doomed", transports=server.transports)
     rpc = make_rpc("sync-survivor", transports=server.transports, timeout=DEADLINE)
     rpc.connect(peer.address)
@@ -149,7 +148,7 @@ def test_peer_killed_while_a_sync_waits(make_rpc, spawn_peer, server):
 
 def test_burst_results_collected_between_syncs(client, server):
     # While replies to a burst are due, a caller done with its own reply
-    # leaves the connection to the loop; syncs in between still park it.
+    # gives the connection back to the loop, which reads the rest.
     for round_ in range(5):
         futures = [client.async_(server.name, "echo", (round_, i)) for i in range(300)]
         for i, f in enumerate(futures):

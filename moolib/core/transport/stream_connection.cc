@@ -26,13 +26,6 @@ constexpr int kMaxFdsPerMessage = 64;
 constexpr auto kBurstGap = std::chrono::microseconds(10);
 constexpr auto kBurstDelay = std::chrono::microseconds(50);
 constexpr size_t kBurstFrames = 64;
-// A thread that served the fd itself (a caller waiting for a reply, a worker
-// serving a connection it took requests from) leaves it out of the epoll set
-// this long rather than re-arming it at once: the same thread usually takes
-// it back within microseconds (the next sync() on it, the request after the
-// one it ran), and each hand-over would otherwise cost two epoll_ctl calls.
-// Frames arriving while nobody serves a parked fd wait at most this long.
-constexpr auto kParkWindow = std::chrono::microseconds(500);
 }  // namespace
 
 StreamConnection::StreamConnection(Fd fd, std::string local, std::string remote)
@@ -59,11 +52,6 @@ uint32_t StreamConnection::wantedEvents() const {
 
 void StreamConnection::updateArm() {
   std::lock_guard<std::mutex> lock(stateMutex_);
-  if (parked_) {
-    // The socket is full: the rest must not wait for the park window.
-    unparkLocked();
-    return;
-  }
   if (armed_ && token_) Loop::instance().rearm(fd_.get(), token_, wantedEvents());
 }
 
@@ -79,7 +67,6 @@ BufferPtr StreamConnection::decodeShared(const SegmentDesc&) {
 
 void StreamConnection::send(OutgoingFrame&& frame) {
   if (closed_) return;
-  bool isRequest = frame.type == FrameType::kRequest;
   WriteItem item;
   FrameHeader h{kFrameMagic,
                 kWireVersion,
@@ -116,7 +103,6 @@ void StreamConnection::send(OutgoingFrame&& frame) {
   std::lock_guard<std::mutex> lock(writeMutex_);
   if (closed_) return;
   writeQueue_.push_back(std::move(item));
-  if (isRequest) requestsOut_.fetch_add(1, std::memory_order_relaxed);
   if (corked) return;
   // A thread issuing a burst of calls (sends microseconds apart) gets them
   // coalesced: held back until a batch is full, the thread waits for a
@@ -239,8 +225,6 @@ void StreamConnection::close(const Error& reason) {
   writeQueue_.clear();
   // The hang-up wakes whoever handles the fd, which then finalizes.
   if (fd_) ::shutdown(fd_.get(), SHUT_RDWR);
-  std::lock_guard<std::mutex> stateLock(stateMutex_);
-  if (parked_) unparkLocked();
 }
 
 void StreamConnection::fail(const std::string& why) {
@@ -335,7 +319,6 @@ bool StreamConnection::tryOwn() {
   std::lock_guard<std::mutex> lock(stateMutex_);
   if (owned_ || handling_ || finalized_ || !token_) return false;
   owned_ = true;
-  parked_ = false;  // taken back: no epoll_ctl either way
   if (armed_) {
     armed_ = false;
     Loop::instance().rearm(fd_.get(), token_, 0);
@@ -343,53 +326,13 @@ bool StreamConnection::tryOwn() {
   return true;
 }
 
-void StreamConnection::unownLocked(bool park) {
+void StreamConnection::unown() {
+  std::lock_guard<std::mutex> lock(stateMutex_);
   owned_ = false;
-  if (finalized_) return;
-  if (!park || closed_ || wantWrite_) {
-    // A hang-up to finalize, or writes waiting for room: no delay for these.
+  if (!finalized_) {
     armed_ = true;
     Loop::instance().rearm(fd_.get(), token_, wantedEvents());
-    return;
   }
-  parked_ = true;
-  parkedAt_ = Clock::now();
-  if (parkTimer_) return;  // the pending one sees to it
-  armParkTimerLocked(parkedAt_ + kParkWindow);
-}
-
-void StreamConnection::armParkTimerLocked(TimePoint when) {
-  std::weak_ptr<StreamConnection> weak = shared_from_this();
-  parkTimer_ = Loop::instance().addTimer(when, [weak] {
-    if (auto self = weak.lock()) self->onParkTimer();
-  });
-}
-
-void StreamConnection::unown(bool park) {
-  std::lock_guard<std::mutex> lock(stateMutex_);
-  unownLocked(park);
-}
-
-void StreamConnection::unparkLocked() {
-  parked_ = false;
-  if (finalized_) return;
-  armed_ = true;
-  Loop::instance().rearm(fd_.get(), token_, wantedEvents());
-}
-
-void StreamConnection::onParkTimer() {
-  std::lock_guard<std::mutex> lock(stateMutex_);
-  parkTimer_ = 0;
-  // Owned now: its owner parks it again when done, and sees to a timer then.
-  if (!parked_ || finalized_) return;
-  // Parked again since this timer was set (a caller making sync() calls back
-  // to back takes it and parks it every few microseconds): it has a full
-  // window from then, without an epoll_ctl pair now.
-  if (Clock::now() - parkedAt_ < kParkWindow) {
-    armParkTimerLocked(parkedAt_ + kParkWindow);
-    return;
-  }
-  unparkLocked();
 }
 
 bool StreamConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline) {
@@ -420,24 +363,16 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
     if (p[0].revents & POLLIN) events |= EPOLLIN;
     if (p[0].revents & POLLOUT) events |= EPOLLOUT;
     if (p[0].revents & (POLLHUP | POLLERR)) events |= EPOLLIN | EPOLLHUP;
-    uint64_t requestsBefore = requestsRead_;
     handle(events);
     if (runInline && Loop::hasInlineTasks()) {
-      // Let the pool read further requests while these run: at once when
-      // this read brought several (a burst, more may follow), after the park
-      // window when it brought one (the peer waits for its reply).
-      unown(requestsRead_ - requestsBefore <= 1 && !awaitingReplies());
+      // Let the pool read further requests while these run.
+      unown();
       Loop::instance().runInlineTasks();
       if (!tryOwn()) return true;
     }
   }
   if (closed_) handle(EPOLLIN);
-  // A caller that got its reply usually calls again at once, unless more
-  // replies are due on this connection (a caller collecting the results of
-  // a burst of calls): workers may read those while it handles this one. A
-  // worker that served the connection by itself goes back to the pool, and
-  // may run anything there. In both cases the loop takes it back now.
-  unown(!runInline && !awaitingReplies());
+  unown();
   return true;
 }
 
@@ -635,8 +570,6 @@ void StreamConnection::deliver() {
   IncomingFrame frame = std::move(frame_);
   frame_ = IncomingFrame{};
   if (handleInternal(frame)) return;
-  if (frame.type == FrameType::kRequest) ++requestsRead_;
-  if (frame.type == FrameType::kResponse) requestsOut_.fetch_sub(1, std::memory_order_relaxed);
   if (onFrame_) onFrame_(std::move(frame));
 }
 

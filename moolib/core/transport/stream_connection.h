@@ -78,15 +78,7 @@ class StreamConnection : public Connection,
   // handles the connection (a loop worker, or a thread in serveWhile).
   void handle(uint32_t events);
   bool tryOwn();
-  // Gives the fd up: back into the epoll set, or, with park, out of it
-  // (parked) for a short while, see kParkWindow. stateMutex_ held.
-  void unownLocked(bool park);
-  void unown(bool park = true);
-  // Puts a parked fd back into the epoll set. stateMutex_ held.
-  void unparkLocked();
-  // Re-arms the fd once it has been parked for a whole window.
-  void onParkTimer();
-  void armParkTimerLocked(TimePoint when);
+  void unown();
   // Serves the fd on this thread until done() or the deadline; false if it
   // could not take the fd. Requests read run here when runInline.
   bool serve(const std::function<bool()>& done, TimePoint deadline, bool runInline, bool* active);
@@ -118,22 +110,12 @@ class StreamConnection : public Connection,
   uint64_t flushTimer_ = 0;  // pending flush of a coalesced burst
 
   // Who handles the fd: the loop (armed_ in epoll, or handling_ now) or a
-  // thread in serveWhile (owned_). Exactly one at a time, or none while the
-  // fd is parked_: out of the epoll set after a thread served it, until it
-  // serves it again or parkTimer_ puts it back.
+  // thread in serveWhile (owned_). Exactly one at a time.
   std::mutex stateMutex_;
   bool armed_ = false;
   bool handling_ = false;
   bool owned_ = false;
-  bool parked_ = false;
   bool finalized_ = false;
-  uint64_t parkTimer_ = 0;
-  TimePoint parkedAt_{};
-  // Requests sent on this connection less replies received on it: whether
-  // more replies are due (then a caller done with its own does not park it).
-  // Only a hint: a reply may come on another link after a reconnect.
-  std::atomic<int64_t> requestsOut_{0};
-  bool awaitingReplies() const { return requestsOut_.load(std::memory_order_relaxed) > 0; }
 
   // Read side; touched only by the thread handling the connection.
   std::vector<uint8_t> staging_;
@@ -144,7 +126,6 @@ class StreamConnection : public Connection,
   IncomingFrame frame_;
   size_t segmentIndex_ = 0;
   size_t segmentFilled_ = 0;
-  uint64_t requestsRead_ = 0;
 };
 
 }  // namespace moolib
