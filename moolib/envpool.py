@@ -111,9 +111,9 @@ class EnvPool:
     overflow, and nothing changes kind (no float into an int array, no None).
     Rewards must be real numbers that fit in float32 (Python or numpy
     numbers, or 0-d arrays and tensors, as the original moolib's test envs
-    return). Anything else makes
-    ``result()`` raise RuntimeError naming the worker, the env, the key and
-    what was expected and got; that env is reset at its next step, and the
+    return). Anything else makes ``result()`` raise RuntimeError naming the
+    worker, the env, the key and what was expected and got; that env is
+    reset at its next step, and the
     batch's other envs take their steps as usual. A NaN or infinite reward
     raises too, unless ``nonfinite_rewards="count"``: then it is stored as it
     came (the episode's return follows it), counted in
