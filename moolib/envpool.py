@@ -113,8 +113,8 @@ class EnvPool:
     numbers, or 0-d arrays and tensors, as the original moolib's test envs
     return). Anything else makes ``result()`` raise RuntimeError naming the
     worker, the env, the key and what was expected and got; that env is
-    reset at its next step, and the
-    batch's other envs take their steps as usual. A NaN or infinite reward
+    reset at its next step, and the batch's other envs take their steps as
+    usual. A NaN or infinite reward
     raises too, unless ``nonfinite_rewards="count"``: then it is stored as it
     came (the episode's return follows it), counted in
     ``nonfinite_reward_count`` and the first one logged as a warning (logger
