@@ -148,12 +148,10 @@ class GridEnv:
     0.5 at [3, 1] and 0.25 at [1, 2]. Action 0 leaves the tensor as it is, 1
     doubles it and 2 halves it, in place; the reward is |sum - 4| and the
     episode ends when the sum falls below 1. That test returns them as 0-d
-    tensors, which the original converts with float() and bool(); here they
-    are a Python float and bool, the same work done in the env, so that both
-    pools store the same values the same way (moolib's EnvPool takes 0-d tensor
-    rewards too, since 2026-11-26, converting them as the original does). Doubling has no bound: an
-    episode can reach an infinite reward and stay there, which is why moolib's
-    pool counts non-finite rewards here.
+    tensors, which both pools convert with float() and bool(); here the env
+    does that conversion itself, the same work on both sides. Doubling has no
+    bound: an episode can reach an infinite reward and stay there, which is
+    why moolib's pool counts non-finite rewards here.
     """
 
     def __init__(self) -> None:

@@ -61,15 +61,9 @@ def _reward_number(reward: Any) -> float:
             raise Refused(f"reward {_short(reward)} does not fit in float32") from None
     if isinstance(reward, _generic) and reward.dtype.kind in "biuf":
         return float(reward)
-    if isinstance(reward, _ndarray) and reward.dtype.kind in "biuf":
-        if reward.shape == ():
-            return float(reward)
-        raise Refused(
-            f"reward must be a real number, got ndarray of shape {reward.shape} ({reward.dtype})"
-        )
     if isinstance(reward, float):  # a subclass of float
         return float(reward)
-    if hasattr(reward, "__array__"):  # a tensor: the original moolib's test envs return 0-d ones
+    if hasattr(reward, "__array__"):  # an array or tensor (the original's test envs give 0-d ones)
         name = type(reward).__name__
         try:
             arr = np.asarray(reward)
