@@ -7,6 +7,7 @@ must be that of the codec path in every case: same values, same errors."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import fractions
 import gc
 import pickle
@@ -53,6 +54,50 @@ def test_the_constants_are_what_the_codec_makes():
     # result; a peer with the Python codec must read them the same.
     assert dumps(((), {})) == (pickle.dumps(((), {}), 5), [])
     assert dumps(None) == (pickle.dumps(None, 5), [])
+
+
+class _List(list):
+    """Not exactly a list."""
+
+
+class _Dict(dict):
+    """Not exactly a dict."""
+
+
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+# Values at and around every rule of the plain check: each scalar type, a
+# subclass of each container, the 16-item and depth-3 limits, dict keys.
+# fmt: off
+PLAIN_CASES = [
+    None, True, 0, 2**200, 1.5, 3j, "s", b"b", _Text("x"), bytearray(b"b"),
+    (), [], {}, (1,) * 16, (1,) * 17, [1] * 16, [1] * 17,
+    {str(i): i for i in range(16)}, {str(i): i for i in range(17)},
+    {1: "a"}, {"a": {1: 2}}, {"a": [1, (2, {"k": 3})]},
+    [[[1]]], [[[[1]]]], [[[()]]], [[[[]]]], ((((1,),),),),
+    _List([1]), _Dict(a=1), [_List()], {"k": _Dict()}, {_Text("k"): 1},
+    _Pair(1, 2), [_Pair(1, 2)],
+    {1, 2}, frozenset(), fractions.Fraction(1, 3), object(), int, len,
+    torch.zeros(2), torch.tensor(1.0), np.float32(1.0), np.int64(2), np.zeros(3),
+    [1, "a", None, [b"x", {"y": 2.0}]], [torch.zeros(1)], {"t": np.ones(1)},
+]
+# fmt: on
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3, 4])
+def test_the_c_plain_check_agrees_with_the_python_one(depth):
+    # bindings.cc's isPlain is the C copy of serialization._is_plain (the
+    # fast path of calls made from C): a value one takes as plain and the
+    # other not would be pickled differently depending on who sends it.
+    from moolib import _core
+    from moolib.serialization import _is_plain
+
+    for value in PLAIN_CASES:
+        assert _core._is_plain(value, depth) == _is_plain(value, depth), (value, depth)
+    # The cases cover both verdicts at this depth.
+    verdicts = {_is_plain(value, depth) for value in PLAIN_CASES}
+    assert verdicts == {True, False}
 
 
 @pytest.fixture(params=TRANSPORTS, ids=lambda t: t[0])

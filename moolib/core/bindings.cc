@@ -1019,6 +1019,11 @@ PYBIND11_MODULE(_core, m) {
   bindReplay(m);
   m.def("drain_releases", [] { DeferredReleases::instance().drain(); });
   m.def(
+      "_is_plain", [](py::handle obj, int depth) { return isPlain(obj.ptr(), depth); },
+      py::arg("obj"), py::arg("depth"),
+      "The C verdict of moolib.serialization._is_plain, exposed so tests can hold the two "
+      "together.");
+  m.def(
       "set_dispatch",
       [](py::object plainType, py::object describe) {
         fastCodec().plainType = std::move(plainType);
