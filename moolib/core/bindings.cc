@@ -745,7 +745,7 @@ namespace {
 // parsed here rather than by pybind11, which builds an args tuple and a
 // kwargs dict and converts both names to std::string on every call.
 FuturePtr callFromArgs(const char* method, PyObject* self, PyObject* const* args, Py_ssize_t nargs,
-                       PyObject* kwnames) {
+                       PyObject* kwnames, bool waitNext) {
   if (nargs < 2) {
     PyErr_Format(PyExc_TypeError, "%s() takes the peer's name and the function's name first",
                  method);
@@ -779,18 +779,18 @@ FuturePtr callFromArgs(const char* method, PyObject* self, PyObject* const* args
   // core lock is ever held while waiting for the GIL, so this cannot
   // deadlock, and it saves a GIL hand-off per call.
   return rpc.rpc->call(std::string(peer, size_t(peerSize)),
-                       std::string(function, size_t(functionSize)), std::move(segs));
+                       std::string(function, size_t(functionSize)), std::move(segs), waitNext);
 }
 
 PyObject* rpcAsync(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   return guarded([&] {
-    return wrapFuture(callFromArgs("async_", self, args, PyVectorcall_NARGS(nargsf), kwnames));
+    return wrapFuture(callFromArgs("async_", self, args, PyVectorcall_NARGS(nargsf), kwnames, false));
   });
 }
 
 PyObject* rpcSync(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   return guarded([&]() -> PyObject* {
-    FuturePtr state = callFromArgs("sync", self, args, PyVectorcall_NARGS(nargsf), kwnames);
+    FuturePtr state = callFromArgs("sync", self, args, PyVectorcall_NARGS(nargsf), kwnames, true);
     futureWait(state, -1);
     if (!state->error().empty()) {
       PyErr_SetString(gRpcError, state->error().c_str());

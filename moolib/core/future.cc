@@ -1,10 +1,16 @@
 #include "future.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "transport/transport.h"
 
 namespace moolib {
+
+FutureState::~FutureState() {
+  if (!claimed_) return;
+  if (auto conn = serve_.lock()) conn->unclaim();
+}
 
 bool FutureState::setResult(std::vector<BufferPtr> segments) {
   return complete(std::move(segments), {}, false);
@@ -46,15 +52,21 @@ bool FutureState::complete(std::vector<BufferPtr> segments, std::string error, b
 bool FutureState::wait(TimePoint deadline) {
   Waiter* self = &currentWaiter();
   std::weak_ptr<Connection> serve;
+  bool claimed, finished;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (done_.load(std::memory_order_relaxed)) return true;
-    if (!waiter_) {
+    claimed = std::exchange(claimed_, false);
+    serve = serve_;
+    finished = done_.load(std::memory_order_relaxed);
+    if (!finished && !waiter_) {
       waiter_ = self;
-    } else {
+    } else if (!finished) {
       moreWaiters_.push_back(self);
     }
-    serve = serve_;
+  }
+  if (finished) {
+    if (auto conn = claimed ? serve.lock() : nullptr) conn->unclaim();
+    return true;
   }
   std::function<bool()> isDone = [this] { return done(); };
   // A pool worker waiting here must not leave the pool short of the worker
@@ -62,6 +74,7 @@ bool FutureState::wait(TimePoint deadline) {
   // process).
   BlockingRegion blocking;
   bool serving = !serve.expired();
+  if (auto conn = claimed ? serve.lock() : nullptr) conn->serveWhile(isDone, deadline, true);
   while (!done() && Clock::now() < deadline) {
     if (serving) {
       auto conn = serve.lock();
@@ -80,9 +93,10 @@ bool FutureState::wait(TimePoint deadline) {
   return done();
 }
 
-void FutureState::setServe(std::weak_ptr<Connection> conn) {
+void FutureState::setServe(std::weak_ptr<Connection> conn, bool claimed) {
   std::lock_guard<std::mutex> lock(mutex_);
   serve_ = std::move(conn);
+  claimed_ = claimed;
 }
 
 void FutureState::onDone(Task fn) {

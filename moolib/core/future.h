@@ -17,6 +17,12 @@ class Connection;
 
 class FutureState {
  public:
+  FutureState() = default;
+  FutureState(const FutureState&) = delete;
+  FutureState& operator=(const FutureState&) = delete;
+  // Hands back a claim no wait took.
+  ~FutureState();
+
   // The first completion wins; later ones return false.
   bool setResult(std::vector<BufferPtr> segments);
   bool setError(std::string error);
@@ -31,7 +37,9 @@ class FutureState {
   void onDone(Task fn);
   // The connection the completion will come from (the one the request went
   // out on): a waiting thread serves it itself; see Connection::serveWhile.
-  void setServe(std::weak_ptr<Connection> conn);
+  // claimed: the caller holds the connection's claim (Connection::claim),
+  // which the first wait takes over.
+  void setServe(std::weak_ptr<Connection> conn, bool claimed = false);
 
   // Valid once done().
   const std::string& error() const { return error_; }
@@ -51,6 +59,7 @@ class FutureState {
   std::vector<Waiter*> moreWaiters_;
   std::vector<Task> callbacks_;
   std::weak_ptr<Connection> serve_;
+  bool claimed_ = false;
 };
 using FuturePtr = std::shared_ptr<FutureState>;
 

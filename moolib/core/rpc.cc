@@ -262,7 +262,7 @@ void Rpc::finishCall(const std::string& function) {
 }
 
 FuturePtr Rpc::call(const std::string& peer, const std::string& function,
-                    std::vector<OutSegment> segments) {
+                    std::vector<OutSegment> segments, bool waitNext) {
   MOO_ENFORCE(generation_ == Loop::generation(),
               "this Rpc was created before the process forked; create a new Rpc in the child");
   if (!started_.load(std::memory_order_acquire)) ensureStarted();
@@ -294,7 +294,7 @@ FuturePtr Rpc::call(const std::string& peer, const std::string& function,
   }
   pending.sent = true;
   lock.unlock();
-  future->setServe(link->conn);
+  future->setServe(link->conn, waitNext && link->conn->claim());
   sendRequest(link, id, function, std::move(segments));
   return future;
 }

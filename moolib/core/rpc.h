@@ -98,8 +98,10 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void define(const std::string& name, Handler handler);
   // Waits for calls of this function in flight (not when called from one).
   void undefine(const std::string& name);
+  // waitNext: the caller waits for the result right away (sync), so it takes
+  // the connection before the request goes out (Connection::claim).
   FuturePtr call(const std::string& peer, const std::string& function,
-                 std::vector<OutSegment> segments);
+                 std::vector<OutSegment> segments, bool waitNext = false);
   DebugInfo debugInfo();
   // Closes the listeners and links before it returns; calls in flight fail.
   void close();

@@ -335,21 +335,22 @@ void StreamConnection::unown() {
   }
 }
 
-bool StreamConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline) {
-  return serve(done, deadline, false, nullptr);
+bool StreamConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline,
+                                  bool claimed) {
+  return serve(done, deadline, claimed, false, nullptr);
 }
 
 bool StreamConnection::serveSticky(TimePoint deadline) {
   bool active = false;
   Loop& loop = Loop::instance();
-  serve([&loop] { return loop.stickyShouldStop(); }, deadline, true, &active);
+  serve([&loop] { return loop.stickyShouldStop(); }, deadline, false, true, &active);
   return active;
 }
 
-bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadline, bool runInline,
-                             bool* active) {
+bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadline, bool owned,
+                             bool runInline, bool* active) {
   flush();
-  if (!tryOwn()) return false;
+  if (!owned && !tryOwn()) return false;
   Waiter& waiter = currentWaiter();
   while (!done() && Clock::now() < deadline && !closed_) {
     pollfd p[2] = {{fd_.get(), short(POLLIN | (wantWrite_ ? POLLOUT : 0)), 0},

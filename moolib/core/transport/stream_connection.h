@@ -37,7 +37,10 @@ class StreamConnection : public Connection,
   uint64_t bytesReceived() const override { return bytesReceived_.load(); }
   void onEvents(uint32_t events) override;
   void uncork() override;
-  bool serveWhile(const std::function<bool()>& done, TimePoint deadline) override;
+  bool serveWhile(const std::function<bool()>& done, TimePoint deadline,
+                  bool claimed = false) override;
+  bool claim() override { return tryOwn(); }
+  void unclaim() override { unown(); }
   bool serveSticky(TimePoint deadline) override;
 
   // Largest message accepted after the handshake.
@@ -80,8 +83,10 @@ class StreamConnection : public Connection,
   bool tryOwn();
   void unown();
   // Serves the fd on this thread until done() or the deadline; false if it
-  // could not take the fd. Requests read run here when runInline.
-  bool serve(const std::function<bool()>& done, TimePoint deadline, bool runInline, bool* active);
+  // could not take the fd (owned: it took it already). Requests read run here
+  // when runInline.
+  bool serve(const std::function<bool()>& done, TimePoint deadline, bool owned, bool runInline,
+             bool* active);
   void readSome();
   void finalize();
   void fail(const std::string& why);

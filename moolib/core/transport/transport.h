@@ -41,7 +41,17 @@ class Connection {
   // Lets the calling thread handle this connection's I/O itself until done()
   // or the deadline, so that a reply wakes the thread waiting for it. Returns
   // false at once if another thread is handling the connection.
-  virtual bool serveWhile(const std::function<bool()>& done, TimePoint deadline) = 0;
+  // claimed: the caller took the connection with claim() beforehand, and
+  // serveWhile hands it back when it returns.
+  virtual bool serveWhile(const std::function<bool()>& done, TimePoint deadline,
+                          bool claimed = false) = 0;
+  // Takes the connection's I/O from the loop ahead of a wait for a reply to a
+  // request not yet sent, so that a reply quicker than the caller cannot wake
+  // a loop worker (a second wake-up and a hand-off). The claim ends in
+  // serveWhile(..., true) or unclaim(). False if another thread handles the
+  // connection.
+  virtual bool claim() { return false; }
+  virtual void unclaim() {}
 };
 using ConnectionPtr = std::shared_ptr<Connection>;
 
