@@ -84,6 +84,33 @@ def test_both_sides_sync_at_once(client, server):
     run_in_threads(*(functools.partial(plain, t) for t in range(3)), nested, nested, nested)
 
 
+def test_a_function_blocked_outside_moolib_does_not_hold_back_its_callers_next_call(
+    client, server
+):
+    # The worker that reads our syncs keeps the connection while it runs them
+    # (Loop::runInlineTasks); one that blocks where the core cannot see it (a
+    # threading.Event) must still let our next call through, or hold would
+    # wait for a release that never comes.
+    for round_ in range(5):
+        for i in range(20):
+            assert client.sync(server.name, "echo", i) == i
+        key = f"{client.get_name()}-{round_}"
+        held = client.async_(server.name, "hold", key, DEADLINE)
+        assert client.sync(server.name, "release", key) is True
+        assert held.result(timeout=DEADLINE) is True
+
+
+@pytest.mark.parametrize("how", ["call", "call_async"])
+def test_functions_calling_back_over_the_connection_they_were_read_from(client, server, how):
+    # The peer's function waits for a call of its own into us, over the
+    # connection its request came on: with sync (which takes that connection
+    # over) or with a future's result().
+    client.define("twice", lambda x: 2 * x)
+    for i in range(100):
+        assert client.sync(server.name, how, client.get_name(), "twice", i) == 2 * i
+        assert client.sync(server.name, "echo", i) == i
+
+
 @pytest.mark.parametrize("size", [1, 300_000, 64 << 20])
 def test_sync_with_a_large_reply(client, server, size):
     for _ in range(3):

@@ -92,6 +92,7 @@ struct InlineBatch {
   bool corking = false;
   std::vector<std::shared_ptr<Corkable>> corked;
   std::atomic<int64_t> taskStartNs{0};  // when the running task began; 0: none runs
+  std::shared_ptr<FdHandler> lent;      // see Loop::runInlineTasks
 };
 
 namespace {
@@ -235,13 +236,16 @@ void Loop::beginBlocking() {
   // depend on them.
   if (InlineBatch* batch = tlsRunning) {
     std::vector<std::shared_ptr<Corkable>> corked;
+    std::shared_ptr<FdHandler> lent;
     {
       std::lock_guard<std::mutex> batchLock(batch->mutex);
       enqueue(batch->tasks);
       batch->corking = false;
       corked.swap(batch->corked);
+      lent.swap(batch->lent);
     }
     for (auto& c : corked) c->uncork();
+    if (lent) lent->takeBack();
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -365,8 +369,21 @@ bool Loop::hasInlineTasks() { return tlsInline && queuedIn(*tlsInline) > 0; }
 
 bool Loop::onWorkerThread() { return tlsWorker; }
 
-void Loop::runInlineTasks() {
-  if (tlsInline) runInline();
+void Loop::runInlineTasks(const std::shared_ptr<FdHandler>& lent) {
+  if (!tlsInline) return;
+  InlineBatch& batch = *tlsInline;
+  if (lent) {
+    std::lock_guard<std::mutex> lock(batch.mutex);
+    batch.lent = lent;
+  }
+  struct Unlend {
+    InlineBatch& batch;
+    ~Unlend() {
+      std::lock_guard<std::mutex> lock(batch.mutex);
+      batch.lent.reset();
+    }
+  } unlend{batch};
+  runInline();
 }
 
 bool Loop::popTask(Task& out) {
@@ -477,18 +494,24 @@ void Loop::runInline() {
   TimePoint start = Clock::now();
   while (true) {
     Task t;
+    std::shared_ptr<FdHandler> lent;
     {
       std::lock_guard<std::mutex> lock(batch.mutex);
       if (batch.tasks.empty()) break;
-      if (Clock::now() - start > kInlineBudget && batch.tasks.size() > 1) {
-        // Long-running work: let idle workers take the rest.
+      bool overBudget = Clock::now() - start > kInlineBudget;
+      // Long-running work: the loop serves the lent fd meanwhile...
+      if (overBudget) lent.swap(batch.lent);
+      if (overBudget && batch.tasks.size() > 1) {
+        // ...and idle workers take the rest.
         enqueue(batch.tasks);
-        break;
+      } else {
+        t = std::move(batch.tasks.front());
+        batch.tasks.pop_front();
+        batch.taskStartNs = nowNs();
       }
-      t = std::move(batch.tasks.front());
-      batch.tasks.pop_front();
-      batch.taskStartNs = nowNs();
     }
+    if (lent) lent->takeBack();
+    if (!t) break;
     tlsInline = nullptr;  // what this task schedules goes to the shared queue
     tlsCorked = corkable;
     tlsRunning = &batch;
@@ -505,6 +528,7 @@ void Loop::rescueStuckBatches() {
   // hold up the requests read with it, nor the replies already corked.
   int64_t stuckSince = nowNs() - std::chrono::nanoseconds(kInlineBudget).count();
   std::vector<std::shared_ptr<Corkable>> corked;
+  std::vector<std::shared_ptr<FdHandler>> lent;
   {
     std::lock_guard<std::mutex> lock(batchesMutex_);
     for (InlineBatch* batch : batches_) {
@@ -515,9 +539,12 @@ void Loop::rescueStuckBatches() {
       batch->corking = false;
       for (auto& c : batch->corked) corked.push_back(std::move(c));
       batch->corked.clear();
+      if (batch->lent) lent.push_back(std::move(batch->lent));
+      batch->lent.reset();
     }
   }
   for (auto& c : corked) c->uncork();
+  for (auto& h : lent) h->takeBack();
 }
 
 int Loop::pollRound(int timeout, bool worker) {

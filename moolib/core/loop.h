@@ -78,6 +78,9 @@ class FdHandler {
   // itself until the deadline (see Loop::workerMain). Returns whether any
   // I/O happened; false if the fd cannot be served that way.
   virtual bool serveSticky(TimePoint deadline) { return false; }
+  // Takes back an fd lent to the tasks a sticky worker runs (see
+  // Loop::runInlineTasks): they blocked or ran long, so the loop serves it.
+  virtual void takeBack() {}
 };
 
 // A per-thread wake-up slot backed by an eventfd, so a thread can sleep on it
@@ -154,7 +157,12 @@ class Loop {
   // here, and running them.
   static bool hasInlineTasks();
   static bool onWorkerThread();
-  void runInlineTasks();
+  // Runs them while lent (when set) stays out of the loop: the peer's next
+  // request is read by this thread once they are done, with no epoll_ctl
+  // pair around them and no loop worker woken for it. The loop takes lent
+  // back (FdHandler::takeBack) from a task that blocks in a wait, from a batch
+  // that outruns the inline budget, and from a stuck batch (rescue thread).
+  void runInlineTasks(const std::shared_ptr<FdHandler>& lent = nullptr);
   // Whether a worker serving an fd by itself should go back to the pool.
   bool stickyShouldStop() const { return stopping_ || queued_.load() > 0; }
 

@@ -67,6 +67,19 @@ def main() -> None:
     def call(peer, fn, *a, **kw):
         return rpc.sync(peer, fn, *a, **kw)
 
+    def call_async(peer, fn, *a, **kw):
+        return rpc.async_(peer, fn, *a, **kw).result()
+
+    # hold blocks outside any moolib wait until a later release call.
+    gates: dict[str, threading.Event] = {}
+
+    def hold(key, seconds):
+        return gates.setdefault(key, threading.Event()).wait(seconds)
+
+    def release(key):
+        gates.setdefault(key, threading.Event()).set()
+        return True
+
     def info():
         return rpc.debug_info()
 
@@ -79,6 +92,9 @@ def main() -> None:
     rpc.define("sleep", sleep)
     rpc.define("touch", touch)
     rpc.define("call", call)
+    rpc.define("call_async", call_async)
+    rpc.define("hold", hold)
+    rpc.define("release", release)
     rpc.define("info", info)
     rpc.define("zeros", lambda n: torch.zeros(n, dtype=torch.uint8))
     rpc.define("checksum", lambda t: int(t.to(torch.int64).sum()))

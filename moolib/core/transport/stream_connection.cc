@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <utility>
 
 #include "logging.h"
 
@@ -326,6 +327,30 @@ bool StreamConnection::tryOwn() {
   return true;
 }
 
+bool StreamConnection::claim() {
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    // A request run on the thread that lent the fd calls back over it: the
+    // claim takes the fd over, and the owner gets it back through tryOwn.
+    if (lent_ && lender_ == std::this_thread::get_id()) {
+      lent_ = false;
+      return true;
+    }
+  }
+  return tryOwn();
+}
+
+void StreamConnection::takeBack() {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  if (!lent_) return;
+  lent_ = false;
+  owned_ = false;
+  if (!finalized_) {
+    armed_ = true;
+    Loop::instance().rearm(fd_.get(), token_, wantedEvents());
+  }
+}
+
 void StreamConnection::unown() {
   std::lock_guard<std::mutex> lock(stateMutex_);
   owned_ = false;
@@ -366,10 +391,19 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
     if (p[0].revents & (POLLHUP | POLLERR)) events |= EPOLLIN | EPOLLHUP;
     handle(events);
     if (runInline && Loop::hasInlineTasks()) {
-      // Let the pool read further requests while these run.
-      unown();
-      Loop::instance().runInlineTasks();
-      if (!tryOwn()) return true;
+      {
+        std::lock_guard<std::mutex> lock(stateMutex_);
+        lent_ = true;
+        lender_ = std::this_thread::get_id();
+      }
+      Loop::instance().runInlineTasks(shared_from_this());
+      bool kept;
+      {
+        std::lock_guard<std::mutex> lock(stateMutex_);
+        kept = std::exchange(lent_, false);
+      }
+      // Taken back (a request blocked or ran long, or called back over it).
+      if (!kept && !tryOwn()) return true;
     }
   }
   if (closed_) handle(EPOLLIN);

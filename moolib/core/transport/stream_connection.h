@@ -9,6 +9,7 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "loop.h"
@@ -39,8 +40,9 @@ class StreamConnection : public Connection,
   void uncork() override;
   bool serveWhile(const std::function<bool()>& done, TimePoint deadline,
                   bool claimed = false) override;
-  bool claim() override { return tryOwn(); }
+  bool claim() override;
   void unclaim() override { unown(); }
+  void takeBack() override;
   bool serveSticky(TimePoint deadline) override;
 
   // Largest message accepted after the handshake.
@@ -121,6 +123,11 @@ class StreamConnection : public Connection,
   bool handling_ = false;
   bool owned_ = false;
   bool finalized_ = false;
+  // The owner lent the fd to the requests it runs (Loop::runInlineTasks):
+  // owned_ stays set until they end or the loop takes it back. lender_ is
+  // the owning thread; a call it makes meanwhile may claim the fd.
+  bool lent_ = false;
+  std::thread::id lender_;
 
   // Read side; touched only by the thread handling the connection.
   std::vector<uint8_t> staging_;
