@@ -84,9 +84,7 @@ def test_both_sides_sync_at_once(client, server):
     run_in_threads(*(functools.partial(plain, t) for t in range(3)), nested, nested, nested)
 
 
-def test_a_function_blocked_outside_moolib_does_not_hold_back_its_callers_next_call(
-    client, server
-):
+def test_a_function_blocked_outside_moolib_does_not_hold_back_its_callers_next_call(client, server):
     # The worker that reads our syncs keeps the connection while it runs them
     # (Loop::runInlineTasks); one that blocks where the core cannot see it (a
     # threading.Event) must still let our next call through, or hold would
