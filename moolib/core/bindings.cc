@@ -784,7 +784,8 @@ FuturePtr callFromArgs(const char* method, PyObject* self, PyObject* const* args
 
 PyObject* rpcAsync(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   return guarded([&] {
-    return wrapFuture(callFromArgs("async_", self, args, PyVectorcall_NARGS(nargsf), kwnames, false));
+    return wrapFuture(
+        callFromArgs("async_", self, args, PyVectorcall_NARGS(nargsf), kwnames, false));
   });
 }
 

@@ -540,7 +540,6 @@ void Loop::rescueStuckBatches() {
       for (auto& c : batch->corked) corked.push_back(std::move(c));
       batch->corked.clear();
       if (batch->lent) lent.push_back(std::move(batch->lent));
-      batch->lent.reset();
     }
   }
   for (auto& c : corked) c->uncork();

@@ -344,15 +344,15 @@ void StreamConnection::takeBack() {
   std::lock_guard<std::mutex> lock(stateMutex_);
   if (!lent_) return;
   lent_ = false;
-  owned_ = false;
-  if (!finalized_) {
-    armed_ = true;
-    Loop::instance().rearm(fd_.get(), token_, wantedEvents());
-  }
+  unownLocked();
 }
 
 void StreamConnection::unown() {
   std::lock_guard<std::mutex> lock(stateMutex_);
+  unownLocked();
+}
+
+void StreamConnection::unownLocked() {
   owned_ = false;
   if (!finalized_) {
     armed_ = true;

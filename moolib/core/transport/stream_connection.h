@@ -84,6 +84,7 @@ class StreamConnection : public Connection,
   void handle(uint32_t events);
   bool tryOwn();
   void unown();
+  void unownLocked();  // stateMutex_ held
   // Serves the fd on this thread until done() or the deadline; false if it
   // could not take the fd (owned: it took it already). Requests read run here
   // when runInline.
