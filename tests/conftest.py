@@ -19,6 +19,15 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keeps each phase's report on the test item (``item.report_call``...): a fixture's
+    teardown can then add what explains a failure to its report."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
+
 @pytest.fixture(autouse=True)
 def _no_default_auth_key(monkeypatch):
     """Every test starts without a process-wide key (tests that want one set it)."""

@@ -86,11 +86,28 @@ def slurm_conf(monkeypatch):
         monkeypatch.setenv("SLURM_CONF", _ENV["SLURM_CONF"])
 
 
+def jobs_report(savedir: Path, tail: int = 40) -> str:
+    """The SLURM state of a run's jobs and the end of each job's logs: what a failed
+    wait needs to be understood (a job pending, requeued, or its process stuck)."""
+    found = jobs_lib.recorded_jobs(savedir, everything=True)
+    info = jobs_lib.job_states([j for j, _ in found])
+    lines = [f"{role} {job}: {info.get(job, {})}" for job, role in found]
+    for path in sorted((savedir / "slurm").glob("*/*_log.*")):
+        end = path.read_text(errors="replace").splitlines()[-tail:]
+        lines += [f"--- {path.relative_to(savedir)} (last {len(end)} lines)", *end]
+    return "\n".join(lines)
+
+
 @pytest.fixture
-def savedirs():
-    """Savedirs whose recorded jobs are all cancelled at the end of the test."""
+def savedirs(request):
+    """Savedirs whose recorded jobs are all cancelled at the end of the test; a failed
+    test's report shows their jobs' states and logs."""
     dirs: list[Path] = []
     yield dirs
+    failed = getattr(request.node, "report_call", None)
+    if failed is not None and failed.failed:
+        for d in dirs:
+            failed.sections.append((f"SLURM jobs of {d.name}", jobs_report(d)))
     ids = [j for d in dirs for j, _ in jobs_lib.recorded_jobs(d, everything=True)]
     if ids:
         subprocess.run(["scancel", *ids], capture_output=True)
