@@ -97,8 +97,12 @@ def test_apex_learns_cartpole(tmp_path):
 @pytest.mark.timeout(2 * LEARN_TIMEOUT + 60)
 def test_r2d2_learns_cartpole_without_velocities_and_apex_does_not(tmp_path):
     """CartPole with the velocities hidden needs memory: R2D2's LSTM learns it, Ape-X's
-    feed-forward network, given the same env steps, does not."""
-    budget = "total_steps=300000"
+    feed-forward network, given 150k env steps, does not.
+
+    R2D2's low-epsilon actors first logged 195 at 87k-120k steps in five of six runs
+    (179k in one). Ape-X's best logged return was 48-53 in three 300k-step runs, each
+    reached before 100k steps: 150k show what 300k would, in half the time.
+    """
     recurrent = tmp_path / "r2d2"
     check_ok(
         run(
@@ -107,7 +111,7 @@ def test_r2d2_learns_cartpole_without_velocities_and_apex_does_not(tmp_path):
                 "agent=r2d2",
                 "env=cartpole-novel",
                 *SMALL,
-                budget,
+                "total_steps=300000",
                 "checkpoint_interval=60",
                 f"savedir={recurrent}",
             ],
@@ -139,7 +143,7 @@ def test_r2d2_learns_cartpole_without_velocities_and_apex_does_not(tmp_path):
                 "agent=apex",
                 "env=cartpole-novel",
                 *SMALL,
-                budget,
+                "total_steps=150000",
                 # Ape-X's CartPole tuning, on the env without velocities.
                 "tuning=apex_cartpole",
                 f"savedir={feedforward}",
