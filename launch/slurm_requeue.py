@@ -42,6 +42,12 @@ def after_srun(submitit_folder: Path, status: int, max_failures: int) -> int:
     name = job_id()
     folder = submitit_folder / name
     if (folder / REQUEUED_MARKER.format(restart=restart_count())).exists():
+        # submitit asked SLURM to requeue this job, and a requeue kills the batch
+        # script with the job: a script still running here means the request did not
+        # take (its `scontrol` can die of the same preemption's SIGTERM). Requeued
+        # from here instead; a preemption is no failure.
+        print(f"moolib: job {name} was preempted and is still running: requeued", flush=True)
+        requeue(name)
         return 0
     failures = folder / "failures"
     failed = len(failures.read_text().splitlines()) if failures.exists() else 0
@@ -59,11 +65,15 @@ def after_srun(submitit_folder: Path, status: int, max_failures: int) -> int:
         f"({failed + 1} of scaling.max_failures={max_failures})",
         flush=True,
     )
+    return 0 if requeue(name) else status
+
+
+def requeue(name: str) -> bool:
+    """``scontrol requeue`` of job ``name``; says why when SLURM refuses it."""
     out = subprocess.run(["scontrol", "requeue", name], capture_output=True, text=True)
     if out.returncode != 0:
         print(f"moolib: scontrol requeue {name} failed: {out.stderr.strip()}", flush=True)
-        return status
-    return 0
+    return out.returncode == 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ from helpers.run_util import Run, cfg_job, read_logs, run, wait_for
 submitit = pytest.importorskip("submitit")
 from moolib.launch import jobs as jobs_lib  # noqa: E402 - needs submitit
 from moolib.launch import slurm as slurm_lib  # noqa: E402
-from moolib.launch import slurm_files  # noqa: E402
+from moolib.launch import slurm_files, slurm_requeue  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONF = Path(os.environ.get("MOOLIB_SLURM_BASE", "/tmp/moolib-slurm-ci")) / "etc/slurm.conf"
@@ -827,6 +827,39 @@ def test_broker_check_passes_against_a_broker():
         slurm_lib.check_broker(broker.address, 30.0)
     finally:
         broker.close()
+
+
+@needs_slurm
+def test_a_preempted_job_whose_requeue_did_not_take_is_requeued_by_its_batch_script(tmp_path):
+    """submitit's ``scontrol requeue`` can die of the preemption's own SIGTERM: the job's
+    run then ends as if requeued, and nothing would bring it back. Its batch script,
+    still running, requeues it (and counts no failure)."""
+    folder = tmp_path / "slurm"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        'echo "run ${SLURM_RESTART_COUNT:-0}"\n'
+        'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then\n'
+        f"  mkdir -p {folder}/$SLURM_JOB_ID\n"
+        f"  touch {folder}/$SLURM_JOB_ID/{slurm_requeue.REQUEUED_MARKER.format(restart=0)}\n"
+        f"  {sys.executable} -m moolib.launch.slurm_requeue {folder} 1 0\n"
+        "fi\n"
+    )
+    log = tmp_path / "job.log"
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--requeue", "--open-mode=append", "-o", str(log), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip().split(";")[0]
+    try:
+        wait_for(lambda: "run 1" in log.read_text(), 120, "the job to run a second time")
+        assert "was preempted and is still running: requeued" in log.read_text()
+        assert not (folder / job_id / "failures").exists()
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
 
 
 def test_moolib_jobs_without_recorded_jobs_says_so(tmp_path):
