@@ -19,13 +19,31 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# The files that take minutes (SLURM jobs requeued, agents learning) start first: with
+# the README's ``-n 2 --dist loadfile``, the short files then fill in beside them
+# instead of one of them running alone at the end.
+LONG_FILES = ("test_slurm.py", "test_offpolicy_run.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Puts the long files' tests first, each file's tests keeping their order."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Keeps each phase's report on the test item (``item.report_call``...): a fixture's
-    teardown can then add what explains a failure to its report."""
+    """A failed test's report gets a section from each of ``item.explain_failure``'s
+    (title, function) pairs, which fixtures register: made here, while the test's
+    fixtures still live and before the report leaves a pytest-xdist worker."""
     outcome = yield
     report = outcome.get_result()
-    setattr(item, f"report_{report.when}", report)
+    if report.when == "call" and report.failed:
+        for title, explain in getattr(item, "explain_failure", []):
+            try:
+                report.sections.append((title, explain()))
+            except Exception as e:  # noqa: BLE001 - the failure itself matters more
+                report.sections.append((title, f"(could not be gathered: {e!r})"))
 
 
 @pytest.fixture(autouse=True)

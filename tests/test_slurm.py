@@ -103,11 +103,8 @@ def savedirs(request):
     """Savedirs whose recorded jobs are all cancelled at the end of the test; a failed
     test's report shows their jobs' states and logs."""
     dirs: list[Path] = []
+    request.node.explain_failure = [("SLURM jobs", lambda: "\n".join(jobs_report(d) for d in dirs))]
     yield dirs
-    failed = getattr(request.node, "report_call", None)
-    if failed is not None and failed.failed:
-        for d in dirs:
-            failed.sections.append((f"SLURM jobs of {d.name}", jobs_report(d)))
     ids = [j for d in dirs for j, _ in jobs_lib.recorded_jobs(d, everything=True)]
     if ids:
         subprocess.run(["scancel", *ids], capture_output=True)
