@@ -69,7 +69,7 @@ setup(
     extras_require={
         # The envpool library's C++ Atari: a second environment backend.
         "envpool": ["envpool"],
-        "test": ["pytest>=7", "pytest-timeout", "ruff", "envpool"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "ruff", "envpool"],
     },
     entry_points={
         "console_scripts": [
