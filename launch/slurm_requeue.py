@@ -6,9 +6,10 @@ batch script after ``srun`` returns:
 submitit requeues a job that is preempted or timed out (USR2); a task that
 fails (an exception, a crash, the OOM killer) ends its ``srun`` with a non-zero
 status instead, and this requeues the job, at most ``max failures`` times per
-job. Requeued peers rejoin their group like preempted ones. The failures
-are counted in the job's folder (``<submitit folder>/<job id>/failures``, one
-line each).
+job. Requeued peers rejoin their group like preempted ones. The failures are
+counted in the job's folder (``<submitit folder>/<job id>/failures``, one line
+each). A preempted job whose own requeue did not take (its batch script still
+runs) is requeued here too, as no failure.
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ def savedirs(request):
     """Savedirs whose recorded jobs are all cancelled at the end of the test; a failed
     test's report shows their jobs' states and logs."""
     dirs: list[Path] = []
-    request.node.explain_failure = [("SLURM jobs", lambda: "\n".join(jobs_report(d) for d in dirs))]
+    explain = request.node.__dict__.setdefault("explain_failure", [])
+    explain.append(("SLURM jobs", lambda: "\n".join(jobs_report(d) for d in dirs)))
     yield dirs
     ids = [j for d in dirs for j, _ in jobs_lib.recorded_jobs(d, everything=True)]
     if ids:
