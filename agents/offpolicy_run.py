@@ -50,6 +50,7 @@ import moolib
 
 from . import checkpoint
 from .apex import epsilon_schedule
+from .host_results import HostResults
 from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
 from .offpolicy import epsilon_greedy, importance_weights
 from .qlearning import QConfig, make_acting, make_qnet
@@ -461,6 +462,9 @@ class Learner:
         self.agent = _typed(cfg)
         agent = self.agent
         self.device = resolve_device(cfg.device)
+        # The new priorities and published weights of a step, read one step later on
+        # a GPU so that the host never waits for the step it just queued.
+        self.host = HostResults(self.device)
         self.loss_fn = get_agent(agent.name).compute_loss
         if cfg.seed is not None:
             torch.manual_seed(int(cfg.seed))
@@ -524,6 +528,7 @@ class Learner:
         self.publisher = moolib.Publisher(self.rpc, "weights")
         self.rpc.define("actor_report", self.reports.add)
         self._publish()
+        self.host.hand_over()
 
     # -- setup -------------------------------------------------------------
 
@@ -532,7 +537,19 @@ class Learner:
         self.rpc.connect(broker)
 
     def _publish(self) -> None:
-        self.publisher.publish(self.model.state_dict(), version=self.updates)
+        version = self.updates
+
+        def publish(weights: dict[str, torch.Tensor]) -> None:
+            self.publisher.publish(weights, version=version)
+
+        self.host.add(self.model.state_dict(), publish)
+
+    def _on_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``t`` on the learner's device; from pinned memory without waiting on a GPU
+        (a copy from pageable memory would wait for the step in flight)."""
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, dtype, non_blocking=True)
 
     def _state(self) -> dict:
         return {
@@ -579,6 +596,7 @@ class Learner:
     def _save(self) -> None:
         """Writes a checkpoint (and the replay first, if configured); a failed write
         is logged and training goes on."""
+        self.host.hand_over()  # the last step's priorities, into the replay saved
         try:
             if self.agent.save_replay and self.replay is not None:
                 self.replay.save(self.peer.savedir / REPLAY_FILE)
@@ -602,11 +620,15 @@ class Learner:
         try:
             sample = replay.sample(agent.batch_size, timeout=0.2)
         except TimeoutError:
+            self.host.hand_over()
             return False
-        items = moolib.nest.map_structure(lambda t: t.to(self.device), sample.items)
-        weights = importance_weights(
-            sample.probabilities, sample.size, agent.importance_sampling_exponent
-        ).to(self.device, torch.float32)
+        items = moolib.nest.map_structure(self._on_device, sample.items)
+        weights = self._on_device(
+            importance_weights(
+                sample.probabilities, sample.size, agent.importance_sampling_exponent
+            ),
+            torch.float32,
+        )
         self.model.train()
         loss, loss_stats = self.loss_fn(
             agent,
@@ -622,16 +644,22 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        priorities = loss_stats.pop("priorities")
-        replay.update_priorities(sample.keys, priorities.detach().double().cpu())
+        # This step is queued: the last one's results can be waited for now.
+        self.host.hand_over()
+        keys = sample.keys
+        self.host.add(
+            {"priorities": loss_stats.pop("priorities")},
+            lambda host: replay.update_priorities(keys, host["priorities"].double()),
+        )
         self.updates += 1
         if self.updates % agent.target_update == 0:
             self.target.load_state_dict(self.model.state_dict())
         if self.updates % agent.publish_interval == 0:
             self._publish()
+        # Tensors, averaged at the next log row: a float() here would wait for the step.
         for k, v in loss_stats.items():
             stats.setdefault(k, []).append(v)
-        stats.setdefault("grad_norm", []).append(float(grad_norm))
+        stats.setdefault("grad_norm", []).append(grad_norm.detach())
         stats["learning_rate"] = [lr]
         return True
 
@@ -778,7 +806,7 @@ class Learner:
         }
         row.update(_episode_columns(episodes))
         for k, values in stats.items():
-            row[k] = sum(values) / len(values) if values else math.nan
+            row[k] = _mean(values)
         last.update(
             time=now,
             steps=self.steps,
@@ -787,6 +815,16 @@ class Learner:
             samples=info["samples"],
         )
         return row
+
+
+def _mean(values: list) -> float:
+    """The mean of a log column's values: numbers, or a step's 0-d tensors (on the
+    learner's device, averaged there)."""
+    if not values:
+        return math.nan
+    if isinstance(values[0], torch.Tensor):
+        return float(torch.stack(values).double().mean())
+    return sum(values) / len(values)
 
 
 def make_runner(cfg: DictConfig, rank: int, peer: PeerInfo) -> Learner | Actor:

@@ -163,12 +163,13 @@ def _clip(rewards: torch.Tensor, clip: float) -> torch.Tensor:
 def apex_loss(cfg: ApexConfig, nets: dict, batch: dict) -> tuple[torch.Tensor, dict]:
     """Ape-X's loss on a sampled batch: ``nets`` holds ``online`` and ``target``;
     ``batch`` the sampled ``items`` and their importance ``weights``. The stats carry
-    the new ``priorities`` (a tensor) beside the logged numbers."""
+    the new ``priorities`` beside the logged numbers, all tensors on the learner's
+    device (reading them on the host would wait for the step)."""
     out = apex.loss(nets["online"], nets["target"], batch["items"], batch["weights"])
     return out.loss, {
         "priorities": out.priorities,
-        "total_loss": float(out.loss.detach()),
-        "mean_abs_td": float(out.priorities.mean()),
+        "total_loss": out.loss.detach(),
+        "mean_abs_td": out.priorities.detach().mean(),
     }
 
 
@@ -186,12 +187,13 @@ def r2d2_loss(cfg: R2D2Config, nets: dict, batch: dict) -> tuple[torch.Tensor, d
         eta=cfg.priority_eta,
         rescale_epsilon=cfg.value_rescale_epsilon,
     )
-    valid = out.mask
-    mean_abs = out.td_errors.abs()[valid].mean() if bool(valid.any()) else torch.tensor(0.0)
+    valid = out.mask.to(out.td_errors.dtype)
+    # Over the steps that count (0 if none does), without reading the mask on the host.
+    mean_abs = (out.td_errors.detach().abs() * valid).sum() / valid.sum().clamp(min=1.0)
     return out.loss, {
         "priorities": out.priorities,
-        "total_loss": float(out.loss.detach()),
-        "mean_abs_td": float(mean_abs),
+        "total_loss": out.loss.detach(),
+        "mean_abs_td": mean_abs,
     }
 
 

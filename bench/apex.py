@@ -72,12 +72,14 @@ def _config(hidden: int):
     )
 
 
-def _acting_loop(hidden: int, seconds: float, start: float, out: object) -> None:
+def _acting_loop(
+    hidden: int, seconds: float, start: float, out: object, torch_threads: int = 1
+) -> None:
     """One actor loop: acts on recorded observations until ``start + seconds``."""
     from moolib.agents.apex import epsilon_schedule
     from moolib.agents.qlearning import ApexActing, make_qnet
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(torch_threads)
     cfg = _config(hidden)
     model = make_qnet(cfg, OBS, ACTIONS).eval()
     acting = ApexActing(cfg, epsilon_schedule(BATCH, dtype=torch.float32))
@@ -97,8 +99,11 @@ def _acting_loop(hidden: int, seconds: float, start: float, out: object) -> None
     out.put(steps)  # type: ignore[attr-defined]
 
 
-def actor_loops(loops: int, hidden: int, seconds: float, threads: bool) -> float:
-    """Env steps per second of ``loops`` actor loops, as threads or as processes."""
+def actor_loops(
+    loops: int, hidden: int, seconds: float, threads: bool, torch_threads: int = 1
+) -> float:
+    """Env steps per second of ``loops`` actor loops, as threads or as processes, each
+    process with ``torch_threads`` intra-op threads."""
     import queue
     import threading
 
@@ -106,14 +111,14 @@ def actor_loops(loops: int, hidden: int, seconds: float, threads: bool) -> float
     if threads:
         out: object = queue.Queue()
         workers = [
-            threading.Thread(target=_acting_loop, args=(hidden, seconds, start, out))
+            threading.Thread(target=_acting_loop, args=(hidden, seconds, start, out, torch_threads))
             for _ in range(loops)
         ]
     else:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         workers = [
-            ctx.Process(target=_acting_loop, args=(hidden, seconds, start, out))
+            ctx.Process(target=_acting_loop, args=(hidden, seconds, start, out, torch_threads))
             for _ in range(loops)
         ]
     for w in workers:
@@ -124,15 +129,15 @@ def actor_loops(loops: int, hidden: int, seconds: float, threads: bool) -> float
     return total / seconds
 
 
-def _learner_step(hidden: int) -> object:
+def _learner_step(hidden: int, device: str = "cpu") -> object:
     """Ape-X's learner step without the replay: ``step(items, weights) -> priorities``
     (loss, backward, clipping, centered RMSProp), on the network ``agent=apex
-    env=breakout`` builds."""
+    env=breakout`` builds, on ``device``."""
     from moolib.agents import apex
     from moolib.agents.qlearning import make_qnet
 
     cfg = _config(hidden)
-    model = make_qnet(cfg, OBS, ACTIONS)
+    model = make_qnet(cfg, OBS, ACTIONS).to(device)
     target = copy.deepcopy(model)
     opt = torch.optim.RMSprop(model.parameters(), lr=6.25e-5, alpha=0.95, eps=1.5e-7, centered=True)
 
@@ -160,27 +165,39 @@ def _transitions(n: int, g: torch.Generator) -> dict:
     }
 
 
-def _rate(fn: object, seconds: float) -> float:
-    """Calls of ``fn`` per second, after one warm-up call."""
+def _rate(fn: object, seconds: float, sync: object = None) -> float:
+    """Calls of ``fn`` per second, after one warm-up call; ``sync()`` (if given) waits
+    for the work the calls queued, before each clock reading."""
+    wait = sync or (lambda: None)
     fn()  # type: ignore[operator]
+    wait()  # type: ignore[operator]
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         fn()  # type: ignore[operator]
         n += 1
+    wait()  # type: ignore[operator]
     return n / (time.perf_counter() - t0)
 
 
-def compute_limit(hidden: int, batch_size: int, seconds: float, threads: int = 1) -> float:
+def compute_limit(
+    hidden: int, batch_size: int, seconds: float, threads: int = 1, device: str = "cpu"
+) -> float:
     """Learner steps/s of the learner's compute alone: loss, backward, clipping and the
     optimizer step on one fixed batch of ``batch_size`` transitions (no replay), with
-    ``threads`` torch threads."""
+    ``threads`` torch threads, on ``device``. The batch is already on the device and
+    nothing waits for a step's priorities: on a GPU the steps queue back to back."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
     try:
-        step = _learner_step(hidden)
-        fixed = _transitions(batch_size, torch.Generator().manual_seed(0))
-        ones = torch.ones(batch_size)
-        return _rate(lambda: step(fixed, ones), seconds)
+        step = _learner_step(hidden, device)
+        fixed = {
+            k: v.to(dev)
+            for k, v in _transitions(batch_size, torch.Generator().manual_seed(0)).items()
+        }
+        ones = torch.ones(batch_size, device=dev)
+        return _rate(lambda: step(fixed, ones), seconds, sync)
     finally:
         torch.set_num_threads(previous)
 

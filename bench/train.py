@@ -31,13 +31,15 @@ and learner batches of ``--apex-batch``. From each run's logs.tsv, over the
 rows after the learner's first update (all with the replay full), it prints:
 
 - the actors' env steps/s while the learner runs, beside the EnvPool limit
-  (the same ``moolib.EnvPool`` the actor loop builds, stepped double-buffered
-  with random actions and nothing else, in this process, measured in the same
-  run) and beside the acting limit (Ape-X's acting step, the network's batched
-  forward and the n-step bookkeeping, on recorded frames, no env);
+  (one ``moolib.EnvPool`` per loop, as the actor loops build them, each stepped
+  double-buffered with random actions and nothing else by a thread of this
+  process, all at once, measured in the same run) and beside the acting limit
+  (Ape-X's acting step, the network's batched forward and the n-step
+  bookkeeping, on recorded frames, no env, with the run's torch threads);
 - the learner's updates/s and sampled items/s beside its compute limit
   (loss, backward, clipping and the optimizer step on one fixed batch of the
-  same shape, no replay, with the learner's torch threads).
+  same shape already on ``--device``, no replay, with the learner's torch
+  threads; on a GPU the steps queue back to back).
 
 Targets (issue 16): actors >= 0.8 of the EnvPool limit, learner >= 0.8 of
 its compute limit.
@@ -310,45 +312,58 @@ def apex_run(
     return result
 
 
-def envpool_limit(cfg: object, seconds: float) -> float:
-    """Env steps/s of the pool an Ape-X actor loop builds (same env, batches, worker
-    processes), stepped double-buffered with random actions and nothing else."""
+def envpool_limit(cfg: object, seconds: float, loops: int = 1) -> float:
+    """Env steps/s of the pools ``loops`` Ape-X actor loops build (same env, batches,
+    worker processes each), each stepped double-buffered with random actions and
+    nothing else, by a thread of its own, all at once."""
+    import threading
+
     from moolib.agents.offpolicy_run import _make_envs, _typed
 
     agent = _typed(cfg)  # type: ignore[arg-type]
-    pool, _, num_actions = _make_envs(cfg, agent)  # type: ignore[arg-type]
     nb, bs = agent.num_actor_batches, agent.actor_batch_size
-    g = torch.Generator().manual_seed(0)
+    made = [_make_envs(cfg, agent) for _ in range(loops)]  # type: ignore[arg-type]
+    start = time.perf_counter() + 2.0  # a warm-up, the same for every pool
+    counts = [0] * loops
 
-    def actions() -> torch.Tensor:
-        return torch.randint(0, num_actions, (bs,), generator=g)
+    def step(i: int) -> None:
+        pool, _, num_actions = made[i]
+        g = torch.Generator().manual_seed(i)
 
-    try:
+        def actions() -> torch.Tensor:
+            return torch.randint(0, num_actions, (bs,), generator=g)
+
         futures = [pool.step(b, actions()) for b in range(nb)]
-        steps, b, start = 0, 0, None
-        warm_until = time.perf_counter() + 2.0
+        b = 0
         while True:
             futures[b].result()
             now = time.perf_counter()
-            if start is None and now >= warm_until:
-                start, steps = now, 0
-            elif start is not None:
-                steps += bs
-                if now - start >= seconds:
-                    break
+            if now >= start + seconds:
+                break
+            if now >= start:
+                counts[i] += bs
             futures[b] = pool.step(b, actions())
             b = (b + 1) % nb
         for f in futures:
             f.result()
-        return steps / (time.perf_counter() - start)
+
+    try:
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(loops)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(counts) / seconds
     finally:
-        pool.close()
+        for pool, _, _ in made:
+            pool.close()
 
 
-def acting_limit(loops: int, hidden: int, seconds: float) -> float:
+def acting_limit(loops: int, hidden: int, seconds: float, torch_threads: int) -> float:
     """Env steps/s of ``loops`` Ape-X acting steps as threads of this process, on
-    recorded frames (no env): the actors' compute alone (bench/apex.py)."""
-    return _bench_apex().actor_loops(loops, hidden, seconds, threads=True)
+    recorded frames (no env), with the run's torch threads: the actors' compute alone
+    (bench/apex.py)."""
+    return _bench_apex().actor_loops(loops, hidden, seconds, True, torch_threads)
 
 
 @functools.cache
@@ -392,10 +407,13 @@ def report_apex(args: argparse.Namespace) -> None:
             args.apex_replay,
             args.apex_start_timeout,
         )
-        pool = envpool_limit(cfg, limit_seconds)
-        act = acting_limit(loops, hidden, limit_seconds)
+        pool = envpool_limit(cfg, limit_seconds, loops)
+        # The learner's torch threads, which the actor loops of its process share.
         threads = max(1, cores - int(agent.num_actor_cpus) - loops)
-        limit = _bench_apex().compute_limit(hidden, args.apex_batch, limit_seconds, threads)
+        act = acting_limit(loops, hidden, limit_seconds, threads)
+        limit = _bench_apex().compute_limit(
+            hidden, args.apex_batch, limit_seconds, threads, args.device
+        )
         print(
             f"{loops:>5} {run['env_sps']:>15,.0f} {pool:>14,.0f} {run['env_sps'] / pool:>6.3f} "
             f"{act:>13,.0f} {run['env_sps'] / act:>6.2f} {run['fill_env_sps']:>10,.0f} "
