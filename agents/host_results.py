@@ -8,7 +8,7 @@ priorities (for the replay) and the weights it publishes (for the actors).
 
 ``HostResults`` copies them to pinned host memory behind the step's kernels and
 hands them over after the next step is queued, so the GPU always has a step to run;
-the replay's priorities then lag the learner by one step, as in Ape-X's own learner.
+the replay's priorities then lag the learner by one step.
 On a CPU a step's results are ready when it returns: they are handed over at once.
 """
 
