@@ -322,8 +322,7 @@ def envpool_limit(cfg: object, seconds: float, loops: int = 1) -> float:
 
     agent = _typed(cfg)  # type: ignore[arg-type]
     nb, bs = agent.num_actor_batches, agent.actor_batch_size
-    made = [_make_envs(cfg, agent) for _ in range(loops)]  # type: ignore[arg-type]
-    start = time.perf_counter() + 2.0  # a warm-up, the same for every pool
+    made: list = []
     counts = [0] * loops
 
     def step(i: int) -> None:
@@ -348,6 +347,10 @@ def envpool_limit(cfg: object, seconds: float, loops: int = 1) -> float:
             f.result()
 
     try:
+        # Inside the try: a pool that fails to start closes those made before it.
+        for _ in range(loops):
+            made.append(_make_envs(cfg, agent))  # type: ignore[arg-type]
+        start = time.perf_counter() + 2.0  # a warm-up, the same for every pool
         threads = [threading.Thread(target=step, args=(i,)) for i in range(loops)]
         for t in threads:
             t.start()
