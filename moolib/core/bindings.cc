@@ -8,6 +8,7 @@
 
 #include <structmember.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -25,15 +26,22 @@ using namespace moolib::binding;
 
 namespace {
 
-// Python objects referenced from core threads. The core may drop its last
-// reference on a thread without the GIL; such releases wait in a queue that is
-// drained by the next thread that holds the GIL.
+// Python objects referenced from core threads. The core drops its last
+// reference to them wherever a frame is done with, often inside a
+// connection's write lock, so it never releases one there: releasing runs
+// Python code (deallocators, weakref callbacks, __del__), and that code may
+// let go of the GIL (torch does while it frees a tensor). Another thread
+// would then take the GIL and wait for the lock this one holds, while this
+// one waits for the GIL. Releases wait in a queue instead, drained where a
+// thread holds the GIL and no core lock: before a handler runs, after a call
+// is handed to the core, and in a pending call the interpreter runs.
 class DeferredReleases {
  public:
   void add(Py_buffer* view, PyObject* object) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       items_.push_back({view, object});
+      pending_.store(true, std::memory_order_release);
       if (scheduled_) return;
       scheduled_ = true;
     }
@@ -44,21 +52,23 @@ class DeferredReleases {
         },
         nullptr);
   }
+  // GIL held, no core lock held.
   void drain() {
+    if (!pending_.load(std::memory_order_acquire)) return;
     std::vector<std::pair<Py_buffer*, PyObject*>> items;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       items.swap(items_);
+      pending_.store(false, std::memory_order_relaxed);
       scheduled_ = false;
     }
-    for (auto& [view, object] : items) release(view, object);
-  }
-  static void release(Py_buffer* view, PyObject* object) {
-    if (view) {
-      PyBuffer_Release(view);
-      std::unique_ptr<Py_buffer> owned(view);
+    for (auto& [view, object] : items) {
+      if (view) {
+        PyBuffer_Release(view);
+        std::unique_ptr<Py_buffer> owned(view);
+      }
+      Py_XDECREF(object);
     }
-    Py_XDECREF(object);
   }
   static DeferredReleases& instance() {
     static auto* d = new DeferredReleases();  // leaked: used until the process ends
@@ -68,16 +78,13 @@ class DeferredReleases {
  private:
   std::mutex mutex_;
   std::vector<std::pair<Py_buffer*, PyObject*>> items_;
+  std::atomic<bool> pending_{false};
   bool scheduled_ = false;
 };
 
 void releaseFromAnyThread(Py_buffer* view, PyObject* object) {
   if (Py_IsInitialized() == 0) return;
-  if (PyGILState_Check()) {
-    DeferredReleases::release(view, object);
-  } else {
-    DeferredReleases::instance().add(view, object);
-  }
+  DeferredReleases::instance().add(view, object);
 }
 
 // A reference to a Python object that may be dropped on any thread.
@@ -367,12 +374,8 @@ OutSegment constantSegment(const std::string& bytes) {
   return s;
 }
 
-// Encodes value as moolib.serialization.dumps would; its segments. keep
-// holds what dumps made until the segments are handed to the core: the last
-// reference to a buffer object must not drop in the send, under the
-// connection's write lock, with the GIL held (freeing a tensor may release
-// the GIL, and the thread that takes it may wait for that lock).
-std::vector<OutSegment> encodeValue(py::handle value, py::object& keep) {
+// Encodes value as moolib.serialization.dumps would; its segments.
+std::vector<OutSegment> encodeValue(py::handle value) {
   FastCodec& fc = fastCodec();
   std::vector<OutSegment> segs;
   if (value.is_none()) {
@@ -386,7 +389,6 @@ std::vector<OutSegment> encodeValue(py::handle value, py::object& keep) {
   } else {
     py::tuple encoded = callOrThrow(codec().dumps, value);
     segs = exportSegments(encoded[0], encoded[1].cast<py::list>());
-    keep = std::move(encoded);
   }
   return segs;
 }
@@ -440,7 +442,7 @@ std::string describeError(py::error_already_set& e) {
 void servePlain(py::handle plain, Responder& responder, std::vector<BufferPtr>& args) {
   FastCodec& fc = fastCodec();
   std::vector<OutSegment> reply;
-  py::object keep, result;  // until the reply is handed to the core (see encodeValue)
+  py::object result;
   try {
     py::object fn = plain.attr("fn");
     py::object callArgs, callKwargs;
@@ -472,7 +474,7 @@ void servePlain(py::handle plain, Responder& responder, std::vector<BufferPtr>& 
     if (!result) throw py::error_already_set();
     callArgs = py::object();
     callKwargs = py::object();
-    reply = encodeValue(result, keep);
+    reply = encodeValue(result);
   } catch (py::error_already_set& e) {
     responder.error(describeError(e));
     return;
@@ -758,7 +760,6 @@ FuturePtr callFromArgs(const char* method, PyObject* self, PyObject* const* args
   if (!function) throw py::error_already_set();
   PyRpc& rpc = py::cast<PyRpc&>(py::handle(self));
   std::vector<OutSegment> segs;
-  py::object keep;  // until the call is handed to the core (see encodeValue)
   Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
   if (nargs == 2 && nkw == 0) {
     segs.push_back(constantSegment(fastCodec().emptyCall));
@@ -773,13 +774,19 @@ FuturePtr callFromArgs(const char* method, PyObject* self, PyObject* const* args
         throw py::error_already_set();
       }
     }
-    segs = encodeValue(py::make_tuple(callArgs, callKwargs), keep);
+    segs = encodeValue(py::make_tuple(callArgs, callKwargs));
   }
   // The GIL stays held: a call never blocks (sockets are non-blocking) and no
-  // core lock is ever held while waiting for the GIL, so this cannot
-  // deadlock, and it saves a GIL hand-off per call.
-  return rpc.rpc->call(std::string(peer, size_t(peerSize)),
-                       std::string(function, size_t(functionSize)), std::move(segs), waitNext);
+  // core lock is ever held while waiting for the GIL (the core releases no
+  // Python object itself: DeferredReleases), so this cannot deadlock, and it
+  // saves a GIL hand-off per call.
+  FuturePtr state =
+      rpc.rpc->call(std::string(peer, size_t(peerSize)),
+                    std::string(function, size_t(functionSize)), std::move(segs), waitNext);
+  // What the send finished with (this call's arguments, when written at once)
+  // is released before the caller goes on, as if the core held no reference.
+  DeferredReleases::instance().drain();
+  return state;
 }
 
 PyObject* rpcAsync(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
