@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import faulthandler
+import os
 import signal
-import sys
 
 import pytest
 from helpers.group_util import BrokerProcess
@@ -55,10 +55,24 @@ def _no_default_auth_key(monkeypatch):
     moolib.set_auth_key(None)
 
 
+# The terminal's stderr, saved before pytest captures fd 2 for each test: a
+# dump written to fd 2 while a test runs lands in the capture's file, which an
+# exit from faulthandler's thread throws away unread.
+_terminal_stderr: int | None = None
+
+
+def pytest_configure(config):
+    global _terminal_stderr
+    _terminal_stderr = os.dup(2)
+
+
 @pytest.fixture
 def watchdog():
-    """Dumps every thread's stack and exits if a test hangs (pytest-timeout is not installed)."""
-    faulthandler.dump_traceback_later(240, exit=True, file=sys.__stderr__)
+    """Dumps every thread's stack to the terminal and exits if a test hangs.
+
+    pytest-timeout cannot: its signal handler needs the GIL, which a deadlock
+    involving the GIL never gives it; faulthandler's thread needs none."""
+    faulthandler.dump_traceback_later(240, exit=True, file=_terminal_stderr)
     try:
         yield
     finally:
