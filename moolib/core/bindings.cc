@@ -45,12 +45,18 @@ class DeferredReleases {
       if (scheduled_) return;
       scheduled_ = true;
     }
-    Py_AddPendingCall(
+    int queued = Py_AddPendingCall(
         [](void*) {
           instance().drain();
           return 0;
         },
         nullptr);
+    if (queued != 0) {
+      // The interpreter's queue is full: the next release tries again (and
+      // a drain at a safe point takes these meanwhile).
+      std::lock_guard<std::mutex> lock(mutex_);
+      scheduled_ = false;
+    }
   }
   // GIL held, no core lock held.
   void drain() {
