@@ -33,8 +33,9 @@ namespace {
 // let go of the GIL (torch does while it frees a tensor). Another thread
 // would then take the GIL and wait for the lock this one holds, while this
 // one waits for the GIL. Releases wait in a queue instead, drained where a
-// thread holds the GIL and no core lock: before a handler runs, after a call
-// is handed to the core, and in a pending call the interpreter runs.
+// thread holds the GIL and no core lock: whenever a core thread takes the GIL
+// (withPython), after a call is handed to the core, and in a pending call the
+// interpreter runs.
 class DeferredReleases {
  public:
   void add(Py_buffer* view, PyObject* object) {
@@ -200,7 +201,9 @@ py::object callOrThrow(py::handle fn, Args... args) {
   return r;
 }
 
-// Runs body with the GIL on a core thread (or not at all once exiting).
+// Runs body with the GIL on a core thread (or not at all once exiting),
+// after the releases the core queued: core threads take the GIL only here,
+// and never while they hold a core lock.
 template <typename Body>
 void withPython(Body&& body) {
   if (gExiting.load(std::memory_order_relaxed)) return;
@@ -218,6 +221,7 @@ void withPython(Body&& body) {
   struct Release {
     ~Release() { PyEval_SaveThread(); }
   } release;
+  DeferredReleases::instance().drain();
   body();
 }
 
@@ -526,7 +530,6 @@ Rpc::Handler pythonDispatcher(py::handle ownerRef, const std::string& name) {
   auto key = holdObject(py::str(name));
   return [ref, key, name](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
     withPython([&] {
-      DeferredReleases::instance().drain();
       try {
         py::object handler;
         {
@@ -997,10 +1000,7 @@ PYBIND11_MODULE(_core, m) {
              auto held = holdObject(fn);
              self.rpc->define(
                  name, [held](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
-                   withPython([&] {
-                     DeferredReleases::instance().drain();
-                     callHandler(held.get(), responder, args);
-                   });
+                   withPython([&] { callHandler(held.get(), responder, args); });
                  });
            })
       .def("undefine", onRpc(&Rpc::undefine), py::call_guard<GilRelease>())
