@@ -22,6 +22,11 @@
 #                             learner batch 8 x 20 steps), 5M steps (20M frames):
 #                             ~580 steps/s on a 2-core CPU, about 2.5 hours a run; see
 #                             docs/results.md
+#   pong-cpu-nosticky,        the same without sticky actions, as the published IMPALA,
+#   breakout-cpu-nosticky     TorchBeast and original moolib curves were made, and on the
+#                             original moolib's 50M-step learning-rate schedule (its
+#                             examples/vtrace/config.yaml): stop it with Ctrl-C at any
+#                             point and run it again to go on
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,6 +43,18 @@ names() {
   done
   echo pong-cpu
   echo breakout-cpu
+  echo pong-cpu-nosticky
+  echo breakout-cpu-nosticky
+}
+
+# V-trace on the Atari game $1 from pixels on a CPU; the rest of the arguments go between
+# the seed and the device.
+atari() {
+  local game=$1
+  shift
+  printf '%s\n' agent=vtrace "env=$game" agent.network=impala_shallow \
+    agent.optimizer.name=rmsprop agent.optimizer.learning_rate=0.00048 \
+    agent.optimizer.epsilon=0.01 seed=0 "$@" device=cpu
 }
 
 # The moolib-run arguments of NAME (without the savedir), one a line.
@@ -50,15 +67,12 @@ arguments() {
       seed=${name##*-seed}
       printf '%s\n' agent=vtrace "env=minatar-$game" "seed=$seed" total_steps=5000000 device=cpu
       ;;
-    pong-cpu)
-      printf '%s\n' agent=vtrace env=pong agent.network=impala_shallow \
-        agent.optimizer.name=rmsprop agent.optimizer.learning_rate=0.00048 \
-        agent.optimizer.epsilon=0.01 seed=0 total_steps=5000000 device=cpu
+    pong-cpu | breakout-cpu)
+      atari "${name%-cpu}" total_steps=5000000
       ;;
-    breakout-cpu)
-      printf '%s\n' agent=vtrace env=breakout agent.network=impala_shallow \
-        agent.optimizer.name=rmsprop agent.optimizer.learning_rate=0.00048 \
-        agent.optimizer.epsilon=0.01 seed=0 total_steps=5000000 device=cpu
+    pong-cpu-nosticky | breakout-cpu-nosticky)
+      game=${name%-cpu-nosticky}
+      atari "$game" env.options.repeat_action_probability=0 total_steps=50000000
       ;;
     *) return 1 ;;
   esac
