@@ -53,7 +53,7 @@ from .apex import epsilon_schedule
 from .host_results import HostResults
 from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
 from .offpolicy import epsilon_greedy, importance_weights
-from .qlearning import QConfig, make_acting, make_qnet
+from .qlearning import QConfig, R2D2Config, make_acting, make_qnet
 from .registry import agent_config, get_agent
 from .training import (
     GroupLostError,
@@ -99,6 +99,8 @@ REPORT_INTERVAL = 1.0
 # An actor that has not reported for this long no longer counts as one.
 ACTOR_STALE = 15.0
 REPLAY_FILE = "replay.bin"
+# Episodes seen with an empty replay before R2D2 says that none is long enough.
+SHORT_EPISODES = 200
 
 
 def learner_name(group: str) -> str:
@@ -504,6 +506,9 @@ class Learner:
         self.steps = 0  # env steps the actors took, all of them
         self.updates = 0  # learner steps
         self.elapsed = 0.0
+        self.longest_episode = 0  # steps, of the episodes reported to this process
+        self.episodes_seen = 0
+        self.warned_short = False
         self.wandb_id: str | None = None
         self.replay: moolib.Replay | None = None
         self._restore()
@@ -805,6 +810,7 @@ class Learner:
             "time": now,
         }
         row.update(_episode_columns(episodes))
+        self._warn_if_no_sequence_fits(episodes, info["inserts"])
         for k, values in stats.items():
             row[k] = _mean(values)
         last.update(
@@ -815,6 +821,28 @@ class Learner:
             samples=info["samples"],
         )
         return row
+
+    def _warn_if_no_sequence_fits(self, episodes: list, inserts: int) -> None:
+        """R2D2 stores no sequence of an episode shorter than its burn-in and a
+        transition (``r2d2.SequenceSplitter``): with episodes that short the replay
+        stays empty and the learner waits forever, so say why, once."""
+        agent = self.agent
+        self.episodes_seen += len(episodes)
+        self.longest_episode = max([self.longest_episode, *(n for _, _, n in episodes)])
+        if not isinstance(agent, R2D2Config) or inserts or self.warned_short:
+            return
+        need = agent.burn_in + 2
+        if self.episodes_seen >= SHORT_EPISODES and self.longest_episode < need:
+            self.warned_short = True
+            log.warning(
+                "r2d2: the replay is empty: all %d episodes so far ended within %d steps, "
+                "and a sequence needs at least agent.burn_in + 2 = %d (its burn-in and a "
+                "transition to learn from); lower agent.burn_in and agent.sequence_length "
+                "for this env (conf/tuning/r2d2_cartpole-novel.yaml does)",
+                self.episodes_seen,
+                self.longest_episode,
+                need,
+            )
 
 
 def _mean(values: list) -> float:

@@ -255,6 +255,21 @@ def test_ctrl_c_of_a_single_run_checkpoints_and_leaves_nothing_behind(tmp_path):
         r.finish()
 
 
+def test_r2d2_says_why_its_replay_stays_empty_when_episodes_are_shorter_than_its_burn_in(
+    tmp_path,
+):
+    """A sequence needs burn_in + 2 steps of one episode; an untrained CartPole policy
+    ends its episodes long before 102, so nothing reaches the replay: the run says so."""
+    savedir = tmp_path / "r2d2"
+    args = ["agent=r2d2", "env=cartpole", *SMALL, "agent.burn_in=100", "total_steps=40000"]
+    out = check_ok(run([*args, f"savedir={savedir}"], tmp_path))
+    _, rows = read_logs(savedir / "logs.tsv")
+    assert rows[-1]["replay_size"] == 0 and rows[-1]["updates"] == 0
+    assert "r2d2: the replay is empty: all " in out, out[-3000:]
+    assert "a sequence needs at least agent.burn_in + 2 = 102" in out
+    assert out.count("r2d2: the replay is empty") == 1  # once, not every log row
+
+
 # -- full runs and resumes -----------------------------------------------------------------
 
 
