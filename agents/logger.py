@@ -258,8 +258,9 @@ class Progress:
 
     # -- what the line says ---------------------------------------------------------------
 
-    def _line(self, row: dict[str, Any]) -> str:
-        """The line for one log row, which joins the window that the SPS is taken over."""
+    def _line(self, row: dict[str, Any], note: str = "") -> str:
+        """The line for one log row, which joins the window that the SPS is taken over;
+        ``note`` goes before the ETA."""
         step = float(row["step"])
         now = _finite(row.get("time"))
         if self._first_step is None:
@@ -285,6 +286,8 @@ class Progress:
             self._loss = loss
         ret_text = "-" if self._return is None else f"{self._return:.2f}"
         text += f"return {ret_text}  loss {_short(self._loss)}  "
+        if note:
+            text += f"{note}  "
         if done:
             eta = 0.0
         elif learned_sps > 0:
@@ -325,9 +328,9 @@ class Progress:
                 self._saved.append((handler, handler.stream))
                 handler.setStream(guard)  # type: ignore[arg-type]
 
-    def update(self, row: dict[str, Any]) -> None:
-        """Shows the numbers of one log row."""
-        text = self._line(row)
+    def update(self, row: dict[str, Any], note: str = "") -> None:
+        """Shows the numbers of one log row, and ``note`` (what the peer waits for, say)."""
+        text = self._line(row, note)
         self._record(text)
         with self._lock:
             if self.live:

@@ -727,7 +727,7 @@ class Learner:
                 if clock() - last["time"] >= float(cfg.log_interval):
                     row = self._log_row(stats, last, clock())
                     logger.write(row)
-                    progress.update(row)
+                    progress.update(row, self._filling(row))
                     if wandb_run:
                         wandb_run.log(row)
                     stats = {}
@@ -738,7 +738,7 @@ class Learner:
             if stats or self.steps != last["steps"] or not row:
                 row = self._log_row(stats, last, clock())
                 logger.write(row)
-                progress.update(row)
+                progress.update(row, self._filling(row))
                 if wandb_run:
                     wandb_run.log(row)
             self.elapsed = clock()
@@ -821,6 +821,13 @@ class Learner:
             samples=info["samples"],
         )
         return row
+
+    def _filling(self, row: dict[str, Any]) -> str:
+        """The progress line's note while the replay fills before the first update."""
+        need = self.agent.min_replay_size
+        if self.updates or row["replay_size"] >= need:
+            return ""
+        return f"replay {int(row['replay_size']):,}/{need:,} before learning"
 
     def _warn_if_no_sequence_fits(self, episodes: list, inserts: int) -> None:
         """R2D2 stores no sequence of an episode shorter than its burn-in and a

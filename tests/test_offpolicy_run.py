@@ -268,6 +268,8 @@ def test_r2d2_says_why_its_replay_stays_empty_when_episodes_are_shorter_than_its
     assert "r2d2: the replay is empty: all " in out, out[-3000:]
     assert "a sequence needs at least agent.burn_in + 2 = 102" in out
     assert out.count("r2d2: the replay is empty") == 1  # once, not every log row
+    # The progress line says what the learner waits for (conf/agent/r2d2.yaml: 5,000).
+    assert "loss -  replay 0/5,000 before learning  ETA" in out, out[-3000:]
 
 
 # -- full runs and resumes -----------------------------------------------------------------
