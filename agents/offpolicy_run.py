@@ -845,7 +845,7 @@ class Learner:
                 "r2d2: the replay is empty: all %d episodes so far ended within %d steps, "
                 "and a sequence needs at least agent.burn_in + 2 = %d (its burn-in and a "
                 "transition to learn from); lower agent.burn_in and agent.sequence_length "
-                "for this env (conf/tuning/r2d2_cartpole-novel.yaml does)",
+                "for this env (as conf/tuning/r2d2_cartpole.yaml does)",
                 self.episodes_seen,
                 self.longest_episode,
                 need,

@@ -261,15 +261,16 @@ def test_r2d2_says_why_its_replay_stays_empty_when_episodes_are_shorter_than_its
     """A sequence needs burn_in + 2 steps of one episode; an untrained CartPole policy
     ends its episodes long before 102, so nothing reaches the replay: the run says so."""
     savedir = tmp_path / "r2d2"
-    args = ["agent=r2d2", "env=cartpole", *SMALL, "agent.burn_in=100", "total_steps=40000"]
+    sequences = ["agent.sequence_length=120", "agent.overlap=40", "agent.burn_in=100"]
+    args = ["agent=r2d2", "env=cartpole", *SMALL, *sequences, "total_steps=40000"]
     out = check_ok(run([*args, f"savedir={savedir}"], tmp_path))
     _, rows = read_logs(savedir / "logs.tsv")
     assert rows[-1]["replay_size"] == 0 and rows[-1]["updates"] == 0
     assert "r2d2: the replay is empty: all " in out, out[-3000:]
     assert "a sequence needs at least agent.burn_in + 2 = 102" in out
     assert out.count("r2d2: the replay is empty") == 1  # once, not every log row
-    # The progress line says what the learner waits for (conf/agent/r2d2.yaml: 5,000).
-    assert "loss -  replay 0/5,000 before learning  ETA" in out, out[-3000:]
+    # The progress line says what the learner waits for (conf/tuning/r2d2_cartpole.yaml).
+    assert "loss -  replay 0/200 before learning  ETA" in out, out[-3000:]
 
 
 # -- full runs and resumes -----------------------------------------------------------------
