@@ -260,11 +260,11 @@ def test_an_agent_is_registered_not_listed(compose_config, monkeypatch):
         ),
         (["agent=r2d2", "agent.use_lstm=false"], "agent.use_lstm must be true for r2d2"),
         (
-            ["agent=r2d2", "agent.overlap=120"],
+            ["agent=r2d2", "agent.sequence_length=120", "agent.overlap=120"],
             "agent.overlap (120) must be less than agent.sequence_length (120)",
         ),
         (
-            ["agent=r2d2", "agent.burn_in=119"],
+            ["agent=r2d2", "agent.sequence_length=120", "agent.burn_in=119"],
             "agent.burn_in (119) must leave a transition to learn from",
         ),
         (
