@@ -506,7 +506,8 @@ class Learner:
         self.steps = 0  # env steps the actors took, all of them
         self.updates = 0  # learner steps
         self.elapsed = 0.0
-        self.longest_episode = 0  # steps, of the episodes reported to this process
+        # R2D2's episodes reported while its replay is empty (_warn_if_no_sequence_fits).
+        self.longest_episode = 0
         self.episodes_seen = 0
         self.warned_short = False
         self.wandb_id: str | None = None
@@ -834,10 +835,10 @@ class Learner:
         transition (``r2d2.SequenceSplitter``): with episodes that short the replay
         stays empty and the learner waits forever, so say why, once."""
         agent = self.agent
-        self.episodes_seen += len(episodes)
-        self.longest_episode = max([self.longest_episode, *(n for _, _, n in episodes)])
         if not isinstance(agent, R2D2Config) or inserts or self.warned_short:
             return
+        self.episodes_seen += len(episodes)
+        self.longest_episode = max([self.longest_episode, *(n for _, _, n in episodes)])
         need = agent.burn_in + 2
         if self.episodes_seen >= SHORT_EPISODES and self.longest_episode < need:
             self.warned_short = True

@@ -71,8 +71,7 @@ arguments() {
       atari "${name%-cpu}" total_steps=5000000
       ;;
     pong-cpu-nosticky | breakout-cpu-nosticky)
-      game=${name%-cpu-nosticky}
-      atari "$game" env.options.repeat_action_probability=0 total_steps=50000000
+      atari "${name%-cpu-nosticky}" env.options.repeat_action_probability=0 total_steps=50000000
       ;;
     *) return 1 ;;
   esac
