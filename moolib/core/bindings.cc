@@ -18,6 +18,7 @@
 #include "host.h"
 #include "logging.h"
 #include "rpc.h"
+#include "spin.h"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -1019,6 +1020,17 @@ PYBIND11_MODULE(_core, m) {
   m.def("set_log_sink", [](py::object fn) { PythonLogSink::instance().set(fn); });
   m.def("set_max_threads", [](int n) { Loop::instance().setMaxThreads(n); });
   m.def("get_max_threads", [] { return Loop::instance().maxThreads(); });
+  // Diagnostics of the spin before blocking waits (spin.h), for this process.
+  m.def("_spin_stats", [] {
+    SpinStats s = SpinPolicy::stats();
+    py::dict d;
+    d["budget_us"] =
+        std::chrono::duration_cast<std::chrono::microseconds>(SpinPolicy::budget()).count();
+    d["waits"] = s.waits;
+    d["spins"] = s.spins;
+    d["hits"] = s.hits;
+    return d;
+  });
   m.def("create_uid", [] { return randomHex(16); });
   m.def("host_identity", &hostIdentity);
   m.def(

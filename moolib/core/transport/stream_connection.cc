@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "logging.h"
+#include "spin.h"
 
 namespace moolib {
 
@@ -377,10 +378,21 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
   flush();
   if (!owned && !tryOwn()) return false;
   Waiter& waiter = currentWaiter();
+  SpinPolicy& spinPolicy = SpinPolicy::current();
   while (!done() && Clock::now() < deadline && !closed_) {
     pollfd p[2] = {{fd_.get(), short(POLLIN | (wantWrite_ ? POLLOUT : 0)), 0},
                    {waiter.fd(), POLLIN, 0}};
-    int n = ::poll(p, 2, timeoutMs(deadline));
+    int n = 0;
+    TimePoint start = Clock::now();
+    auto spin = spinPolicy.begin();
+    if (spin.count() > 0) {
+      TimePoint until = std::min(deadline, start + spin);
+      while ((n = ::poll(p, 2, 0)) == 0 && Clock::now() < until) {
+      }
+    }
+    bool hit = n > 0;
+    if (n == 0) n = ::poll(p, 2, timeoutMs(deadline));
+    spinPolicy.end(Clock::now() - start, hit);
     if (n <= 0) continue;
     if (p[1].revents) waiter.clear();
     if (!p[0].revents) continue;

@@ -1,0 +1,65 @@
+// Adaptive spinning before a blocking wait (docs/architecture.md, "A tiny
+// sync() round trip"). A thread about to sleep on a connection may poll it
+// for a short while first: a reply, or the peer's next request, often comes
+// within microseconds, and waking a sleeping thread costs about as much as
+// the whole call on a virtual machine. Spinning only pays while the peer has
+// a core of its own; on a busy machine the spinner holds the core the peer
+// (or other work) needs, and the call gets slower. So each thread measures
+// both ways of waiting and uses the cheaper: the cost of a wait is how long
+// it took (capped) plus, when the spin ran out, the CPU the spin burnt. The
+// way not in use is still tried now and then, so the choice follows the load.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+
+namespace moolib {
+
+struct SpinStats {
+  uint64_t waits = 0;  // waits that could have spun
+  uint64_t spins = 0;  // waits that spun
+  uint64_t hits = 0;   // spins that ended in an event
+};
+
+class SpinPolicy {
+ public:
+  // A thread that blocks tries a spin once every kExploreSpin waits, to see
+  // when the load has gone (a spin that runs out costs one budget). One that
+  // spins tries blocking only once every kExploreBlock waits: its peer,
+  // spinning too, then waits longer for it and counts that against spinning.
+  // Load that comes shows in the spins themselves (they run out, or wait
+  // longer).
+  static constexpr uint32_t kExploreSpin = 64;
+  static constexpr uint32_t kExploreBlock = 512;
+  // Past this many budgets, how much longer a wait took says nothing about
+  // how it waited (the peer was simply idle).
+  static constexpr int64_t kCostCap = 4;
+
+  // How long this thread should spin before its next wait (zero: block at
+  // once).
+  std::chrono::nanoseconds begin();
+  // The wait begun last took `waited` in all; `hit`: the event came while
+  // spinning.
+  void end(std::chrono::nanoseconds waited, bool hit);
+
+  // This thread's policy.
+  static SpinPolicy& current();
+  // Totals over every thread of this process.
+  static SpinStats stats();
+  // The spin budget: MOOLIB_SPIN_US (0 disables), 20 us by default, and zero
+  // where this process may run on one CPU only.
+  static std::chrono::nanoseconds budget();
+
+ private:
+  enum Way { kBlock = 0, kSpin = 1 };
+  // Mean cost of a wait each way (ns, moving average). A thread starts out
+  // spinning, since the gain shows only once both ends of a connection spin;
+  // until it has blocked, blocking is taken to cost as much as any wait can
+  // count (kCostCap budgets), so spins that keep running out turn it to
+  // blocking within a dozen waits.
+  int64_t cost_[2] = {kCostCap * budget().count(), 0};
+  uint32_t count_ = 0;
+  Way way_ = kBlock;  // of the current wait
+};
+
+}  // namespace moolib
