@@ -6,11 +6,12 @@
 #include <atomic>
 #include <cstdlib>
 
+#include "logging.h"
+
 namespace moolib {
 
 namespace {
 
-constexpr long kDefaultSpinUs = 20;
 // Moving averages weigh a new wait by 1 / 2^kShift.
 constexpr int kShift = 3;
 
@@ -23,11 +24,14 @@ long readBudgetUs() {
   // One CPU: the peer cannot run while we spin.
   if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < 2) return 0;
   const char* env = std::getenv("MOOLIB_SPIN_US");
-  if (!env || !*env) return kDefaultSpinUs;
+  if (!env || !*env) return 0;
   char* end = nullptr;
   long us = std::strtol(env, &end, 10);
-  // A malformed value keeps the default rather than failing every wait.
-  if (*end != '\0' || us < 0) return kDefaultSpinUs;
+  if (*end != '\0' || us < 0) {
+    MOO_LOG(kError, "MOOLIB_SPIN_US='", env,
+            "' is not a whole number of microseconds (0 or more): not spinning");
+    return 0;
+  }
   return std::min(us, 10'000L);
 }
 

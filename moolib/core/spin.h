@@ -46,8 +46,10 @@ class SpinPolicy {
   static SpinPolicy& current();
   // Totals over every thread of this process.
   static SpinStats stats();
-  // The spin budget: MOOLIB_SPIN_US (0 disables), 20 us by default, and zero
-  // where this process may run on one CPU only.
+  // The spin budget: MOOLIB_SPIN_US, off (zero) when unset, and zero where
+  // this process may run on one CPU only. Off by default: spins that end in
+  // an event still burn CPU that a busy process's other threads (actors, a
+  // learner) need, which this policy does not see (docs/architecture.md).
   static std::chrono::nanoseconds budget();
 
  private:
