@@ -48,19 +48,31 @@ def test_a_process_on_one_cpu_never_spins(tmp_path):
     assert json.loads(out.stdout.splitlines()[-1])["budget_us"] == 0
 
 
-_SLOW_CALLS = """
-import json, threading
+def _client_script(peer, transports, body: str) -> str:
+    """A script that connects an Rpc ``rpc`` to ``peer`` over ``transports``, then runs ``body``
+    (with ``name`` the peer's name and ``c`` moolib._core)."""
+    args = (peer.address, peer.name, transports)
+    return (
+        f"""
+import json
 import moolib
 import moolib._core as c
 
-address, name, transports = {args}
+address, name, transports = {args!r}
 rpc = moolib.Rpc()
-rpc.set_name("spin-slow-" + moolib.create_uid()[:8])
+rpc.set_name("spin-client-" + moolib.create_uid()[:8])
 rpc.set_transports(transports)
 rpc.set_timeout(60)
 rpc.connect(address)
-assert rpc.sync(name, "echo", 1) == 1
-stats = {{}}
+assert rpc.sync(name, "echo", 0) == 0
+"""
+        + body
+    )
+
+
+_SLOW_CALLS = """
+import threading
+stats = {}
 
 
 def slow_calls():
@@ -70,7 +82,7 @@ def slow_calls():
         # Each reply comes 2 ms after the request: a 20 us spin never sees it.
         assert rpc.sync(name, "sleep", 0.002) == 0.002
     after = c._spin_stats()
-    stats.update({{k: after[k] - before[k] for k in ("waits", "spins")}})
+    stats.update({k: after[k] - before[k] for k in ("waits", "spins")})
 
 
 thread = threading.Thread(target=slow_calls)
@@ -85,8 +97,8 @@ def test_spins_that_keep_running_out_turn_a_thread_to_blocking(tmp_path, spawn_p
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU here: no process spins")
     peer = spawn_peer("spin-slow-srv", transports=transports, timeout=DEADLINE)
-    args = (peer.address, peer.name, transports)
-    out = run_script(_SLOW_CALLS.format(args=repr(args)), tmp_path, env={"MOOLIB_SPIN_US": "20"})
+    script = _client_script(peer, transports, _SLOW_CALLS)
+    out = run_script(script, tmp_path, env={"MOOLIB_SPIN_US": "20"})
     assert out.returncode == 0, out.stdout
     stats = json.loads(out.stdout.splitlines()[-1])
     assert stats["waits"] >= 200, stats
@@ -96,23 +108,14 @@ def test_spins_that_keep_running_out_turn_a_thread_to_blocking(tmp_path, spawn_p
 
 
 _WORKLOAD = """
-import json
-import moolib, torch
-import moolib._core as c
+import torch
 
-address, name, transports = {args}
-rpc = moolib.Rpc()
-rpc.set_name("spin-load-" + moolib.create_uid()[:8])
-rpc.set_transports(transports)
-rpc.set_timeout(60)
-rpc.connect(address)
 rpc.define("twice", lambda x: 2 * x)
-assert rpc.sync(name, "echo", 0) == 0
 for i in range(3000):
     assert rpc.sync(name, "echo", i) == i
 # A burst of calls, every fifth one failing, waited for in reverse.
 futures = [
-    rpc.async_(name, "fail", f"no {{i}}") if i % 5 == 0 else rpc.async_(name, "add", i, 1)
+    rpc.async_(name, "fail", f"no {i}") if i % 5 == 0 else rpc.async_(name, "add", i, 1)
     for i in range(2000)
 ]
 for i in reversed(range(2000)):
@@ -120,9 +123,9 @@ for i in reversed(range(2000)):
         try:
             futures[i].result()
         except Exception as e:
-            assert f"no {{i}}" in str(e), e
+            assert f"no {i}" in str(e), e
         else:
-            raise AssertionError(f"call {{i}} should have failed")
+            raise AssertionError(f"call {i} should have failed")
     else:
         assert futures[i].result() == i + 1
 # The peer calls back into us while we wait on it.
@@ -139,8 +142,7 @@ print(json.dumps(c._spin_stats()))
 def test_calls_behave_the_same_spinning_or_not(tmp_path, spawn_peer, transports, spin):
     env = {"MOOLIB_SPIN_US": spin}
     peer = spawn_peer("spin-load-srv", transports=transports, timeout=DEADLINE, env=env)
-    args = (peer.address, peer.name, transports)
-    out = run_script(_WORKLOAD.format(args=repr(args)), tmp_path, env=env)
+    out = run_script(_client_script(peer, transports, _WORKLOAD), tmp_path, env=env)
     assert out.returncode == 0, out.stdout
     stats = json.loads(out.stdout.splitlines()[-1])
     spinning = spin != "0" and len(os.sched_getaffinity(0)) >= 2

@@ -378,21 +378,25 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
   flush();
   if (!owned && !tryOwn()) return false;
   Waiter& waiter = currentWaiter();
-  SpinPolicy& spinPolicy = SpinPolicy::current();
+  // Null when spinning is off (the default): the wait is one blocking poll.
+  SpinPolicy* spinPolicy = SpinPolicy::budget().count() > 0 ? &SpinPolicy::current() : nullptr;
   while (!done() && Clock::now() < deadline && !closed_) {
     pollfd p[2] = {{fd_.get(), short(POLLIN | (wantWrite_ ? POLLOUT : 0)), 0},
                    {waiter.fd(), POLLIN, 0}};
     int n = 0;
-    TimePoint start = Clock::now();
-    auto spin = spinPolicy.begin();
-    if (spin.count() > 0) {
-      TimePoint until = std::min(deadline, start + spin);
-      while ((n = ::poll(p, 2, 0)) == 0 && Clock::now() < until) {
+    if (spinPolicy) {
+      TimePoint start = Clock::now();
+      if (auto spin = spinPolicy->begin(); spin.count() > 0) {
+        TimePoint until = std::min(deadline, start + spin);
+        while ((n = ::poll(p, 2, 0)) == 0 && Clock::now() < until) {
+        }
       }
+      bool hit = n > 0;
+      if (n == 0) n = ::poll(p, 2, timeoutMs(deadline));
+      spinPolicy->end(Clock::now() - start, hit);
+    } else {
+      n = ::poll(p, 2, timeoutMs(deadline));
     }
-    bool hit = n > 0;
-    if (n == 0) n = ::poll(p, 2, timeoutMs(deadline));
-    spinPolicy.end(Clock::now() - start, hit);
     if (n <= 0) continue;
     if (p[1].revents) waiter.clear();
     if (!p[0].revents) continue;
