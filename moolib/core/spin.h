@@ -46,10 +46,10 @@ class SpinPolicy {
   static SpinPolicy& current();
   // Totals over every thread of this process.
   static SpinStats stats();
-  // The spin budget: MOOLIB_SPIN_US, off (zero) when unset, and zero where
-  // this process may run on one CPU only. Off by default: spins that end in
-  // an event still burn CPU that a busy process's other threads (actors, a
-  // learner) need, which this policy does not see (docs/architecture.md).
+  // The spin budget: MOOLIB_SPIN_US (20 us when unset; 0 turns spinning
+  // off), and zero where this process may run on one CPU only. A spin yields
+  // its core between polls, so other threads waiting for that core (actors,
+  // a learner) run first (docs/architecture.md).
   static std::chrono::nanoseconds budget();
 
  private:

@@ -1,6 +1,7 @@
 #include "transport/stream_connection.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -378,7 +379,7 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
   flush();
   if (!owned && !tryOwn()) return false;
   Waiter& waiter = currentWaiter();
-  // Null when spinning is off (the default): the wait is one blocking poll.
+  // Null when spinning is off (MOOLIB_SPIN_US=0): the wait is one blocking poll.
   SpinPolicy* spinPolicy = SpinPolicy::budget().count() > 0 ? &SpinPolicy::current() : nullptr;
   while (!done() && Clock::now() < deadline && !closed_) {
     pollfd p[2] = {{fd_.get(), short(POLLIN | (wantWrite_ ? POLLOUT : 0)), 0},
@@ -388,8 +389,9 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
       TimePoint start = Clock::now();
       if (auto spin = spinPolicy->begin(); spin.count() > 0) {
         TimePoint until = std::min(deadline, start + spin);
-        while ((n = ::poll(p, 2, 0)) == 0 && Clock::now() < until) {
-        }
+        // Yielding hands the core to a thread waiting for it (a learner, an
+        // actor loop): a spin gives way to other work on its core.
+        while ((n = ::poll(p, 2, 0)) == 0 && Clock::now() < until) sched_yield();
       }
       bool hit = n > 0;
       if (n == 0) n = ::poll(p, 2, timeoutMs(deadline));
