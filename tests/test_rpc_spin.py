@@ -1,15 +1,18 @@
 """The spin before a blocking wait (moolib/core/spin.h; docs/architecture.md,
 "Adaptive spin"): its budget comes from MOOLIB_SPIN_US (unset: 20 us; 0 turns
 it off; a bad value is named and turns it off) and is zero in a process that
-has one CPU;
+has one CPU, or one CPU's time (a cgroup quota);
 a thread whose spins keep running out turns to blocking; and calls behave
 the same with spinning on or off, on both transports, in bursts, with errors
 and with large arguments."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import uuid
+from pathlib import Path
 
 import pytest
 from helpers.util import DEADLINE, TRANSPORT_IDS, TRANSPORTS, run_script
@@ -47,6 +50,54 @@ def test_a_process_on_one_cpu_never_spins(tmp_path):
     out = run_script(code, tmp_path, env={"MOOLIB_SPIN_US": "50"})
     assert out.returncode == 0, out.stdout
     assert json.loads(out.stdout.splitlines()[-1])["budget_us"] == 0
+
+
+@contextlib.contextmanager
+def _cgroup_with_quota(cpus: float):
+    """A new cgroup whose CPU quota is ``cpus`` CPUs (cgroup v2's cpu.max, or v1's
+    cpu.cfs_quota_us); yields its cgroup.procs file. Skips where none can be made."""
+    name = f"moolib-test-{uuid.uuid4().hex[:8]}"
+    v2 = next(
+        (
+            Path(root)
+            for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+            if "cpu" in _read(Path(root) / "cgroup.subtree_control").split()
+        ),
+        None,
+    )
+    folder = (v2 or Path("/sys/fs/cgroup/cpu")) / name
+    try:
+        folder.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot make a cgroup here: {e}")
+    try:
+        if v2:
+            (folder / "cpu.max").write_text(f"{int(cpus * 100000)} 100000")
+        else:
+            period = int(_read(folder / "cpu.cfs_period_us"))
+            (folder / "cpu.cfs_quota_us").write_text(str(int(cpus * period)))
+        yield folder / "cgroup.procs"
+    finally:
+        folder.rmdir()  # empty again: its one process has exited
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize(("cpus", "spins"), [(1.0, False), (2.5, True)])
+def test_a_process_with_one_cpus_time_never_spins(tmp_path, cpus, spins):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU here: the budget is always zero")
+    with _cgroup_with_quota(cpus) as procs:
+        # The script joins the cgroup before moolib reads its budget.
+        code = f"open({str(procs)!r}, 'w').write('0')\n" + _PRINT_STATS
+        out = run_script(code, tmp_path, env={"MOOLIB_SPIN_US": "20"})
+    assert out.returncode == 0, out.stdout
+    assert json.loads(out.stdout.splitlines()[-1])["budget_us"] == (20 if spins else 0)
 
 
 def _client_script(peer, transports, body: str) -> str:

@@ -5,6 +5,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "logging.h"
 
@@ -23,10 +28,64 @@ std::atomic<uint64_t> gHits{0};
 // 20 us did not, and covers a tiny call's turn-around.
 constexpr long kDefaultBudgetUs = 20;
 
+constexpr double kNoQuota = std::numeric_limits<double>::infinity();
+
+// The CPU quota of one cgroup directory, in CPUs: cgroup v2's cpu.max
+// ("QUOTA PERIOD", or "max PERIOD") or v1's cpu.cfs_quota_us (-1: none) over
+// cpu.cfs_period_us.
+double quotaAt(const std::string& dir) {
+  if (std::ifstream max(dir + "/cpu.max"); max) {
+    std::string quota;
+    double period = 0;
+    if (max >> quota >> period && quota != "max" && period > 0) {
+      return std::strtod(quota.c_str(), nullptr) / period;
+    }
+    return kNoQuota;
+  }
+  std::ifstream quotaFile(dir + "/cpu.cfs_quota_us"), periodFile(dir + "/cpu.cfs_period_us");
+  double quota = -1, period = 0;
+  if (quotaFile >> quota && periodFile >> period && quota > 0 && period > 0) return quota / period;
+  return kNoQuota;
+}
+
+// The smallest CPU quota on the way from this process's cgroup to the root,
+// in CPUs. A container limited to one CPU's time (docker --cpus=1) sees every
+// core of its host in its affinity, yet a spin there spends its quota.
+double cgroupCpuQuota() {
+  std::ifstream self("/proc/self/cgroup");
+  std::string line;
+  double cpus = kNoQuota;
+  while (std::getline(self, line)) {
+    // "ID:CONTROLLERS:PATH": v2 is "0::PATH"; v1's CPU controller is listed
+    // alone or as "cpu,cpuacct".
+    size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    std::vector<std::string> roots;
+    if (line.compare(0, 3, "0::") == 0) {
+      roots = {"/sys/fs/cgroup", "/sys/fs/cgroup/unified"};
+    } else {
+      std::istringstream names(controllers);
+      std::string name;
+      while (std::getline(names, name, ',')) {
+        if (name == "cpu") roots = {"/sys/fs/cgroup/cpu", "/sys/fs/cgroup/" + controllers};
+      }
+    }
+    for (const std::string& root : roots) {
+      for (std::string dir = path;; dir = dir.substr(0, dir.rfind('/'))) {
+        cpus = std::min(cpus, quotaAt(root + dir));
+        if (dir.empty() || dir == "/") break;
+      }
+    }
+  }
+  return cpus;
+}
+
 long readBudgetUs() {
   cpu_set_t cpus;
-  // One CPU: the peer cannot run while we spin.
+  // One CPU, or one CPU's time: the peer cannot run while we spin.
   if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < 2) return 0;
+  if (cgroupCpuQuota() < 2) return 0;
   const char* env = std::getenv("MOOLIB_SPIN_US");
   if (!env || !*env) return kDefaultBudgetUs;
   char* end = nullptr;

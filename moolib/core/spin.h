@@ -47,7 +47,8 @@ class SpinPolicy {
   // Totals over every thread of this process.
   static SpinStats stats();
   // The spin budget: MOOLIB_SPIN_US (20 us when unset; 0 turns spinning
-  // off), and zero where this process may run on one CPU only. A spin yields
+  // off), and zero where this process may run on one CPU only, or has less
+  // than two CPUs' time (a cgroup CPU quota). A spin yields
   // its core between polls, so other threads waiting for that core (actors,
   // a learner) run first (docs/architecture.md).
   static std::chrono::nanoseconds budget();
