@@ -48,9 +48,9 @@ class SpinPolicy {
   static SpinStats stats();
   // The spin budget: MOOLIB_SPIN_US (20 us when unset; 0 turns spinning
   // off), and zero where this process may run on one CPU only, or has less
-  // than two CPUs' time (a cgroup CPU quota). A spin yields
-  // its core between polls, so other threads waiting for that core (actors,
-  // a learner) run first (docs/architecture.md).
+  // than two CPUs' time (a cgroup CPU quota). A spin yields its core between
+  // polls, so other threads waiting for that core (actors, a learner) run
+  // first (docs/architecture.md).
   static std::chrono::nanoseconds budget();
 
  private:
