@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -64,12 +63,9 @@ double cgroupCpuQuota() {
     std::vector<std::string> roots;
     if (line.compare(0, 3, "0::") == 0) {
       roots = {"/sys/fs/cgroup", "/sys/fs/cgroup/unified"};
-    } else {
-      std::istringstream names(controllers);
-      std::string name;
-      while (std::getline(names, name, ',')) {
-        if (name == "cpu") roots = {"/sys/fs/cgroup/cpu", "/sys/fs/cgroup/" + controllers};
-      }
+    } else if (("," + controllers + ",").find(",cpu,") != std::string::npos) {
+      roots = {"/sys/fs/cgroup/" + controllers};
+      if (controllers != "cpu") roots.push_back("/sys/fs/cgroup/cpu");
     }
     for (const std::string& root : roots) {
       for (std::string dir = path;; dir = dir.substr(0, dir.rfind('/'))) {
@@ -111,20 +107,17 @@ SpinPolicy& SpinPolicy::current() {
 }
 
 std::chrono::nanoseconds SpinPolicy::begin() {
-  auto spin = budget();
-  if (spin.count() == 0) return spin;
   gWaits.fetch_add(1, std::memory_order_relaxed);
   Way preferred = cost_[kSpin] < cost_[kBlock] ? kSpin : kBlock;
   uint32_t period = preferred == kSpin ? kExploreBlock : kExploreSpin;
   way_ = ++count_ % period == 0 ? Way(1 - preferred) : preferred;
   if (way_ == kBlock) return std::chrono::nanoseconds{0};
   gSpins.fetch_add(1, std::memory_order_relaxed);
-  return spin;
+  return budget();
 }
 
 void SpinPolicy::end(std::chrono::nanoseconds waited, bool hit) {
   auto spin = budget();
-  if (spin.count() == 0) return;
   int64_t cost = std::min<int64_t>(waited.count(), kCostCap * spin.count());
   if (way_ == kSpin) {
     if (hit) {

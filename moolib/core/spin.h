@@ -1,5 +1,5 @@
-// Adaptive spinning before a blocking wait (docs/architecture.md, "A tiny
-// sync() round trip"). A thread about to sleep on a connection may poll it
+// Adaptive spinning before a blocking wait (docs/architecture.md, "Adaptive
+// spin"). A thread about to sleep on a connection may poll it
 // for a short while first: a reply, or the peer's next request, often comes
 // within microseconds, and waking a sleeping thread costs about as much as
 // the whole call on a virtual machine. Spinning only pays while the peer has
@@ -36,7 +36,7 @@ class SpinPolicy {
   static constexpr int64_t kCostCap = 4;
 
   // How long this thread should spin before its next wait (zero: block at
-  // once).
+  // once). begin() and end() are called only while budget() is not zero.
   std::chrono::nanoseconds begin();
   // The wait begun last took `waited` in all; `hit`: the event came while
   // spinning.
