@@ -1,9 +1,10 @@
 """The spin before a blocking wait (moolib/core/spin.h; docs/architecture.md,
-"Adaptive spin"): its budget comes from MOOLIB_SPIN_US (unset or 0: off; a
-bad value is named and turns it off) and is zero in a process that has one
-CPU, or one CPU's time (a cgroup quota); a thread whose spins keep running
-out turns to blocking; and calls behave the same with spinning on or off, on
-both transports, in bursts, with errors and with large arguments."""
+"Adaptive spin"): its budget comes from MOOLIB_SPIN_US (unset: 20 us; 0 turns
+it off; a bad value is named and turns it off) and is zero in a process that
+has one CPU, or one CPU's time (a cgroup quota);
+a thread whose spins keep running out turns to blocking; and calls behave
+the same with spinning on or off, on both transports, in bursts, with errors
+and with large arguments."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ _PRINT_STATS = "import json, moolib._core as c; print(json.dumps(c._spin_stats()
 
 @pytest.mark.parametrize(
     ("value", "budget"),
-    [(None, 0), ("0", 0), ("7", 7), ("20", 20), ("", 0), ("999999", 10000)],
+    [(None, 20), ("0", 0), ("7", 7), ("20", 20), ("", 20), ("999999", 10000)],
 )
 def test_budget_comes_from_moolib_spin_us(tmp_path, value, budget):
     if len(os.sched_getaffinity(0)) < 2:

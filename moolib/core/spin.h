@@ -46,8 +46,8 @@ class SpinPolicy {
   static SpinPolicy& current();
   // Totals over every thread of this process.
   static SpinStats stats();
-  // The spin budget: MOOLIB_SPIN_US (unset or 0: off; 20 us is what was
-  // measured), and zero where this process may run on one CPU only, or has less
+  // The spin budget: MOOLIB_SPIN_US (20 us when unset; 0 turns spinning
+  // off), and zero where this process may run on one CPU only, or has less
   // than two CPUs' time (a cgroup CPU quota). A spin yields its core between
   // polls, so other threads waiting for that core (actors, a learner) run
   // first (docs/architecture.md).

@@ -379,7 +379,7 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
   flush();
   if (!owned && !tryOwn()) return false;
   Waiter& waiter = currentWaiter();
-  // Null when spinning is off (the default): the wait is one blocking poll.
+  // Null when spinning is off (MOOLIB_SPIN_US=0): the wait is one blocking poll.
   SpinPolicy* spinPolicy = SpinPolicy::budget().count() > 0 ? &SpinPolicy::current() : nullptr;
   while (!done() && Clock::now() < deadline && !closed_) {
     pollfd p[2] = {{fd_.get(), short(POLLIN | (wantWrite_ ? POLLOUT : 0)), 0},
