@@ -277,6 +277,32 @@ def test_killed_peer_calls_fail_after_timeout(make_rpc, spawn_peer, transports):
     assert a.sync("survivor", "local") == "fine"
 
 
+def test_peer_killed_while_sending_a_large_reply(make_rpc, spawn_peer):
+    """A reader in the middle of a large TCP segment sees its sender die: it drops the
+    connection, the call fails, and the reader's process serves on."""
+    peer = spawn_peer("doomed-sender", transports=["tcp"])
+    a = make_rpc("reader", transports=["tcp"], timeout=DEADLINE)
+    a.connect(peer.address)
+    assert a.sync("doomed-sender", "pid") == peer.pid
+
+    def received() -> int:
+        return sum(c["bytes_received"] for c in connections(a, "doomed-sender"))
+
+    before = received()
+    a.set_timeout(5)
+    # 4 GiB of zeros take seconds to cross, so the kill lands mid-segment.
+    reply = a.async_("doomed-sender", "zeros", 4 << 30)
+    wait_for(lambda: received() > before + (1 << 20), what="the reply's first MiB")
+    peer.kill(signal.SIGKILL)
+    # The reader drops the connection (a call in flight fails at its timeout: the
+    # peer may come back, as in test_killed_peer_calls_fail_after_timeout).
+    wait_for(lambda: not connections(a, "doomed-sender"), what="the dead connection dropped")
+    with pytest.raises(moolib.RpcError):
+        reply.result(timeout=DEADLINE)
+    a.define("local", lambda: "fine")
+    assert a.sync("reader", "local") == "fine"
+
+
 # ---------------------------------------------------------------------------
 # Nested calls between processes
 
