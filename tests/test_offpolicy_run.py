@@ -59,6 +59,15 @@ def final(savedir: Path, column: str = "return_eps_lt_0.1", rows: int = 10) -> f
     return statistics.mean(values) if values else float("nan")
 
 
+def greedy_history(savedir: Path) -> dict[str, float]:
+    """Checkpoint file name -> greedy mean return over 10 episodes, for each checkpoint
+    the run's history keeps."""
+    return {
+        p.name: statistics.mean(evaluate(savedir, episodes=10, checkpoint_path=p))
+        for p in checkpoint.list_history(savedir)
+    }
+
+
 # -- learning ------------------------------------------------------------------------------
 
 
@@ -89,10 +98,7 @@ def test_apex_learns_cartpole(tmp_path):
     assert rows[-1]["updates"] > 0 and rows[-1]["replay_size"] > 0
     # Played greedily, one of the last checkpoints balances the pole, and the last one
     # stays far above a random policy's 22.
-    greedy = {
-        p.name: statistics.mean(evaluate(savedir, episodes=10, checkpoint_path=p))
-        for p in checkpoint.list_history(savedir)
-    }
+    greedy = greedy_history(savedir)
     assert max(greedy.values(), default=0) >= 195, (greedy, learned(savedir))
     returns = evaluate(savedir, episodes=10)
     assert statistics.mean(returns) >= 100, (returns, greedy, learned(savedir))
@@ -145,10 +151,7 @@ def test_r2d2_learns_cartpole_without_velocities_and_apex_does_not(tmp_path):
     # one checkpoint is one point of a policy that still moves: greedy scores of the
     # last checkpoints have clustered at 134-180 in some runs and reached 277-328 in
     # others, while the actors, acting on a span of weight versions, logged 308-451.
-    greedy = {
-        p.name: statistics.mean(evaluate(recurrent, episodes=10, checkpoint_path=p))
-        for p in checkpoint.list_history(recurrent)
-    }
+    greedy = greedy_history(recurrent)
     assert max(greedy.values()) >= 120, (greedy, final(recurrent))
     returns = evaluate(recurrent, episodes=10)
     assert statistics.mean(returns) >= 100, (returns, greedy, final(recurrent))
