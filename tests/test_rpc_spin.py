@@ -153,7 +153,8 @@ def test_spins_that_keep_running_out_turn_a_thread_to_blocking(tmp_path, spawn_p
     out = run_script(script, tmp_path, env={"MOOLIB_SPIN_US": "20"})
     assert out.returncode == 0, out.stdout
     stats = json.loads(out.stdout.splitlines()[-1])
-    assert stats["waits"] >= 200, stats
+    # A call whose thread lost its core for the 2 ms finds its reply there and does not wait.
+    assert stats["waits"] >= 100, stats
     # About 13 spins before blocking wins, then one trial spin every 64 waits;
     # other threads of the process may add a few.
     assert stats["spins"] <= 50, stats
