@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .slurm_files import JOBS_FILE, SLURM_DIR, read_json
@@ -98,19 +99,30 @@ def failure_counts(folder: Path) -> dict[str, int]:
 ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED"}
 
 
-def cancel_jobs(job_ids: list[str], grace: float = 60.0) -> None:
+def cancel_jobs(job_ids: Sequence[str], grace: float = 60.0, brokers: Sequence[str] = ()) -> None:
     """Stops the jobs: SIGINT first (peers stop after their step, the leader
-    writing a checkpoint), then ``scancel`` whatever is still there after ``grace``."""
-    if not job_ids:
+    writing a checkpoint), then ``scancel`` whatever is still there after ``grace``.
+
+    ``brokers`` (among ``job_ids`` or not) get their SIGINT only once the other jobs
+    have ended (or ``grace`` has passed): a leader whose group changes as the others
+    stop can only find itself connected again, and write its last checkpoint,
+    through a broker that is still there."""
+    brokers = list(brokers)
+    peers = [j for j in job_ids if j not in brokers]
+    everything = peers + brokers
+    if not everything:
         return
-    subprocess.run(["scancel", "--signal=INT", *job_ids], capture_output=True)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        states = job_states(job_ids)
-        if not any(v["state"] in ACTIVE_STATES - {"PENDING"} for v in states.values()):
-            break
-        time.sleep(1)
-    subprocess.run(["scancel", *job_ids], capture_output=True)
+    for batch in (peers, brokers):
+        if not batch:
+            continue
+        subprocess.run(["scancel", "--signal=INT", *batch], capture_output=True)
+        while time.monotonic() < deadline:
+            states = job_states(batch)
+            if not any(v["state"] in ACTIVE_STATES - {"PENDING"} for v in states.values()):
+                break
+            time.sleep(1)
+    subprocess.run(["scancel", *everything], capture_output=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     states = job_states([j for j, _ in found])
     if args.cancel:
         active = [j for j, _ in found if states.get(j, {}).get("state") in ACTIVE_STATES]
-        cancel_jobs(active, args.grace)
+        brokers = [j for j, role in found if role.split(": ")[-1] == "broker"]
+        cancel_jobs(active, args.grace, brokers=[j for j in brokers if j in active])
         print(f"moolib-jobs: cancelled {len(active)} jobs: {' '.join(active) or '-'}")
         states = job_states([j for j, _ in found])
     failures = failure_counts(args.savedir)

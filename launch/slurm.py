@@ -315,7 +315,7 @@ def follow(launched: Launched, stop: threading.Event) -> int:
     while True:
         if stop.is_set():
             print("moolib-run: stopping: cancelling the jobs", flush=True)
-            cancel_jobs([j.job_id for j in jobs] + ([broker_job.job_id] if broker_job else []))
+            cancel_jobs([j.job_id for j in jobs], brokers=[broker_job.job_id] if broker_job else [])
             return 1
         for j in jobs:
             state = j.state
