@@ -578,6 +578,8 @@ def test_peers_that_trained_apart_are_reconciled_when_they_meet(cluster):
 
     try:
         step_a = alone_one_step(a, b)
+        # a stops before b wakes: b must not rejoin a in between.
+        a.proc.send_signal(signal.SIGSTOP)
         b.proc.send_signal(signal.SIGCONT)
         step_b = alone_one_step(b, a)
     finally:

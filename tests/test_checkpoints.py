@@ -328,9 +328,13 @@ def test_a_paused_leader_does_not_write_stale_state_on_waking(tmp_path):
     final = checkpoint.verify(latest)["steps"]
     assert final >= max(seen)
     finals = [k for k, text in ends.items() if f"checkpoint at step {final}: " in text]
-    assert len(finals) == 1, ends
-    quiet = 1 - finals[0]
-    assert "not writing a checkpoint" in ends[quiet] or "skipped a stale" in ends[quiet], ends
+    assert finals, ends
+    if len(finals) == 1:
+        quiet = 1 - finals[0]
+        assert "not writing a checkpoint" in ends[quiet] or "skipped a stale" in ends[quiet], ends
+    # Else the leader wrote its last checkpoint and left first, and the other peer, at
+    # the same step, led the group it re-formed and wrote the same step again: nothing
+    # stale either way (the watcher saw the steps on disk only go forward).
 
 
 # -- the write rules, on files ---------------------------------------------------------------

@@ -226,7 +226,9 @@ def test_a_killed_actor_does_not_stop_learning_and_a_new_one_joins(tmp_path):
         after_join = _updates(savedir)
         wait_for(lambda: _updates(savedir) > after_join + 20, 240, "more updates", proc=r)
         _, rows = read_logs(savedir / "logs.tsv")
-        assert rows[-1]["inserts_per_s"] > 0
+        # Not necessarily in the last row: the replay's rate limit may hold the actors back
+        # for a log interval.
+        assert any(row["inserts_per_s"] > 0 for row in rows[-5:]), rows[-5:]
         # The restarted actor took its predecessor's place in the count.
         assert max(row["actors"] for row in rows) <= 2, [row["actors"] for row in rows]
         r.interrupt()

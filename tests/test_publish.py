@@ -102,6 +102,8 @@ def test_actors_follow_the_learner(spawn, transports):
         ",".join(transports),
         "--count",
         "30",
+        "--serves",
+        "3",  # every actor gets each version, however the 2 cores are shared among them
     )
     actors = start_actors(spawn, learner.address, learner.name, transports, until=29)
     send(learner, "GO")  # the actors fetched nothing (None) until now

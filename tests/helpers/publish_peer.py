@@ -1,10 +1,12 @@
 """A learner or an actor in its own process, for tests/test_publish.py.
 
 learner: publish_peer.py learner NAME [--transports T] [--start V] [--count K] [--kb N]
+                         [--serves S]
     Listens on 127.0.0.1:0, prints ``READY <name> <address>``, then waits for
     a line ``GO`` on stdin and publishes versions start+1 .. start+K of
-    ``weights(version)`` under "weights". Each next version waits until a
-    fetch got the previous one (or 2 s passed), so that actors see many.
+    ``weights(version)`` under "weights". Each next version waits until S
+    fetches (1 by default) got the previous one (or 2 s passed), so that
+    actors see many.
     Prints ``PUBLISHED <last>`` and serves until stdin closes.
 
 actor: publish_peer.py actor NAME --connect ADDR --peer LEARNER --until V [--transports T]
@@ -84,8 +86,10 @@ def learner(args: argparse.Namespace, rpc: moolib.Rpc) -> None:
     for version in range(args.start + 1, args.start + args.count + 1):
         served = pub.stats()["served"]
         pub.publish(weights(version, args.kb))
+        # A subscriber is served each version once at most: --serves N waits (2 s at most)
+        # until N of them have it.
         deadline = time.monotonic() + 2
-        while pub.stats()["served"] == served and time.monotonic() < deadline:
+        while pub.stats()["served"] < served + args.serves and time.monotonic() < deadline:
             time.sleep(0.001)
     print("PUBLISHED", pub.version, flush=True)
     sys.stdin.read()
@@ -163,6 +167,7 @@ def main() -> None:
     parser.add_argument("--peer", default=None)
     parser.add_argument("--start", type=int, default=-1)
     parser.add_argument("--count", type=int, default=30)
+    parser.add_argument("--serves", type=int, default=1)
     parser.add_argument("--until", type=int, default=0)
     parser.add_argument("--times", type=int, default=20)
     parser.add_argument("--expect", type=int, default=0)
