@@ -168,8 +168,36 @@ class Launched:
 
 
 def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> Launched:
-    """Submits the experiment's jobs and records them in jobs.json. ``stop``
-    (Ctrl-C) while the broker job starts cancels it."""
+    """Submits the experiment's jobs and records them in jobs.json.
+
+    All or nothing: when a submission fails (sbatch refuses a job array, say) or
+    ``stop`` (Ctrl-C) comes while the broker job starts, the jobs already
+    submitted are cancelled, so no broker is left waiting for peers that never come.
+    """
+    submitted: list[submitit.Job] = []
+    try:
+        return _submit_all(cfg, config_path, stop, submitted)
+    except BaseException:
+        # The broker last, as cancel_jobs does: it outlives whatever needs it.
+        for job in reversed(submitted):
+            job.cancel(check=False)
+        if submitted:
+            ids = ", ".join(job.job_id for job in reversed(submitted))
+            print(f"moolib-run: cancelled this launch's jobs: {ids}", flush=True)
+        raise
+
+
+def _submit(what: str, submit: Any, *args: Any) -> Any:
+    """``submit(*args)``; when sbatch fails, the error says which submission it was."""
+    try:
+        return submit(*args)
+    except submitit.core.utils.FailedJobError as e:
+        raise RuntimeError(f"sbatch could not submit the {what}: {str(e).strip()}") from e
+
+
+def _submit_all(
+    cfg: DictConfig, config_path: Path, stop: threading.Event, submitted: list[submitit.Job]
+) -> Launched:
     from moolib.agents.offpolicy_run import is_offpolicy
 
     offpolicy = is_offpolicy(cfg)
@@ -206,18 +234,20 @@ def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> Launche
         )
         # The broker serves until every peer finished; an off-policy run's until its learner did.
         finishers = 1 if offpolicy else int(s.peers)
-        broker_job = executor.submit(BrokerJob(), str(savedir), token, finishers, s.broker_host)
+        broker_job = _submit(
+            "broker job",
+            executor.submit,
+            BrokerJob(),
+            str(savedir),
+            token,
+            finishers,
+            s.broker_host,
+        )
+        submitted.append(broker_job)
         entry["broker"] = {"job_id": broker_job.job_id}
         record_jobs(savedir, entry)
         print(f"moolib-run: broker job {broker_job.job_id} submitted", flush=True)
-        try:
-            address = _wait_for_broker(
-                broker_job, savedir, token, float(s.broker_timeout), key, stop
-            )
-        except BaseException:
-            broker_job.cancel(check=False)
-            print(f"moolib-run: broker job {broker_job.job_id} cancelled", flush=True)
-            raise
+        address = _wait_for_broker(broker_job, savedir, token, float(s.broker_timeout), key, stop)
         entry["broker"]["address"] = address
 
     broker_arg = cfg.broker or None
@@ -232,18 +262,29 @@ def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> Launche
         learner_executor.update_parameters(
             job_name=f"{cfg.name}-learner", nodes=1, ntasks_per_node=1
         )
-        learner = learner_executor.submit(PeerJob(), str(config_path), 0, token, broker_arg)
+        learner = _submit(
+            "learner job",
+            learner_executor.submit,
+            PeerJob(),
+            str(config_path),
+            0,
+            token,
+            broker_arg,
+        )
+        submitted.append(learner)
         entry["learner"] = {"job_id": learner.job_id}
         record_jobs(savedir, entry)
         jobs = _submit_array(
             cfg, folder, config_path, token, broker_arg, "actors", gpus_per_task=None
         )
+        submitted.extend(jobs)
         entry["actors"] = _array_entry(jobs, per_job, "actors")
         said += f"; learner job {learner.job_id}; " + _describe_array(jobs, per_job, "actor")
         logs = f"{savedir}/logs.tsv (the learner's); actors' output in the SLURM logs"
         jobs = [learner, *jobs]
     else:
         jobs = _submit_array(cfg, folder, config_path, token, broker_arg, "peers")
+        submitted.extend(jobs)
         entry["peers"] = _array_entry(jobs, per_job, "peers")
         said += "; " + _describe_array(jobs, per_job, "peer")
         logs = f"{savedir}/peer<rank>/logs.tsv"
@@ -282,8 +323,15 @@ def _submit_array(
     indices = list(range(count // peers_per_job(cfg)))
     first_rank = 0 if what == "peers" else 1
     n = len(indices)
-    return executor.map_array(
-        PeerJob(), [str(config_path)] * n, indices, [token] * n, [broker] * n, [first_rank] * n
+    return _submit(
+        f"{what} job array ({n} jobs)",
+        executor.map_array,
+        PeerJob(),
+        [str(config_path)] * n,
+        indices,
+        [token] * n,
+        [broker] * n,
+        [first_rank] * n,
     )
 
 

@@ -603,6 +603,27 @@ def updates_go_on(savedir: Path, what: str, more: int = 50) -> None:
 
 
 @needs_slurm
+def test_a_refused_actor_array_cancels_the_jobs_already_submitted(tmp_path, savedirs):
+    savedir = tmp_path / "refused"
+    savedirs.append(savedir)
+    # More array tasks than the cluster's MaxArraySize (1001 by default): sbatch
+    # refuses the actors' array after the broker and the learner job were submitted.
+    result = run([*APEX, "scaling.actors=2000", f"savedir={savedir}"], tmp_path, timeout=180)
+    out = result.stdout
+    assert result.returncode == 1, out[-3000:]
+    assert "moolib-run: error: sbatch could not submit the actors job array (2000 jobs)" in out
+    assert [role for _, role in jobs_lib.recorded_jobs(savedir)] == ["broker", "learner"]
+    ids = role_ids(savedir)
+    assert f"cancelled this launch's jobs: {ids['learner']}, {ids['broker']}" in out, out
+    # Nothing is left waiting for actors that will never come.
+    wait_for(
+        lambda: set(states(savedir).values()) == {"CANCELLED"},
+        60,
+        "the broker and learner jobs cancelled",
+    )
+
+
+@needs_slurm
 def test_apex_learner_and_actor_jobs_learn_and_end_together(tmp_path, savedirs):
     goal = 20000
     savedir, out = run_to_the_end(
