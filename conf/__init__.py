@@ -81,6 +81,21 @@ def registered_options(group: str) -> list[str]:
     return sorted(n.removesuffix(".yaml") for n in names if n.endswith(".yaml"))
 
 
+def options_setting(group: str, key: str) -> list[str]:
+    """The file options of ``group`` whose YAML has ``key`` (dotted, below the group:
+    ``actors`` for ``scaling.actors``), sorted."""
+    from omegaconf import OmegaConf
+
+    folder = resources.files(__name__) / group
+    absent = object()
+    return [
+        option
+        for option in file_options(group)
+        if OmegaConf.select(OmegaConf.load(str(folder / f"{option}.yaml")), key, default=absent)
+        is not absent
+    ]
+
+
 def registered_suites(group: str) -> dict[str, list[str]]:
     """The games registered as options of ``env``, by suite, sorted: ``{"Atari":
     [...], "MinAtar": ["minatar-asterix", ...]}`` (suites without options are left

@@ -118,13 +118,28 @@ def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = 
     cause = e.__cause__
     full_key = getattr(cause, "full_key", None)
     if full_key and "not in struct" in str(cause):
-        known = schema(lines, extra)
-        return str(
-            resume_lib.unknown_key_error(full_key, resume_lib.known_keys(known) if known else [])
-        )
+        return str(unknown_key(full_key, schema(lines, extra)))
     if isinstance(cause, OmegaConfBaseException):
         text = f"{text}: {cause}"
     return one_line(text)
+
+
+def unknown_key(key: str, known: DictConfig | None, where: str = "") -> ConfigError:
+    """The error for a key nothing reads: the options of its group that have it
+    (``scaling.actors`` under scaling=single), else the nearest known key."""
+    group, _, below = key.partition(".")
+    others = moolib.conf.options_setting(group, below) if below else []
+    if not others:
+        return resume_lib.unknown_key_error(
+            key, resume_lib.known_keys(known) if known is not None else [], where
+        )
+    chosen = OmegaConf.select(known, f"{group}.name") if known is not None else None
+    if chosen:
+        where += f" in {group}={chosen}"
+    have = " and ".join(f"{group}={o}" for o in others)
+    return ConfigError(
+        f"unknown key {key}{where}: {have} {'has' if len(others) == 1 else 'have'} it"
+    )
 
 
 def compose_job(lines: list[str], extra: list[str] | None = None) -> DictConfig:
@@ -160,11 +175,7 @@ def check_added_keys(overrides: list[Override], lines: list[str]) -> None:
             continue
         if resume_lib.under_free_form(key):
             continue
-        raise resume_lib.unknown_key_error(
-            key,
-            resume_lib.known_keys(known) if known is not None else [],
-            f" ('{o.input_line}' adds it, but nothing reads it)",
-        )
+        raise unknown_key(key, known, f" ('{o.input_line}' adds it, but nothing reads it)")
 
 
 @dataclass

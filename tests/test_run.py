@@ -374,8 +374,26 @@ def run_error(tmp_path: Path, *overrides: str) -> tuple[int, str, Path]:
             ["env=nosuchgame: no such env option", "options: ", "breakout", "cartpole"],
         ),
         (["agent=nosuchagent"], ["agent=nosuchagent: no such agent option", "a2c", "vtrace"]),
+        (
+            ["agent=apex", "env=cartpole", "scaling.actors=3"],
+            ["unknown key scaling.actors in scaling=single: scaling=local and scaling=slurm have"],
+        ),
+        (
+            ["agent=apex", "env=cartpole", "+agent.burn_in=3"],
+            [
+                "unknown key agent.burn_in ('+agent.burn_in=3' adds it",
+                "in agent=apex: agent=r2d2 has",
+            ],
+        ),
     ],
-    ids=["unknown-key", "unknown-nested-key", "unknown-env", "unknown-agent"],
+    ids=[
+        "unknown-key",
+        "unknown-nested-key",
+        "unknown-env",
+        "unknown-agent",
+        "key-of-another-scaling",
+        "added-key-of-another-agent",
+    ],
 )
 def test_hydra_override_errors(tmp_path, overrides, messages):
     code, out, savedir = run_error(tmp_path, *overrides)
