@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import re
+import socket
 import threading
 import time
 
@@ -211,6 +212,59 @@ def test_listen_on_taken_port_raises(make_rpc):
         second.listen(first.address)
     with pytest.raises(RuntimeError):
         second.listen("not-an-address")
+
+
+@pytest.mark.parametrize(
+    "address, reason",
+    [
+        ("not-an-address", "expected host:port"),
+        ("127.0.0.1:99999", "bad port"),
+        ("localhost:", "bad port"),
+        ("tcp://127.0.0.1:4431", "unknown scheme 'tcp://'"),
+        ("::1:4431", "write IPv6 addresses as [addr]:port"),
+    ],
+)
+def test_connect_to_a_malformed_address_raises(make_rpc, address, reason):
+    rpc = make_rpc("dialer")
+    with pytest.raises(RuntimeError, match=re.escape(reason)):
+        rpc.connect(address)
+    # Nothing of it is left dialing, and the Rpc works on.
+    server = make_rpc("after-a-bad-address", listen=True)
+    server.define("f", lambda: 1)
+    rpc.connect(server.address)
+    assert rpc.sync("after-a-bad-address", "f") == 1
+
+
+def test_connect_that_keeps_failing_is_logged_once(make_rpc):
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append((record.levelno, record.getMessage()))
+
+    logger = logging.getLogger("moolib-test-dial")
+    logger.propagate = False
+    handler = Collect()
+    logger.addHandler(handler)
+    moolib.set_logging(logger)
+    try:
+        with socket.socket() as s:  # a port that refuses: bound, never listening
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+            rpc = make_rpc("keeps-dialing")
+            rpc.connect(address)
+
+            def said() -> list[str]:
+                return [m for lvl, m in records if address in m and lvl >= logging.ERROR]
+
+            # After 10 s of failures (the first ones are normal: peers start in any order).
+            wait_for(lambda: said(), timeout=60, what="an error about the failing connect")
+            assert "no link after" in said()[0] and "still trying" in said()[0], said()
+            time.sleep(4)  # more failed attempts (every 1.6 s): no more errors
+            assert len(said()) == 1, said()
+    finally:
+        moolib.set_logging(None)
+        logger.removeHandler(handler)
 
 
 def test_close_fails_calls_in_flight_and_later_use(make_rpc):

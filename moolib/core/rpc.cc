@@ -196,7 +196,8 @@ void Rpc::ensureShmListenerLocked() {
 void Rpc::connect(const std::string& address) {
   checkUsable();
   ensureStarted();
-  contextFor(address);
+  // A malformed address never connects: say so here, not by retrying it forever.
+  if (contextFor(address) == tcp_.get()) checkTcpAddress(address);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ensureShmListenerLocked();

@@ -131,6 +131,8 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
     bool active = false;  // connecting or connected
     int failures = 0;
     TimePoint nextAttempt;
+    TimePoint failingSince;  // of the current run of failures
+    bool warned = false;     // that run was logged
   };
 
   void checkUsable() const;

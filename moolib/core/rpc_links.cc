@@ -21,6 +21,8 @@ constexpr auto kKeepaliveTimeout = std::chrono::seconds(30);
 constexpr auto kHandshakeTimeout = std::chrono::seconds(20);
 constexpr auto kDiscoveryInterval = std::chrono::milliseconds(500);
 constexpr auto kFailedDialBackoff = std::chrono::seconds(5);
+// How long connect()'s address may keep failing before that is logged as an error.
+constexpr auto kDialWarnAfter = std::chrono::seconds(10);
 // Accepted connections still in their handshake: at most this many in all
 // (fewer when the descriptor limit is low) and a quarter of that per source
 // address. Past a cap the oldest is closed, not the newcomer: a legitimate
@@ -616,17 +618,32 @@ void Rpc::dialFromDialer(const std::string& address) {
     if (!error) {
       std::lock_guard<std::mutex> lock(self->mutex_);
       auto it = self->dialers_.find(address);
-      if (it != self->dialers_.end()) it->second.failures = 0;
+      if (it != self->dialers_.end()) {
+        it->second.failures = 0;
+        it->second.warned = false;
+      }
     }
     if (error) {
       std::lock_guard<std::mutex> lock(self->mutex_);
       auto it = self->dialers_.find(address);
       if (it == self->dialers_.end()) return;
       Dialer& d = it->second;
+      auto now = Clock::now();
+      if (d.failures == 0) d.failingSince = now;
       d.active = false;
       d.failures = std::min(d.failures + 1, 5);
-      d.nextAttempt = Clock::now() + std::chrono::milliseconds(100 << (d.failures - 1));
-      MOO_LOG(kVerbose, "connect to ", address, " failed (will retry): ", error.what());
+      d.nextAttempt = now + std::chrono::milliseconds(100 << (d.failures - 1));
+      // Peers often start before what they connect to, so early failures are
+      // normal; one that lasts is most likely a wrong address or a dead peer,
+      // and calls would only say "peer not found".
+      if (!d.warned && now - d.failingSince >= kDialWarnAfter) {
+        d.warned = true;
+        MOO_LOG(kError, "connect(\"", address, "\"): no link after ",
+                std::chrono::duration_cast<std::chrono::seconds>(now - d.failingSince).count(),
+                " s, still trying; last error: ", error.what());
+      } else {
+        MOO_LOG(kVerbose, "connect to ", address, " failed (will retry): ", error.what());
+      }
       return;
     }
     self->adopt(std::move(conn), true, address);

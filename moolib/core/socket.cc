@@ -25,6 +25,9 @@ namespace {
 
 std::pair<std::string, std::string> splitHostPort(const std::string& address) {
   std::string host, port;
+  auto scheme = address.find("://");
+  MOO_ENFORCE(scheme == std::string::npos, "bad address '", address, "': unknown scheme '",
+              address.substr(0, scheme), "://' (give host:port for TCP, or a shm:// address)");
   if (!address.empty() && address[0] == '[') {
     auto close = address.find(']');
     MOO_ENFORCE(
@@ -47,6 +50,8 @@ std::pair<std::string, std::string> splitHostPort(const std::string& address) {
 }
 
 }  // namespace
+
+void checkTcpAddress(const std::string& address) { splitHostPort(address); }
 
 SockAddr parseTcpAddress(const std::string& address) {
   auto [host, port] = splitHostPort(address);

@@ -41,6 +41,9 @@ struct SockAddr {
 // "host:port", "[v6addr]:port" or ":port" (all interfaces). Host names are
 // resolved. Throws moolib::Exception with the reason.
 SockAddr parseTcpAddress(const std::string& address);
+// Checks the form of a TCP address (as parseTcpAddress takes it) without
+// resolving it; throws moolib::Exception with the reason.
+void checkTcpAddress(const std::string& address);
 // "host:port" with brackets for IPv6.
 std::string formatTcpAddress(const SockAddr& addr);
 // An abstract-namespace Unix socket address for a shared-memory endpoint name.
