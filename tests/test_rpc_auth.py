@@ -125,3 +125,10 @@ def test_keyed_listener_refuses_wrong_key_in_process(make_rpc):
     assert ran == [1]
     # The refused peer never became a known peer of the server.
     assert all(p["name"] != bad.get_name() for p in server.debug_info()["peers"])
+    # No more refusals, each logged by the server, after the test (into pytest's report).
+    bad.close()
+    wait_for(
+        lambda: server.debug_info()["unidentified_connections"] == 0,
+        timeout=30,
+        what="the server to drop the refused connection",
+    )
