@@ -358,8 +358,12 @@ def job_pid(savedir: Path, job_id: str) -> int | None:
         except (OSError, ValueError):
             continue
         args = [a.decode(errors="replace") for a in cmdline]
-        if "submitit.core._submit" in args and str(savedir) in " ".join(args) and want <= environ:
-            return int(entry.name)
+        # srun's command line (two processes: srun forks) names the same module:
+        # only the interpreter that runs it is the job's process.
+        runs_it = Path(args[0]).name.startswith("python")
+        if runs_it and "submitit.core._submit" in args and str(savedir) in " ".join(args):
+            if want <= environ:
+                return int(entry.name)
     return None
 
 
