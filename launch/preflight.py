@@ -351,12 +351,14 @@ def check_broker(cfg: DictConfig) -> None:
     timeout = float(cfg.scaling.broker_timeout if slurm else cfg.group_timeout)
     try:
         probe(str(address), timeout)
-    except Exception as e:  # noqa: BLE001 - unreachable or malformed: the user's to fix
+    except TimeoutError as e:
         which = "scaling.broker_timeout" if slurm else "group_timeout"
         raise ConfigError(
             f"broker={address}: no broker answered there within {timeout:g} s ({which}); start "
             "one there (moolib-broker HOST:PORT) or leave broker unset to start one with the run"
         ) from e
+    except Exception as e:  # noqa: BLE001 - an address Rpc.connect refuses outright
+        raise ConfigError(f"broker={address}: {one_line(str(e))}") from e
     _brokers_seen.add(address)
 
 

@@ -227,6 +227,7 @@ def _closed_port() -> int:
         "env-option",
         "env-name",
         "broker",
+        "broker-not-host-port",
         "hydra-group-option",
         "hydra-syntax",
         "hydra-sweep-without-m",
@@ -254,6 +255,8 @@ def test_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, case):
             [f"broker=127.0.0.1:{_closed_port()}", "group_timeout=1"],
             ["broker=127.0.0.1:", "no broker answered"],
         ),
+        # Refused at once, not after group_timeout.
+        "broker-not-host-port": (["broker=localhost"], ["broker=localhost", "expected host:port"]),
         "hydra-group-option": (["env=cartpol"], ["env=cartpol", "cartpole"]),
         "hydra-syntax": (["agent.batch_size=[1"], ["agent.batch_size=[1"]),
         "hydra-sweep-without-m": (["total_steps=1,2"], ["total_steps=1,2"]),
