@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         "--grace", type=float, default=60.0, help="seconds between SIGINT and scancel"
     )
     args = parser.parse_args(argv)
+    if not args.savedir.is_dir():
+        print(f"moolib-jobs: error: {args.savedir}: no such directory", file=sys.stderr)
+        return 2
     found = recorded_jobs(args.savedir, args.all or args.cancel)
     if not found:
         print(

@@ -893,6 +893,14 @@ def test_moolib_jobs_without_recorded_jobs_says_so(tmp_path):
         timeout=60,
     )
     assert out.returncode == 1 and "no jobs recorded" in out.stderr
+    # A savedir that is not there (a typo) is named as such.
+    out = subprocess.run(
+        [sys.executable, "-m", "moolib.launch.jobs", str(tmp_path / "typo")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and f"{tmp_path / 'typo'}: no such directory" in out.stderr
 
 
 def test_auth_key_file_is_private_and_sets_the_key_of_new_rpcs(tmp_path):
