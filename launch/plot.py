@@ -7,8 +7,9 @@ Usage::
 
 The input is the tab-separated file that ``moolib-run`` writes for each run: a header row, then
 one row per log interval. Any numeric column can be plotted against any other (``--x``, default
-``step``); empty cells, ``nan``, infinities and text are gaps in the line. What each argument
-stands for:
+``step``); empty cells, ``nan``, infinities and text are gaps in the line. A run resumed from a
+checkpoint older than its last row logs those steps again: the rows it superseded are left out.
+What each argument stands for:
 
 - a ``logs.tsv`` file (any name): one line;
 - a run's savedir: its ``logs.tsv``; a run of several peers (``<savedir>/peer<k>/logs.tsv``, as
@@ -368,7 +369,31 @@ def read_table(path: Path) -> Table:
     if not rows:
         raise PlotError(f"{path}: empty file (no header row)")
     columns = [name.strip() for name in rows[0]]
-    return Table(path=path, columns=columns, rows=rows[1:])
+    return Table(path=path, columns=columns, rows=without_superseded(columns, rows[1:]))
+
+
+def without_superseded(columns: list[str], rows: list[list[str]]) -> list[list[str]]:
+    """Leaves out the rows a resume superseded.
+
+    A run resumed from a checkpoint older than its last row logs those steps
+    again, and the rows the earlier attempt logged past the checkpoint belong
+    to a history that was thrown away: a row whose ``step`` is lower than the
+    one before drops every earlier row at or past its step.
+    """
+    if "step" not in columns:
+        return rows
+    index = columns.index("step")
+    kept: list[list[str]] = []
+    steps: list[float] = []  # kept rows' steps, NaN where a row has none
+    for row in rows:
+        step = parse_number(row[index]) if index < len(row) else math.nan
+        if not math.isnan(step):
+            while kept and not math.isnan(steps[-1]) and steps[-1] >= step:
+                kept.pop()
+                steps.pop()
+        kept.append(row)
+        steps.append(step)
+    return kept
 
 
 def split_segments(xs: Sequence[float], ys: Sequence[float]) -> list[Segment]:

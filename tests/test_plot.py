@@ -206,6 +206,26 @@ def test_short_and_long_rows_and_text_columns(tmp_path, capsys):
     assert_png(tmp_path / "r" / "loss.png")
 
 
+def test_rows_a_resume_superseded_are_left_out(tmp_path, capsys):
+    # Logged to step 400, resumed from the checkpoint at 200 (its rows from 300 on
+    # belong to a discarded history), then resumed again from 500 after a crash.
+    path = tmp_path / "resumed" / "logs.tsv"
+    path.parent.mkdir()
+    steps = [100, 200, 300, 400, 250, 350, 450, 500, 600, 500, 550]
+    path.write_text("step\tloss\n" + "".join(f"{s}\t{s / 1000}\n" for s in steps))
+    table = plot.read_table(path)
+    assert table.values("step") == [100, 200, 250, 350, 450, 500, 550]
+    assert table.values("loss") == [0.1, 0.2, 0.25, 0.35, 0.45, 0.5, 0.55]
+    # Without a step column nothing is left out.
+    other = tmp_path / "other" / "logs.tsv"
+    other.parent.mkdir()
+    other.write_text("time\tloss\n2\t1\n1\t2\n")
+    assert plot.read_table(other).values("loss") == [1, 2]
+    code, out, err = run_main(capsys, str(path), "--metric", "loss")
+    assert code == 0, err
+    assert "resumed: 7 points, last loss 0.55 at step 550" in out, out
+
+
 def test_smoothing(tmp_path, capsys):
     assert plot.smooth([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
     assert plot.smooth([1.0, 2.0, 3.0], 1) == [1.0, 2.0, 3.0]
