@@ -164,6 +164,15 @@ def missing_column_message(table: Table, column: str) -> str:
     """The error for a column the file does not have: the columns it has, and a close match."""
     message = f"{table.path}: no column '{column}'"
     close = difflib.get_close_matches(column, table.columns, n=1)
+    if not close:
+        # Close to a word of a column: "retrun" for mean_episode_return.
+        words: dict[str, str] = {}
+        for name in table.columns:
+            for word in name.split("_"):
+                if len(word) > 2:
+                    words.setdefault(word, name)
+        near = difflib.get_close_matches(column, list(words), n=1, cutoff=0.75)
+        close = [words[near[0]]] if near else []
     if close:
         message += f" (did you mean '{close[0]}'?)"
     columns = ", ".join(table.columns) if table.columns else "(none)"

@@ -327,6 +327,12 @@ def test_metric_that_is_not_a_column_lists_the_columns(tmp_path, capsys):
     assert "its columns are: " + ", ".join(COLUMNS) in err
     assert out == ""
     assert not (tmp_path / "r" / "mean_return.png").exists()
+    # A misspelt word of a column name finds it too.
+    code, _, err = run_main(capsys, str(logs), "--metric", "retrun")
+    assert code == 2 and "did you mean 'mean_episode_return'?" in err, err
+    # Nothing close: no guess.
+    code, _, err = run_main(capsys, str(logs), "--metric", "xyzzy")
+    assert code == 2 and "did you mean" not in err, err
 
 
 def test_x_that_is_not_a_column(tmp_path, capsys):
