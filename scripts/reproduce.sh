@@ -27,6 +27,9 @@
 #                             original moolib's 50M-step learning-rate schedule (its
 #                             examples/vtrace/config.yaml): stop it with Ctrl-C at any
 #                             point and run it again to go on
+#   breakout-cpu-nosticky-entropy
+#                             breakout-cpu-nosticky with 5x its entropy cost (0.003): that
+#                             run's policy turned deterministic at 3M steps and stayed at 7.3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,6 +48,7 @@ names() {
   echo breakout-cpu
   echo pong-cpu-nosticky
   echo breakout-cpu-nosticky
+  echo breakout-cpu-nosticky-entropy
 }
 
 # V-trace on the Atari game $1 from pixels on a CPU; the rest of the arguments go between
@@ -72,6 +76,10 @@ arguments() {
       ;;
     pong-cpu-nosticky | breakout-cpu-nosticky)
       atari "${name%-cpu-nosticky}" env.options.repeat_action_probability=0 total_steps=50000000
+      ;;
+    breakout-cpu-nosticky-entropy)
+      atari breakout env.options.repeat_action_probability=0 agent.entropy_cost=0.003 \
+        total_steps=50000000
       ;;
     *) return 1 ;;
   esac

@@ -44,7 +44,13 @@ def names() -> list[str]:
 def test_every_figure_is_named_and_its_command_is_in_the_docs():
     listed = names()
     minatar = [f"minatar-{g}-seed{s}" for g in MINATAR_GAMES for s in (0, 1)]
-    atari = ["pong-cpu", "breakout-cpu", "pong-cpu-nosticky", "breakout-cpu-nosticky"]
+    atari = [
+        "pong-cpu",
+        "breakout-cpu",
+        "pong-cpu-nosticky",
+        "breakout-cpu-nosticky",
+        "breakout-cpu-nosticky-entropy",
+    ]
     assert listed == [*minatar, *atari]
     doc = RESULTS_DOC.read_text()
     for name in listed:
@@ -85,8 +91,10 @@ def test_every_command_composes_into_a_valid_config(hydra_conf):
             game, _, setting = name.partition("-cpu")
             assert cfg.env.name == game
             # The published curves were made without sticky actions (the -nosticky runs).
-            sticky = 0.0 if setting == "-nosticky" else 0.25
+            sticky = 0.0 if setting.startswith("-nosticky") else 0.25
             assert cfg.env.options.repeat_action_probability == sticky
+            # The -entropy run differs from its -nosticky run in its entropy cost alone.
+            assert cfg.agent.entropy_cost == (0.003 if setting.endswith("-entropy") else 0.0006)
 
 
 def test_running_a_name_again_resumes_its_savedir(tmp_path):
