@@ -220,6 +220,26 @@ def plan(
     return Job(lines, resume.config, savedir, resume, state)
 
 
+def unused_scaling_keys(job: Job) -> list[str]:
+    """Notes on a process count the command line sets that this run's agent does not
+    read: ``scaling.actors`` with an on-policy agent, ``scaling.peers`` with an off-policy
+    one. Notes, not errors: a sweep over agents may set both."""
+    from moolib.agents.offpolicy_run import is_offpolicy
+
+    cfg = job.config
+    offpolicy = is_offpolicy(cfg)
+    unused, used = ("peers", "actors") if offpolicy else ("actors", "peers")
+    given = {o.key_or_group for o in parse_overrides(job.lines)}
+    if f"scaling.{unused}" not in given or used not in cfg.scaling:
+        return []
+    runs = "actor processes beside its learner" if offpolicy else "peers"
+    readers = "vtrace and a2c" if offpolicy else "apex and r2d2"
+    return [
+        f"scaling.{unused} is not used by agent={cfg.agent.name}, which runs "
+        f"scaling.{used}={cfg.scaling[used]} {runs} (scaling.{unused} is for {readers})"
+    ]
+
+
 # -- checks that look at the machine -------------------------------------------------------
 
 

@@ -73,6 +73,8 @@ def _run(cfg: DictConfig) -> int:
         final = config_lib.prepare(job.config, savedir)
     except ConfigError as e:
         _fail(str(e))
+    for note in preflight.unused_scaling_keys(job):
+        print(f"moolib-run: note: {note}", flush=True)
     if job.resume is not None:
         print(job.resume.describe(), flush=True)
         resume_lib.record(job.resume)

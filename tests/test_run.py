@@ -405,6 +405,20 @@ def test_hydra_override_errors(tmp_path, overrides, messages):
     assert not savedir.exists()  # nothing started, nothing made
 
 
+@pytest.mark.timeout(300)
+def test_a_process_count_the_agent_does_not_read_is_noted(tmp_path):
+    # scaling.actors is for the off-policy agents: a2c runs scaling.peers peers.
+    savedir = tmp_path / "noted"
+    args = ["agent=a2c", "env=cartpole", "device=cpu", "scaling=local", "scaling.actors=3"]
+    out = check_ok(run([*args, "total_steps=2000", f"savedir={savedir}"], tmp_path))
+    assert (
+        "moolib-run: note: scaling.actors is not used by agent=a2c, which runs "
+        "scaling.peers=2 peers (scaling.actors is for apex and r2d2)"
+    ) in out, out[-3000:]
+    assert "2 peers" in out
+    assert (savedir / "peer1" / "logs.tsv").exists()
+
+
 @pytest.mark.parametrize(
     "overrides, messages",
     [
