@@ -235,36 +235,42 @@ def test_connect_to_a_malformed_address_raises(make_rpc, address, reason):
     assert rpc.sync("after-a-bad-address", "f") == 1
 
 
-def test_connect_that_keeps_failing_is_logged_once(make_rpc):
+@pytest.fixture
+def core_log():
+    """(level, message) of every core log line while the test runs, through a logger of its own."""
     records = []
 
     class Collect(logging.Handler):
         def emit(self, record):
             records.append((record.levelno, record.getMessage()))
 
-    logger = logging.getLogger("moolib-test-dial")
+    logger = logging.getLogger("moolib-test-capture")
     logger.propagate = False
     handler = Collect()
     logger.addHandler(handler)
     moolib.set_logging(logger)
     try:
-        with socket.socket() as s:  # a port that refuses: bound, never listening
-            s.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{s.getsockname()[1]}"
-            rpc = make_rpc("keeps-dialing")
-            rpc.connect(address)
-
-            def said() -> list[str]:
-                return [m for lvl, m in records if address in m and lvl >= logging.ERROR]
-
-            # After 10 s of failures (the first ones are normal: peers start in any order).
-            wait_for(lambda: said(), timeout=60, what="an error about the failing connect")
-            assert "no link after" in said()[0] and "still trying" in said()[0], said()
-            time.sleep(4)  # more failed attempts (every 1.6 s): no more errors
-            assert len(said()) == 1, said()
+        yield records
     finally:
         moolib.set_logging(None)
         logger.removeHandler(handler)
+
+
+def test_connect_that_keeps_failing_is_logged_once(make_rpc, core_log):
+    with socket.socket() as s:  # a port that refuses: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        rpc = make_rpc("keeps-dialing")
+        rpc.connect(address)
+
+        def said() -> list[str]:
+            return [m for lvl, m in core_log if address in m and lvl >= logging.ERROR]
+
+        # After 10 s of failures (the first ones are normal: peers start in any order).
+        wait_for(lambda: said(), timeout=60, what="an error about the failing connect")
+        assert "no link after" in said()[0] and "still trying" in said()[0], said()
+        time.sleep(4)  # more failed attempts (every 1.6 s): no more errors
+        assert len(said()) == 1, said()
 
 
 def test_close_fails_calls_in_flight_and_later_use(make_rpc):
@@ -727,31 +733,18 @@ def test_a_pool_shrunk_then_grown_has_all_its_threads(make_rpc):
 # Logging
 
 
-def test_listen_on_all_interfaces_without_key_warns():
-    records = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append((record.levelno, record.getMessage()))
-
-    logger = logging.getLogger("moolib-test-capture")
-    logger.propagate = False
-    handler = Collect()
-    logger.addHandler(handler)
-    moolib.set_logging(logger)
+def test_listen_on_all_interfaces_without_key_warns(core_log):
     rpc = moolib.Rpc()
     try:
         bound = rpc.listen("0.0.0.0:0")
         assert bound.rsplit(":", 1)[1] != "0"
         wait_for(
-            lambda: any("authentication" in m and lvl >= logging.WARNING for lvl, m in records),
+            lambda: any("authentication" in m and lvl >= logging.WARNING for lvl, m in core_log),
             timeout=30,
             what="a warning about authentication",
         )
     finally:
         rpc.close()
-        moolib.set_logging(None)
-        logger.removeHandler(handler)
 
 
 def test_set_logging_to_python_logging_module(make_rpc):
