@@ -495,7 +495,7 @@ def mean_of(members: Sequence[Series], label: str, path: Path, of: str = "peers"
     values = np.full((len(members), len(grid)), np.nan)
     for i, s in enumerate(members):
         for xs, ys in s.segments:
-            order = np.argsort(xs, kind="stable")  # a run resumed from an older checkpoint
+            order = np.argsort(xs, kind="stable")  # np.interp needs x increasing (any --x)
             sx, sy = np.asarray(xs)[order], np.asarray(ys)[order]
             inside = (grid >= sx[0]) & (grid <= sx[-1])
             values[i, inside] = np.interp(grid[inside], sx, sy)
