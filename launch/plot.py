@@ -7,8 +7,10 @@ Usage::
 
 The input is the tab-separated file that ``moolib-run`` writes for each run: a header row, then
 one row per log interval. Any numeric column can be plotted against any other (``--x``, default
-``step``); empty cells, ``nan``, infinities and text are gaps in the line. A run resumed from a
-checkpoint older than its last row logs those steps again: the rows it superseded are left out.
+``step``); empty cells, ``nan``, infinities and text are gaps in the line, except in the episode
+columns (``mean_episode_return``, ``mean_episode_length``) of a row in which no episode ended
+(``episodes`` 0): that row has nothing to report, so the line goes on over it. A run resumed from
+a checkpoint older than its last row logs those steps again: the rows it superseded are left out.
 What each argument stands for:
 
 - a ``logs.tsv`` file (any name): one line;
@@ -79,6 +81,7 @@ LOG_FILE = "logs.tsv"
 EXIT_ERROR = 2
 # Columns that stay empty until an episode ends (moolib-run's logs.tsv).
 EPISODE_COLUMNS = ("mean_episode_return", "mean_episode_length")
+EPISODE_COUNT = "episodes"
 # Config keys that differ between any two runs, so they tell nothing about a sweep's points.
 _RUN_SPECIFIC_KEYS = ("savedir", "group")
 _PEER_DIR = re.compile(r"peer(\d+)")
@@ -462,6 +465,14 @@ def load_series(table: Table, metric: str, x: str, label: str, window: int = 1) 
     """
     xs = table.values(x)
     ys = table.values(metric)
+    if metric in EPISODE_COLUMNS and EPISODE_COUNT in table.columns:
+        # A log interval in which no episode ended has no episode figure to report. Breaking the
+        # line there would cut a run logged in short intervals into many segments, each starting
+        # its moving average over.
+        counts = table.values(EPISODE_COUNT)
+        ended = [not (math.isnan(y) and n == 0) for y, n in zip(ys, counts, strict=True)]
+        xs = [v for v, keep in zip(xs, ended, strict=True) if keep]
+        ys = [v for v, keep in zip(ys, ended, strict=True) if keep]
     segments = split_segments(xs, ys)
     if not segments:
         n = len(table.rows)

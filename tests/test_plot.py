@@ -168,6 +168,41 @@ def test_gaps_break_the_line(tmp_path, capsys):
     assert_png(tmp_path / "g" / "mean_episode_return.png")
 
 
+def test_a_row_in_which_no_episode_ended_does_not_break_the_episode_lines(tmp_path, capsys):
+    # Rows 5 and 6: no episode ended (nan, 0 episodes), as moolib-run logs them; row 12: a nan
+    # return although episodes ended, which is a gap.
+    logs = write_logs(tmp_path / "e" / "logs.tsv", rows=20)
+    text = logs.read_text().splitlines()
+    for i, value, episodes in [(5, "nan", "0"), (6, "nan", "0"), (12, "nan", "4")]:
+        cells = text[1 + i].split("\t")
+        cells[COLUMNS.index("mean_episode_return")] = value
+        cells[COLUMNS.index("mean_episode_length")] = value
+        cells[COLUMNS.index("episodes")] = episodes
+        text[1 + i] = "\t".join(cells)
+    logs.write_text("\n".join(text) + "\n")
+    table = plot.read_table(logs)
+    for metric in ["mean_episode_return", "mean_episode_length"]:
+        series = plot.load_series(table, metric, "step", "e", 3)
+        assert [len(xs) for xs, _ in series.segments] == [10, 7], metric
+        assert 5000.0 not in series.segments[0][0] and series.segments[0][0][5] == 7000.0
+    # Other columns keep their gaps: a nan loss in a row with no episode still breaks its line.
+    cells = text[1 + 5].split("\t")
+    cells[COLUMNS.index("total_loss")] = "nan"
+    text[1 + 5] = "\t".join(cells)
+    logs.write_text("\n".join(text) + "\n")
+    series = plot.load_series(plot.read_table(logs), "total_loss", "step", "e")
+    assert [len(xs) for xs, _ in series.segments] == [5, 14]
+    # A log in which no episode has ended at all still says so.
+    none = tmp_path / "none" / "logs.tsv"
+    none.parent.mkdir()
+    none.write_text("step\tmean_episode_return\tepisodes\n100\tnan\t0\n200\tnan\t0\n")
+    with pytest.raises(plot.EmptyLogError, match="no episode has finished yet"):
+        plot.load_series(plot.read_table(none), "mean_episode_return", "step", "none")
+    code, out, err = run_main(capsys, str(logs), "--width", "70", "--height", "15")
+    assert code == 0, err
+    assert "e: 17 points" in out
+
+
 def test_split_segments_and_lone_points():
     nan = math.nan
     xs = [0.0, 1.0, 2.0, 3.0, 4.0, nan, 6.0]
