@@ -51,6 +51,12 @@ def validate(cfg: DictConfig) -> None:
     agent_config(agent)
     for key in ("total_steps", "checkpoint_history", "scaling.peers"):
         _int_at_least(cfg, key)
+    if cfg.scaling.name == "single" and cfg.scaling.peers != 1:
+        # The lone peer would take itself for one of several: a share of the cores, a peer<k>/ log.
+        raise ConfigError(
+            f"scaling.peers={cfg.scaling.peers} with scaling=single, which runs one peer: "
+            "scaling=local runs several on this machine, scaling=slurm on SLURM"
+        )
     _number(cfg, "log_interval", 0.0)
     _number(cfg, "checkpoint_interval", 0.0)
     _number(cfg, "group_timeout", 0.1, 1e6)
