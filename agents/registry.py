@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from moolib.launch.config import ConfigError
+from moolib.launch.config import ConfigError, check_int_at_least
 
 from .models import NETWORKS
 
@@ -44,10 +44,7 @@ class _Checks:
 
     def check_int(self, name: str, low: int = 1) -> None:
         """Raises ConfigError unless field ``name`` is an integer >= ``low``."""
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            kind = "a positive integer" if low == 1 else f"an integer >= {low}"
-            raise ConfigError(f"{self._key(name)} must be {kind}, got {value!r}")
+        check_int_at_least(self._key(name), getattr(self, name), low)
 
     def check_number(self, name: str, low: float, high: float | None = None) -> None:
         """Raises ConfigError unless field ``name`` is a number in [low, high]."""

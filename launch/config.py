@@ -19,11 +19,19 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
 
 
-def _int_at_least(cfg: DictConfig, key: str, low: int = 1) -> None:
-    value = OmegaConf.select(cfg, key)
+def check_int_at_least(key: str, value: object, low: int = 1) -> None:
+    """Raises ConfigError unless ``value`` (the setting ``key``) is an integer >= ``low``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         kind = "a positive integer" if low == 1 else f"an integer >= {low}"
-        raise ConfigError(f"{key} must be {kind}, got {value!r}")
+        hint = ""
+        if isinstance(value, float) and value.is_integer() and value >= low:
+            # Most likely 1e6 on the command line, meant as the integer.
+            hint = f" (write {int(value)}: Hydra reads 1e6 or 2.0 as a float)"
+        raise ConfigError(f"{key} must be {kind}, got {value!r}{hint}")
+
+
+def _int_at_least(cfg: DictConfig, key: str, low: int = 1) -> None:
+    check_int_at_least(key, OmegaConf.select(cfg, key), low)
 
 
 def _number(cfg: DictConfig, key: str, low: float, high: float | None = None) -> None:

@@ -255,6 +255,10 @@ def test_an_agent_is_registered_not_listed(compose_config, monkeypatch):
         (["agent=apex", "agent.use_lstm=true"], "agent.use_lstm must be false for apex"),
         (["agent=apex", "agent.n_step=0"], "agent.n_step must be a positive integer, got 0"),
         (
+            ["agent=apex", "agent.replay_capacity=1e5"],
+            "agent.replay_capacity must be a positive integer, got 100000.0 (write 100000: ",
+        ),
+        (
             ["agent=apex", "agent.samples_per_insert=-1"],
             "agent.samples_per_insert must be a number >= 0.0",
         ),

@@ -424,6 +424,7 @@ def test_a_process_count_the_agent_does_not_read_is_noted(tmp_path):
     [
         (["agent.batch_size=-1"], ["agent.batch_size must be a positive integer", "-1"]),
         (["agent.batch_size=abc"], ["agent.batch_size must be a positive integer"]),
+        (["agent.unroll_length=2e1"], ["agent.unroll_length must be a positive", "(write 20: "]),
         (["agent.discounting=1.5"], ["agent.discounting must be a number in [0.0, 1.0]"]),
         (["agent.optimizer.name=sgd"], ["agent.optimizer.name", "adam", "rmsprop", "'sgd'"]),
         (["env.backend=foo"], ["env.backend", "gymnasium", "envpool", "'foo'"]),
@@ -442,6 +443,7 @@ def test_a_process_count_the_agent_does_not_read_is_noted(tmp_path):
     ids=[
         "negative-batch-size",
         "string-batch-size",
+        "exponent-int",
         "discounting",
         "optimizer",
         "backend",
