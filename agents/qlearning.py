@@ -64,6 +64,14 @@ class QConfig(AgentConfig):
     samples_per_insert: float
     save_replay: bool  # checkpoints include the replay (resumes keep the experience)
 
+    # What the replay holds, for messages about its fill.
+    item_name: ClassVar[str] = "items"
+
+    def steps_per_item(self) -> int:
+        """Env steps (of one env) that make one replay item: what converts the
+        replay's warm-up, ``min_replay_size`` items, into the run's steps."""
+        return 1
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in (
@@ -97,6 +105,8 @@ class ApexConfig(QConfig):
     # sent (the last n_step - 1 wait for the next window, to have full returns).
     actor_buffer_size: int
 
+    item_name: ClassVar[str] = "transitions"
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_int("actor_buffer_size")
@@ -113,6 +123,12 @@ class R2D2Config(QConfig):
     burn_in: int  # steps unrolled without gradient to refresh the stored LSTM state
     priority_eta: float  # p = eta max|delta| + (1 - eta) mean|delta| over a sequence
     value_rescale_epsilon: float  # eps of h(x) = sign(x)(sqrt(|x|+1)-1) + eps x
+
+    item_name: ClassVar[str] = "sequences"
+
+    def steps_per_item(self) -> int:
+        """Within an episode a sequence starts every ``sequence_length - overlap`` steps."""
+        return self.sequence_length - self.overlap
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +105,8 @@ def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = 
             options = moolib.conf.group_options(group)
             near = resume_lib.nearest_key(option, options) if options else None
             hint = f"; nearest: {near}" if near else ""
-            listed = ", ".join(moolib.conf.file_options(group))
+            # Hydra's own groups (hydra/launcher) have no files of ours.
+            listed = ", ".join(moolib.conf.file_options(group) or options)
             suites = moolib.conf.registered_suites(group)
             if suites.get("Atari"):
                 listed += (
@@ -187,6 +188,9 @@ class Job:
     savedir: Path  # where it writes
     resume: Resume | None  # set when the savedir holds an experiment
     state: dict | None = None  # the savedir's newest intact checkpoint, if any
+    # The saved run's group choices the command line does not make (``agent=apex``):
+    # its overrides compose against them, here and in Hydra's own composition.
+    choices: list[str] = field(default_factory=list)
 
 
 def plan(
@@ -217,7 +221,7 @@ def plan(
     if found is not None:
         state, resume.fallback = found
         resume.step = int(state["steps"])
-    return Job(lines, resume.config, savedir, resume, state)
+    return Job(lines, resume.config, savedir, resume, state, extra)
 
 
 def unused_scaling_keys(job: Job) -> list[str]:
@@ -237,6 +241,34 @@ def unused_scaling_keys(job: Job) -> list[str]:
     return [
         f"scaling.{unused} is not used by agent={cfg.agent.name}, which runs "
         f"scaling.{used}={cfg.scaling[used]} {runs} (scaling.{unused} is for {readers})"
+    ]
+
+
+def replay_warmup_notes(job: Job) -> list[str]:
+    """A note when an off-policy run ends before its learner starts: the steps it has
+    left do not fill the replay to ``agent.min_replay_size``. A note, not an error: a
+    short run that only tests the plumbing is a fair thing to ask for."""
+    from moolib.agents.qlearning import QConfig
+    from moolib.agents.registry import agent_config
+
+    cfg = job.config
+    agent = agent_config(OmegaConf.to_container(cfg.agent, resolve=True))
+    if not isinstance(agent, QConfig):
+        return []
+    warmup = agent.min_replay_size * agent.steps_per_item()
+    total = int(cfg.total_steps)
+    resumed = job.resume.step if job.resume is not None and job.resume.step else 0
+    # A checkpoint without the replay (save_replay=false) starts it empty again.
+    left = total - resumed if not agent.save_replay else total
+    if left >= warmup:
+        return []
+    per_item = agent.steps_per_item()
+    steps = "" if per_item == 1 else f", a new one every {per_item} steps of an env"
+    since = f" from step {resumed:,} (the replay is not in the checkpoint)" if left < total else ""
+    return [
+        f"total_steps={total:,} ends before the learner starts{since}: it waits for "
+        f"agent.min_replay_size={agent.min_replay_size:,} {agent.item_name}{steps}, about "
+        f"{warmup:,} env steps"
     ]
 
 

@@ -200,7 +200,7 @@ class Resume:
 
 def _show(value: Any) -> str:
     """A value as one would type it on the command line, on one line."""
-    if isinstance(value, (dict, list)):
+    if isinstance(value, (dict, list, bool)) or value is None:
         return json.dumps(value, default=str)
     return repr(value) if isinstance(value, str) else str(value)
 

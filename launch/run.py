@@ -41,6 +41,13 @@ log = logging.getLogger("moolib.launch")
 _checked = False
 # Set when Hydra hands over to the task function: errors after that are not Hydra's.
 _in_task = False
+# Group choices of the savedir's run (``agent=apex``) appended to Hydra's command line, so
+# that overrides of keys only that agent or env has compose there too; the task function
+# takes them off again (the resume asked for no other group).
+_saved_choices: list[str] = []
+# Set instead when a sweep's savedirs hold runs of different choices (one command line
+# cannot carry them all): named if Hydra then cannot compose an override.
+_mixed_choices: list[str] = []
 
 
 def _or_default(value: object, default: object) -> object:
@@ -59,7 +66,10 @@ def _run(cfg: DictConfig) -> int:
     hydra_cfg = HydraConfig.get()
     savedir = Path(hydra_cfg.runtime.output_dir)
     try:
-        job = preflight.plan(list(hydra_cfg.overrides.task), savedir)
+        lines = list(hydra_cfg.overrides.task)
+        if _saved_choices and lines[-len(_saved_choices) :] == _saved_choices:
+            lines = lines[: -len(_saved_choices)]
+        job = preflight.plan(lines, savedir)
         if job.resume is not None and job.resume.finished:
             print(job.resume.finished_message(), flush=True)
             return 0
@@ -73,7 +83,7 @@ def _run(cfg: DictConfig) -> int:
         final = config_lib.prepare(job.config, savedir)
     except ConfigError as e:
         _fail(str(e))
-    for note in preflight.unused_scaling_keys(job):
+    for note in preflight.unused_scaling_keys(job) + preflight.replay_warmup_notes(job):
         print(f"moolib-run: note: {note}", flush=True)
     if job.resume is not None:
         print(job.resume.describe(), flush=True)
@@ -119,7 +129,7 @@ def _run(cfg: DictConfig) -> int:
 def _preflight(args: argparse.Namespace) -> int | None:
     """Plans and checks every job of the command line before Hydra creates anything.
     Returns an exit status when there is nothing to run, else None."""
-    global _checked
+    global _checked, _saved_choices, _mixed_choices
     from hydra import initialize_config_module
 
     with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
@@ -132,6 +142,12 @@ def _preflight(args: argparse.Namespace) -> int | None:
         planned = [
             preflight.plan(lines, job_num=n, multirun=multirun) for n, lines in enumerate(jobs)
         ]
+        # One command line for every job: the choices go in only when all jobs share them.
+        if all(job.choices == planned[0].choices for job in planned):
+            _saved_choices = planned[0].choices
+        else:
+            shared = set.intersection(*(set(job.choices) for job in planned))
+            _mixed_choices = sorted({c for job in planned for c in job.choices} - shared)
         if args.cfg:
             if args.cfg == "job" and not multirun and planned[0].resume is not None:
                 print(preflight.config_for_display(planned[0]), end="")
@@ -178,6 +194,7 @@ def main() -> None:
         # Hydra's errors reach us as exceptions (made one line below), not printed by
         # Hydra over several lines with exit 1.
         os.environ["HYDRA_FULL_ERROR"] = "1"
+        sys.argv += _saved_choices
         app = hydra.main(config_path="pkg://moolib.conf", config_name="config", version_base="1.3")
         app(_run)()
     except ConfigError as e:
@@ -185,7 +202,19 @@ def main() -> None:
     except (hydra.errors.HydraException, OmegaConfBaseException) as e:
         if _in_task or full_error:
             raise
-        _fail(preflight.hydra_message(e, list(args.overrides)))
+        from hydra import initialize_config_module
+        from hydra.core.global_hydra import GlobalHydra
+
+        # Naming the nearest key composes the config again, which needs Hydra set up.
+        GlobalHydra.instance().clear()
+        with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
+            message = preflight.hydra_message(e, list(args.overrides))
+        if _mixed_choices:
+            message += (
+                f" (the savedirs of this sweep hold runs of {', '.join(_mixed_choices)}: "
+                "resume them one at a time to set a key only some of them have)"
+            )
+        _fail(message)
     except KeyboardInterrupt:
         print("moolib-run: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)

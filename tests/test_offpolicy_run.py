@@ -298,6 +298,36 @@ def test_r2d2_says_why_its_replay_stays_empty_when_episodes_are_shorter_than_its
 # -- full runs and resumes -----------------------------------------------------------------
 
 
+def test_a_resume_may_set_a_key_only_its_agent_has_and_a_run_too_short_to_learn_is_noted(
+    tmp_path,
+):
+    savedir = tmp_path / "apex"
+    # conf/tuning/apex_cartpole.yaml: the learner waits for 1,000 transitions.
+    args = ["agent=apex", "env=cartpole", *SMALL, f"savedir={savedir}"]
+    out = check_ok(run([*args, "total_steps=500"], tmp_path))
+    assert (
+        "moolib-run: note: total_steps=500 ends before the learner starts: it waits for "
+        "agent.min_replay_size=1,000 transitions, about 1,000 env steps" in out
+    ), out[-3000:]
+    steps = load_checkpoint(savedir / "checkpoint.pt")["steps"]
+    # The savedir alone picks the agent: agent.save_replay is a key agent=vtrace (the
+    # default) does not have. A resume that does not keep the replay starts it empty.
+    more = f"total_steps={steps + 500}"
+    out = check_ok(run([f"savedir={savedir}", more, "agent.n_step=2"], tmp_path))
+    assert f"ends before the learner starts from step {steps:,} (the replay is not" in out
+    assert "agent.n_step=2 (was 3)" in out, out[-3000:]
+    steps = load_checkpoint(savedir / "checkpoint.pt")["steps"]
+    out = check_ok(
+        run(
+            [f"savedir={savedir}", f"total_steps={steps + 3000}", "agent.save_replay=true"],
+            tmp_path,
+        )
+    )
+    assert "agent.save_replay=true (was false)" in out and "note:" not in out, out[-3000:]
+    assert (savedir / "replay.bin").exists()
+    assert load_checkpoint(savedir / "checkpoint.pt")["updates"] > 0
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "agent, env, extra",
