@@ -31,6 +31,8 @@ import gymnasium
 from ale_py.registration import rom_id_to_name
 from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation, TimeLimit
 
+from .options import check_flag
+
 gymnasium.register_envs(ale_py)
 
 FRAME_SKIP = 4
@@ -99,8 +101,12 @@ def check_atari_options(
     noop_max: int,
     repeat_action_probability: float,
     max_episode_frames: int,
+    full_action_space: bool,
+    episodic_life: bool,
 ) -> None:
     """Raises ValueError for out-of-range Atari options (shared by both backends)."""
+    check_flag("full_action_space", full_action_space)
+    check_flag("episodic_life", episodic_life)
     if not isinstance(noop_max, int) or noop_max < 0:
         raise ValueError(f"noop_max must be an int >= 0, got {noop_max!r}")
     if not 0.0 <= float(repeat_action_probability) <= 1.0:
@@ -174,7 +180,9 @@ def make_atari(
     shape ``(4, 84, 84)``; ``full_action_space=True`` gives all 18 actions.
     """
     env_id = atari_id(name)
-    check_atari_options(noop_max, repeat_action_probability, max_episode_frames)
+    check_atari_options(
+        noop_max, repeat_action_probability, max_episode_frames, full_action_space, episodic_life
+    )
     env = gymnasium.make(
         env_id,
         # AtariPreprocessing reads the screen itself (grayscale); a grayscale
@@ -182,7 +190,7 @@ def make_atari(
         obs_type="grayscale",
         frameskip=1,
         repeat_action_probability=float(repeat_action_probability),
-        full_action_space=bool(full_action_space),
+        full_action_space=full_action_space,
         # Counted in agent steps by TimeLimit below instead (as envpool does),
         # so no-op starts do not shorten the episode.
         max_num_frames_per_episode=None,

@@ -166,7 +166,13 @@ class EnvpoolAtari:
             raise ValueError(
                 f"EnvpoolAtari: seed must be an int in [0, {_MAX_SEED - num_envs}], got {seed!r}"
             )
-        check_atari_options(noop_max, repeat_action_probability, max_episode_frames)
+        check_atari_options(
+            noop_max,
+            repeat_action_probability,
+            max_episode_frames,
+            full_action_space,
+            episodic_life,
+        )
         task = envpool_task_id(name)
         envpool = import_envpool()
         import torch
@@ -200,11 +206,11 @@ class EnvpoolAtari:
                         gray_scale=True,
                         use_inter_area_resize=True,
                         reward_clip=False,
-                        episodic_life=bool(episodic_life),
+                        episodic_life=episodic_life,
                         zero_discount_on_life_loss=False,
                         use_fire_reset=False,
                         repeat_action_probability=float(repeat_action_probability),
-                        full_action_space=bool(full_action_space),
+                        full_action_space=full_action_space,
                     )
                 )
         except BaseException:

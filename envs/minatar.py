@@ -27,6 +27,8 @@ import gymnasium
 import numpy as np
 from gymnasium.wrappers import TimeLimit
 
+from .options import check_flag
+
 # The games of the minatar package (minatar/environments/), in its own spelling.
 MINATAR_GAMES: tuple[str, ...] = ("asterix", "breakout", "freeway", "seaquest", "space_invaders")
 PREFIX = "minatar-"
@@ -78,10 +80,12 @@ class MinAtarEnv(gymnasium.Env):
             raise ValueError(f"unknown MinAtar game {game!r}; known: {', '.join(MINATAR_GAMES)}")
         if not 0.0 <= float(sticky_action_prob) <= 1.0:
             raise ValueError(f"sticky_action_prob must be in [0, 1], got {sticky_action_prob!r}")
+        check_flag("difficulty_ramping", difficulty_ramping)
+        check_flag("minimal_action_set", minimal_action_set)
         self.game = Environment(
             game,
             sticky_action_prob=float(sticky_action_prob),
-            difficulty_ramping=bool(difficulty_ramping),
+            difficulty_ramping=difficulty_ramping,
         )
         if seed is not None:
             self.game.seed(seed)

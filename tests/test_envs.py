@@ -133,12 +133,20 @@ def test_unknown_option_is_a_type_error():
 
 @pytest.mark.parametrize(
     "options",
-    [{"noop_max": -1}, {"repeat_action_probability": 1.5}, {"max_episode_frames": 0}],
+    [
+        {"noop_max": -1},
+        {"repeat_action_probability": 1.5},
+        {"max_episode_frames": 0},
+        {"full_action_space": "no"},
+        {"episodic_life": 1},
+    ],
 )
 def test_bad_option_values(options):
-    with pytest.raises(ValueError):
+    # Named in the message, and a flag is never coerced (bool("no") is True).
+    (name,) = options
+    with pytest.raises(ValueError, match=name):
         envs.create_env("breakout", **options)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=name):
         envs.create_envpool("breakout", 1, 1, **options)
 
 

@@ -133,6 +133,9 @@ def test_sticky_actions_are_applied_as_configured(compose_config):
         assert _paddle(obs) == 4
     with pytest.raises(ValueError, match="sticky_action_prob"):
         create_env("minatar-breakout", sticky_action_prob=1.5)
+    for flag in ("difficulty_ramping", "minimal_action_set"):
+        with pytest.raises(ValueError, match=f"{flag} must be true or false, got 'no'"):
+            create_env("minatar-breakout", **{flag: "no"})
 
 
 def test_game_and_name_must_agree(compose_config):

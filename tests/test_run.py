@@ -439,6 +439,10 @@ def test_a_process_count_the_agent_does_not_read_is_noted(tmp_path):
         (["torch_threads=0"], ["torch_threads must be auto or a positive integer", "0"]),
         (["env=cartpole", "env.backend=envpool"], ["env.backend=envpool", "cartpole"]),
         (["env.name=nosuchgame"], ["env.name 'nosuchgame' is not a known environment"]),
+        (
+            ["env.options.full_action_space=maybe"],
+            ["env.options.full_action_space='maybe'", "must be true or false, got 'maybe'"],
+        ),
     ],
     ids=[
         "negative-batch-size",
@@ -455,6 +459,7 @@ def test_a_process_count_the_agent_does_not_read_is_noted(tmp_path):
         "torch-threads",
         "envpool-cartpole",
         "env-name",
+        "env-flag",
     ],
 )
 def test_bad_values_exit_2_naming_the_key(tmp_path, overrides, messages):
