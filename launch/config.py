@@ -42,6 +42,12 @@ def _number(cfg: DictConfig, key: str, low: float, high: float | None = None) ->
         raise ConfigError(f"{key} must be a number {bounds}, got {value!r}")
 
 
+def _flag(cfg: DictConfig, key: str) -> None:
+    value = OmegaConf.select(cfg, key)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+
 def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
     value = OmegaConf.select(cfg, key)
     if value not in choices:
@@ -65,6 +71,15 @@ def validate(cfg: DictConfig) -> None:
             f"scaling.peers={cfg.scaling.peers} with scaling=single, which runs one peer: "
             "scaling=local runs several on this machine, scaling=slurm on SLURM"
         )
+    seed = cfg.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError(f"seed must be null or an integer >= 0, got {seed!r}")
+    name = cfg.name
+    if not isinstance(name, str) or not name:
+        # It names the run's folder, its group and its wandb runs.
+        shown = OmegaConf.to_object(name) if OmegaConf.is_config(name) else name
+        raise ConfigError(f"name must be a non-empty string, got {shown!r}")
+    _flag(cfg, "wandb.enabled")
     _number(cfg, "log_interval", 0.0)
     _number(cfg, "checkpoint_interval", 0.0)
     _number(cfg, "group_timeout", 0.1, 1e6)
