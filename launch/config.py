@@ -115,6 +115,9 @@ def validate(cfg: DictConfig) -> None:
                 f"scaling.{what} ({count}) must be a multiple of the {what} per job, "
                 f"scaling.nodes x scaling.tasks_per_node ({per_job})"
             )
+        _flag(cfg, "scaling.wait")
+        if cfg.scaling.gpus_per_task is not None:
+            _int_at_least(cfg, "scaling.gpus_per_task", low=0)
         _number(cfg, "scaling.broker_timeout", 1.0)
         _int_at_least(cfg, "scaling.max_failures", low=0)
         if cfg.scaling.array_parallelism is not None:

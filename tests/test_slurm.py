@@ -783,6 +783,8 @@ def test_slurm_config_composes_and_bad_values_name_their_key(tmp_path):
     for bad, message in [
         (["scaling.time=0"], "scaling.time must be a positive integer"),
         (["scaling.max_failures=-1"], "scaling.max_failures must be an integer >= 0"),
+        (["scaling.wait=yes"], "scaling.wait must be true or false, got 'yes'"),
+        (["scaling.gpus_per_task=one"], "scaling.gpus_per_task must be an integer >= 0"),
         (
             ["scaling.peers=3", "scaling.tasks_per_node=2"],
             "scaling.peers (3) must be a multiple of the peers per job",
