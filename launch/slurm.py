@@ -354,23 +354,41 @@ def _describe_array(jobs: list[submitit.Job], per_job: int, noun: str) -> str:
     )
 
 
+# SLURM states of a job that has not ended; and how long follow() waits, once every
+# job's results are in, for the accounting to show their end.
+_ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED"})
+FINAL_STATE_WAIT = 30.0
+
+
 def follow(launched: Launched, stop: threading.Event) -> int:
     """``scaling.wait=true``: waits for the training jobs (printing state changes),
     then for the broker job; ``stop`` (Ctrl-C) cancels them. Returns 0 when every
     training job completed."""
     jobs, broker_job = launched.peer_jobs, launched.broker_job
     states: dict[str, str] = {}
-    while True:
-        if stop.is_set():
-            print("moolib-run: stopping: cancelling the jobs", flush=True)
-            cancel_jobs([j.job_id for j in jobs], brokers=[broker_job.job_id] if broker_job else [])
-            return 1
+
+    def report_changes() -> None:
         for j in jobs:
             state = j.state
             if states.get(j.job_id) != state and state != "UNKNOWN":
                 states[j.job_id] = state
                 print(f"moolib-run: job {j.job_id}: {state}", flush=True)
+
+    while True:
+        if stop.is_set():
+            print("moolib-run: stopping: cancelling the jobs", flush=True)
+            cancel_jobs([j.job_id for j in jobs], brokers=[broker_job.job_id] if broker_job else [])
+            return 1
+        report_changes()
         if all(j.done() for j in jobs):
+            # done() sees a job's results before SLURM's accounting has its end: the final
+            # states are waited for a little, so that each job's end is said.
+            deadline = time.monotonic() + FINAL_STATE_WAIT
+            while any(states.get(j.job_id) in _ACTIVE for j in jobs):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+                report_changes()
             break
         time.sleep(2)
     failed = []

@@ -216,6 +216,10 @@ def test_two_peers_train_and_log(tmp_path, savedirs):
     assert set(states(savedir).values()) == {"COMPLETED"}, states(savedir)
     table = moolib_jobs(str(savedir))
     assert table.count("COMPLETED") == 3, table
+    # The launcher said each peer job's end, though both may end between two of its polls.
+    for job, role in jobs_lib.recorded_jobs(savedir):
+        if role.startswith("peer"):
+            assert f"moolib-run: job {job}: COMPLETED" in out, out[-3000:]
 
 
 @needs_slurm
