@@ -54,7 +54,7 @@ def _natural(path: Path) -> tuple[int, str]:
 
 def job_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
     """State, elapsed time and node of each job, from sacct (squeue if accounting
-    is off)."""
+    is off); a pending job's also the reason SLURM gives (``reason``, from squeue)."""
     if not job_ids:
         return {}
     fields = "JobID,State,Elapsed,NodeList"
@@ -69,16 +69,21 @@ def job_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
             job_id, state, elapsed, nodes = line.split("|")
             # "CANCELLED by 0" -> "CANCELLED"
             info[job_id] = {"state": state.split()[0], "elapsed": elapsed, "node": nodes}
-    missing = [j for j in job_ids if j not in info]
-    if missing:
+    # A pending array's tasks are one line in sacct and squeue ("12_[0-1]") unless
+    # squeue is told to expand them (-r): without it they would read as unknown, and
+    # moolib-jobs --cancel would leave them queued.
+    queued = [j for j in job_ids if info.get(j, {}).get("state", "PENDING") == "PENDING"]
+    if queued:
         out = subprocess.run(
-            ["squeue", "-h", "-o", "%i|%T|%M|%N|%r", "-j", ",".join(missing)],
+            ["squeue", "-h", "-r", "-o", "%i|%T|%M|%N|%r", "-j", ",".join(queued)],
             capture_output=True,
             text=True,
         )
         for line in out.stdout.splitlines():
-            job_id, state, elapsed, nodes, _reason = line.split("|")
+            job_id, state, elapsed, nodes, reason = line.split("|")
             info[job_id] = {"state": state, "elapsed": elapsed, "node": nodes}
+            if state == "PENDING" and reason not in ("", "None"):
+                info[job_id]["reason"] = reason
     return info
 
 
@@ -98,6 +103,39 @@ def failure_counts(folder: Path) -> dict[str, int]:
 
 ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED"}
 
+# Reasons SLURM gives for a pending job that waiting does not change: the request is
+# more than its partition allows, or names what the cluster does not have.
+_STUCK_REASONS = frozenset(
+    {
+        "PartitionConfig",
+        "PartitionNodeLimit",
+        "PartitionTimeLimit",
+        "BadConstraints",
+        "InvalidAccount",
+        "InvalidQOS",
+    }
+)
+
+
+def is_stuck(reason: str | None) -> bool:
+    """Whether a pending job with this reason can never start as it was submitted
+    (a per-job QOS limit, ``QOSMaxCpuPerJobLimit`` say, counts too)."""
+    if not reason:
+        return False
+    return reason in _STUCK_REASONS or (
+        reason.startswith("QOSMax") and reason.endswith("PerJobLimit")
+    )
+
+
+def stuck_message(what: str, job_id: str, reason: str) -> str:
+    """Why a launch stops when SLURM holds one of its jobs with a reason that never passes."""
+    return (
+        f"the {what} {job_id} cannot start: SLURM holds it pending for {reason}, which "
+        "waiting does not change (it asks for more than the partition or QOS allows, or for "
+        "what the cluster lacks: check scaling.partition, scaling.time, scaling.nodes, the "
+        "CPUs, GPUs and memory asked for, and scaling.constraint)"
+    )
+
 
 def cancel_jobs(job_ids: Sequence[str], grace: float = 60.0, brokers: Sequence[str] = ()) -> None:
     """Stops the jobs: SIGINT first (peers stop after their step, the leader
@@ -108,10 +146,17 @@ def cancel_jobs(job_ids: Sequence[str], grace: float = 60.0, brokers: Sequence[s
     stop can only find itself connected again, and write its last checkpoint,
     through a broker that is still there."""
     brokers = list(brokers)
-    peers = [j for j in job_ids if j not in brokers]
-    everything = peers + brokers
+    everything = [j for j in job_ids if j not in brokers] + brokers
     if not everything:
         return
+    # A job still pending has nothing to stop: it goes at once. (scancel --signal on
+    # one retries for a minute and a half, "Job can not be altered now".)
+    states = job_states(everything)
+    pending = [j for j in everything if states.get(j, {}).get("state") == "PENDING"]
+    if pending:
+        subprocess.run(["scancel", *pending], capture_output=True)
+    brokers = [j for j in brokers if j not in pending]
+    peers = [j for j in job_ids if j not in brokers and j not in pending]
     deadline = time.monotonic() + grace
     for batch in (peers, brokers):
         if not batch:
@@ -168,9 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     for job_id, role in found:
         st = states.get(job_id, {"state": "UNKNOWN", "elapsed": "", "node": ""})
+        # A pending job has no node yet: why it waits is shown there (PartitionConfig, say,
+        # is a request the partition can never run).
+        where = st["node"]
+        if not where and "reason" in st:
+            never = "; it cannot start as submitted" if is_stuck(st["reason"]) else ""
+            where = f"(waits: {st['reason']}{never})"
         print(
             f"{job_id:<16} {role:<{width}} {st['state']:<12} {st['elapsed']:>10} "
-            f"{failures.get(job_id, 0):>13}  {st['node']}"
+            f"{failures.get(job_id, 0):>13}  {where}"
         )
     return 0
 

@@ -57,7 +57,7 @@ from typing import Any
 import submitit
 from omegaconf import DictConfig, OmegaConf
 
-from .jobs import cancel_jobs
+from .jobs import cancel_jobs, is_stuck, job_states, stuck_message
 from .local import check_broker
 from .slurm_files import (
     BROKER_FILE,
@@ -111,6 +111,12 @@ def _executor(cfg: DictConfig, folder: Path) -> submitit.SlurmExecutor:
     return executor
 
 
+# Seconds between asking squeue why the broker job is pending; how long a launch asks
+# why its training jobs are, before it goes on.
+REASON_POLL = 2.0
+STUCK_CHECK = 5.0
+
+
 def _wait_for_broker(
     job: submitit.Job,
     savedir: Path,
@@ -123,6 +129,7 @@ def _wait_for_broker(
     deadline = time.monotonic() + timeout
     last_state = None
     running_since = None
+    reason, reason_checked = None, 0.0
     while True:
         if stop.is_set():
             raise RuntimeError(f"interrupted while waiting for the broker job {job.job_id}")
@@ -134,6 +141,15 @@ def _wait_for_broker(
         if state != last_state and state != "UNKNOWN":  # UNKNOWN: not in sacct yet
             print(f"moolib-run: broker job {job.job_id}: {state}", flush=True)
             last_state = state
+        if state == "PENDING" and time.monotonic() - reason_checked > REASON_POLL:
+            # squeue, not sacct, has the reason: asked now and then, not every poll.
+            reason_checked = time.monotonic()
+            now = job_states([job.job_id]).get(job.job_id, {}).get("reason")
+            if now and now != reason:
+                print(f"moolib-run: broker job {job.job_id}: PENDING ({now})", flush=True)
+                reason = now
+            if is_stuck(reason):
+                raise RuntimeError(stuck_message("broker job", job.job_id, str(reason)))
         if job.done():
             raise RuntimeError(
                 f"the broker job {job.job_id} ended ({state}) before writing "
@@ -157,6 +173,27 @@ def _wait_for_broker(
                 f"{timeout:.0f} s (state {state}); is the savedir on a shared filesystem?"
             )
         time.sleep(0.5)
+
+
+def _check_not_stuck(jobs: list[submitit.Job], what: str) -> None:
+    """Raises RuntimeError if SLURM holds one of ``jobs`` for a reason that waiting does
+    not change. SLURM gives a reason at its first scheduling pass, within seconds of the
+    submission: asked for up to STUCK_CHECK seconds, then the launch goes on."""
+    deadline = time.monotonic() + STUCK_CHECK
+    ids = [j.job_id for j in jobs]
+    while True:
+        states = job_states(ids)
+        for job_id in ids:
+            reason = states.get(job_id, {}).get("reason")
+            if is_stuck(reason):
+                raise RuntimeError(stuck_message(what, job_id, str(reason)))
+        pending = [states.get(i, {}).get("state") == "PENDING" for i in ids]
+        told = [bool(states.get(i, {}).get("reason")) for i in ids]
+        if time.monotonic() > deadline or not any(
+            p and not t for p, t in zip(pending, told, strict=True)
+        ):
+            return
+        time.sleep(1)
 
 
 @dataclass
@@ -289,6 +326,7 @@ def _submit_all(
         said += "; " + _describe_array(jobs, per_job, "peer")
         logs = f"{savedir}/peer<rank>/logs.tsv"
     record_jobs(savedir, entry)
+    _check_not_stuck(jobs, "learner or actor job" if offpolicy else "peer job")
     print(
         f"{said}\n"
         f"moolib-run: savedir {savedir} (must be on a shared filesystem, mounted at this path "

@@ -631,6 +631,73 @@ def test_a_refused_actor_array_cancels_the_jobs_already_submitted(tmp_path, save
     )
 
 
+# More CPUs than a node of the test cluster has: SLURM holds such a job pending for
+# PartitionConfig, for ever.
+TOO_MANY_CPUS = "64"
+
+
+@needs_slurm
+@pytest.mark.parametrize(
+    "asks, what",
+    [
+        (f"scaling.cpus_per_task={TOO_MANY_CPUS}", "peer job"),
+        (f"scaling.broker_cpus={TOO_MANY_CPUS}", "broker job"),
+    ],
+)
+def test_a_job_slurm_can_never_start_stops_the_launch(tmp_path, savedirs, asks, what):
+    savedir = tmp_path / "stuck"
+    savedirs.append(savedir)
+    result = run([*SMALL, asks, f"savedir={savedir}"], tmp_path, timeout=180)
+    out = result.stdout
+    assert result.returncode == 1, out[-3000:]
+    assert re.search(
+        rf"moolib-run: error: the {what} [0-9_]+ cannot start: SLURM holds it pending for "
+        "PartitionConfig, which waiting does not change",
+        out,
+    ), out[-3000:]
+    assert "moolib-run: cancelled this launch's jobs: " in out
+    ids = [job for job, _ in jobs_lib.recorded_jobs(savedir)]
+    wait_for(
+        lambda: (
+            not any(v["state"] in jobs_lib.ACTIVE_STATES for v in jobs_lib.job_states(ids).values())
+        ),
+        60,
+        "the launch's jobs to leave the queue",
+    )
+
+
+@needs_slurm
+def test_pending_array_tasks_are_seen_and_cancelled():
+    """A pending array is one line in squeue and sacct (``12_[0-1]``) unless expanded:
+    its tasks once read as unknown, and moolib-jobs --cancel left them queued."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--array=0-1", "-c", TOO_MANY_CPUS, "--wrap", "sleep 60"],
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    array = submitted.stdout.strip().split(";")[0]
+    tasks = [f"{array}_0", f"{array}_1"]
+    try:
+        wait_for(
+            lambda: all(
+                jobs_lib.job_states(tasks).get(t, {}).get("reason") == "PartitionConfig"
+                for t in tasks
+            ),
+            60,
+            "SLURM to give the tasks' pending reason",
+        )
+        info = jobs_lib.job_states(tasks)
+        assert all(info[t]["state"] == "PENDING" for t in tasks), info
+        assert jobs_lib.is_stuck(info[tasks[0]]["reason"])
+        jobs_lib.cancel_jobs(tasks, grace=1)
+        wait_for(lambda: not jobs_lib.job_states(tasks), 60, "the tasks to leave the queue")
+    finally:
+        subprocess.run(["scancel", array], env=_ENV, capture_output=True, timeout=60)
+
+
 @needs_slurm
 def test_apex_learner_and_actor_jobs_learn_and_end_together(tmp_path, savedirs):
     goal = 20000
