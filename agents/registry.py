@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from moolib.launch.config import ConfigError, check_int_at_least
+from moolib.launch.config import ConfigError, check_flag, check_int_at_least
 
 from .models import NETWORKS
 
@@ -64,9 +64,7 @@ class _Checks:
 
     def check_bool(self, name: str) -> None:
         """Raises ConfigError unless field ``name`` is true or false."""
-        value = getattr(self, name)
-        if not isinstance(value, bool):
-            raise ConfigError(f"{self._key(name)} must be true or false, got {value!r}")
+        check_flag(self._key(name), getattr(self, name))
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,14 @@ def _number(cfg: DictConfig, key: str, low: float, high: float | None = None) ->
         raise ConfigError(f"{key} must be a number {bounds}, got {value!r}")
 
 
-def _flag(cfg: DictConfig, key: str) -> None:
-    value = OmegaConf.select(cfg, key)
+def check_flag(key: str, value: object) -> None:
+    """Raises ConfigError unless ``value`` (the setting ``key``) is true or false."""
     if not isinstance(value, bool):
         raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+
+def _flag(cfg: DictConfig, key: str) -> None:
+    check_flag(key, OmegaConf.select(cfg, key))
 
 
 def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
