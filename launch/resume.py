@@ -215,12 +215,24 @@ def merge(
     same overrides composed by Hydra against the saved groups). Raises ConfigError
     for an override that cannot apply to the experiment."""
     config = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
-    added = _fill_missing(config, composed)
+    # A group switched to another choice takes that choice's settings whole: its keys
+    # are not settings new since the savedir started.
+    switched = {
+        o.key_or_group
+        for o in overrides
+        if is_group_override(o)
+        and o.key_or_group in composed
+        and o.key_or_group in saved
+        and OmegaConf.select(composed, f"{o.key_or_group}.name")
+        != OmegaConf.select(saved, f"{o.key_or_group}.name")
+    }
+    added = _fill_missing(config, composed, skip=switched)
     OmegaConf.set_struct(config, True)
-    known = known_keys(saved)
     changes: list[tuple[str, Any, Any]] = []
     given: list[str] = []
-    for ov in overrides:
+    # Group choices first, as Hydra applies them: a key of the group chosen
+    # (scaling=local scaling.actors=3) is then a key of the config it is checked against.
+    for ov in sorted(overrides, key=lambda o: not is_group_override(o)):
         if is_hydra_override(ov):
             continue
         key = ov.key_or_group
@@ -233,8 +245,12 @@ def merge(
             raise ConfigError(
                 f"~{key}: settings cannot be deleted (every key is read); set a value instead"
             )
-        if not has_key(saved, key) and not under_free_form(key):
-            raise unknown_key_error(key, known, f" in savedir {savedir}'s config")
+        # The config has the keys of the saved run, of a group switched to and of settings
+        # new since. A +key adds itself to this command line's schema (and so to the
+        # config): it is checked against the saved run's keys alone.
+        known = saved if ov.type == OverrideType.ADD else config
+        if not has_key(known, key) and not under_free_form(key):
+            raise unknown_key_error(key, known_keys(known), f" in savedir {savedir}'s config")
         new = plain(OmegaConf.select(composed, key))
         old = plain(OmegaConf.select(config, key)) if has_key(config, key) else None
         if new != old or not has_key(config, key):
@@ -257,14 +273,15 @@ def merge(
 
 
 def _fill_missing(
-    config: DictConfig, schema: DictConfig, prefix: str = ""
+    config: DictConfig, schema: DictConfig, prefix: str = "", skip: set[str] | None = None
 ) -> list[tuple[str, Any]]:
     """Adds the keys of ``schema`` that ``config`` lacks (settings that moolib-run
-    gained after the savedir was started), at their defaults; returns them."""
+    gained after the savedir was started), at their defaults; returns them. Top-level
+    keys in ``skip`` are left alone."""
     added = []
     for key in schema.keys():
         full = f"{prefix}{key}"
-        if full == "hydra":
+        if full == "hydra" or full in (skip or set()):
             continue
         if key not in config:
             value = plain(schema._get_node(key)._dereference_node())

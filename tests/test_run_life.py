@@ -117,9 +117,17 @@ def test_savedir_resumes_with_its_own_config(tmp_path):
     assert checkpoint_steps(savedir) >= 4000
 
     # Another scaling mode resumes the same experiment: its peers read the savedir's config.
+    # A key only the new mode has (scaling.actors: scaling=single lacks it) may be set
+    # too, before or after the choice.
     out = check_ok(
         run(
-            [f"savedir={savedir}", "scaling=local", "scaling.peers=2", "total_steps=6000"],
+            [
+                f"savedir={savedir}",
+                "scaling.actors=3",
+                "scaling=local",
+                "scaling.peers=2",
+                "total_steps=6000",
+            ],
             tmp_path,
         )
     )
@@ -127,13 +135,15 @@ def test_savedir_resumes_with_its_own_config(tmp_path):
     assert cfg["agent"] == first["agent"] and cfg["scaling"] == {
         "name": "local",
         "peers": 2,
-        "actors": 2,
+        "actors": 3,
     }
     assert read_logs(savedir / "peer0" / "logs.tsv")[1]
     assert checkpoint_steps(savedir) >= 6000
     resumes = load_yaml(savedir / "resumes.yaml")
     assert [r["changed"].get("total_steps", {}).get("to") for r in resumes] == [4000, 6000]
     assert resumes[1]["changed"]["scaling"]["from"] == {"name": "single", "peers": 1}
+    # The new mode's keys came with it: they are not settings new since the run started.
+    assert "scaling.actors" not in resumes[1].get("added", {}), resumes[1]
     # The first run's settings are still there to read.
     assert resumes[0]["changed"]["total_steps"]["from"] == first["total_steps"]
 
