@@ -127,14 +127,16 @@ def is_stuck(reason: str | None) -> bool:
     )
 
 
-def stuck_message(what: str, job_id: str, reason: str) -> str:
-    """Why a launch stops when SLURM holds one of its jobs with a reason that never passes."""
-    return (
-        f"the {what} {job_id} cannot start: SLURM holds it pending for {reason}, which "
-        "waiting does not change (it asks for more than the partition or QOS allows, or for "
-        "what the cluster lacks: check scaling.partition, scaling.time, scaling.nodes, the "
-        "CPUs, GPUs and memory asked for, and scaling.constraint)"
-    )
+def raise_if_stuck(what: str, job_id: str, reason: str | None) -> None:
+    """Raises RuntimeError, naming the job and the reason, if SLURM holds the job
+    pending for a reason that never passes (``is_stuck``)."""
+    if is_stuck(reason):
+        raise RuntimeError(
+            f"the {what} {job_id} cannot start: SLURM holds it pending for {reason}, which "
+            "waiting does not change (it asks for more than the partition or QOS allows, or "
+            "for what the cluster lacks: check scaling.partition, scaling.time, "
+            "scaling.nodes, the CPUs, GPUs and memory asked for, and scaling.constraint)"
+        )
 
 
 def cancel_jobs(job_ids: Sequence[str], grace: float = 60.0, brokers: Sequence[str] = ()) -> None:

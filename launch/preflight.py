@@ -224,6 +224,11 @@ def plan(
     return Job(lines, resume.config, savedir, resume, state, extra)
 
 
+def notes(job: Job) -> list[str]:
+    """What moolib-run says before the run starts about settings that do not stop it."""
+    return unused_scaling_keys(job) + replay_warmup_notes(job)
+
+
 def unused_scaling_keys(job: Job) -> list[str]:
     """Notes on a process count the command line sets that this run's agent does not
     read: ``scaling.actors`` with an on-policy agent, ``scaling.peers`` with an off-policy
@@ -255,14 +260,14 @@ def replay_warmup_notes(job: Job) -> list[str]:
     agent = agent_config(OmegaConf.to_container(cfg.agent, resolve=True))
     if not isinstance(agent, QConfig):
         return []
-    warmup = agent.min_replay_size * agent.steps_per_item()
+    per_item = agent.steps_per_item()
+    warmup = agent.min_replay_size * per_item
     total = int(cfg.total_steps)
     resumed = job.resume.step if job.resume is not None and job.resume.step else 0
     # A checkpoint without the replay (save_replay=false) starts it empty again.
     left = total - resumed if not agent.save_replay else total
     if left >= warmup:
         return []
-    per_item = agent.steps_per_item()
     steps = "" if per_item == 1 else f", a new one every {per_item} steps of an env"
     since = f" from step {resumed:,} (the replay is not in the checkpoint)" if left < total else ""
     return [

@@ -215,18 +215,7 @@ def merge(
     same overrides composed by Hydra against the saved groups). Raises ConfigError
     for an override that cannot apply to the experiment."""
     config = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
-    # A group switched to another choice takes that choice's settings whole: its keys
-    # are not settings new since the savedir started.
-    switched = {
-        o.key_or_group
-        for o in overrides
-        if is_group_override(o)
-        and o.key_or_group in composed
-        and o.key_or_group in saved
-        and OmegaConf.select(composed, f"{o.key_or_group}.name")
-        != OmegaConf.select(saved, f"{o.key_or_group}.name")
-    }
-    added = _fill_missing(config, composed, skip=switched)
+    added = _fill_missing(config, composed)
     OmegaConf.set_struct(config, True)
     changes: list[tuple[str, Any, Any]] = []
     given: list[str] = []
@@ -258,6 +247,10 @@ def merge(
                 OmegaConf.update(config, key, new, merge=False)
             if key not in NOT_SETTINGS:
                 changes.append((key, old, new))
+    # A group switched to another choice took that choice's settings whole: its keys
+    # are not settings new since the savedir started.
+    switched = {key for key, old, _ in changes if isinstance(old, dict)}
+    added = [(key, value) for key, value in added if key.split(".", 1)[0] not in switched]
     for group in ("agent", "env"):
         # An Atari env's game is its name too (conf/env/atari.yaml: name follows game).
         game = "game" in saved[group] and config[group].get("game") != saved[group].game
@@ -273,15 +266,14 @@ def merge(
 
 
 def _fill_missing(
-    config: DictConfig, schema: DictConfig, prefix: str = "", skip: set[str] | None = None
+    config: DictConfig, schema: DictConfig, prefix: str = ""
 ) -> list[tuple[str, Any]]:
     """Adds the keys of ``schema`` that ``config`` lacks (settings that moolib-run
-    gained after the savedir was started), at their defaults; returns them. Top-level
-    keys in ``skip`` are left alone."""
+    gained after the savedir was started), at their defaults; returns them."""
     added = []
     for key in schema.keys():
         full = f"{prefix}{key}"
-        if full == "hydra" or full in (skip or set()):
+        if full == "hydra":
             continue
         if key not in config:
             value = plain(schema._get_node(key)._dereference_node())

@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -48,6 +48,13 @@ _saved_choices: list[str] = []
 # Set instead when a sweep's savedirs hold runs of different choices (one command line
 # cannot carry them all): named if Hydra then cannot compose an override.
 _mixed_choices: list[str] = []
+
+
+def _hydra_setup() -> Any:
+    """Hydra's compose API set up on moolib's configs (a context manager)."""
+    from hydra import initialize_config_module
+
+    return initialize_config_module(config_module="moolib.conf", version_base="1.3")
 
 
 def _or_default(value: object, default: object) -> object:
@@ -83,7 +90,7 @@ def _run(cfg: DictConfig) -> int:
         final = config_lib.prepare(job.config, savedir)
     except ConfigError as e:
         _fail(str(e))
-    for note in preflight.unused_scaling_keys(job) + preflight.replay_warmup_notes(job):
+    for note in preflight.notes(job):
         print(f"moolib-run: note: {note}", flush=True)
     if job.resume is not None:
         print(job.resume.describe(), flush=True)
@@ -130,9 +137,7 @@ def _preflight(args: argparse.Namespace) -> int | None:
     """Plans and checks every job of the command line before Hydra creates anything.
     Returns an exit status when there is nothing to run, else None."""
     global _checked, _saved_choices, _mixed_choices
-    from hydra import initialize_config_module
-
-    with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
+    with _hydra_setup():
         overrides = preflight.parse_overrides(args.overrides)
         multirun = bool(args.multirun)
         jobs = preflight.expand(overrides, multirun)
@@ -202,12 +207,11 @@ def main() -> None:
     except (hydra.errors.HydraException, OmegaConfBaseException) as e:
         if _in_task or full_error:
             raise
-        from hydra import initialize_config_module
         from hydra.core.global_hydra import GlobalHydra
 
         # Naming the nearest key composes the config again, which needs Hydra set up.
         GlobalHydra.instance().clear()
-        with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
+        with _hydra_setup():
             message = preflight.hydra_message(e, list(args.overrides))
         if _mixed_choices:
             message += (

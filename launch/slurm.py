@@ -57,7 +57,7 @@ from typing import Any
 import submitit
 from omegaconf import DictConfig, OmegaConf
 
-from .jobs import cancel_jobs, is_stuck, job_states, stuck_message
+from .jobs import ACTIVE_STATES, cancel_jobs, job_states, raise_if_stuck
 from .local import check_broker
 from .slurm_files import (
     BROKER_FILE,
@@ -148,8 +148,7 @@ def _wait_for_broker(
             if now and now != reason:
                 print(f"moolib-run: broker job {job.job_id}: PENDING ({now})", flush=True)
                 reason = now
-            if is_stuck(reason):
-                raise RuntimeError(stuck_message("broker job", job.job_id, str(reason)))
+            raise_if_stuck("broker job", job.job_id, reason)
         if job.done():
             raise RuntimeError(
                 f"the broker job {job.job_id} ended ({state}) before writing "
@@ -184,14 +183,9 @@ def _check_not_stuck(jobs: list[submitit.Job], what: str) -> None:
     while True:
         states = job_states(ids)
         for job_id in ids:
-            reason = states.get(job_id, {}).get("reason")
-            if is_stuck(reason):
-                raise RuntimeError(stuck_message(what, job_id, str(reason)))
-        pending = [states.get(i, {}).get("state") == "PENDING" for i in ids]
-        told = [bool(states.get(i, {}).get("reason")) for i in ids]
-        if time.monotonic() > deadline or not any(
-            p and not t for p, t in zip(pending, told, strict=True)
-        ):
+            raise_if_stuck(what, job_id, states.get(job_id, {}).get("reason"))
+        untold = [s for s in states.values() if s["state"] == "PENDING" and "reason" not in s]
+        if not untold or time.monotonic() > deadline:
             return
         time.sleep(1)
 
@@ -392,9 +386,8 @@ def _describe_array(jobs: list[submitit.Job], per_job: int, noun: str) -> str:
     )
 
 
-# SLURM states of a job that has not ended; and how long follow() waits, once every
-# job's results are in, for the accounting to show their end.
-_ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED"})
+# How long follow() waits, once every job's results are in, for the accounting to show
+# their end.
 FINAL_STATE_WAIT = 30.0
 
 
@@ -422,7 +415,7 @@ def follow(launched: Launched, stop: threading.Event) -> int:
             # done() sees a job's results before SLURM's accounting has its end: the final
             # states are waited for a little, so that each job's end is said.
             deadline = time.monotonic() + FINAL_STATE_WAIT
-            while any(states.get(j.job_id) in _ACTIVE for j in jobs):
+            while any(states.get(j.job_id) in ACTIVE_STATES for j in jobs):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(1)
