@@ -426,7 +426,13 @@ class Subscriber:
         return self._rpc.async_(self._peer, self._name, self._version)
 
     def _failed(self, error: BaseException) -> BaseException:
-        return _rpc.RpcError(f"fetching '{self._name}' from peer '{self._peer}' failed: {error}")
+        # The peer is there but publishes nothing by this name: say so in the
+        # Publisher's terms, the RPC function being an implementation detail.
+        unknown = f"function '{self._name}' is not defined" in str(error)
+        hint = f" (no Publisher named '{self._name}' there)" if unknown else ""
+        return _rpc.RpcError(
+            f"fetching '{self._name}' from peer '{self._peer}' failed: {error}{hint}"
+        )
 
     def _timed_out(self) -> BaseException:
         return _rpc.RpcError(

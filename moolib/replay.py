@@ -261,9 +261,13 @@ class _Schema:
                     f"reverse); the table stores {_describe(self.skeleton)}, given "
                     f"{_describe(skeleton)}"
                 )
+            wrong = [
+                f"{what} leaves {names}"
+                for what, names in (("missing", missing), ("unexpected", extra))
+                if names
+            ]
             raise ValueError(
-                "replay item structure differs from the table's: "
-                f"missing leaves {missing or 'none'}, unexpected leaves {extra or 'none'} "
+                f"replay item structure differs from the table's: {', '.join(wrong)} "
                 f"(the table stores {', '.join(self.names)})"
             )
         tensors = []

@@ -319,8 +319,11 @@ class ReplayClient:
     ``shards`` is a list of ``(peer, name)`` pairs (or one pair). Inserts go to
     the shards in turn; a sample draws from every live shard in proportion to
     its priority mass (its size for uniform tables), so the probabilities it
-    returns are those of the union of the shards. ``timeout`` bounds each call,
-    rate-limited waits included.
+    returns are those of the union of the shards. ``timeout`` bounds how long
+    an insert or a sample waits on the tables' rate limiting (``min_size``,
+    ``samples_per_insert``) before it raises ``TimeoutError``; a shard that
+    does not answer at all (a peer not found, or dead) fails the call with
+    ``ReplayError`` after the Rpc's own timeout (``rpc.set_timeout``).
 
     With ``shared_memory`` (the default), shards on this host write samples
     straight into this client's shared memory; the sampled tensors are then

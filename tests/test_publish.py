@@ -283,6 +283,10 @@ def test_nothing_published_fetches_none(pair):
     assert pub.stats() == {"published": 0, "served": 0, "unchanged": 2, "bytes": 0}
     # The raw protocol, for users of plain rpc calls.
     assert actor.sync("learner-local", "weights", -1) is None
+    # A name nobody publishes is an error that says so, not None.
+    typo = moolib.Subscriber(actor, "learner-local", "weight", timeout=DEADLINE)
+    with pytest.raises(moolib.RpcError, match="no Publisher named 'weight' there"):
+        typo.fetch()
 
 
 def test_versions_must_increase(pair):

@@ -513,8 +513,8 @@ def test_errors_name_what_is_wrong_and_change_nothing():
     replay.insert(good)
     before = replay.info()
     bad_items = [
-        ({"obs": torch.zeros(4, 3)}, r"missing leaves \['action'\]"),
-        ({**good, "extra": torch.zeros(4)}, r"unexpected leaves \['extra'\]"),
+        ({"obs": torch.zeros(4, 3)}, r"table's: missing leaves \['action'\] \(the table"),
+        ({**good, "extra": torch.zeros(4)}, r"table's: unexpected leaves \['extra'\] \(the"),
         ({**good, "obs": torch.zeros(4, 3, dtype=torch.float64)},
          r"leaf obs has dtype torch.float64; the table stores torch.float32"),
         ({**good, "obs": torch.zeros(4, 5)},
