@@ -8,8 +8,9 @@ point of a ``-m`` sweep) is composed with Hydra's compose API and planned:
   ``+key`` that nothing reads is refused too, with the nearest known key);
 - a savedir that holds a ``config.yaml`` is resumed from it (``resume.py``);
 - the values pass ``config.validate``;
-- the savedir can be written, the env can be made with its options, the
-  model fits the savedir's checkpoint, and ``broker=`` answers (bounded wait).
+- the savedir can be written and no other run is in it (``savedir_lock.py``),
+  the env can be made with its options, the model fits the savedir's
+  checkpoint, and ``broker=`` answers (bounded wait).
 
 The task function plans its job again (cheap, without the probes): the
 pre-flight only decides whether the run may start.
@@ -34,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import config as config_lib
 from . import resume as resume_lib
+from . import savedir_lock
 from .config import ConfigError
 from .resume import Resume
 
@@ -428,8 +430,10 @@ def check_fits(job: Job) -> None:
 
 
 def check_can_start(job: Job) -> None:
-    """The checks that look at the machine around the run: its savedir, its broker."""
+    """The checks that look at the machine around the run: its savedir (writable, no
+    other run in it), its broker."""
     check_savedir(job.savedir)
+    savedir_lock.check_free(job.savedir)
     check_broker(job.config)
 
 

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import config as config_lib
-from . import local, preflight, report
+from . import local, preflight, report, savedir_lock
 from . import resume as resume_lib
 from .config import ConfigError
 from .peer import stop_on_signals, train
@@ -88,8 +88,18 @@ def _run(cfg: DictConfig) -> int:
             # A savedir the pre-flight could not name (an interpolated savedir=).
             preflight.check_fits(job)
         final = config_lib.prepare(job.config, savedir)
+        lock = savedir_lock.SavedirLock.acquire(savedir)
     except ConfigError as e:
         _fail(str(e))
+    try:
+        return _start(job, final, savedir)
+    finally:
+        lock.release()
+
+
+def _start(job: preflight.Job, final: DictConfig, savedir: Path) -> int:
+    """Runs a planned, checked job in its savedir (held): prints what it resumes,
+    saves the config and trains in its scaling mode."""
     for note in preflight.notes(job):
         print(f"moolib-run: note: {note}", flush=True)
     if job.resume is not None:

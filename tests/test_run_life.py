@@ -1,5 +1,6 @@
 """``moolib-run`` as researchers live with it: resuming a savedir with its own
-settings, finished runs, unknown keys, one-line errors, Ctrl-C.
+settings, finished runs, unknown keys, one-line errors, one run per savedir,
+Ctrl-C.
 
 Every check runs the real ``moolib-run`` (``python -m moolib.launch.run``) in
 its own session, with short A2C/CartPole runs; a savedir trained once is
@@ -27,6 +28,7 @@ from helpers.run_util import (
     snapshot,
     wait_for,
 )
+from moolib.launch import savedir_lock
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -293,13 +295,20 @@ def _training(logs: Path):
 
 
 @pytest.mark.timeout(600)
-def test_ctrl_c_exits_130_after_a_checkpoint(tmp_path):
+def test_a_second_run_in_a_busy_savedir_is_refused_and_ctrl_c_exits_130(tmp_path):
     savedir = tmp_path / "stopped"
     args = [*QUICK, "total_steps=100000000", "checkpoint_interval=100000", f"savedir={savedir}"]
     r = Run(args, tmp_path, tmp_path / "out.log")
     try:
         wait_for(_training(savedir / "logs.tsv"), timeout=240, what="training", proc=r)
         assert not (savedir / "checkpoint.pt").exists()
+        # A second run in the same savedir (the same command in another terminal)
+        # is refused while this one trains, naming it, and writes nothing there.
+        config = (savedir / "config.yaml").read_text()
+        for extra in ([], ["scaling=local"]):
+            line = one_error_line(run([*args, *extra], tmp_path))
+            assert f"savedir={savedir} is in use: moolib-run (pid {r.pid} on host " in line
+            assert (savedir / "config.yaml").read_text() == config
         r.interrupt()
         code = r.wait(STOP_TIMEOUT)
         out = r.output()
@@ -309,6 +318,8 @@ def test_ctrl_c_exits_130_after_a_checkpoint(tmp_path):
     assert "Traceback" not in out, out[-5000:]
     _, rows = read_logs(savedir / "logs.tsv")
     assert checkpoint_steps(savedir) == int(rows[-1]["step"]) > 0
+    # Its end frees the savedir: resuming it may start.
+    savedir_lock.check_free(savedir)
 
 
 @pytest.mark.timeout(600)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.run_util import Run, cfg_job, read_logs, run, wait_for
+from helpers.run_util import Run, cfg_job, read_logs, run, run_quick, wait_for
 
 submitit = pytest.importorskip("submitit")
 from moolib.launch import jobs as jobs_lib  # noqa: E402 - needs submitit
@@ -247,6 +247,15 @@ def test_cancelled_peer_leaves_the_other_training_then_cancel_all_and_resume(tmp
     step = peer_rows(savedir, 0)[-1]["step"]
     wait_for(lambda: peer_rows(savedir, 0)[-1]["step"] > step, 60, "peer 0 to keep training")
     assert states(savedir)["peer 0"] == "RUNNING"
+
+    # The same command again while the jobs run is refused, naming them: a second
+    # set of jobs would train in the same folder.
+    again = run_quick(tmp_path, *SMALL, FOREVER, f"savedir={savedir}")
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "is in use: the SLURM jobs of its last launch are still active" in again.stderr
+    peer0 = jobs_lib.recorded_jobs(savedir)[1][0]
+    assert f"{peer0} (peer 0, RUNNING)" in again.stderr, again.stderr
+    assert len(slurm_files.read_json(savedir / "jobs.json")) == 1
 
     # Cancel everything: peer 0, the leader, writes a last checkpoint (SIGINT first).
     table = moolib_jobs(str(savedir), "--cancel", "--grace", "60")
