@@ -121,7 +121,9 @@ def load_saved(savedir: Path) -> DictConfig | None:
     try:
         cfg = OmegaConf.load(path)
     except Exception as e:  # noqa: BLE001 - any parse error: the file is not ours
-        raise ConfigError(f"savedir={savedir}: {path} cannot be read: {e}") from e
+        # YAML's errors span lines (the problem, then where): one line here.
+        why = " ".join(str(e).split())
+        raise ConfigError(f"savedir={savedir}: {path} cannot be read: {why}") from e
     if not isinstance(cfg, DictConfig) or "agent" not in cfg or "env" not in cfg:
         raise ConfigError(
             f"savedir={savedir}: {path} is not a moolib-run config (no agent and env); "

@@ -236,6 +236,7 @@ def _closed_port() -> int:
         "savedir-is-a-file",
         "savedir-under-a-file",
         "savedir-unwritable",
+        "savedir-config-unreadable",
         "env-option",
         "env-name",
         "broker",
@@ -250,6 +251,10 @@ def test_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, case):
     cwd.mkdir()
     a_file = tmp_path / "a-file"
     a_file.write_text("not a folder")
+    broken = tmp_path / "broken"
+    if case == "savedir-config-unreadable":
+        broken.mkdir()
+        (broken / "config.yaml").write_text("agent: [unclosed\n")
     args, names = {
         "savedir-is-a-file": ([f"savedir={a_file}"], [f"savedir={a_file}", "not a directory"]),
         "savedir-under-a-file": ([f"savedir={a_file}/run"], [f"savedir={a_file}/run", str(a_file)]),
@@ -257,6 +262,11 @@ def test_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, case):
         "savedir-unwritable": (
             ["savedir=/proc/moolib-run-test"],
             ["savedir=/proc/moolib-run-test"],
+        ),
+        # YAML's error spans lines; the message is still one.
+        "savedir-config-unreadable": (
+            [f"savedir={broken}"],
+            [f"{broken}/config.yaml cannot be read", "expected ',' or ']'"],
         ),
         "env-option": (
             ["env=breakout", "env.options.repeat_action_probability=2"],
@@ -280,7 +290,10 @@ def test_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, case):
         assert name in line, line
     # Nothing left behind: no outputs/ (or any) folder, no savedir made.
     assert not left_behind(cwd)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "cwd"]
+    made = ["broken"] if broken.exists() else []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", *made, "cwd"]
+    if made:
+        assert [p.name for p in broken.iterdir()] == ["config.yaml"]
 
 
 # -- 5: Ctrl-C ---------------------------------------------------------------------------------
