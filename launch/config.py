@@ -58,6 +58,14 @@ def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
 
 
+def env_name_error(name: str, follows: str) -> ConfigError:
+    """``env.name`` set to something else than what ``env.game`` makes it."""
+    return ConfigError(
+        f"env.name={name}: env.name follows env.game (here it is {follows}); pick the game "
+        "with env.game=GAME or env=GAME (MinAtar: env=minatar-GAME), not env.name"
+    )
+
+
 def validate(cfg: DictConfig) -> None:
     """Raises ConfigError naming the first bad key. The agent's settings are checked
     by its registered dataclass (``moolib.agents.registry``), the rest here."""
@@ -165,10 +173,7 @@ def validate(cfg: DictConfig) -> None:
             name == PREFIX + str(game) if minatar else atari_game(str(game)) == atari_game(name)
         )
         if not follows:
-            raise ConfigError(
-                f"env.name ({name!r}) must follow env.game ({game!r}): set env.game (or "
-                "env=GAME), not env.name"
-            )
+            raise env_name_error(name, PREFIX + str(game) if minatar else str(game))
     if cfg.env.backend == "envpool" and (name.startswith("cartpole") or minatar):
         raise ConfigError(f"env.backend=envpool serves Atari games only; {name} needs gymnasium")
 

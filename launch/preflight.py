@@ -421,9 +421,27 @@ def check_broker(cfg: DictConfig) -> None:
     _brokers_seen.add(address)
 
 
+def check_env_name(job: Job) -> None:
+    """``env.name`` follows ``env.game`` (``minatar-<game>`` for MinAtar): set on the
+    command line to anything else, it would make another suite's env with this
+    config's options (``env=minatar env.name=breakout`` is Atari's Breakout)."""
+    overrides = parse_overrides(job.lines)
+    if "game" not in job.config.env or not any(o.key_or_group == "env.name" for o in overrides):
+        return
+    rest = [
+        line for line, o in zip(job.lines, overrides, strict=True) if o.key_or_group != "env.name"
+    ]
+    env = compose_job(rest, job.choices).env
+    with open_dict(env):
+        env.game = job.config.env.game
+    if str(env.name) != str(job.config.env.name):
+        raise config_lib.env_name_error(str(job.config.env.name), str(env.name))
+
+
 def check_fits(job: Job) -> None:
     """The env can be made with its options, and (on resume) its model loads the
     savedir's checkpoint."""
+    check_env_name(job)
     shape, actions = probe_env(job.config)
     if job.resume is not None and job.state is not None:
         resume_lib.check_model_fits(job.resume, job.state, shape, actions)

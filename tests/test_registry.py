@@ -193,7 +193,9 @@ def test_every_env_option_composes_and_steps(compose_config):
 def test_env_game_and_name_must_agree(compose_config):
     with pytest.raises(ConfigError, match=r"env.game 'nosuch' is not an Atari game"):
         config_lib.validate(compose_config("env.game=nosuch"))
-    with pytest.raises(ConfigError, match=r"env.name \('pong'\) must follow env.game"):
+    with pytest.raises(
+        ConfigError, match=r"env.name=pong: env.name follows env.game \(here it is breakout\)"
+    ):
         config_lib.validate(compose_config("env=breakout", "env.name=pong"))
 
 

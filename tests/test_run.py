@@ -442,6 +442,11 @@ def test_a_process_count_the_agent_does_not_read_is_noted(tmp_path):
         (["torch_threads=0"], ["torch_threads must be auto or a positive integer", "0"]),
         (["env=cartpole", "env.backend=envpool"], ["env.backend=envpool", "cartpole"]),
         (["env.name=nosuchgame"], ["env.name 'nosuchgame' is not a known environment"]),
+        # Atari's Breakout with MinAtar's options, were env.name taken as given.
+        (
+            ["env=minatar", "env.name=breakout"],
+            ["env.name=breakout: env.name follows env.game (here it is minatar-breakout)"],
+        ),
         (
             ["env.options.full_action_space=maybe"],
             ["env.options.full_action_space='maybe'", "must be true or false, got 'maybe'"],
@@ -465,6 +470,7 @@ def test_a_process_count_the_agent_does_not_read_is_noted(tmp_path):
         "torch-threads",
         "envpool-cartpole",
         "env-name",
+        "minatar-env-name",
         "env-flag",
     ],
 )
