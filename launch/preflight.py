@@ -97,6 +97,18 @@ def schema(lines: list[str], extra: list[str] | None = None) -> DictConfig | Non
         return None
 
 
+def _from_gymnasium_id(option: str, options: list[str]) -> str | None:
+    """The env option a gymnasium id names (ALE/Pong-v5, PongNoFrameskip-v4,
+    CartPole-v1: pong, pong, cartpole), if there is one."""
+    base = re.sub(r"-v\d+$", "", option.rpartition("/")[2])
+    base = re.sub(r"(NoFrameskip|Deterministic)$", "", base)
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
+    for name in (snake, snake.replace("_", "")):
+        if name != option and name in options:
+            return name
+    return None
+
+
 def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = None) -> str:
     """One line for a Hydra composition error, naming the key or option at fault."""
     text = str(e)
@@ -104,9 +116,14 @@ def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = 
     if isinstance(e, MissingConfigException) or missing:
         if missing:
             group, option = missing.group(1), missing.group(2)
+            if group.startswith("env/"):  # env=ALE/Pong-v5: Hydra reads a group env/ALE
+                group, option = "env", f"{group[4:]}/{option}"
             options = moolib.conf.group_options(group)
-            near = resume_lib.nearest_key(option, options) if options else None
+            gym_name = _from_gymnasium_id(option, options) if group == "env" else None
+            near = gym_name or (resume_lib.nearest_key(option, options) if options else None)
             hint = f"; nearest: {near}" if near else ""
+            if gym_name:
+                hint += f" (gymnasium's {option} is env={gym_name} here)"
             # Hydra's own groups (hydra/launcher) have no files of ours.
             listed = ", ".join(moolib.conf.file_options(group) or options)
             suites = moolib.conf.registered_suites(group)

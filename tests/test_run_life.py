@@ -242,6 +242,7 @@ def _closed_port() -> int:
         "broker",
         "broker-not-host-port",
         "hydra-group-option",
+        "hydra-gymnasium-id",
         "hydra-syntax",
         "hydra-sweep-without-m",
     ],
@@ -280,6 +281,11 @@ def test_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, case):
         # Refused at once, not after group_timeout.
         "broker-not-host-port": (["broker=localhost"], ["broker=localhost", "expected host:port"]),
         "hydra-group-option": (["env=cartpol"], ["env=cartpol", "cartpole"]),
+        # Hydra reads the slash as a group env/ALE; the user meant gymnasium's id.
+        "hydra-gymnasium-id": (
+            ["env=ALE/SpaceInvaders-v5"],
+            ["env=ALE/SpaceInvaders-v5", "is env=space_invaders here"],
+        ),
         "hydra-syntax": (["agent.batch_size=[1"], ["agent.batch_size=[1"]),
         "hydra-sweep-without-m": (["total_steps=1,2"], ["total_steps=1,2"]),
     }[case]
