@@ -18,6 +18,7 @@ pre-flight only decides whether the run may start.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import tempfile
@@ -97,6 +98,10 @@ def schema(lines: list[str], extra: list[str] | None = None) -> DictConfig | Non
         return None
 
 
+# What users of other libraries call moolib-run's agents.
+_GROUP_ALIASES = {"agent": {"impala": "vtrace", "dqn": "apex", "apex_dqn": "apex"}}
+
+
 def _from_gymnasium_id(option: str, options: list[str]) -> str | None:
     """The env option a gymnasium id names (ALE/Pong-v5, PongNoFrameskip-v4,
     CartPole-v1: pong, pong, cartpole), if there is one."""
@@ -119,11 +124,14 @@ def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = 
             if group.startswith("env/"):  # env=ALE/Pong-v5: Hydra reads a group env/ALE
                 group, option = "env", f"{group[4:]}/{option}"
             options = moolib.conf.group_options(group)
-            gym_name = _from_gymnasium_id(option, options) if group == "env" else None
-            near = gym_name or (resume_lib.nearest_key(option, options) if options else None)
+            known_as = _GROUP_ALIASES.get(group, {}).get(option.lower())
+            if group == "env":
+                known_as = _from_gymnasium_id(option, options)
+            close = difflib.get_close_matches(option.lower(), options, n=1, cutoff=0.5)
+            near = known_as or (close[0] if close else None)
             hint = f"; nearest: {near}" if near else ""
-            if gym_name:
-                hint += f" (gymnasium's {option} is env={gym_name} here)"
+            if known_as:
+                hint += f" ({option} is {group}={known_as} here)"
             # Hydra's own groups (hydra/launcher) have no files of ours.
             listed = ", ".join(moolib.conf.file_options(group) or options)
             suites = moolib.conf.registered_suites(group)

@@ -36,6 +36,7 @@ _ABBREVIATIONS = {
     "bs": "batch_size",
     "eps": "epsilon",
     "gamma": "discounting",
+    "num_envs": "actor_batch_size",
 }
 
 

@@ -374,6 +374,7 @@ def run_error(tmp_path: Path, *overrides: str) -> tuple[int, str, Path]:
             ["env=nosuchgame: no such env option", "options: ", "breakout", "cartpole"],
         ),
         (["agent=nosuchagent"], ["agent=nosuchagent: no such agent option", "a2c", "vtrace"]),
+        (["agent=impala"], ["agent=impala: no such agent option; nearest: vtrace (impala is"]),
         (
             ["agent=apex", "env=cartpole", "scaling.actors=3"],
             ["unknown key scaling.actors in scaling=single: scaling=local and scaling=slurm have"],
@@ -391,6 +392,7 @@ def run_error(tmp_path: Path, *overrides: str) -> tuple[int, str, Path]:
         "unknown-nested-key",
         "unknown-env",
         "unknown-agent",
+        "agent-by-its-paper-name",
         "key-of-another-scaling",
         "added-key-of-another-agent",
     ],
