@@ -6,7 +6,9 @@
   (``"ALE/Breakout-v5"``), with the standard DeepMind/IMPALA preprocessing
   (see ``moolib.envs.atari``): ``uint8`` observations of shape ``(4, 84, 84)``;
   or a MinAtar game (``"minatar-breakout"``, ...; see ``MINATAR_ENVS`` and
-  ``moolib.envs.minatar``): ``uint8`` 0/1 observations of shape ``(C, 10, 10)``.
+  ``moolib.envs.minatar``): ``uint8`` 0/1 observations of shape ``(C, 10, 10)``;
+  or any gymnasium env with discrete actions, ``"gym:<id>"`` or your own
+  factory ``"gym:<module>:<function>"`` (see ``moolib.envs.gymnasium_env``).
   Picklable as ``functools.partial(create_env, "breakout", ...)``, the form
   ``moolib.EnvPool`` expects.
 - ``create_envpool(name, batch_size, num_batches, **options)``: the same
@@ -23,6 +25,7 @@ import gymnasium
 from .atari import ATARI_GAMES, atari_game, make_atari, unknown_name_message
 from .classic import CLASSIC_ENVS, make_cartpole, make_cartpole_novel
 from .envpool_backend import EnvpoolAtari, EnvpoolFuture
+from .gymnasium_env import is_gym_name, make_gym
 from .minatar import MINATAR_ENVS, make_minatar, minatar_game
 
 __all__ = [
@@ -53,7 +56,11 @@ def create_env(name: str, **options: Any) -> gymnasium.Env:
     ``episodic_life`` (False); see ``moolib.envs.atari.make_atari``. MinAtar
     games (``"minatar-breakout"``, ...): options ``seed``, ``sticky_action_prob``
     (0.1), ``difficulty_ramping`` (True), ``minimal_action_set`` (False),
-    ``max_episode_steps`` (None); see ``moolib.envs.minatar.make_minatar``.
+    ``max_episode_steps`` (None); see ``moolib.envs.minatar.make_minatar``. Any other
+    gymnasium env with discrete actions: ``"gym:Acrobot-v1"`` (a registered id) or
+    ``"gym:mypkg.envs:make_env"`` (a factory of your own), options passed to
+    ``gymnasium.make`` or the factory, and ``seed``; see
+    ``moolib.envs.gymnasium_env.make_gym``.
 
     Without a ``seed`` each env draws a fresh random one (note that a seed
     bound in a factory, as in ``partial(create_env, "pong", seed=1)``, gives
@@ -69,7 +76,12 @@ def create_env(name: str, **options: Any) -> gymnasium.Env:
         return make_minatar(name, **options)
     if atari_game(name) is not None:
         return make_atari(name, **options)
-    raise ValueError(unknown_name_message(name, list_envs()))
+    if is_gym_name(name):
+        return make_gym(name, **options)
+    raise ValueError(
+        unknown_name_message(name, list_envs())
+        + " Any other gymnasium env: 'gym:<id>', or 'gym:<module>:<function>' for a factory."
+    )
 
 
 def create_env_quietly(name: str, **options: Any) -> gymnasium.Env:

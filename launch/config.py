@@ -58,11 +58,16 @@ def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def env_name_error(name: str, follows: str) -> ConfigError:
-    """``env.name`` set to something else than what ``env.game`` makes it."""
+def env_name_error(name: str, follows: str, key: str = "game") -> ConfigError:
+    """``env.name`` set to something else than what ``env.game`` (a gymnasium env's
+    ``env.id``) makes it."""
+    pick = (
+        "pick the game with env.game=GAME or env=GAME (MinAtar: env=minatar-GAME)"
+        if key == "game"
+        else f"pick the env with env.{key}"
+    )
     return ConfigError(
-        f"env.name={name}: env.name follows env.game (here it is {follows}); pick the game "
-        "with env.game=GAME or env=GAME (MinAtar: env=minatar-GAME), not env.name"
+        f"env.name={name}: env.name follows env.{key} (here it is {follows}); {pick}, not env.name"
     )
 
 
@@ -149,6 +154,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"device={cfg.device}: CUDA is not available on this machine")
     from moolib.envs import list_envs
     from moolib.envs.atari import atari_game
+    from moolib.envs.gymnasium_env import is_gym_name
     from moolib.envs.minatar import MINATAR_GAMES, PREFIX, is_minatar_name, minatar_game
 
     name = str(cfg.env.name)
@@ -164,7 +170,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"env.game {game!r} is not an Atari game ale-py knows (see moolib.envs.list_envs())"
             )
-    if name not in list_envs() and atari_game(name) is None and minatar_game(name) is None:
+    known = atari_game(name) or minatar_game(name) or is_gym_name(name)
+    if name not in list_envs() and not known:
         raise ConfigError(
             f"env.name {name!r} is not a known environment (see moolib.envs.list_envs())"
         )
@@ -174,7 +181,9 @@ def validate(cfg: DictConfig) -> None:
         )
         if not follows:
             raise env_name_error(name, PREFIX + str(game) if minatar else str(game))
-    if cfg.env.backend == "envpool" and (name.startswith("cartpole") or minatar):
+    if cfg.env.backend == "envpool" and (
+        name.startswith("cartpole") or minatar or is_gym_name(name)
+    ):
         raise ConfigError(f"env.backend=envpool serves Atari games only; {name} needs gymnasium")
 
 

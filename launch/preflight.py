@@ -155,6 +155,15 @@ def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = 
 def unknown_key(key: str, known: DictConfig | None, where: str = "") -> ConfigError:
     """The error for a key nothing reads: the options of its group that have it
     (``scaling.actors`` under scaling=single), else the nearest known key."""
+    parent = key.rpartition(".")[0]
+    if resume_lib.under_free_form(key) and known is not None and not where:
+        if not OmegaConf.select(known, parent):
+            # An empty pass-through map (a gymnasium env's options): Hydra wants its
+            # keys added, and there is no nearest to offer.
+            return ConfigError(
+                f"unknown key {key}: {parent} is handed as it is to what reads it, and a "
+                f"key it does not have yet is added with a plus: +{key}=..."
+            )
     group, _, below = key.partition(".")
     others = moolib.conf.options_setting(group, below) if below else []
     if not others:
@@ -361,11 +370,14 @@ def _env_option_names(cfg: DictConfig) -> list[str]:
     from moolib.envs.atari import make_atari
     from moolib.envs.classic import CLASSIC_ENVS, make_cartpole
     from moolib.envs.envpool_backend import EnvpoolAtari
+    from moolib.envs.gymnasium_env import is_gym_name
     from moolib.envs.minatar import is_minatar_name, make_minatar
 
     name = str(cfg.env.name)
     if cfg.env.backend == "envpool":
         factory: Any = EnvpoolAtari.__init__
+    elif is_gym_name(name):
+        return []  # whatever gymnasium.make or the user's factory takes
     elif is_minatar_name(name):
         factory = make_minatar
     else:
@@ -447,20 +459,22 @@ def check_broker(cfg: DictConfig) -> None:
 
 
 def check_env_name(job: Job) -> None:
-    """``env.name`` follows ``env.game`` (``minatar-<game>`` for MinAtar): set on the
-    command line to anything else, it would make another suite's env with this
-    config's options (``env=minatar env.name=breakout`` is Atari's Breakout)."""
+    """``env.name`` follows ``env.game`` (``minatar-<game>`` for MinAtar; a gymnasium
+    env's ``env.id``): set on the command line to anything else, it would make
+    another suite's env with this config's options (``env=minatar env.name=breakout``
+    is Atari's Breakout)."""
     overrides = parse_overrides(job.lines)
-    if "game" not in job.config.env or not any(o.key_or_group == "env.name" for o in overrides):
+    keys = [k for k in ("game", "id") if k in job.config.env]
+    if not keys or not any(o.key_or_group == "env.name" for o in overrides):
         return
     rest = [
         line for line, o in zip(job.lines, overrides, strict=True) if o.key_or_group != "env.name"
     ]
     env = compose_job(rest, job.choices).env
     with open_dict(env):
-        env.game = job.config.env.game
+        env[keys[0]] = job.config.env[keys[0]]
     if str(env.name) != str(job.config.env.name):
-        raise config_lib.env_name_error(str(job.config.env.name), str(env.name))
+        raise config_lib.env_name_error(str(job.config.env.name), str(env.name), keys[0])
 
 
 def check_fits(job: Job) -> None:

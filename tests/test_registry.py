@@ -152,7 +152,7 @@ def test_every_env_option_composes_and_steps(compose_config):
     from moolib.envs.minatar import MINATAR_GAMES
 
     options = moolib.conf.group_options("env")
-    assert ENV_FILES == ["atari", "cartpole", "cartpole-novel", "minatar"]
+    assert ENV_FILES == ["atari", "cartpole", "cartpole-novel", "gym", "minatar"]
     # Every game ale-py knows is an option by name; no file each.
     assert set(ATARI_GAMES) <= set(options) and len(ATARI_GAMES) > 50
     needs_noop_max_0 = []
@@ -160,7 +160,8 @@ def test_every_env_option_composes_and_steps(compose_config):
         cfg = compose_config(f"env={option}", "agent=a2c")
         config_lib.validate(cfg)
         name = cfg.env.name
-        assert name == {"atari": "breakout", "minatar": "minatar-breakout"}.get(option, option)
+        defaults = {"atari": "breakout", "minatar": "minatar-breakout", "gym": "gym:Acrobot-v1"}
+        assert name == defaults.get(option, option)
         env_options = OmegaConf.to_container(cfg.env.options, resolve=True)
         try:
             env = create_env_quietly(name, **env_options)

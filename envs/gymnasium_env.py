@@ -1,0 +1,104 @@
+"""Any gymnasium env, or a researcher's own factory, as a moolib env (``gym:<id>``).
+
+``create_env("gym:Acrobot-v1")`` makes a registered gymnasium id;
+``create_env("gym:mypkg.envs:make_env", size=5)`` imports ``mypkg.envs`` and
+calls ``make_env(size=5)``. What the agents can learn from is checked when the
+env is made, so a run refuses it before it starts: a discrete action space, and
+observations in one array (a ``Box``; float64 ones are handed on as float32,
+the dtype the networks take).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+from typing import Any
+
+import gymnasium
+import numpy as np
+
+PREFIX = "gym:"
+# module.path:function, the form of a factory (a registered id has no colon or,
+# as gymnasium's "module:EnvId-v0", an id that is not a Python identifier).
+_FACTORY = re.compile(r"^([A-Za-z_][\w.]*):([A-Za-z_]\w*)$")
+
+
+def is_gym_name(name: str) -> bool:
+    return name.startswith(PREFIX) and len(name) > len(PREFIX)
+
+
+class _Float32Observations(gymnasium.ObservationWrapper):
+    """float64 observations as float32, the networks' dtype."""
+
+    def __init__(self, env: gymnasium.Env) -> None:
+        super().__init__(env)
+        space = env.observation_space
+        self.observation_space = gymnasium.spaces.Box(
+            low=space.low.astype(np.float32),
+            high=space.high.astype(np.float32),
+            shape=space.shape,
+            dtype=np.float32,
+        )
+
+    def observation(self, observation: Any) -> np.ndarray:
+        return np.asarray(observation, dtype=np.float32)
+
+
+def _make(target: str, options: dict[str, Any]) -> Any:
+    factory = _FACTORY.match(target)
+    if factory:
+        module_name, function = factory.groups()
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(
+                f"{PREFIX}{target}: cannot import {module_name} ({e}); is it on PYTHONPATH?"
+            ) from e
+        make = getattr(module, function, None)
+        if not callable(make):
+            raise ValueError(f"{PREFIX}{target}: {module_name} has no function {function}")
+        return make(**options)
+    # gymnasium's own "module:EnvId-v0" imports the module, which registers the id.
+    if ":" not in target and target not in gymnasium.registry:
+        close = difflib.get_close_matches(target, list(gymnasium.registry), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(
+            f"{PREFIX}{target}: gymnasium has no env {target!r}{hint} (a factory of your "
+            "own is module:function, e.g. gym:mypkg.envs:make_env)"
+        )
+    return gymnasium.make(target, **options)
+
+
+def make_gym(name: str, *, seed: int | None = None, **options: Any) -> gymnasium.Env:
+    """The env ``name`` (``gym:<id>`` or ``gym:<module>:<function>``) names, made with
+    ``options`` as keyword arguments. ``seed`` seeds the env and its action space;
+    without it each env draws a fresh random seed. Raises ValueError when it cannot
+    be made or when the agents cannot act in it (the message says which)."""
+    target = name[len(PREFIX) :]
+    env = _make(target, options)
+    if not isinstance(env, gymnasium.Env):
+        raise ValueError(f"{name}: the factory returned {type(env).__name__}, not a gymnasium.Env")
+    actions, observations = env.action_space, env.observation_space
+    if not isinstance(actions, gymnasium.spaces.Discrete):
+        env.close()
+        raise ValueError(
+            f"{name}: moolib's agents need a discrete action space (gymnasium.spaces.Discrete); "
+            f"this env's is {actions}"
+        )
+    if actions.start != 0:
+        env.close()
+        raise ValueError(f"{name}: its actions start at {actions.start}; agents pick 0..n-1")
+    if not isinstance(observations, gymnasium.spaces.Box):
+        env.close()
+        raise ValueError(
+            f"{name}: moolib's agents need observations in one array (gymnasium.spaces.Box); "
+            f"this env's are {observations} (flatten them, e.g. with "
+            "gymnasium.wrappers.FlattenObservation, in a factory of your own)"
+        )
+    if observations.dtype == np.float64:
+        env = _Float32Observations(env)
+    if seed is not None:
+        env.reset(seed=seed)
+        env.action_space.seed(seed)
+    return env
