@@ -332,12 +332,12 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
 def test_every_env_config_composes(tmp_path):
     from moolib.envs import create_env
 
-    # One file for all the Atari games, one for the MinAtar games.
-    assert ENV_FILES == ["atari", "cartpole", "cartpole-novel", "minatar"]
+    # One file for all the Atari games, one for the MinAtar games, one for any gymnasium env.
+    assert ENV_FILES == ["atari", "cartpole", "cartpole-novel", "gym", "minatar"]
     for name in (*ENV_FILES, *GAMES, "minatar-seaquest"):
         cfg = cfg_job(tmp_path, f"env={name}")
         resolved = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
-        named = {"atari": "breakout", "minatar": "minatar-breakout"}
+        named = {"atari": "breakout", "minatar": "minatar-breakout", "gym": "gym:Acrobot-v1"}
         assert resolved["env"]["name"] == named.get(name, name)
         # The composed config passes moolib-run's checks, and its env builds and steps.
         config_lib.validate(OmegaConf.create(cfg))
