@@ -70,33 +70,38 @@ def _make(target: str, options: dict[str, Any]) -> Any:
     return gymnasium.make(target, **options)
 
 
-def make_gym(name: str, *, seed: int | None = None, **options: Any) -> gymnasium.Env:
-    """The env ``name`` (``gym:<id>`` or ``gym:<module>:<function>``) names, made with
-    ``options`` as keyword arguments. ``seed`` seeds the env and its action space;
-    without it each env draws a fresh random seed. Raises ValueError when it cannot
-    be made or when the agents cannot act in it (the message says which)."""
-    target = name[len(PREFIX) :]
-    env = _make(target, options)
-    if not isinstance(env, gymnasium.Env):
-        raise ValueError(f"{name}: the factory returned {type(env).__name__}, not a gymnasium.Env")
+def _check_spaces(name: str, env: gymnasium.Env) -> None:
+    """Raises ValueError unless the agents can act in ``env``."""
     actions, observations = env.action_space, env.observation_space
     if not isinstance(actions, gymnasium.spaces.Discrete):
-        env.close()
         raise ValueError(
             f"{name}: moolib's agents need a discrete action space (gymnasium.spaces.Discrete); "
             f"this env's is {actions}"
         )
     if actions.start != 0:
-        env.close()
         raise ValueError(f"{name}: its actions start at {actions.start}; agents pick 0..n-1")
     if not isinstance(observations, gymnasium.spaces.Box):
-        env.close()
         raise ValueError(
             f"{name}: moolib's agents need observations in one array (gymnasium.spaces.Box); "
             f"this env's are {observations} (flatten them, e.g. with "
             "gymnasium.wrappers.FlattenObservation, in a factory of your own)"
         )
-    if observations.dtype == np.float64:
+
+
+def make_gym(name: str, *, seed: int | None = None, **options: Any) -> gymnasium.Env:
+    """The env ``name`` (``gym:<id>`` or ``gym:<module>:<function>``) names, made with
+    ``options`` as keyword arguments. ``seed`` seeds the env and its action space;
+    without it each env draws a fresh random seed. Raises ValueError when it cannot
+    be made or when the agents cannot act in it (the message says which)."""
+    env = _make(name[len(PREFIX) :], options)
+    if not isinstance(env, gymnasium.Env):
+        raise ValueError(f"{name}: the factory returned {type(env).__name__}, not a gymnasium.Env")
+    try:
+        _check_spaces(name, env)
+    except ValueError:
+        env.close()
+        raise
+    if env.observation_space.dtype == np.float64:
         env = _Float32Observations(env)
     if seed is not None:
         env.reset(seed=seed)

@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
 
 
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and runs of blanks folded into single spaces: a
+    ConfigError is one line."""
+    return " ".join(str(text).split())
+
+
 def check_int_at_least(key: str, value: object, low: int = 1) -> None:
     """Raises ConfigError unless ``value`` (the setting ``key``) is an integer >= ``low``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -37,15 +37,10 @@ from omegaconf.errors import OmegaConfBaseException
 from . import config as config_lib
 from . import resume as resume_lib
 from . import savedir_lock
-from .config import ConfigError
+from .config import ConfigError, one_line
 from .resume import Resume
 
 CONF_DIR = Path(next(iter(moolib.conf.__path__)))
-
-
-def one_line(text: str) -> str:
-    """``text`` with its line breaks and runs of blanks folded into single spaces."""
-    return " ".join(str(text).split())
 
 
 def parse_overrides(lines: list[str]) -> list[Override]:
@@ -124,9 +119,10 @@ def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = 
             if group.startswith("env/"):  # env=ALE/Pong-v5: Hydra reads a group env/ALE
                 group, option = "env", f"{group[4:]}/{option}"
             options = moolib.conf.group_options(group)
-            known_as = _GROUP_ALIASES.get(group, {}).get(option.lower())
             if group == "env":
                 known_as = _from_gymnasium_id(option, options)
+            else:
+                known_as = _GROUP_ALIASES.get(group, {}).get(option.lower())
             close = difflib.get_close_matches(option.lower(), options, n=1, cutoff=0.5)
             near = known_as or (close[0] if close else None)
             hint = f"; nearest: {near}" if near else ""

@@ -20,7 +20,7 @@ from typing import Any
 from hydra.core.override_parser.types import Override, OverrideType
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from .config import CONFIG_FILE, ConfigError
+from .config import CONFIG_FILE, ConfigError, one_line
 
 RESUMES_FILE = "resumes.yaml"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -122,9 +122,8 @@ def load_saved(savedir: Path) -> DictConfig | None:
     try:
         cfg = OmegaConf.load(path)
     except Exception as e:  # noqa: BLE001 - any parse error: the file is not ours
-        # YAML's errors span lines (the problem, then where): one line here.
-        why = " ".join(str(e).split())
-        raise ConfigError(f"savedir={savedir}: {path} cannot be read: {why}") from e
+        # YAML's errors span lines (the problem, then where).
+        raise ConfigError(f"savedir={savedir}: {path} cannot be read: {one_line(e)}") from e
     if not isinstance(cfg, DictConfig) or "agent" not in cfg or "env" not in cfg:
         raise ConfigError(
             f"savedir={savedir}: {path} is not a moolib-run config (no agent and env); "
