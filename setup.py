@@ -69,7 +69,18 @@ setup(
     extras_require={
         # The envpool library's C++ Atari: a second environment backend.
         "envpool": ["envpool"],
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "ruff", "envpool"],
+        # The build requirements too: tests/test_packaging.py builds a wheel
+        # without build isolation (no network).
+        "test": [
+            "pytest>=7",
+            "pytest-timeout",
+            "pytest-xdist",
+            "ruff",
+            "envpool",
+            "setuptools>=64",
+            "wheel",
+            "pybind11>=2.12",
+        ],
     },
     entry_points={
         "console_scripts": [
