@@ -355,9 +355,13 @@ def _serve(sock: socket.socket) -> None:
 
 def main() -> None:
     """Runs a worker on the socket whose descriptor is ``sys.argv[1]``."""
-    # Ctrl-C reaches the whole process group; the parent decides when workers
-    # stop (by closing the socket), so an interrupt it catches loses nothing.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, a terminal's hang-up and a SIGTERM sent to the whole process group
+    # (timeout, systemd, SLURM's scancel) reach the workers too. The parent
+    # decides when they stop (by closing the socket; it dies, they see EOF), so
+    # a parent that handles the signal, as moolib-run does to stop cleanly with
+    # a checkpoint, can still step the pool while it winds down.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     sock = socket.socket(fileno=int(sys.argv[1]))
     try:
         _serve(sock)

@@ -318,6 +318,17 @@ SCRIPT = textwrap.dedent(
     if mode == "exit":
         pool.step(0, action).result()
         sys.exit(0)
+    if mode == "handle":  # stops cleanly on SIGTERM/SIGHUP, stepping the pool once more
+        import signal
+        stop = []
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, lambda *_: stop.append(1))
+        while not stop:
+            pool.step(0, action).result()
+            time.sleep(0.001)
+        pool.step(0, action).result()
+        pool.close()
+        sys.exit(0)
     while True:
         pool.step(0, action).result()
         time.sleep(0.001)
@@ -325,12 +336,16 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["exit", "ctrl-c", "kill-9"])
+@pytest.mark.parametrize("how", ["exit", "ctrl-c", "kill-9", "sigterm", "sighup"])
 def test_no_worker_outlives_its_parent(how, tmp_path):
+    """Also: a signal sent to the whole process group (SIGTERM from timeout,
+    systemd or scancel; SIGHUP from a closed terminal) leaves the workers to the
+    parent, which handles it here and steps its pool once more."""
     script = tmp_path / "pool_parent.py"
     script.write_text(SCRIPT.format(helpers=os.path.dirname(__file__)))
+    mode = {"exit": "exit", "sigterm": "handle", "sighup": "handle"}.get(how, "loop")
     proc = subprocess.Popen(
-        [sys.executable, str(script), "exit" if how == "exit" else "loop"],
+        [sys.executable, str(script), mode],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal would give it
@@ -343,13 +358,16 @@ def test_no_worker_outlives_its_parent(how, tmp_path):
             os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole group
         elif how == "kill-9":
             proc.kill()
+        elif how in ("sigterm", "sighup"):
+            time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGTERM if how == "sigterm" else signal.SIGHUP)
         proc.wait(timeout=60)
         wait_for(lambda: not any(alive(pid) for pid in pids), timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    if how == "exit":
+    if how in ("exit", "sigterm", "sighup"):
         assert proc.returncode == 0
     if how == "ctrl-c":
         assert proc.returncode != 0  # KeyboardInterrupt ended it

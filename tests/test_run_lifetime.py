@@ -97,3 +97,30 @@ def test_peer_that_lost_its_group_stops_with_a_message(tmp_path):
     finally:
         broker.kill()
         broker.wait()
+
+
+def test_sigterm_to_the_whole_group_stops_an_offpolicy_run_with_a_checkpoint(tmp_path):
+    """timeout, systemd and scancel send SIGTERM to every process of the run, env
+    workers included: the workers leave stopping to the learner, whose actor
+    loops were stepping them, and the run ends as on Ctrl-C (exit 143, a
+    checkpoint) instead of failing on a dead worker."""
+    savedir = tmp_path / "r2d2"
+    r = Run(
+        ["agent=r2d2", "env=minatar-breakout", "device=cpu", "log_interval=1"]
+        # MinAtar Breakout's first episodes are short: short sequences fill the replay.
+        + ["agent.burn_in=4", "agent.sequence_length=20", "agent.overlap=10"]
+        + ["agent.min_replay_size=500", f"savedir={savedir}"],
+        tmp_path,
+        tmp_path / "out.log",
+    )
+    try:
+        wait_for(_training(savedir / "logs.tsv"), timeout=240, what="training", proc=r)
+        os.killpg(r.pid, signal.SIGTERM)
+        code = r.wait(STOP_TIMEOUT)
+        out = r.output()
+        assert code == 143, out[-3000:]
+        assert "moolib-run: ended with exit code 143" in out, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        assert (savedir / "checkpoint.pt").is_file()
+    finally:
+        r.finish()
