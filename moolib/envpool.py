@@ -129,6 +129,14 @@ class EnvPool:
         num_batches: int,
         nonfinite_rewards: str = "raise",
     ) -> None:
+        if not callable(create_env):
+            # A name or an env object would otherwise fail in every worker.
+            raise TypeError(
+                "EnvPool: create_env must be a function that makes one env (each worker "
+                "calls it once per env it steps), e.g. "
+                "functools.partial(moolib.envs.create_env, 'cartpole'); "
+                f"got {type(create_env).__name__} {create_env!r:.80}"
+            )
         for name, value in (
             ("num_processes", num_processes),
             ("batch_size", batch_size),

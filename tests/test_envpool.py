@@ -177,6 +177,12 @@ def test_bad_sizes(args, message):
         moolib.EnvPool(toy_envs.ToyEnv, *args)
 
 
+@pytest.mark.parametrize("factory", ["cartpole", toy_envs.ToyEnv()], ids=["name", "env"])
+def test_a_factory_that_is_no_function_is_refused_before_any_worker_starts(factory):
+    with pytest.raises(TypeError, match=r"create_env must be a function that makes one env"):
+        moolib.EnvPool(factory, 1, 2, 1)
+
+
 def test_env_exception_reaches_the_caller_with_its_traceback():
     with moolib.EnvPool(toy_envs.FailingEnv, 2, 4, 1) as pool:
         pool.step(0, torch.zeros(4, dtype=torch.int64)).result()
