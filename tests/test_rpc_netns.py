@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers.util import DEADLINE, PEER_SCRIPT, REPO, child_env, peer_entry
@@ -129,3 +131,49 @@ def test_peer_on_another_host_gets_only_reachable_addresses(
 
 def peer_entry_from(info: dict, name: str) -> dict | None:
     return next((p for p in info["peers"] if p["name"] == name), None)
+
+
+DUAL_STACK_CLIENT = """
+import sys, moolib
+server = moolib.Rpc()
+server.set_name("server")
+server.define("where", lambda: "reached")
+port = server.listen(sys.argv[1] + ":0").rsplit(":", 1)[1]
+client = moolib.Rpc()
+client.set_timeout(30)
+client.connect(f"dualhost:{port}")
+print(client.sync("server", "where"))
+"""
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1", "[::1]"])
+def test_a_name_with_several_addresses_reaches_a_peer_on_any_of_them(tmp_path, listen):
+    """On most hosts "localhost" resolves to ::1 and then 127.0.0.1: connect()
+    tries each address in turn, so a peer listening on 127.0.0.1 alone is
+    reached. The name lives in the namespace's own /etc/hosts (ip netns exec
+    mounts /etc/netns/NAME/hosts there), so this machine's is left alone."""
+    name = f"moodual{os.getpid() % 1000}"
+    etc = Path("/etc/netns") / name
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    try:
+        _ip("netns", "add", name)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"network namespaces unavailable (needs root and iproute2): {e}")
+    try:
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text("::1 dualhost\n127.0.0.1 dualhost\n")
+        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        script = tmp_path / "dual.py"
+        script.write_text(DUAL_STACK_CLIENT)
+        out = subprocess.run(
+            ["ip", "netns", "exec", name, sys.executable, str(script), listen],
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=3 * DEADLINE,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.strip() == "reached"
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        shutil.rmtree(etc, ignore_errors=True)

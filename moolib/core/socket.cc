@@ -7,8 +7,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 
 #include "error.h"
 
@@ -53,7 +55,7 @@ std::pair<std::string, std::string> splitHostPort(const std::string& address) {
 
 void checkTcpAddress(const std::string& address) { splitHostPort(address); }
 
-SockAddr parseTcpAddress(const std::string& address) {
+std::vector<SockAddr> resolveTcpAddress(const std::string& address) {
   auto [host, port] = splitHostPort(address);
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
@@ -62,12 +64,24 @@ SockAddr parseTcpAddress(const std::string& address) {
   addrinfo* result = nullptr;
   int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &result);
   MOO_ENFORCE(rc == 0 && result, "cannot resolve address '", address, "': ", gai_strerror(rc));
-  SockAddr out;
-  std::memcpy(&out.storage, result->ai_addr, result->ai_addrlen);
-  out.length = result->ai_addrlen;
-  freeaddrinfo(result);
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> owned(result, &freeaddrinfo);
+  std::vector<SockAddr> out;
+  for (addrinfo* a = result; a; a = a->ai_next) {
+    if (a->ai_addrlen > sizeof(sockaddr_storage)) continue;
+    SockAddr addr;
+    std::memcpy(&addr.storage, a->ai_addr, a->ai_addrlen);
+    addr.length = a->ai_addrlen;
+    // A name listed twice in /etc/hosts comes back twice.
+    bool seen = std::any_of(out.begin(), out.end(), [&](const SockAddr& o) {
+      return o.length == addr.length && std::memcmp(&o.storage, &addr.storage, o.length) == 0;
+    });
+    if (!seen) out.push_back(addr);
+  }
+  MOO_ENFORCE(!out.empty(), "cannot resolve address '", address, "': no usable address");
   return out;
 }
+
+SockAddr parseTcpAddress(const std::string& address) { return resolveTcpAddress(address)[0]; }
 
 std::string formatTcpAddress(const SockAddr& addr) {
   char host[INET6_ADDRSTRLEN] = {0};

@@ -5,6 +5,7 @@
 
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace moolib {
 
@@ -41,6 +42,9 @@ struct SockAddr {
 // "host:port", "[v6addr]:port" or ":port" (all interfaces). Host names are
 // resolved. Throws moolib::Exception with the reason.
 SockAddr parseTcpAddress(const std::string& address);
+// Every address a TCP address resolves to, in getaddrinfo's order (on most
+// hosts "localhost" is ::1, then 127.0.0.1), without repeats; at least one.
+std::vector<SockAddr> resolveTcpAddress(const std::string& address);
 // Checks the form of a TCP address (as parseTcpAddress takes it) without
 // resolving it; throws moolib::Exception with the reason.
 void checkTcpAddress(const std::string& address);

@@ -6,6 +6,25 @@ namespace moolib {
 
 namespace {
 
+// Tries the addresses a name resolves to in turn, as Python's
+// socket.create_connection does: on most hosts "localhost" is ::1 before
+// 127.0.0.1, and a peer listening on 127.0.0.1 alone must still be reached.
+void connectInTurn(std::shared_ptr<const std::vector<SockAddr>> addrs, size_t index,
+                   std::string address, std::string failures, Context::ConnectFn done) {
+  const SockAddr& addr = (*addrs)[index];
+  std::string attempt =
+      addrs->size() == 1 ? address : concat(address, " (", formatTcpAddress(addr), ")");
+  connectSocket(addr, std::move(attempt), &TcpConnection::create,
+                [addrs, index, address, failures, done](const Error& e, ConnectionPtr conn) {
+                  std::string all = failures.empty() ? e.what() : concat(failures, "; ", e.what());
+                  if (e && index + 1 < addrs->size()) {
+                    connectInTurn(addrs, index + 1, address, std::move(all), done);
+                  } else {
+                    done(e ? Error(all) : e, std::move(conn));
+                  }
+                });
+}
+
 class TcpContext : public Context {
  public:
   const char* name() const override { return "tcp"; }
@@ -20,15 +39,15 @@ class TcpContext : public Context {
   }
 
   void connect(const std::string& address, ConnectFn done) override {
-    SockAddr addr;
+    std::shared_ptr<const std::vector<SockAddr>> addrs;
     try {
-      addr = parseTcpAddress(address);
+      addrs = std::make_shared<const std::vector<SockAddr>>(resolveTcpAddress(address));
     } catch (const Exception& e) {
       Error err(e.what());
       Loop::instance().addTimer(Clock::now(), [done, err] { done(err, nullptr); });
       return;
     }
-    connectSocket(addr, address, &TcpConnection::create, std::move(done));
+    connectInTurn(std::move(addrs), 0, address, "", std::move(done));
   }
 };
 
