@@ -69,6 +69,31 @@ class NotAllowedError(Exception):
     """A write skipped because the caller's ``may_write`` said no at the last moment."""
 
 
+class FinalWriteError(RuntimeError):
+    """The end-of-run checkpoint could not be written: the steps since the last one
+    that was are lost, and the run must not look finished."""
+
+
+def write_failure(savedir: Path, step: int, error: OSError, final: bool) -> str:
+    """What a failed write of the checkpoint at ``step`` means, in one line: training
+    goes on and retries, or (``final``) what a resume of ``savedir`` would start from."""
+    where = error.filename or Path(savedir) / LATEST
+    reason = error.strerror or str(error)
+    if not final:
+        return (
+            f"checkpoint at step {step} could not be written to {where}: {reason}; the "
+            "previous checkpoint stays, training goes on (next try at the next interval)"
+        )
+    on_disk = _on_disk(Path(savedir) / LATEST)
+    kept = (
+        f"the savedir's latest checkpoint is at step {on_disk['steps']:,}, where a resume "
+        "would go on"
+        if on_disk
+        else "the savedir holds no checkpoint: a resume would start over"
+    )
+    return f"the final checkpoint (step {step:,}) could not be written to {where}: {reason}; {kept}"
+
+
 @dataclass
 class Loaded:
     """A checkpoint read and verified by ``load_latest``."""

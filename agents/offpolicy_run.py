@@ -599,9 +599,10 @@ class Learner:
             log.info("replay restored from %s: %d items", replay_path, self.replay.size())
         log.info("resumed from %s at step %d", loaded.path, self.steps)
 
-    def _save(self) -> None:
+    def _save(self, final: bool = False) -> None:
         """Writes a checkpoint (and the replay first, if configured); a failed write
-        is logged and training goes on."""
+        is logged and training goes on, but the ``final`` one raises
+        ``checkpoint.FinalWriteError``."""
         self.host.hand_over()  # the last step's priorities, into the replay saved
         try:
             if self.agent.save_replay and self.replay is not None:
@@ -613,7 +614,10 @@ class Learner:
             log.warning("skipped a stale checkpoint write at step %d: %s", self.steps, e)
             return
         except OSError as e:
-            log.error("checkpoint at step %d could not be written: %s", self.steps, e)
+            message = checkpoint.write_failure(self.peer.savedir, self.steps, e, final)
+            if final:
+                raise checkpoint.FinalWriteError(message) from None
+            log.error("%s", message)
             return
         log.info("checkpoint at step %d: %s", self.steps, path)
 
@@ -743,8 +747,8 @@ class Learner:
                 if wandb_run:
                     wandb_run.log(row)
             self.elapsed = clock()
-            self._save()
-            ended = True
+            ended = True  # even if the final checkpoint fails: the actors stop
+            self._save(final=True)
         except SystemExit:
             # submitit's handler of a preemption or time-out (USR2), which has requeued
             # this job: the requeued learner resumes from here. The actors wait for it.

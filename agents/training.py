@@ -317,10 +317,11 @@ class Trainer:
         # one that was paused and does not know yet that another leads.
         return self.accumulator.is_leader() and self.accumulator.connected()
 
-    def _save(self) -> bool:
+    def _save(self, final: bool = False) -> bool:
         """Writes a checkpoint if this peer leads a connected group; returns whether it
         did. A write that fails (full disk, I/O error) is logged and training goes on:
-        the previous checkpoint stays and the next interval tries again."""
+        the previous checkpoint stays and the next interval tries again; the
+        ``final`` one raises ``checkpoint.FinalWriteError`` instead."""
         if not self._may_write():
             log.info(
                 "step %d: not writing a checkpoint: this peer is not the leader of a "
@@ -330,15 +331,14 @@ class Trainer:
             return False
         # Writing a large checkpoint to a slow filesystem may outlast the group timeout.
         with self.accumulator.group.keepalive():
-            return self._write_checkpoint()
+            return self._write_checkpoint(final)
 
-    def _write_checkpoint(self) -> bool:
+    def _write_checkpoint(self, final: bool) -> bool:
         state = self._state()
         state["lineage"] = self.accumulator.lineage()
         if self.wandb_id:
             self.wandb_ids[str(self.peer.rank)] = self.wandb_id
         state["wandb_ids"] = dict(self.wandb_ids)
-        latest = self.peer.savedir / checkpoint.LATEST
         try:
             path = checkpoint.save(
                 self.peer.savedir,
@@ -354,14 +354,10 @@ class Trainer:
             log.info("step %d: not writing a checkpoint: no longer the leader", self.steps)
             return False
         except OSError as e:
-            where = e.filename or latest
-            log.error(
-                "checkpoint at step %d could not be written to %s: %s; the previous "
-                "checkpoint stays, training goes on (next try at the next interval)",
-                self.steps,
-                where,
-                e.strerror or e,
-            )
+            message = checkpoint.write_failure(self.peer.savedir, self.steps, e, final)
+            if final:
+                raise checkpoint.FinalWriteError(message) from None
+            log.error("%s", message)
             return False
         log.info("checkpoint at step %d: %s", self.steps, path)
         return True
@@ -374,7 +370,7 @@ class Trainer:
         while not self.accumulator.connected() and time.monotonic() < deadline:
             self.accumulator.update()
             time.sleep(0.01)
-        self._save()
+        self._save(final=True)
 
     # -- the loop ------------------------------------------------------------
 

@@ -109,8 +109,10 @@ def make_trainer(cfg: Any, rank: int, broker: str) -> Any:
 
 def train(cfg: Any, rank: int, broker: str, stop: threading.Event) -> dict:
     """Runs one peer of the experiment described by ``cfg`` until done or stopped;
-    exits with ``EXIT_GROUP_LOST`` when the peer lost its group for good, and with
-    2 when the group's peers have different models."""
+    exits with ``EXIT_GROUP_LOST`` when the peer lost its group for good, with 2
+    when the group's peers have different models, and with 1 when the run's final
+    checkpoint could not be written."""
+    from moolib.agents.checkpoint import FinalWriteError
     from moolib.agents.training import GroupLostError
 
     import moolib
@@ -120,6 +122,9 @@ def train(cfg: Any, rank: int, broker: str, stop: threading.Event) -> dict:
     except GroupLostError as e:
         print(f"moolib-run: error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_GROUP_LOST)
+    except FinalWriteError as e:
+        print(f"moolib-run: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except moolib.ModelMismatchError as e:
         # Another experiment's peers in this group (e.g. a reused group name).
         print(f"moolib-run: error: peer {rank}: {e}", file=sys.stderr, flush=True)

@@ -221,6 +221,37 @@ def test_full_disk_does_not_end_training(tmp_path, tiny_fs):
     assert "Traceback" not in out, out[-5000:]
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("agent", ["a2c", "apex"])
+def test_a_final_checkpoint_that_cannot_be_written_fails_the_run(tmp_path, tiny_fs, agent):
+    """The end-of-run checkpoint (here on Ctrl-C) on a full disk: the steps since the
+    last checkpoint are lost, so the run says so and exits 1, not as if it ended well."""
+    savedir = tiny_fs / "run"
+    latest = savedir / "checkpoint.pt"
+    args = [*QUICK, f"agent={agent}", "total_steps=1000000000", "checkpoint_interval=2"]
+    r = Run([*args, f"savedir={savedir}"], tmp_path, tmp_path / "out.log")
+    try:
+        wait_for(lambda: "checkpoint at step" in r.output(), 240, "a first checkpoint", proc=r)
+        fill(tiny_fs)
+        kept = checkpoint.verify(latest)["steps"]
+        r.interrupt()
+        code = r.wait(STOP_TIMEOUT)
+        out = r.output()
+    finally:
+        r.finish()
+    assert code == 1, out[-5000:]
+    assert "Traceback" not in out, out[-5000:]
+    error = next((x for x in out.splitlines() if x.startswith("moolib-run: error: ")), "")
+    assert re.search(
+        rf"the final checkpoint \(step [\d,]+\) could not be written to {latest}: No space "
+        rf"left on device; the savedir's latest checkpoint is at step {kept:,}, where a "
+        "resume would go on",
+        error,
+    ), out[-5000:]
+    assert checkpoint.verify(latest)["steps"] == kept
+    assert "moolib-run: ended with exit code 1" in out, out[-5000:]
+
+
 # -- a paused leader -----------------------------------------------------------------------
 
 
