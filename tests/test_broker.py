@@ -4,6 +4,7 @@ process (groups it tracks, timeouts, bad requests)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import socket
@@ -245,9 +246,17 @@ def test_broker_gone_members_lose_contact(make_rpc):
         # One member waits for an all-reduce the other never starts.
         pending = gs[0].all_reduce("never", 1.0)
         assert not pending.done()
+        # Held, so that neither leaves for not calling update() (after the same
+        # 1 s) before it notices the broker is gone: what is tested here.
+        with contextlib.ExitStack() as held:
+            for g in gs:
+                held.enter_context(g.keepalive())
+            b.close()
+            wait_for(
+                lambda: not any(g.active() for g in gs), what="members notice the broker is gone"
+            )
     finally:
-        b.close()
-    wait_for(lambda: not any(g.active() for g in gs), what="members notice the broker is gone")
+        b.close()  # again, if the test failed before
     for g in gs:
         assert g.members() == []
         assert g.update() is True
