@@ -10,10 +10,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
 import moolib
+from moolib import _signals
 
 from .peer import logdir_for
 
@@ -91,6 +93,21 @@ def _peer_cmd(config_path: Path, rank: int, address: str, parent_r: int) -> list
     ]
 
 
+def _start_peer(
+    config_path: Path, rank: int, address: str, parent_r: int, out: Any = None
+) -> subprocess.Popen:
+    """Peer ``rank``'s process, its output into ``out`` (a file) or on this terminal;
+    started with the stop signals blocked, so that one that comes before its
+    handler is in place waits for it."""
+    with _signals.blocked():
+        return subprocess.Popen(
+            _peer_cmd(config_path, rank, address, parent_r),
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            pass_fds=(parent_r,),
+        )
+
+
 def run_offpolicy(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
     """An off-policy run on this machine: a learner process (rank 0, serving the replay)
     and ``scaling.actors`` actor processes (ranks 1..). An actor that dies while the
@@ -110,17 +127,10 @@ def run_offpolicy(cfg: DictConfig, config_path: Path, stop: threading.Event) -> 
         logdir = actor_logdir(savedir, index)
         logdir.mkdir(parents=True, exist_ok=True)
         with open(logdir / "stdout.log", "ab") as out:
-            return subprocess.Popen(
-                _peer_cmd(config_path, index + 1, address, parent_r),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                pass_fds=(parent_r,),
-            )
+            return _start_peer(config_path, index + 1, address, parent_r, out)
 
     try:
-        learner = subprocess.Popen(
-            _peer_cmd(config_path, 0, address, parent_r), pass_fds=(parent_r,)
-        )
+        learner = _start_peer(config_path, 0, address, parent_r)
         for index in range(int(cfg.scaling.actors)):
             actors[index] = start_actor(index)
         signalled = False
@@ -179,15 +189,7 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
             logdir.mkdir(parents=True, exist_ok=True)
             # Peer 0 draws the progress line here; the others log to files.
             out = None if rank == 0 else open(logdir / "stdout.log", "ab")  # noqa: SIM115
-            cmd = _peer_cmd(config_path, rank, address, parent_r)
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    stdout=out,
-                    stderr=subprocess.STDOUT if out else None,
-                    pass_fds=(parent_r,),
-                )
-            )
+            procs.append(_start_peer(config_path, rank, address, parent_r, out))
             if out:
                 out.close()
         signalled = False

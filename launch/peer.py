@@ -20,6 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from moolib import _signals
+
 from . import config as config_lib
 
 
@@ -48,7 +50,9 @@ class StopSignal(threading.Event):
 
 
 def stop_on_signals() -> StopSignal:
-    """An event set by the first SIGINT/SIGTERM/SIGHUP; a second SIGINT raises KeyboardInterrupt."""
+    """An event set by the first SIGINT/SIGTERM/SIGHUP; a second SIGINT raises
+    KeyboardInterrupt. Unblocks those signals (moolib-run starts its peers with them
+    blocked: ``moolib._signals``): one that came meanwhile is handled now."""
     stop = StopSignal()
 
     def handle(signum: int, frame: Any) -> None:
@@ -61,6 +65,7 @@ def stop_on_signals() -> StopSignal:
     # SIGHUP: the terminal or ssh session went away; stop as cleanly as on Ctrl-C.
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, handle)
+    _signals.unblock()
     return stop
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -48,6 +49,8 @@ _saved_choices: list[str] = []
 # Set instead when a sweep's savedirs hold runs of different choices (one command line
 # cannot carry them all): named if Hydra then cannot compose an override.
 _mixed_choices: list[str] = []
+# Set by a Ctrl-C before the run started (see _interrupt_preflight).
+_interrupted = False
 
 
 def _hydra_setup() -> Any:
@@ -97,6 +100,14 @@ def _run(cfg: DictConfig) -> int:
         lock.release()
 
 
+def _interrupt_preflight(signum: int, frame: Any) -> None:
+    """Ctrl-C before the run starts: stops it at once, and is remembered, because a
+    library may swallow the KeyboardInterrupt (minatar's import catches everything)."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
 def _start(job: preflight.Job, final: DictConfig, savedir: Path) -> int:
     """Runs a planned, checked job in its savedir (held): prints what it resumes,
     saves the config and trains in its scaling mode."""
@@ -107,6 +118,8 @@ def _start(job: preflight.Job, final: DictConfig, savedir: Path) -> int:
         resume_lib.record(job.resume)
     config_path = config_lib.save(final, savedir)
     stop = stop_on_signals()
+    if _interrupted:
+        raise KeyboardInterrupt
     mode = final.scaling.name
     code = 0
     if mode == "local":
@@ -201,6 +214,7 @@ def main() -> None:
         or args.experimental_rerun
     )
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    signal.signal(signal.SIGINT, _interrupt_preflight)
     try:
         if not hydra_only:
             code = _preflight(args)

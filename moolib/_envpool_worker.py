@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _envpool_shared as shared
+from . import _signals
 
 
 def _action_spec(env: Any) -> tuple[str, tuple[int, ...]]:
@@ -360,8 +361,9 @@ def main() -> None:
     # decides when they stop (by closing the socket; it dies, they see EOF), so
     # a parent that handles the signal, as moolib-run does to stop cleanly with
     # a checkpoint, can still step the pool while it winds down.
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in _signals.STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    _signals.unblock()  # blocked by the pool while this interpreter started
     sock = socket.socket(fileno=int(sys.argv[1]))
     try:
         _serve(sock)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import _envpool_shared as shared
+from . import _signals
 
 __all__ = ["EnvPool", "EnvStepperFuture"]
 
@@ -182,11 +183,12 @@ class EnvPool:
             parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             self._socks.append(parent)
             try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "moolib._envpool_worker", str(child.fileno())],
-                    pass_fds=[child.fileno()],
-                    stdin=subprocess.DEVNULL,
-                )
+                with _signals.blocked():  # until the worker ignores them
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "moolib._envpool_worker", str(child.fileno())],
+                        pass_fds=[child.fileno()],
+                        stdin=subprocess.DEVNULL,
+                    )
             finally:
                 child.close()
             self._procs.append(proc)

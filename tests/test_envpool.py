@@ -379,6 +379,45 @@ def test_no_worker_outlives_its_parent(how, tmp_path):
         assert proc.returncode != 0  # KeyboardInterrupt ended it
 
 
+STARTING = textwrap.dedent(
+    """
+    import signal, sys, torch, moolib
+    sys.path.insert(0, {helpers!r})
+    from helpers import toy_envs
+    caught = []
+    signal.signal(signal.SIGINT, lambda *_: caught.append(1))
+    print("starting", flush=True)
+    pool = moolib.EnvPool(toy_envs.ToyEnv, 2, 2, 1)
+    pool.step(0, torch.zeros(2, dtype=torch.int64)).result()
+    pool.step(0, torch.zeros(2, dtype=torch.int64)).result()
+    pool.close()
+    print("caught", len(caught), flush=True)
+    """
+)
+
+
+def test_ctrl_c_while_the_workers_start_leaves_them_to_the_pool(tmp_path):
+    """A Ctrl-C that comes while the worker interpreters still import (they are
+    in the parent's process group) waits for them to ignore it: it does not kill
+    them mid-import. The parent, which handles it, steps its pool."""
+    script = tmp_path / "starting.py"
+    script.write_text(STARTING.format(helpers=os.path.dirname(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "starting"
+        time.sleep(0.2)  # the workers are spawned and importing
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert out.split() == ["caught", "1"]
+
+
 # -- what EnvPool cannot store is refused, naming the env ---------------------
 
 IMAGE = np.zeros((2, 3), dtype=np.uint8)

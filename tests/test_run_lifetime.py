@@ -11,12 +11,14 @@ import sys
 
 import pytest
 from helpers.run_util import (
+    QUICK,
     STOP_TIMEOUT,
     Run,
     alive,
     peers_and_workers,
     read_logs,
     run_env,
+    session_pids,
     start_local_training,
     wait_for,
 )
@@ -124,3 +126,67 @@ def test_sigterm_to_the_whole_group_stops_an_offpolicy_run_with_a_checkpoint(tmp
         assert (savedir / "checkpoint.pt").is_file()
     finally:
         r.finish()
+
+
+def test_ctrl_c_while_the_peers_start_stops_the_run_without_a_traceback(tmp_path):
+    """Ctrl-C reaches every process of the group, peers that are still importing
+    (seconds) included: they start with it pending, not dying mid-import."""
+    savedir = tmp_path / "early"
+    r = Run(
+        ["agent=vtrace", "env=minatar-breakout", "device=cpu", "scaling=local"]
+        + ["scaling.peers=2", f"savedir={savedir}"],
+        tmp_path,
+        tmp_path / "out.log",
+    )
+    try:
+        wait_for(lambda: len(peers_and_workers(r.pid)[0]) == 2, 120, "the peer processes", 0.02, r)
+        r.interrupt()  # while they import
+        code = r.wait(STOP_TIMEOUT)
+        wait_for(lambda: not session_pids(r.pid), 60, "every process of the run to end")
+        out = r.output()
+    finally:
+        r.finish()
+    logs = out + "".join(p.read_text(errors="replace") for p in savedir.glob("peer*/stdout.log"))
+    assert code == 130, logs[-5000:]
+    assert "Traceback" not in logs and "KeyboardInterrupt" not in logs, logs[-5000:]
+
+
+SLOW_IMPORT_ENV = """
+import time
+
+import gymnasium
+
+print("importing the env module", flush=True)
+try:  # as some libraries do around optional imports: a bare except
+    time.sleep(60)
+except:  # noqa: E722
+    pass
+
+
+def make():
+    return gymnasium.make("CartPole-v1")
+"""
+
+
+def test_ctrl_c_swallowed_by_an_import_during_the_preflight_still_stops_the_run(tmp_path):
+    """The pre-flight makes the env once; an import that catches every exception
+    (minatar's does, around matplotlib) swallows the KeyboardInterrupt of a Ctrl-C
+    there. The run must still not start."""
+    (tmp_path / "slowenv.py").write_text(SLOW_IMPORT_ENV)
+    savedir = tmp_path / "swallowed"
+    r = Run(
+        [*QUICK, "env=gym", "env.id=slowenv:make", f"savedir={savedir}"],
+        tmp_path,
+        tmp_path / "out.log",
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    try:
+        wait_for(lambda: "importing the env module" in r.output(), 120, "the import", proc=r)
+        r.interrupt()
+        code = r.wait(STOP_TIMEOUT)
+        out = r.output()
+    finally:
+        r.finish()
+    assert code == 130, out[-5000:]
+    assert "moolib-run: interrupted" in out, out[-5000:]
+    assert not (savedir / "logs.tsv").exists(), out[-5000:]
