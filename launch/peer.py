@@ -63,7 +63,7 @@ def stop_on_signals() -> StopSignal:
         stop.set()
 
     # SIGHUP: the terminal or ssh session went away; stop as cleanly as on Ctrl-C.
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in _signals.STOP_SIGNALS:
         signal.signal(signum, handle)
     _signals.unblock()
     return stop
