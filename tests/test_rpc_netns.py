@@ -27,19 +27,25 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
+def _add_namespace(name: str) -> None:
+    """Adds network namespace ``name`` (a leftover of an interrupted run replaced);
+    skips the test where namespaces are unavailable."""
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    try:
+        _ip("netns", "add", name)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"network namespaces unavailable (needs root and iproute2): {e}")
+
+
 @pytest.fixture
 def namespace():
     """A namespace joined to this one by a veth pair: (name, host-side IP)."""
     tag = os.getpid() % 200 + 20
     name, host_if, ns_if = f"moons{tag}", f"moo{tag}h", f"moo{tag}n"
     host_ip, ns_ip = f"10.213.{tag}.1", f"10.213.{tag}.2"
-    # Leftovers of an interrupted run would make the names clash.
-    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    # A leftover of an interrupted run would make the names clash.
     subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
-    try:
-        _ip("netns", "add", name)
-    except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"network namespaces unavailable (needs root and iproute2): {e}")
+    _add_namespace(name)
     try:
         _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
         _ip("link", "set", ns_if, "netns", name)
@@ -154,11 +160,7 @@ def test_a_name_with_several_addresses_reaches_a_peer_on_any_of_them(tmp_path, l
     mounts /etc/netns/NAME/hosts there), so this machine's is left alone."""
     name = f"moodual{os.getpid() % 1000}"
     etc = Path("/etc/netns") / name
-    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
-    try:
-        _ip("netns", "add", name)
-    except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"network namespaces unavailable (needs root and iproute2): {e}")
+    _add_namespace(name)
     try:
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text("::1 dualhost\n127.0.0.1 dualhost\n")
