@@ -133,7 +133,7 @@ class EnvpoolAtari:
     ``seed``: env ``i`` of batch ``b`` is seeded with
     ``seed + b * batch_size + i``; without a seed a random base is drawn.
     ``num_threads``: envpool threads per batch (default
-    ``min(batch_size, cpu count)``).
+    ``min(batch_size, the cores this process may run on)``).
     """
 
     def __init__(
@@ -154,7 +154,9 @@ class EnvpoolAtari:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EnvpoolAtari: {arg} must be a positive int, got {value!r}")
         if num_threads is None:
-            num_threads = min(batch_size, os.cpu_count() or 1)
+            # The cores this process may run on (taskset, cgroups, SLURM's
+            # binding), not the machine's: more threads than those only wait.
+            num_threads = min(batch_size, len(os.sched_getaffinity(0)))
         if not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(
                 f"EnvpoolAtari: num_threads must be a positive int, got {num_threads!r}"

@@ -600,6 +600,22 @@ def test_envpool_close_and_context_manager():
     pool.close()  # idempotent
 
 
+def test_envpool_threads_follow_the_cores_this_process_may_use():
+    """On a machine with more cores than the process is bound to (taskset,
+    SLURM's binding), envpool gets a thread per bound core, not per core."""
+    code = (
+        "import os\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "import moolib.envs as envs\n"
+        "with envs.create_envpool('pong', 4, 1) as pool:\n"
+        "    print(pool._envs[0].config['num_threads'])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.split() == ["1"]
+
+
 def test_envpool_rejects_non_atari(pools):
     with pytest.raises(ValueError, match="Atari games only"):
         envs.create_envpool("cartpole", 1, 1)
