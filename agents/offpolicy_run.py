@@ -62,6 +62,7 @@ from .training import (
     learning_rate,
     make_optimizer,
     resolve_device,
+    task_cores,
 )
 
 log = logging.getLogger("moolib.agents")
@@ -470,7 +471,7 @@ class Learner:
         self.loss_fn = get_agent(agent.name).compute_loss
         if cfg.seed is not None:
             torch.manual_seed(int(cfg.seed))
-        cores = len(os.sched_getaffinity(0))
+        cores = task_cores()
         if cfg.torch_threads != "auto":
             threads = int(cfg.torch_threads)
         elif num_actor_processes(cfg) == 0:

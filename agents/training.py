@@ -71,14 +71,20 @@ def torch_threads(cfg: DictConfig) -> int:
     (an env worker, a neighbour's job) holds a core: many times slower."""
     if cfg.torch_threads != "auto":
         return int(cfg.torch_threads)
+    cores = task_cores()
+    if cfg.scaling.name == "local":  # the peers share this machine
+        cores //= max(1, int(cfg.scaling.peers))
+    return max(1, cores - int(cfg.agent.num_actor_cpus))
+
+
+def task_cores() -> int:
+    """The cores this process may use: its SLURM task's CPUs (a cluster that does
+    not bind tasks to cores shows each task every core of the node), else the
+    cores it may run on (taskset, cgroups), not the machine's."""
     slurm_cpus = os.environ.get("SLURM_CPUS_PER_TASK")
     if slurm_cpus:
-        cores = int(slurm_cpus)
-    else:
-        cores = len(os.sched_getaffinity(0))
-        if cfg.scaling.name == "local":  # the peers share this machine
-            cores //= max(1, int(cfg.scaling.peers))
-    return max(1, cores - int(cfg.agent.num_actor_cpus))
+        return int(slurm_cpus)
+    return len(os.sched_getaffinity(0))
 
 
 def resolve_device(name: str) -> torch.device:

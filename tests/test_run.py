@@ -486,6 +486,29 @@ def test_bad_values_exit_2_naming_the_key(tmp_path, overrides, messages):
     assert not savedir.exists()  # nothing started, nothing made
 
 
+@pytest.mark.parametrize(
+    "overrides, slurm_cpus, expected",
+    [
+        (["scaling=single"], None, 15),  # 16 cores less the env worker's
+        (["scaling=local", "scaling.peers=2"], None, 7),
+        (["scaling=slurm"], "4", 3),  # the task's CPUs, not the node's 16
+        (["scaling=local", "scaling.peers=2"], "4", 1),  # local peers inside one task
+        (["scaling=single", "torch_threads=3"], None, 3),
+    ],
+)
+def test_auto_torch_threads_follow_the_cores_a_peer_may_use(
+    compose_config, monkeypatch, overrides, slurm_cpus, expected
+):
+    from moolib.agents import training
+
+    monkeypatch.setattr(training.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    if slurm_cpus:
+        monkeypatch.setenv("SLURM_CPUS_PER_TASK", slurm_cpus)
+    cfg = compose_config("agent=a2c", "env=cartpole", "agent.num_actor_cpus=1", *overrides)
+    assert training.torch_threads(cfg) == expected
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda(tmp_path):
     code, out, savedir = run_error(tmp_path, "device=cuda")
