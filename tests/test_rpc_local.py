@@ -273,6 +273,36 @@ def test_connect_that_keeps_failing_is_logged_once(make_rpc, core_log):
         assert len(said()) == 1, said()
 
 
+def test_connect_to_its_own_address_is_said_once_and_dropped(make_rpc, core_log):
+    """Every peer given the same address list, its own among them: the dial that
+    reaches itself is named once and dropped, not redialed (5 errors a second
+    before) or taken for a reflection attack; the other links work."""
+    me = make_rpc("me", listen=True)
+    other = make_rpc("other", listen=True)
+    for rpc in (me, other):
+        rpc.define("twice", lambda x: x * 2)
+    for address in (me.address, other.address):
+        me.connect(address)
+        other.connect(address)
+
+    def said(rpc_address: str) -> list[str]:
+        return [m for lvl, m in core_log if lvl >= logging.ERROR and rpc_address in m]
+
+    wait_for(
+        lambda: said(me.address) and said(other.address),
+        timeout=60,
+        what="each peer saying it reached itself",
+    )
+    assert other.sync("me", "twice", 21) == 42
+    assert me.sync("other", "twice", 2) == 4
+    time.sleep(3)  # redials came every 100 ms before
+    for address in (me.address, other.address):
+        assert len(said(address)) == 1, said(address)
+        assert "reached this Rpc itself" in said(address)[0], said(address)
+    assert not [m for lvl, m in core_log if "nonce" in m], core_log
+    assert other.sync("me", "twice", 21) == 42
+
+
 def test_close_fails_calls_in_flight_and_later_use(make_rpc):
     server = make_rpc("server", listen=True)
     client = make_rpc("client", timeout=DEADLINE)

@@ -175,6 +175,10 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   std::vector<std::string> addressesFor(const std::string& peerHost) const;
   void ensureShmListenerLocked();
   void warnIfExposedLocked(const std::string& address) const;
+  // A link that reached this Rpc itself: its dialer (if connect() made it)
+  // is dropped under the lock, then the link is closed, saying so once.
+  std::string stopDialingSelfLocked(const std::shared_ptr<Link>& link);
+  void closeLinkToSelf(const std::shared_ptr<Link>& link, const std::string& dialed);
   void maybeListenForPeersLocked(const std::shared_ptr<Link>& link);
   // Hostile connections (rpc_links.cc): accepted handshakes are capped in
   // all and per source address; the oldest are shed to make room.

@@ -253,9 +253,19 @@ void Rpc::onHello(const std::shared_ptr<Link>& link, Reader& r) {
     return protocolError(link->conn, concat("peer speaks protocol version ", int(version)));
   if (nonce.size() != kNonceBytes) return protocolError(link->conn, "bad nonce");
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (ownNonces_.count(nonce))
-      return protocolError(link->conn, "peer replayed one of our own nonces");
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (ownNonces_.count(nonce)) {
+      // Our own hello came back. From a link of ours that goes the other way,
+      // this Rpc reached itself (connect() given one of its own addresses);
+      // anything else is a reflection.
+      auto other = std::find_if(links_.begin(), links_.end(),
+                                [&](const auto& l) { return l->myNonce == nonce; });
+      if (other == links_.end() || (*other)->outgoing == link->outgoing)
+        return protocolError(link->conn, "peer replayed one of our own nonces");
+      std::string dialed = stopDialingSelfLocked(link);
+      lock.unlock();
+      return closeLinkToSelf(link, dialed);
+    }
   }
   if (role != (link->outgoing ? 1 : 0))
     return protocolError(link->conn, "both ends claim the same role");
@@ -336,15 +346,15 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
   std::shared_ptr<Link> target;
   std::string upgrade;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
     ownNonces_.erase(link->myNonce);
     unlistPendingLocked(link);
     if (closed_) return;
     if (link->peerName == name_) {
       if (link->peerIncarnation == incarnation_) {
-        // We dialed ourselves (e.g. through a peer's discovery reply).
-        link->conn->close(Error("connected to self"));
-        return;
+        std::string dialed = stopDialingSelfLocked(link);
+        lock.unlock();
+        return closeLinkToSelf(link, dialed);
       }
       MOO_LOG(kError, "a peer at ", link->conn->remoteAddress(), " uses our own name '", name_,
               "'");
@@ -391,6 +401,25 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
   for (auto& s : stale) s->conn->close(Error("peer restarted"));
   for (auto& q : flush) sendRequest(target, q.id, q.function, std::move(q.segments));
   if (!upgrade.empty()) dial(upgrade, link->peerName);
+}
+
+std::string Rpc::stopDialingSelfLocked(const std::shared_ptr<Link>& link) {
+  // An address of our own never leads anywhere else while we hold it.
+  if (!link->outgoing || link->dialAddress.empty()) return "";
+  if (!dialers_.erase(link->dialAddress)) return "";
+  return link->dialAddress;
+}
+
+void Rpc::closeLinkToSelf(const std::shared_ptr<Link>& link, const std::string& dialed) {
+  // Giving every peer the same list of addresses, its own among them, is a
+  // common way to connect a group: one line says so, the rest is quiet.
+  if (!dialed.empty()) {
+    MOO_LOG(kError, "connect(\"", dialed, "\") reached this Rpc itself: an address of its own; ",
+            "not dialing it again");
+  } else {
+    MOO_LOG(kVerbose, "closing a link from this Rpc to itself (", link->conn->remoteAddress(), ")");
+  }
+  link->conn->close(Error("connected to itself"));
 }
 
 void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
