@@ -281,6 +281,12 @@ _core.set_codec(dumps, loads)
 _core.set_dispatch(_Plain, _describe)
 
 
+def _check_callable(method: str, what: str, fn: object) -> None:
+    # Found here rather than as a TypeError on the core thread of the first call.
+    if not callable(fn):
+        raise TypeError(f"{method}: {what} must be callable, got {type(fn).__name__} {fn!r:.80}")
+
+
 class Rpc(_core.Rpc):
     """One peer: a name, listeners, connections, and functions other peers can call.
 
@@ -333,6 +339,7 @@ class Rpc(_core.Rpc):
         new first dimension (moved to ``device`` if given), fn runs once on the
         batch, and its result is split back along that dimension to each caller.
         """
+        _check_callable("define", "fn", fn)
         if batch_size is None:
             self._define(name, _Plain(fn))
             return
@@ -343,6 +350,7 @@ class Rpc(_core.Rpc):
     def define_deferred(self, name: str, fn: Callable) -> None:
         """Defines ``name`` as ``fn(callback, *args, **kwargs)``: the call returns
         when ``callback(result)`` is called (from any thread, any time later)."""
+        _check_callable("define_deferred", "fn", fn)
         self._define(name, functools.partial(_serve_deferred, fn))
 
     def define_queue(
@@ -358,6 +366,7 @@ class Rpc(_core.Rpc):
     ) -> None:
         """Calls ``fn`` on ``peer``; ``callback(result, error)`` runs on a core thread
         when it completes (error is None on success, result None on error)."""
+        _check_callable("async_callback", "callback", callback)
 
         def done(future: Future) -> None:
             try:

@@ -144,6 +144,18 @@ def test_argument_validation(make_rpc):
         rpc.define_queue("q", batch_size=0)
     with pytest.raises(RuntimeError, match="not defined"):
         rpc.undefine("never-defined")
+    # A name where a function belongs fails here, not on the first call's thread.
+    with pytest.raises(TypeError, match="define: fn must be callable, got str 'h'"):
+        rpc.define("h", "h")
+    with pytest.raises(TypeError, match="define_deferred: fn must be callable, got int 5"):
+        rpc.define_deferred("h", 5)
+    with pytest.raises(TypeError, match="async_callback: callback must be callable"):
+        rpc.async_callback("v", "f", None)
+    assert rpc.sync("v", "f") == 1  # nothing was defined as "h"; "f" still answers
+    with pytest.raises(TypeError, match=r"async_\(\): the function's name must be a str, got int"):
+        rpc.async_("v", 5)
+    with pytest.raises(TypeError, match=r"sync\(\): the peer's name must be a str, got NoneType"):
+        rpc.sync(None, "f")
 
 
 # ---------------------------------------------------------------------------

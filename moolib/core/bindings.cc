@@ -763,6 +763,13 @@ FuturePtr callFromArgs(const char* method, PyObject* self, PyObject* const* args
                  method);
     throw py::error_already_set();
   }
+  for (int i : {0, 1}) {
+    if (!PyUnicode_Check(args[i])) {
+      PyErr_Format(PyExc_TypeError, "%s(): the %s's name must be a str, got %s", method,
+                   i == 0 ? "peer" : "function", Py_TYPE(args[i])->tp_name);
+      throw py::error_already_set();
+    }
+  }
   Py_ssize_t peerSize, functionSize;
   const char* peer = PyUnicode_AsUTF8AndSize(args[0], &peerSize);
   if (!peer) throw py::error_already_set();
