@@ -106,8 +106,15 @@ SpinPolicy& SpinPolicy::current() {
   return policy;
 }
 
+bool SpinPolicy::yielded(std::chrono::nanoseconds took) {
+  if (took < kLostCore) return true;
+  noYield_ = kNoYieldWaits;
+  return false;
+}
+
 std::chrono::nanoseconds SpinPolicy::begin() {
   gWaits.fetch_add(1, std::memory_order_relaxed);
+  if (noYield_) --noYield_;
   Way preferred = cost_[kSpin] < cost_[kBlock] ? kSpin : kBlock;
   uint32_t period = preferred == kSpin ? kExploreBlock : kExploreSpin;
   way_ = ++count_ % period == 0 ? Way(1 - preferred) : preferred;

@@ -31,9 +31,23 @@ class SpinPolicy {
   // longer).
   static constexpr uint32_t kExploreSpin = 64;
   static constexpr uint32_t kExploreBlock = 512;
+  // A spin yields its core between polls, so that a thread waiting for that
+  // core (a learner, an actor loop, torch's pool) runs meanwhile. But a yield
+  // to a thread that never blocks (an env worker stepping, a busy neighbour)
+  // can lose the core for that thread's whole time slice: the spinner is not
+  // asleep, so the reply that comes does not wake it ahead of the other
+  // thread. A yield that took kLostCore or more stops this thread's spins
+  // from yielding for its next kNoYieldWaits waits (then it tries again).
+  static constexpr std::chrono::microseconds kLostCore{1000};
+  static constexpr uint32_t kNoYieldWaits = 1024;
   // Past this many budgets, how much longer a wait took says nothing about
   // how it waited (the peer was simply idle).
   static constexpr int64_t kCostCap = 4;
+
+  // Whether this wait's spin may yield its core between polls (kLostCore).
+  bool mayYield() const { return noYield_ == 0; }
+  // A yield of this wait's spin took `took`; false once spins stop yielding.
+  bool yielded(std::chrono::nanoseconds took);
 
   // How long this thread should spin before its next wait (zero: block at
   // once). begin() and end() are called only while budget() is not zero.
@@ -48,9 +62,8 @@ class SpinPolicy {
   static SpinStats stats();
   // The spin budget: MOOLIB_SPIN_US (20 us when unset; 0 turns spinning
   // off), and zero where this process may run on one CPU only, or has less
-  // than two CPUs' time (a cgroup CPU quota). A spin yields its core between
-  // polls, so other threads waiting for that core (actors, a learner) run
-  // first (docs/architecture.md).
+  // than two CPUs' time (a cgroup CPU quota) (docs/architecture.md,
+  // "Adaptive spin").
   static std::chrono::nanoseconds budget();
 
  private:
@@ -61,6 +74,7 @@ class SpinPolicy {
   // count (kCostCap budgets), so spins that keep running out turn it to
   // blocking within a dozen waits.
   int64_t cost_[2] = {kCostCap * budget().count(), 0};
+  uint32_t noYield_ = 0;  // waits left whose spins do not yield
   uint32_t count_ = 0;
   Way way_ = kBlock;  // of the current wait
 };

@@ -389,9 +389,16 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
       TimePoint start = Clock::now();
       if (auto spin = spinPolicy->begin(); spin.count() > 0) {
         TimePoint until = std::min(deadline, start + spin);
-        // Yielding hands the core to a thread waiting for it (a learner, an
-        // actor loop): a spin gives way to other work on its core.
-        while ((n = ::poll(p, 2, 0)) == 0 && Clock::now() < until) sched_yield();
+        // Yields give the core to whoever waits for it (SpinPolicy::kLostCore).
+        bool mayYield = spinPolicy->mayYield();
+        while ((n = ::poll(p, 2, 0)) == 0) {
+          TimePoint now = Clock::now();
+          if (now >= until) break;
+          if (mayYield) {
+            sched_yield();
+            mayYield = spinPolicy->yielded(Clock::now() - now);
+          }
+        }
       }
       bool hit = n > 0;
       if (n == 0) n = ::poll(p, 2, timeoutMs(deadline));
