@@ -801,6 +801,9 @@ def test_preempted_learner_resumes_from_its_checkpoint_and_the_actors_rejoin(tmp
     assert saved and int(saved[-1]) == resumed[-1], (saved, resumed)
     assert "replay restored from" in log  # a new run has none to restore
     stopped = learner_rows(savedir)[before - 1]
+    # The preempted learner may log rows after `before` until it exits; the new
+    # one starts only after that, so rows from here on are all the new one's.
+    before = len(learner_rows(savedir))
     # The actors (their jobs still running) reconnect and feed the new learner.
     for role in ("actor 0", "actor 1"):
         wait_for(
