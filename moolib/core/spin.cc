@@ -108,7 +108,11 @@ SpinPolicy& SpinPolicy::current() {
 
 bool SpinPolicy::yielded(std::chrono::nanoseconds took) {
   if (took < kLostCore) return true;
-  noYield_ = kNoYieldWaits;
+  // Lost again right after the last pause: pause twice as long.
+  bool again = lastLoss_ != 0 && count_ - lastLoss_ < 2 * noYieldPeriod_;
+  noYieldPeriod_ = again ? std::min(2 * noYieldPeriod_, kMaxNoYield) : kMinNoYield;
+  lastLoss_ = count_;
+  noYield_ = noYieldPeriod_;
   return false;
 }
 

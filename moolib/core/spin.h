@@ -37,9 +37,13 @@ class SpinPolicy {
   // can lose the core for that thread's whole time slice: the spinner is not
   // asleep, so the reply that comes does not wake it ahead of the other
   // thread. A yield that took kLostCore or more stops this thread's spins
-  // from yielding for its next kNoYieldWaits waits (then it tries again).
+  // from yielding for its next kMinNoYield waits; a loss right after such a
+  // pause doubles the pause, up to kMaxNoYield waits. So among threads that
+  // never block, yields stop but for a try every few thousand waits, and
+  // beside ones that block now and then (a learner), they go on.
   static constexpr std::chrono::microseconds kLostCore{1000};
-  static constexpr uint32_t kNoYieldWaits = 1024;
+  static constexpr uint32_t kMinNoYield = 64;
+  static constexpr uint32_t kMaxNoYield = 4096;
   // Past this many budgets, how much longer a wait took says nothing about
   // how it waited (the peer was simply idle).
   static constexpr int64_t kCostCap = 4;
@@ -74,7 +78,9 @@ class SpinPolicy {
   // count (kCostCap budgets), so spins that keep running out turn it to
   // blocking within a dozen waits.
   int64_t cost_[2] = {kCostCap * budget().count(), 0};
-  uint32_t noYield_ = 0;  // waits left whose spins do not yield
+  uint32_t noYield_ = 0;                  // waits left whose spins do not yield
+  uint32_t noYieldPeriod_ = kMinNoYield;  // the last pause's length
+  uint32_t lastLoss_ = 0;                 // count_ at the last lost yield
   uint32_t count_ = 0;
   Way way_ = kBlock;  // of the current wait
 };
