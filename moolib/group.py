@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _core, nest
-from .rpc import Rpc, _resolve
+from .rpc import Rpc, _check_callable, _resolve
 from .serialization import dumps, loads
 
 __all__ = ["AllReduce", "Broker", "Group"]
@@ -243,6 +243,7 @@ class Group(_core.Group):
         if membership changes before it completes.
         """
         if op is not None:
+            _check_callable("all_reduce", "op", op)
             payload, buffers = dumps(data)
             future = self._all_gather(name, payload, buffers)
             return AllReduce(future, lambda f: functools.reduce(op, _gathered(f)))

@@ -614,6 +614,8 @@ def test_unsupported_leaves_raise(make_rpc, local_broker):
         g.all_reduce("s", {"a": torch.ones(2), "b": "text"})
     with pytest.raises(TypeError, match="cannot sum"):
         g.all_reduce("n", None)
+    with pytest.raises(TypeError, match="all_reduce: op must be callable, got int 5"):
+        g.all_reduce("o", torch.ones(2), op=5)
     if hasattr(torch, "uint16"):
         with pytest.raises(Exception, match="cannot sum"):
             g.all_reduce("u16", torch.zeros(3, dtype=torch.uint16))

@@ -198,6 +198,12 @@ def test_group_api_without_broker(make_rpc):
     g.close()  # twice is fine
     with pytest.raises(Exception, match="group name"):
         moolib.Group(rpc, "")
+    # A second Group of a name on one Rpc names the group, not its internal function.
+    first = moolib.Group(rpc, "twice")
+    with pytest.raises(RuntimeError, match="this Rpc already has a Group named 'twice'"):
+        moolib.Group(rpc, "twice")
+    first.close()
+    moolib.Group(rpc, "twice").close()  # the name is free again
 
 
 def test_group_in_this_process_joins_broker_process(make_rpc, broker, peers):

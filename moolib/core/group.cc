@@ -40,6 +40,9 @@ Group::Group(std::shared_ptr<Rpc> rpc, const std::string& name)
 Group::~Group() { close(); }
 
 void Group::start() {
+  // The group is one function of its Rpc, so the name is taken there.
+  MOO_ENFORCE(!rpc_->isDefined(function_), "this Rpc already has a Group named '", name_,
+              "' (one Group per name on an Rpc)");
   std::weak_ptr<Group> weak = shared_from_this();
   rpc_->define(function_,
                [weak](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {

@@ -244,6 +244,11 @@ void Rpc::define(const std::string& name, Handler handler) {
   functions_[name] = std::make_shared<Handler>(std::move(handler));
 }
 
+bool Rpc::isDefined(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return functions_.count(name) != 0;
+}
+
 void Rpc::undefine(const std::string& name) {
   std::unique_lock<std::mutex> lock(mutex_);
   MOO_ENFORCE(functions_.erase(name), "function '", name, "' is not defined");

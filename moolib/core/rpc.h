@@ -96,6 +96,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void setAuthKey(const std::string& key);
 
   void define(const std::string& name, Handler handler);
+  bool isDefined(const std::string& name);
   // Waits for calls of this function in flight (not when called from one).
   void undefine(const std::string& name);
   // waitNext: the caller waits for the result right away (sync), so it takes
