@@ -210,9 +210,7 @@ def test_full_disk_does_not_end_training(tmp_path, tiny_fs):
         )
         assert int(found.group(1)) > kept
         assert checkpoint.verify(latest)["steps"] >= int(found.group(1))
-        r.interrupt()
-        code = r.wait(STOP_TIMEOUT)
-        out = r.output()
+        code, out = r.ctrl_c(STOP_TIMEOUT)
     finally:
         if filler is not None:
             filler.unlink(missing_ok=True)
@@ -234,9 +232,7 @@ def test_a_final_checkpoint_that_cannot_be_written_fails_the_run(tmp_path, tiny_
         wait_for(lambda: "checkpoint at step" in r.output(), 240, "a first checkpoint", proc=r)
         fill(tiny_fs)
         kept = checkpoint.verify(latest)["steps"]
-        r.interrupt()
-        code = r.wait(STOP_TIMEOUT)
-        out = r.output()
+        code, out = r.ctrl_c(STOP_TIMEOUT)
     finally:
         r.finish()
     assert code == 1, out[-5000:]

@@ -249,9 +249,7 @@ def test_ctrl_c_stops_local_run_cleanly(tmp_path):
         assert len(workers) >= 4, commands  # num_actor_cpus=2 per peer
         assert not (savedir / "checkpoint.pt").exists()
 
-        r.interrupt()
-        code = r.wait(STOP_TIMEOUT)
-        out = r.output()
+        code, out = r.ctrl_c(STOP_TIMEOUT)
         assert code == 130, out[-5000:]  # stopped by Ctrl-C, after its checkpoint
         wait_for(
             lambda: not session_pids(r.pid) and not any(alive(p) for p in pids),

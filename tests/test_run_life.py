@@ -328,9 +328,7 @@ def test_a_second_run_in_a_busy_savedir_is_refused_and_ctrl_c_exits_130(tmp_path
             line = one_error_line(run([*args, *extra], tmp_path))
             assert f"savedir={savedir} is in use: moolib-run (pid {r.pid} on host " in line
             assert (savedir / "config.yaml").read_text() == config
-        r.interrupt()
-        code = r.wait(STOP_TIMEOUT)
-        out = r.output()
+        code, out = r.ctrl_c(STOP_TIMEOUT)
     finally:
         r.finish()
     assert code == 130, out[-5000:]
@@ -359,9 +357,7 @@ def test_second_ctrl_c_stops_every_peer_at_once_without_traceback(tmp_path):
         pids = session_pids(r.pid)
         r.interrupt()
         time.sleep(0.2)
-        r.interrupt()
-        code = r.wait(STOP_TIMEOUT)
-        out = r.output()
+        code, out = r.ctrl_c(STOP_TIMEOUT)
         wait_for(
             lambda: not session_pids(r.pid) and not any(alive(p) for p in pids),
             timeout=30,

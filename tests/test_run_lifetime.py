@@ -182,9 +182,7 @@ def test_ctrl_c_swallowed_by_an_import_during_the_preflight_still_stops_the_run(
     )
     try:
         wait_for(lambda: "importing the env module" in r.output(), 120, "the import", proc=r)
-        r.interrupt()
-        code = r.wait(STOP_TIMEOUT)
-        out = r.output()
+        code, out = r.ctrl_c(STOP_TIMEOUT)
     finally:
         r.finish()
     assert code == 130, out[-5000:]

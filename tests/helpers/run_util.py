@@ -132,6 +132,12 @@ class Run:
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)
 
+    def ctrl_c(self, timeout: float) -> tuple[int, str]:
+        """Ctrl-C, then the run's exit code and output once it has ended."""
+        self.interrupt()
+        code = self.wait(timeout)
+        return code, self.output()
+
     def finish(self) -> None:
         """Kills whatever of the run is left (the launcher and everything it started)."""
         if self.proc.poll() is None:
