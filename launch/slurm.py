@@ -412,10 +412,11 @@ def follow(launched: Launched, stop: threading.Event) -> int:
             return 1
         report_changes()
         if all(j.done() for j in jobs):
-            # done() sees a job's results before SLURM's accounting has its end: the final
-            # states are waited for a little, so that each job's end is said.
+            # done() sees a job's results before SLURM's accounting has its end (or any
+            # state at all, for a job that ran between two polls): the final states are
+            # waited for a little, so that each job's end is said.
             deadline = time.monotonic() + FINAL_STATE_WAIT
-            while any(states.get(j.job_id) in ACTIVE_STATES for j in jobs):
+            while any(states.get(j.job_id, "PENDING") in ACTIVE_STATES for j in jobs):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(1)
