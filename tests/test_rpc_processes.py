@@ -73,6 +73,23 @@ def test_large_tensor_roundtrip(client, server):
     assert zeros.numel() == 64 << 20 and not zeros.any()
 
 
+def test_segments_of_sizes_around_the_tcp_read_marks(client, server):
+    """Over TCP a receiver reads segments of 32 KiB and more straight into their buffer,
+    and while 512 KiB or more of one is still to come it asks the socket to wake it only
+    once 256 KiB wait (docs/architecture.md, section 4): sizes on either side of those
+    marks, one per call and several in one call, arrive whole both ways."""
+    kib = 1 << 10
+    sizes = [32 * kib - 1, 32 * kib, 256 * kib, 512 * kib - 1, 512 * kib, 512 * kib + 1]
+    sizes += [768 * kib + 3, (1 << 20) + 1, (5 << 20) + 12345]
+    g = torch.Generator().manual_seed(7)
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    for t in tensors:
+        assert torch.equal(client.sync(server.name, "echo", t), t), t.numel()
+    back = client.sync(server.name, "echo", tensors)
+    assert [b.numel() for b in back] == sizes
+    assert all(torch.equal(b, t) for b, t in zip(back, tensors, strict=True))
+
+
 def test_concurrent_mixed_size_payloads(client, server):
     sizes = [1, 100, 5000, 1 << 16, 1 << 20, 16 << 20, 3, 1 << 22]
 

@@ -62,6 +62,9 @@ class StreamConnection : public Connection,
   void sendInternal(FrameType type, std::string meta);
 
   bool passesFds_ = false;
+  // TCP: raise the socket's receive low-water mark while a large segment
+  // streams in (tuneLowWater).
+  bool tunesLowWater_ = false;
   std::deque<int> receivedFds_;  // poller only
 
  private:
@@ -91,6 +94,7 @@ class StreamConnection : public Connection,
   bool serve(const std::function<bool()>& done, TimePoint deadline, bool owned, bool runInline,
              bool* active);
   void readSome();
+  void tuneLowWater();
   void finalize();
   void fail(const std::string& why);
   // Consumes staged bytes; false once the connection failed.
@@ -139,6 +143,7 @@ class StreamConnection : public Connection,
   IncomingFrame frame_;
   size_t segmentIndex_ = 0;
   size_t segmentFilled_ = 0;
+  int lowWater_ = 1;  // the socket's SO_RCVLOWAT
 };
 
 }  // namespace moolib

@@ -10,7 +10,9 @@ class TcpConnection : public StreamConnection {
   // Takes a connected socket; sets TCP_NODELAY and keepalive probes.
   static ConnectionPtr create(Fd fd);
   TcpConnection(Fd fd, std::string local, std::string remote)
-      : StreamConnection(std::move(fd), std::move(local), std::move(remote)) {}
+      : StreamConnection(std::move(fd), std::move(local), std::move(remote)) {
+    tunesLowWater_ = true;
+  }
   const char* transport() const override { return "tcp"; }
 };
 
