@@ -51,6 +51,13 @@ def parse_overrides(lines: list[str]) -> list[Override]:
         try:
             parsed.extend(parser.parse_overrides([line]))
         except HydraException as e:
+            key, _, value = line.partition("=")
+            if value == "~" or value.startswith("~/"):
+                # zsh, and bash in POSIX mode, leave key=~/x unexpanded.
+                raise ConfigError(
+                    f"bad override '{line}': the shell did not expand ~ here, and Hydra "
+                    f"cannot read it: write {key}=$HOME{value[1:]}"
+                ) from e
             raise ConfigError(f"bad override '{line}': {one_line(str(e))}") from e
     return parsed
 
@@ -72,6 +79,13 @@ def savedir_of(overrides: list[Override]) -> str | None:
     for o in overrides:
         if o.key_or_group == "savedir" and o.type != OverrideType.DEL and not o.is_sweep_override():
             value = o.value()
+            if isinstance(value, str) and (value == "~" or value.startswith("~/")):
+                # Not expanded by anyone: the run would write into a folder named '~'.
+                raise ConfigError(
+                    f"savedir={value}: a path starting with ~ is not expanded here (it "
+                    f"would make a folder named '~' in this directory): write "
+                    f"savedir=$HOME{value[1:]}"
+                )
             return None if value is None else str(value)
     return None
 

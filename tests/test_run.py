@@ -405,6 +405,25 @@ def test_hydra_override_errors(tmp_path, overrides, messages):
     assert not savedir.exists()  # nothing started, nothing made
 
 
+@pytest.mark.parametrize(
+    "savedir, message",
+    [
+        # As zsh passes it: Hydra's grammar cannot read a value starting with ~.
+        ("~/runs/x", "bad override 'savedir=~/runs/x': the shell did not expand ~ here"),
+        # Quoted for Hydra: it would have made a folder named '~' in the current directory.
+        ("'~/runs/x'", "savedir=~/runs/x: a path starting with ~ is not expanded here"),
+    ],
+    ids=["bare", "quoted"],
+)
+def test_a_savedir_starting_with_tilde_is_refused(tmp_path, savedir, message):
+    r = run_quick(tmp_path, "agent=a2c", "env=cartpole", f"savedir={savedir}", "total_steps=100")
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert message in out and "write savedir=$HOME/runs/x" in out, out
+    assert "Traceback" not in out, out
+    assert not (tmp_path / "~").exists()
+
+
 @pytest.mark.timeout(300)
 def test_a_process_count_the_agent_does_not_read_is_noted(tmp_path):
     # scaling.actors is for the off-policy agents: a2c runs scaling.peers peers.
