@@ -389,6 +389,9 @@ def _describe_array(jobs: list[submitit.Job], per_job: int, noun: str) -> str:
 # How long follow() waits, once every job's results are in, for the accounting to show
 # their end.
 FINAL_STATE_WAIT = 30.0
+# How often follow() asks the accounting for the jobs' states: submitit alone asks
+# less and less often as a run goes on, down to every 10 minutes.
+STATE_POLL = 30.0
 
 
 def follow(launched: Launched, stop: threading.Event) -> int:
@@ -397,8 +400,13 @@ def follow(launched: Launched, stop: threading.Event) -> int:
     training job completed."""
     jobs, broker_job = launched.peer_jobs, launched.broker_job
     states: dict[str, str] = {}
+    last_asked = time.monotonic()
 
-    def report_changes() -> None:
+    def report_changes(ask: bool = False) -> None:
+        nonlocal last_asked
+        if ask or time.monotonic() - last_asked >= STATE_POLL:
+            jobs[0].get_info(mode="force")  # one sacct call for every job it follows
+            last_asked = time.monotonic()
         for j in jobs:
             state = j.state
             if states.get(j.job_id) != state and state != "UNKNOWN":
@@ -414,13 +422,15 @@ def follow(launched: Launched, stop: threading.Event) -> int:
         if all(j.done() for j in jobs):
             # done() sees a job's results before SLURM's accounting has its end (or any
             # state at all, for a job that ran between two polls): the final states are
-            # waited for a little, so that each job's end is said.
+            # asked for and waited for a little, so that each job's end is said. Without
+            # accounting no job ever shows a state: no wait.
             deadline = time.monotonic() + FINAL_STATE_WAIT
-            while any(states.get(j.job_id, "PENDING") in ACTIVE_STATES for j in jobs):
+            report_changes(ask=True)
+            while states and any(states.get(j.job_id, "PENDING") in ACTIVE_STATES for j in jobs):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(1)
-                report_changes()
+                report_changes(ask=True)
             break
         time.sleep(2)
     failed = []
