@@ -47,6 +47,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import moolib
+from moolib._cpus import task_cores
 
 from . import checkpoint
 from .apex import epsilon_schedule
@@ -62,7 +63,6 @@ from .training import (
     learning_rate,
     make_optimizer,
     resolve_device,
-    task_cores,
 )
 
 log = logging.getLogger("moolib.agents")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import moolib
+from moolib._cpus import task_cores
 
 from . import checkpoint
 from .logger import (
@@ -75,16 +75,6 @@ def torch_threads(cfg: DictConfig) -> int:
     if cfg.scaling.name == "local":  # the peers share this machine
         cores //= max(1, int(cfg.scaling.peers))
     return max(1, cores - int(cfg.agent.num_actor_cpus))
-
-
-def task_cores() -> int:
-    """The cores this process may use: its SLURM task's CPUs (a cluster that does
-    not bind tasks to cores shows each task every core of the node), else the
-    cores it may run on (taskset, cgroups), not the machine's."""
-    slurm_cpus = os.environ.get("SLURM_CPUS_PER_TASK")
-    if slurm_cpus:
-        return int(slurm_cpus)
-    return len(os.sched_getaffinity(0))
 
 
 def resolve_device(name: str) -> torch.device:

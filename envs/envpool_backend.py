@@ -8,12 +8,13 @@ envpool is optional (``pip install 'moolib[envpool]'``): it is imported when an
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import secrets
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from moolib._cpus import task_cores
 
 from .atari import (
     DEFAULT_MAX_EPISODE_FRAMES,
@@ -154,9 +155,10 @@ class EnvpoolAtari:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EnvpoolAtari: {arg} must be a positive int, got {value!r}")
         if num_threads is None:
-            # The cores this process may run on (taskset, cgroups, SLURM's
-            # binding), not the machine's: more threads than those only wait.
-            num_threads = min(batch_size, len(os.sched_getaffinity(0)))
+            # The cores this process may use (its SLURM task's, or those taskset,
+            # cgroups or SLURM's binding leave it), not the machine's: more
+            # threads than those only wait.
+            num_threads = min(batch_size, task_cores())
         if not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(
                 f"EnvpoolAtari: num_threads must be a positive int, got {num_threads!r}"

@@ -5,6 +5,7 @@ No timing assertions: episodes are bounded by generous step counts only.
 """
 
 import functools
+import os
 import pickle
 import subprocess
 import sys
@@ -600,18 +601,30 @@ def test_envpool_close_and_context_manager():
     pool.close()  # idempotent
 
 
-def test_envpool_threads_follow_the_cores_this_process_may_use():
-    """On a machine with more cores than the process is bound to (taskset,
-    SLURM's binding), envpool gets a thread per bound core, not per core."""
+@pytest.mark.parametrize(
+    "limit, env",
+    [
+        ("os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n", {}),
+        ("", {"SLURM_CPUS_PER_TASK": "1"}),  # a SLURM task of one CPU, not bound to it
+    ],
+    ids=["affinity", "slurm-task"],
+)
+def test_envpool_threads_follow_the_cores_this_process_may_use(limit, env):
+    """On a machine with more cores than the process may use (taskset, SLURM's
+    binding, or its SLURM task's CPUs), envpool gets a thread per such core, not
+    per core of the machine."""
     code = (
-        "import os\n"
-        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-        "import moolib.envs as envs\n"
+        "import os\n" + limit + "import moolib.envs as envs\n"
         "with envs.create_envpool('pong', 4, 1) as pool:\n"
         "    print(pool._envs[0].config['num_threads'])\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, **env},
     )
     assert out.stdout.split() == ["1"]
 

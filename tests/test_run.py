@@ -9,6 +9,7 @@ nothing asserts on speed.
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -518,7 +519,7 @@ def test_auto_torch_threads_follow_the_cores_a_peer_may_use(
 ):
     from moolib.agents import training
 
-    monkeypatch.setattr(training.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     if slurm_cpus:
         monkeypatch.setenv("SLURM_CPUS_PER_TASK", slurm_cpus)
