@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from ._checks import check_int
 from .group import Group
 from .rpc import Rpc
 
@@ -76,6 +77,12 @@ class Accumulator:
         self._buffers = [b for b in buffers]
         if not self._params:
             raise ValueError("Accumulator needs at least one parameter")
+        for what, tensors in (("parameters", self._params), ("buffers", self._buffers)):
+            for i, t in enumerate(tensors):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(
+                        f"Accumulator {what} must be tensors, got {type(t).__name__} at index {i}"
+                    )
         if group is None:
             group = Group(Rpc(), name)
         self._group = group
@@ -321,8 +328,7 @@ class Accumulator:
 
     def reduce_gradients(self, batch_size: int) -> None:
         """Adds this peer's ``.grad`` (of a mean loss over ``batch_size`` samples) to the sum."""
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        batch_size = check_int("batch_size", batch_size, low=1)
         torch = self._torch
         grads = torch.cat(
             [
@@ -440,15 +446,11 @@ class Accumulator:
 
     def set_virtual_batch_size(self, n: int) -> None:
         """Gradients are applied once at least ``n`` samples were summed."""
-        if n < 1:
-            raise ValueError(f"virtual batch size must be at least 1, got {n}")
-        self._virtual_batch_size = int(n)
+        self._virtual_batch_size = check_int("virtual batch size", n, low=1)
 
     def set_parallel_gradients(self, n: int) -> None:
         """Lets up to ``n`` gradient rounds be in flight at once."""
-        if n < 1:
-            raise ValueError(f"parallel gradients must be at least 1, got {n}")
-        self._parallel = int(n)
+        self._parallel = check_int("parallel gradients", n, low=1)
 
     def model_version(self) -> int:
         return self._model_version
@@ -460,7 +462,7 @@ class Accumulator:
 
     def set_model_version(self, n: int) -> None:
         """Sets the model version (e.g. after loading a checkpoint): the highest leads."""
-        self._model_version = int(n)
+        self._model_version = check_int("model version", n, low=0)
 
     def get_leader(self) -> str | None:
         """The leader's name, once elected."""

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import operator
 import threading
 import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import nest as _nest
+from ._checks import check_int
 
 if TYPE_CHECKING:
     import torch
@@ -96,15 +96,6 @@ class _AsyncWaiter:
             self.future.set_result(batch)
 
 
-def _check_int(name: str, value: Any) -> int:
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"Batcher: {name} must be an int, got {type(value).__name__}")
-
-
 class Batcher:
     """Batches tensors, or nests of tensors, into batches of ``size`` along ``dim`` on ``device``.
 
@@ -133,10 +124,8 @@ class Batcher:
     def __init__(self, size: int, device: str | torch.device = "cpu", dim: int = 0) -> None:
         import torch
 
-        size = _check_int("size", size)
-        if size < 1:
-            raise ValueError(f"Batcher: size must be at least 1, got {size}")
-        dim = _check_int("dim", dim)
+        size = check_int("Batcher: size", size, low=1)
+        dim = check_int("Batcher: dim", dim)
         try:
             dev = torch.device(device)
         except (RuntimeError, TypeError, ValueError) as e:

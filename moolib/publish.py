@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import rpc as _rpc
+from ._checks import check_int
 from .serialization import loads
 
 __all__ = ["Publisher", "Subscriber"]
@@ -221,7 +222,7 @@ class Publisher:
             raise TypeError(f"Publisher needs a moolib.Rpc, got {type(rpc).__name__}")
         self._rpc = rpc
         self._name = name
-        self._version = _check_version(version, "version")
+        self._version = check_int("version", version, low=-1)
         self._current: _Snapshot | None = None
         self._lock = threading.Lock()
         self._published = 0
@@ -253,7 +254,7 @@ class Publisher:
         with self._lock:
             if version is None:
                 version = self._version + 1
-            version = _check_version(version, "version")
+            version = check_int("version", version, low=-1)
             if version <= self._version:
                 raise ValueError(
                     f"cannot publish '{self._name}' as version {version}: it is already at "
@@ -313,15 +314,6 @@ class Publisher:
         with self._lock:
             self._served += 1
         return snapshot.reply
-
-
-def _check_version(version: Any, what: str) -> int:
-    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-        raise TypeError(f"{what} must be an int, got {type(version).__name__}")
-    version = int(version)
-    if version < -1:
-        raise ValueError(f"{what} must be at least -1, got {version}")
-    return version
 
 
 class _Layout:

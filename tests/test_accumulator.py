@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from helpers import acc_trainer
@@ -1020,3 +1021,29 @@ def test_update_survives_membership_changing_under_it(make_peer):
 def test_accumulator_needs_parameters():
     with pytest.raises(ValueError):
         moolib.Accumulator("acc_empty", [], [])
+
+
+def test_arguments_are_checked_as_the_original_binds_them():
+    """Counts are ints, as the original's C++ signatures take them: a float is a
+    TypeError rather than a fractional batch; parameters and buffers are tensors."""
+    with pytest.raises(TypeError, match="Accumulator parameters must be tensors, got int at"):
+        moolib.Accumulator("acc_ints", [1, 2], [])
+    with pytest.raises(TypeError, match="Accumulator buffers must be tensors, got str at index 1"):
+        moolib.Accumulator("acc_bufs", [torch.zeros(2)], [torch.zeros(1), "b"])
+    acc = moolib.Accumulator("acc_args", [torch.zeros(2, requires_grad=True)], [])
+    for setter, what in (
+        (acc.set_virtual_batch_size, "virtual batch size"),
+        (acc.set_parallel_gradients, "parallel gradients"),
+        (acc.reduce_gradients, "batch_size"),
+    ):
+        with pytest.raises(TypeError, match=f"{what} must be an int, got float"):
+            setter(2.5)
+        with pytest.raises(TypeError, match=f"{what} must be an int, got bool"):
+            setter(True)
+        with pytest.raises(ValueError, match=f"{what} must be at least 1, got 0"):
+            setter(0)
+    with pytest.raises(ValueError, match="model version must be at least 0, got -1"):
+        acc.set_model_version(-1)
+    acc.set_virtual_batch_size(np.int64(8))  # numpy's ints pass, as they do there
+    acc.set_model_version(np.int64(4))
+    assert acc.model_version() == 4 and type(acc.model_version()) is int

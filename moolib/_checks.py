@@ -1,0 +1,23 @@
+"""Checks of the integer arguments of moolib's Python API. The original binds these
+as C++ ints, where a float, a bool or a string is refused with a TypeError; so are
+they here, and numpy's integers pass as they do there."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+
+def check_int(what: str, value: Any, low: int | None = None) -> int:
+    """``value`` as an int, or TypeError (``what must be an int``); with ``low``,
+    ValueError below it (``what must be at least LOW``)."""
+    if not isinstance(value, bool):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if low is not None and value < low:
+                raise ValueError(f"{what} must be at least {low}, got {value}")
+            return value
+    raise TypeError(f"{what} must be an int, got {type(value).__name__}")
