@@ -11,6 +11,7 @@ import logging as _logging
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from ._checks import check_int as _check_int
 from .accumulator import Accumulator, ModelMismatchError
 from .batcher import Batcher
 from .envpool import EnvPool, EnvStepperFuture
@@ -96,7 +97,7 @@ def set_max_threads(n: int) -> None:
     does not count: another is started in its place (up to a bound), so nested
     calls cannot exhaust the pool.
     """
-    _core.set_max_threads(int(n))
+    _core.set_max_threads(_check_int("max threads", n, low=1))
 
 
 def create_uid() -> str:

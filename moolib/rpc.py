@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _core, nest
+from ._checks import check_int
 from .serialization import dumps, loads
 
 __all__ = ["Future", "Queue", "Rpc", "RpcError"]
@@ -171,9 +172,7 @@ class Queue:
     """
 
     def __init__(self, batch_size: int | None = None, dynamic_batching: bool = False) -> None:
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self._batch_size = batch_size
+        self._batch_size = _check_batch_size(batch_size)
         self._dynamic = dynamic_batching
         self._cv = threading.Condition()
         self._items: list = []
@@ -287,6 +286,16 @@ def _check_callable(method: str, what: str, fn: object) -> None:
         raise TypeError(f"{method}: {what} must be callable, got {type(fn).__name__} {fn!r:.80}")
 
 
+def _check_name(method: str, name: object) -> None:
+    # Else the core's binding names its internal function (_define_owned) and a weakref.
+    if not isinstance(name, str):
+        raise TypeError(f"{method}: the function's name must be a str, got {type(name).__name__}")
+
+
+def _check_batch_size(batch_size: object) -> int | None:
+    return None if batch_size is None else check_int("batch_size", batch_size, low=1)
+
+
 class Rpc(_core.Rpc):
     """One peer: a name, listeners, connections, and functions other peers can call.
 
@@ -339,17 +348,18 @@ class Rpc(_core.Rpc):
         new first dimension (moved to ``device`` if given), fn runs once on the
         batch, and its result is split back along that dimension to each caller.
         """
+        _check_name("define", name)
         _check_callable("define", "fn", fn)
+        batch_size = _check_batch_size(batch_size)
         if batch_size is None:
             self._define(name, _Plain(fn))
             return
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self._define(name, _BatchedFunction(fn, batch_size, device))
 
     def define_deferred(self, name: str, fn: Callable) -> None:
         """Defines ``name`` as ``fn(callback, *args, **kwargs)``: the call returns
         when ``callback(result)`` is called (from any thread, any time later)."""
+        _check_name("define_deferred", name)
         _check_callable("define_deferred", "fn", fn)
         self._define(name, functools.partial(_serve_deferred, fn))
 
@@ -357,6 +367,7 @@ class Rpc(_core.Rpc):
         self, name: str, batch_size: int | None = None, dynamic_batching: bool = False
     ) -> Queue:
         """Defines ``name`` so that its calls arrive as items of the returned Queue."""
+        _check_name("define_queue", name)
         queue = Queue(batch_size, dynamic_batching)
         self._define(name, queue._put)
         return queue

@@ -156,6 +156,21 @@ def test_argument_validation(make_rpc):
         rpc.async_("v", 5)
     with pytest.raises(TypeError, match=r"sync\(\): the peer's name must be a str, got NoneType"):
         rpc.sync(None, "f")
+    # Names and counts are checked as the original's C++ signatures check them.
+    for define in (
+        lambda: rpc.define(5, lambda: 1),
+        lambda: rpc.define_deferred(5, lambda cb: cb(1)),
+        lambda: rpc.define_queue(5),
+    ):
+        with pytest.raises(TypeError, match="the function's name must be a str, got int"):
+            define()
+    with pytest.raises(TypeError, match="batch_size must be an int, got float"):
+        rpc.define("g", lambda x: x, batch_size=2.5)
+    with pytest.raises(TypeError, match="batch_size must be an int, got float"):
+        rpc.define_queue("q", batch_size=2.5)
+    with pytest.raises(TypeError, match="max threads must be an int, got float"):
+        moolib.set_max_threads(2.5)
+    assert rpc.sync("v", "f") == 1
 
 
 # ---------------------------------------------------------------------------
