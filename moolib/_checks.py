@@ -1,9 +1,10 @@
-"""Checks of the integer arguments of moolib's Python API. The original binds these
+"""Checks of the numeric arguments of moolib's Python API. The original binds these
 as C++ ints, where a float, a bool or a string is refused with a TypeError; so are
 they here, and numpy's integers pass as they do there."""
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Any
 
@@ -21,3 +22,13 @@ def check_int(what: str, value: Any, low: int | None = None) -> int:
                 raise ValueError(f"{what} must be at least {low}, got {value}")
             return value
     raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+
+
+def check_seconds(what: str, value: Any) -> float:
+    """``value`` as a positive float of seconds, or TypeError / ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if not seconds > 0:  # NaN too
+        raise ValueError(f"{what} must be positive, got {seconds:g}")
+    return seconds

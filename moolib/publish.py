@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import rpc as _rpc
-from ._checks import check_int
+from ._checks import check_int, check_seconds
 from .serialization import loads
 
 __all__ = ["Publisher", "Subscriber"]
@@ -220,6 +220,8 @@ class Publisher:
     def __init__(self, rpc: Any, name: str, version: int = -1) -> None:
         if not hasattr(rpc, "_define"):
             raise TypeError(f"Publisher needs a moolib.Rpc, got {type(rpc).__name__}")
+        if not isinstance(name, str):
+            raise TypeError(f"Publisher: name must be a str, got {type(name).__name__}")
         self._rpc = rpc
         self._name = name
         self._version = check_int("version", version, low=-1)
@@ -392,8 +394,8 @@ class Subscriber:
         self._rpc = rpc
         self._peer = peer
         self._name = name
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
+        if timeout is not None:
+            timeout = check_seconds("timeout", timeout)
         self._timeout = timeout
         self._version = -1
         self._lock = threading.Lock()

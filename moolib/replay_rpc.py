@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import nest
+from ._checks import check_seconds
 from .rpc import Rpc, RpcError
 
 if TYPE_CHECKING:
@@ -354,9 +355,12 @@ class ReplayClient:
             shards = [shards]
         if not shards:
             raise ValueError("ReplayClient needs at least one (peer, name) shard")
+        for shard in shards:
+            if not (isinstance(shard, (tuple, list)) and len(shard) == 2):
+                raise ValueError(f"ReplayClient: a shard is a (peer, name) pair, got {shard!r:.80}")
         self._rpc = rpc
         self._shards = [_Shard(i, peer, name) for i, (peer, name) in enumerate(shards)]
-        self._timeout = float(timeout)
+        self._timeout = check_seconds("timeout", timeout)
         self._rng = random.Random(seed)
         self._next_insert = 0
         self._lock = threading.Lock()

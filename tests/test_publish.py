@@ -311,6 +311,16 @@ def test_versions_must_increase(pair):
     assert other.version == 41 and other.publish({"w": torch.zeros(1)}) == 42
 
 
+def test_constructor_arguments_are_checked(pair):
+    learner, actor = pair
+    with pytest.raises(TypeError, match="Publisher: name must be a str, got int"):
+        moolib.Publisher(learner, 5)
+    with pytest.raises(TypeError, match="timeout must be a number of seconds, got str"):
+        moolib.Subscriber(actor, "learner-local", "weights", timeout="3")
+    with pytest.raises(ValueError, match="timeout must be positive, got -3"):
+        moolib.Subscriber(actor, "learner-local", "weights", timeout=-3)
+
+
 def test_fetch_into_a_different_model_names_the_key(pair):
     learner, actor = pair
     pub = moolib.Publisher(learner, "weights")

@@ -424,3 +424,15 @@ def test_a_deferred_priority_update_rides_with_the_next_sample(transport, make_r
     client.update_priorities(torch.tensor([1]), torch.tensor([2.0]), block=False)
     client.flush()
     assert replay.info()["priority_mass"] == 8.0
+
+
+def test_client_arguments_are_checked(make_rpc):
+    rpc = make_rpc("args-client")
+    with pytest.raises(ValueError, match="ReplayClient needs at least one"):
+        moolib.ReplayClient(rpc, [])
+    with pytest.raises(ValueError, match="a shard is a \\(peer, name\\) pair, got 'server'"):
+        moolib.ReplayClient(rpc, ["server"])
+    with pytest.raises(TypeError, match="timeout must be a number of seconds, got str"):
+        moolib.ReplayClient(rpc, ("server", "table"), timeout="30")
+    with pytest.raises(ValueError, match="timeout must be positive, got 0"):
+        moolib.ReplayClient(rpc, ("server", "table"), timeout=0)
