@@ -52,11 +52,12 @@ def parse_overrides(lines: list[str]) -> list[Override]:
             parsed.extend(parser.parse_overrides([line]))
         except HydraException as e:
             key, _, value = line.partition("=")
-            if value == "~" or value.startswith("~/"):
+            home = _home_spelled_out(value)
+            if home is not None:
                 # zsh, and bash in POSIX mode, leave key=~/x unexpanded.
                 raise ConfigError(
                     f"bad override '{line}': the shell did not expand ~ here, and Hydra "
-                    f"cannot read it: write {key}=$HOME{value[1:]}"
+                    f"cannot read it: write {key}={home}"
                 ) from e
             raise ConfigError(f"bad override '{line}': {one_line(str(e))}") from e
     return parsed
@@ -74,17 +75,24 @@ def expand(overrides: list[Override], multirun: bool) -> list[list[str]]:
         raise ConfigError(one_line(str(e))) from e
 
 
+def _home_spelled_out(value: object) -> str | None:
+    """``~`` or ``~/x`` written as ``$HOME`` or ``$HOME/x`` (None for anything else)."""
+    if isinstance(value, str) and (value == "~" or value.startswith("~/")):
+        return "$HOME" + value[1:]
+    return None
+
+
 def savedir_of(overrides: list[Override]) -> str | None:
     """The ``savedir=`` the command line gives (None: Hydra picks a fresh folder)."""
     for o in overrides:
         if o.key_or_group == "savedir" and o.type != OverrideType.DEL and not o.is_sweep_override():
             value = o.value()
-            if isinstance(value, str) and (value == "~" or value.startswith("~/")):
+            home = _home_spelled_out(value)
+            if home is not None:
                 # Not expanded by anyone: the run would write into a folder named '~'.
                 raise ConfigError(
                     f"savedir={value}: a path starting with ~ is not expanded here (it "
-                    f"would make a folder named '~' in this directory): write "
-                    f"savedir=$HOME{value[1:]}"
+                    f"would make a folder named '~' in this directory): write savedir={home}"
                 )
             return None if value is None else str(value)
     return None

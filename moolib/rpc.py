@@ -319,7 +319,8 @@ class Rpc(_core.Rpc):
         if _default_auth_key is not None:
             self.set_auth_key(_default_auth_key)
 
-    def _define(self, name: str, handler: Callable | _Plain) -> None:
+    def _define(self, name: str, handler: Callable | _Plain, method: str = "define") -> None:
+        _check_name(method, name)
         # The core finds the handler through a weak reference to this object,
         # which owns it: a handler that refers back to its Rpc's owner
         # (``self.rpc.define("f", self.f)``) makes a cycle that the garbage
@@ -348,7 +349,6 @@ class Rpc(_core.Rpc):
         new first dimension (moved to ``device`` if given), fn runs once on the
         batch, and its result is split back along that dimension to each caller.
         """
-        _check_name("define", name)
         _check_callable("define", "fn", fn)
         batch_size = _check_batch_size(batch_size)
         if batch_size is None:
@@ -359,17 +359,15 @@ class Rpc(_core.Rpc):
     def define_deferred(self, name: str, fn: Callable) -> None:
         """Defines ``name`` as ``fn(callback, *args, **kwargs)``: the call returns
         when ``callback(result)`` is called (from any thread, any time later)."""
-        _check_name("define_deferred", name)
         _check_callable("define_deferred", "fn", fn)
-        self._define(name, functools.partial(_serve_deferred, fn))
+        self._define(name, functools.partial(_serve_deferred, fn), "define_deferred")
 
     def define_queue(
         self, name: str, batch_size: int | None = None, dynamic_batching: bool = False
     ) -> Queue:
         """Defines ``name`` so that its calls arrive as items of the returned Queue."""
-        _check_name("define_queue", name)
         queue = Queue(batch_size, dynamic_batching)
-        self._define(name, queue._put)
+        self._define(name, queue._put, "define_queue")
         return queue
 
     def async_callback(

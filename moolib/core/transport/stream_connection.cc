@@ -458,14 +458,17 @@ void StreamConnection::handle(uint32_t events) {
 // bytes it waits for are sure to arrive (or the connection to end, which wakes
 // the reader as well).
 void StreamConnection::tuneLowWater() {
-  int mark = 1;
-  if (state_ == ReadState::kSegments && stageBegin_ == stageEnd_ &&
-      segmentIndex_ < frame_.segments.size() &&
-      frame_.segments[segmentIndex_]->size() - segmentFilled_ >= size_t(2 * kLowWater)) {
-    mark = kLowWater;
-  }
+  int mark = segmentStillToCome() >= size_t(2 * kLowWater) ? kLowWater : 1;
   if (mark == lowWater_) return;
   if (::setsockopt(fd_.get(), SOL_SOCKET, SO_RCVLOWAT, &mark, sizeof(mark)) == 0) lowWater_ = mark;
+}
+
+size_t StreamConnection::segmentStillToCome() const {
+  if (state_ != ReadState::kSegments || stageBegin_ != stageEnd_ ||
+      segmentIndex_ >= frame_.segments.size()) {
+    return 0;
+  }
+  return frame_.segments[segmentIndex_]->size() - segmentFilled_;
 }
 
 void StreamConnection::readSome() {
@@ -474,8 +477,7 @@ void StreamConnection::readSome() {
   while (!closed_ && budget) {
     ssize_t r;
     BufferPtr direct;
-    if (state_ == ReadState::kSegments && stageBegin_ == stageEnd_ && !passesFds_ &&
-        frame_.segments[segmentIndex_]->size() - segmentFilled_ >= kDirectReadMin) {
+    if (!passesFds_ && segmentStillToCome() >= kDirectReadMin) {
       direct = frame_.segments[segmentIndex_];
     }
     if (direct) {

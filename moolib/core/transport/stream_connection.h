@@ -94,6 +94,9 @@ class StreamConnection : public Connection,
   bool serve(const std::function<bool()>& done, TimePoint deadline, bool owned, bool runInline,
              bool* active);
   void readSome();
+  // Bytes of the segment being read that are still to come from the socket
+  // (none staged ahead of them); 0 outside a segment.
+  size_t segmentStillToCome() const;
   void tuneLowWater();
   void finalize();
   void fail(const std::string& why);
