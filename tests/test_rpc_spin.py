@@ -2,7 +2,8 @@
 "Adaptive spin"): its budget comes from MOOLIB_SPIN_US (unset: 20 us; 0 turns
 it off; a bad value is named and turns it off) and is zero in a process that
 has one CPU, or one CPU's time (a cgroup quota);
-a thread whose spins keep running out turns to blocking; and calls behave
+a thread whose spins keep running out turns to blocking, and its budget
+stretches to its blocked waits (up to four times); and calls behave
 the same with spinning on or off, on both transports, in bursts, with errors
 and with large arguments."""
 
@@ -130,10 +131,12 @@ stats = {}
 def slow_calls():
     # A thread of its own starts with a fresh policy (it spins first).
     before = c._spin_stats()
+    stats["budget_before"] = before["thread_budget_us"]
     for _ in range(200):
         # Each reply comes 2 ms after the request: a 20 us spin never sees it.
         assert rpc.sync(name, "sleep", 0.002) == 0.002
     after = c._spin_stats()
+    stats["budget_after"] = after["thread_budget_us"]
     stats.update({k: after[k] - before[k] for k in ("waits", "spins")})
 
 
@@ -158,6 +161,11 @@ def test_spins_that_keep_running_out_turn_a_thread_to_blocking(tmp_path, spawn_p
     # About 13 spins before blocking wins, then one trial spin every 64 waits;
     # other threads of the process may add a few.
     assert stats["spins"] <= 50, stats
+    # The thread's budget starts at MOOLIB_SPIN_US and follows its blocked waits (at
+    # least 2 ms each) up to four times that: on a machine whose idle CPUs wake slowly,
+    # a peer's answer takes longer than 20 us even when it is quick to make.
+    assert stats["budget_before"] == 20, stats
+    assert stats["budget_after"] == 80, stats
 
 
 _WORKLOAD = """

@@ -1033,6 +1033,10 @@ PYBIND11_MODULE(_core, m) {
     py::dict d;
     d["budget_us"] =
         std::chrono::duration_cast<std::chrono::microseconds>(SpinPolicy::budget()).count();
+    // The calling thread's budget now (SpinPolicy::threadBudget).
+    d["thread_budget_us"] = std::chrono::duration_cast<std::chrono::microseconds>(
+                                SpinPolicy::current().threadBudget())
+                                .count();
     d["waits"] = s.waits;
     d["spins"] = s.spins;
     d["hits"] = s.hits;

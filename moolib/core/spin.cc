@@ -124,18 +124,27 @@ std::chrono::nanoseconds SpinPolicy::begin() {
   way_ = ++count_ % period == 0 ? Way(1 - preferred) : preferred;
   if (way_ == kBlock) return std::chrono::nanoseconds{0};
   gSpins.fetch_add(1, std::memory_order_relaxed);
-  return budget();
+  return threadBudget();
 }
 
-void SpinPolicy::end(std::chrono::nanoseconds waited, bool hit) {
-  auto spin = budget();
-  int64_t cost = std::min<int64_t>(waited.count(), kCostCap * spin.count());
+std::chrono::nanoseconds SpinPolicy::threadBudget() const {
+  return std::chrono::nanoseconds{blocked_};
+}
+
+void SpinPolicy::end(std::chrono::nanoseconds waited, bool hit, bool event) {
+  int64_t spent = threadBudget().count();
+  int64_t cost = std::min<int64_t>(waited.count(), kCostCap * budget().count());
   if (way_ == kSpin) {
     if (hit) {
       gHits.fetch_add(1, std::memory_order_relaxed);
     } else {
-      cost += spin.count();  // the CPU burnt for nothing
+      cost += spent;  // the CPU burnt for nothing
     }
+  } else if (event) {
+    // A step of 1/16 budget() a wait, toward the side the wait fell on.
+    int64_t step = budget().count() >> 4;
+    blocked_ += waited.count() > blocked_ ? step : -step;
+    blocked_ = std::clamp(blocked_, budget().count(), kMaxBudgetFactor * budget().count());
   }
   int64_t& avg = cost_[way_];
   avg += (cost - avg) >> kShift;

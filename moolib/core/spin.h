@@ -47,6 +47,16 @@ class SpinPolicy {
   // Past this many budgets, how much longer a wait took says nothing about
   // how it waited (the peer was simply idle).
   static constexpr int64_t kCostCap = 4;
+  // A spin pays only if it lasts until the event: a peer that blocks takes a
+  // wake-up and its work to answer, and a wake-up costs 2-30 us depending on
+  // the machine and its load. So a thread's budget follows how long its
+  // blocked waits take until their event (a running median: on a busy
+  // machine a few take a time slice, and would pull a mean up), from
+  // budget() up to kMaxBudgetFactor times it. Otherwise, on a machine whose
+  // idle CPUs wake slowly, two peers that both block never find that
+  // spinning pays: each one's trial spins end before the other's answer
+  // comes. Waits that end without an event (an idle peer) do not count.
+  static constexpr int64_t kMaxBudgetFactor = 4;
 
   // Whether this wait's spin may yield its core between polls (kLostCore).
   bool mayYield() const { return noYield_ == 0; }
@@ -54,11 +64,15 @@ class SpinPolicy {
   bool yielded(std::chrono::nanoseconds took);
 
   // How long this thread should spin before its next wait (zero: block at
-  // once). begin() and end() are called only while budget() is not zero.
+  // once): its budget, between budget() and kMaxBudgetFactor times it.
+  // begin() and end() are called only while budget() is not zero.
   std::chrono::nanoseconds begin();
   // The wait begun last took `waited` in all; `hit`: the event came while
-  // spinning.
-  void end(std::chrono::nanoseconds waited, bool hit);
+  // spinning; `event`: it came at all (not a timeout).
+  void end(std::chrono::nanoseconds waited, bool hit, bool event);
+
+  // This thread's budget now: budget() stretched to its blocked waits.
+  std::chrono::nanoseconds threadBudget() const;
 
   // This thread's policy.
   static SpinPolicy& current();
@@ -78,6 +92,8 @@ class SpinPolicy {
   // count (kCostCap budgets), so spins that keep running out turn it to
   // blocking within a dozen waits.
   int64_t cost_[2] = {kCostCap * budget().count(), 0};
+  // The median blocked wait until an event (ns), within the bounds of the budget.
+  int64_t blocked_ = budget().count();
   uint32_t noYield_ = 0;                  // waits left whose spins do not yield
   uint32_t noYieldPeriod_ = kMinNoYield;  // the last pause's length
   uint32_t lastLoss_ = 0;                 // count_ at the last lost yield

@@ -405,7 +405,7 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
       }
       bool hit = n > 0;
       if (n == 0) n = ::poll(p, 2, timeoutMs(deadline));
-      spinPolicy->end(Clock::now() - start, hit);
+      spinPolicy->end(Clock::now() - start, hit, n > 0);
     } else {
       n = ::poll(p, 2, timeoutMs(deadline));
     }
