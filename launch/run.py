@@ -64,6 +64,13 @@ def _or_default(value: object, default: object) -> object:
     return default if value is None else value
 
 
+def _folder_name(name: object) -> str:
+    # A gym id's namespace (env.id=ALE/Pong-v5) or a name=team/run would
+    # otherwise nest the default savedir one folder deeper than moolib-plot
+    # and the resume look for it.
+    return str(name).replace("/", "-")
+
+
 def _fail(message: str) -> NoReturn:
     print(f"moolib-run: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -198,6 +205,7 @@ def main() -> None:
     """Console entry point: checks the command line, then lets Hydra run it."""
     if not OmegaConf.has_resolver("or_default"):
         OmegaConf.register_new_resolver("or_default", _or_default)
+        OmegaConf.register_new_resolver("folder_name", _folder_name)
     report.register_resolvers()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from hydra._internal.utils import get_args_parser

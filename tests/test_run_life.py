@@ -66,6 +66,16 @@ def load_yaml(path: Path):
 # -- 1, 2: a savedir owns its config; a finished run says so ---------------------------------
 
 
+@pytest.mark.timeout(300)
+def test_a_name_with_a_slash_makes_one_default_savedir(tmp_path):
+    # A gym id's namespace (env.id=ALE/Pong-v5) puts a / in the run's name as well.
+    check_ok(run([*QUICK, "total_steps=500", "name=team/pong"], tmp_path))
+    made = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(made) == 1 and made[0].name.endswith("-team-pong"), made
+    assert (made[0] / "config.yaml").is_file() and (made[0] / "logs.tsv").is_file()
+    assert load_yaml(made[0] / "config.yaml")["name"] == "team/pong"
+
+
 @pytest.mark.timeout(600)
 def test_savedir_resumes_with_its_own_config(tmp_path):
     savedir = tmp_path / "run"
