@@ -203,9 +203,9 @@ def _preflight(args: argparse.Namespace) -> int | None:
 
 def main() -> None:
     """Console entry point: checks the command line, then lets Hydra run it."""
-    if not OmegaConf.has_resolver("or_default"):
-        OmegaConf.register_new_resolver("or_default", _or_default)
-        OmegaConf.register_new_resolver("folder_name", _folder_name)
+    for resolver, fn in (("or_default", _or_default), ("folder_name", _folder_name)):
+        if not OmegaConf.has_resolver(resolver):
+            OmegaConf.register_new_resolver(resolver, fn)
     report.register_resolvers()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from hydra._internal.utils import get_args_parser

@@ -132,19 +132,18 @@ std::chrono::nanoseconds SpinPolicy::threadBudget() const {
 }
 
 void SpinPolicy::end(std::chrono::nanoseconds waited, bool hit, bool event) {
-  int64_t spent = threadBudget().count();
-  int64_t cost = std::min<int64_t>(waited.count(), kCostCap * budget().count());
+  int64_t base = budget().count();
+  int64_t cost = std::min<int64_t>(waited.count(), kCostCap * base);
   if (way_ == kSpin) {
     if (hit) {
       gHits.fetch_add(1, std::memory_order_relaxed);
     } else {
-      cost += spent;  // the CPU burnt for nothing
+      cost += blocked_;  // the CPU burnt for nothing: this thread's whole budget
     }
   } else if (event) {
-    // A step of 1/16 budget() a wait, toward the side the wait fell on.
-    int64_t step = budget().count() >> 4;
-    blocked_ += waited.count() > blocked_ ? step : -step;
-    blocked_ = std::clamp(blocked_, budget().count(), kMaxBudgetFactor * budget().count());
+    // A step of 1/16 of the base budget a wait, toward the side the wait fell on.
+    blocked_ += waited.count() > blocked_ ? base >> 4 : -(base >> 4);
+    blocked_ = std::clamp(blocked_, base, kMaxBudgetFactor * base);
   }
   int64_t& avg = cost_[way_];
   avg += (cost - avg) >> kShift;
