@@ -2,7 +2,9 @@
 
 Prints, for the shared-memory and the TCP transport:
   - round trip of a tiny sync call, beside a plain Python socket ping-pong
-    between two processes (Unix socket and TCP) measured in the same run;
+    between two processes (Unix socket and TCP) measured in the same run, and
+    beside one whose two ends poll without blocking (the limit of an RPC that
+    spins, as moolib's waits may: no wake-up on either side);
   - async throughput: 10,000 async_ no-op calls, then waiting for all;
   - bandwidth of a 64 MiB float32 tensor argument, beside a 64 MiB memcpy
     and a plain socket sending the same 64 MiB in 1 MiB writes.
@@ -230,6 +232,15 @@ def baseline_env(spec: str) -> tuple[str, dict]:
 # --- raw references -----------------------------------------------------------
 
 
+def busy_recv(sock: socket.socket) -> bytes:
+    """Receives one byte polling without blocking (no wake-up, one CPU burnt); b"" at EOF."""
+    while True:
+        try:
+            return sock.recv(1, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+
+
 def socket_pair(family: int) -> tuple[socket.socket, int]:
     """A connected socket to a forked echo/sink child; returns (socket, child pid)."""
     if family == socket.AF_UNIX:
@@ -254,6 +265,12 @@ def socket_pair(family: int) -> tuple[socket.socket, int]:
                 os._exit(0)
             if head == b"p":  # ping: answer at once
                 b.sendall(b"p")
+            elif head == b"s":  # busy-polling pings, as many as the next 4 bytes say
+                count = int.from_bytes(b.recv(4, socket.MSG_WAITALL), "little")
+                for _ in range(count):
+                    if not busy_recv(b):
+                        os._exit(0)
+                    b.send(b"p")
             else:  # bulk: receive 64 MiB, then acknowledge
                 got = 0
                 while got < MIB64:
@@ -280,6 +297,15 @@ class RawPeer:
         t = time.perf_counter()
         for _ in range(n):
             self.ping()
+        return (time.perf_counter() - t) / n
+
+    def busy_round_trip(self, n: int) -> float:
+        """A ping-pong whose two ends poll instead of blocking: the limit of a spinning RPC."""
+        self.sock.sendall(b"s" + n.to_bytes(4, "little"))
+        t = time.perf_counter()
+        for _ in range(n):
+            self.sock.send(b"p")
+            busy_recv(self.sock)
         return (time.perf_counter() - t) / n
 
     def bulk(self) -> float:
@@ -342,6 +368,8 @@ def main() -> None:
     measures = {
         "rtt_unix": lambda: raw["unix"].round_trip(n),
         "rtt_tcp_raw": lambda: raw["tcp"].round_trip(n),
+        "busy_unix": lambda: raw["unix"].busy_round_trip(n),
+        "busy_tcp": lambda: raw["tcp"].busy_round_trip(n),
         "memcpy": lambda: memcpy_rate(src, dst),
         "bulk_tcp": raw["tcp"].bulk,
         "bulk_unix": raw["unix"].bulk,
@@ -407,6 +435,12 @@ def main() -> None:
         ratio = f"{value / ref:.2f}" if ref else ""
         line += f"{ref_text:>36}{ratio:>7}"
         print(line)
+    print(
+        f"{'(busy-polling ping-pong, us)':<32}{'':>12}   unix {m['busy_unix'] * us:,.1f}, "
+        f"tcp {m['busy_tcp'] * us:,.1f}: the sync round trips are "
+        f"{m['moolib:rtt_shm'] / m['busy_unix']:.2f} and {m['moolib:rtt_tcp'] / m['busy_tcp']:.2f} "
+        "of them"
+    )
     print(
         f"{'(64 MiB over a unix socket, GB/s)':<32}{m['bulk_unix']:>12,.1f}"
         f"   (1 MiB writes; memcpy {m['memcpy']:,.1f})"
