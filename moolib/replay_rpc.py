@@ -125,6 +125,10 @@ def serve(replay: Replay, rpc: Rpc, name: str) -> None:
     ``name/info`` on ``rpc``, answered by ``replay`` (and ``name/layout``,
     ``name/attach``, ``name/sample_into``, ``name/detach``, with which a
     ``ReplayClient`` on this host samples into its shared memory)."""
+    if not hasattr(rpc, "_define"):
+        raise TypeError(f"Replay.serve needs a moolib.Rpc, got {type(rpc).__name__}")
+    if not isinstance(name, str):
+        raise TypeError(f"Replay.serve: name must be a str, got {type(name).__name__}")
     mapped = _Mapped()
 
     def insert(items: Any, priorities: Any, wait: float) -> Any:
@@ -358,6 +362,8 @@ class ReplayClient:
         for shard in shards:
             if not (isinstance(shard, (tuple, list)) and len(shard) == 2):
                 raise ValueError(f"ReplayClient: a shard is a (peer, name) pair, got {shard!r:.80}")
+            if not all(isinstance(part, str) for part in shard):
+                raise TypeError(f"ReplayClient: a shard's peer and name are str, got {shard!r:.80}")
         self._rpc = rpc
         self._shards = [_Shard(i, peer, name) for i, (peer, name) in enumerate(shards)]
         self._timeout = check_seconds("timeout", timeout)

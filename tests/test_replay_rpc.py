@@ -432,6 +432,13 @@ def test_client_arguments_are_checked(make_rpc):
         moolib.ReplayClient(rpc, [])
     with pytest.raises(ValueError, match="a shard is a \\(peer, name\\) pair, got 'server'"):
         moolib.ReplayClient(rpc, ["server"])
+    with pytest.raises(TypeError, match="a shard's peer and name are str, got \\('server', 5\\)"):
+        moolib.ReplayClient(rpc, [("server", 5)])
+    replay = moolib.Replay(capacity=4)
+    with pytest.raises(TypeError, match="Replay.serve: name must be a str, got int"):
+        replay.serve(rpc, 5)
+    with pytest.raises(TypeError, match="Replay.serve needs a moolib.Rpc, got str"):
+        replay.serve("rpc", "table")
     with pytest.raises(TypeError, match="timeout must be a number of seconds, got str"):
         moolib.ReplayClient(rpc, ("server", "table"), timeout="30")
     with pytest.raises(ValueError, match="timeout must be positive, got 0"):
