@@ -1,5 +1,5 @@
-"""Checks of the numeric arguments of moolib's Python API. The original binds these
-as C++ ints, where a float, a bool or a string is refused with a TypeError; so are
+"""Checks of the arguments of moolib's Python API. The original binds numbers as
+C++ ints, where a float, a bool or a string is refused with a TypeError; so are
 they here, and numpy's integers pass as they do there."""
 
 from __future__ import annotations
@@ -32,3 +32,12 @@ def check_seconds(what: str, value: Any) -> float:
     if not seconds > 0:  # NaN too
         raise ValueError(f"{what} must be positive, got {seconds:g}")
     return seconds
+
+
+def check_served(what: str, rpc: Any, name: Any) -> None:
+    """TypeError unless ``rpc`` is a moolib Rpc and ``name`` a str: the Rpc and the
+    name that ``what`` (Publisher, Replay.serve) defines its functions under."""
+    if not hasattr(rpc, "_define"):
+        raise TypeError(f"{what} needs a moolib.Rpc, got {type(rpc).__name__}")
+    if not isinstance(name, str):
+        raise TypeError(f"{what}: name must be a str, got {type(name).__name__}")

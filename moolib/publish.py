@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import rpc as _rpc
-from ._checks import check_int, check_seconds
+from ._checks import check_int, check_seconds, check_served
 from .serialization import loads
 
 __all__ = ["Publisher", "Subscriber"]
@@ -218,10 +218,7 @@ class Publisher:
     """
 
     def __init__(self, rpc: Any, name: str, version: int = -1) -> None:
-        if not hasattr(rpc, "_define"):
-            raise TypeError(f"Publisher needs a moolib.Rpc, got {type(rpc).__name__}")
-        if not isinstance(name, str):
-            raise TypeError(f"Publisher: name must be a str, got {type(name).__name__}")
+        check_served("Publisher", rpc, name)
         self._rpc = rpc
         self._name = name
         self._version = check_int("version", version, low=-1)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import nest
-from ._checks import check_seconds
+from ._checks import check_seconds, check_served
 from .rpc import Rpc, RpcError
 
 if TYPE_CHECKING:
@@ -125,10 +125,7 @@ def serve(replay: Replay, rpc: Rpc, name: str) -> None:
     ``name/info`` on ``rpc``, answered by ``replay`` (and ``name/layout``,
     ``name/attach``, ``name/sample_into``, ``name/detach``, with which a
     ``ReplayClient`` on this host samples into its shared memory)."""
-    if not hasattr(rpc, "_define"):
-        raise TypeError(f"Replay.serve needs a moolib.Rpc, got {type(rpc).__name__}")
-    if not isinstance(name, str):
-        raise TypeError(f"Replay.serve: name must be a str, got {type(name).__name__}")
+    check_served("Replay.serve", rpc, name)
     mapped = _Mapped()
 
     def insert(items: Any, priorities: Any, wait: float) -> Any:
