@@ -592,8 +592,12 @@ class Replay:
         counters and (unless ``seed`` is overridden) the same samples after.
 
         ``overrides`` may change ``alpha``, ``min_size``, ``samples_per_insert``,
-        ``error_buffer``, ``seed`` and ``timeout``. A truncated or damaged file
-        is refused with a ``ValueError`` naming it.
+        ``error_buffer``, ``seed`` and ``timeout``; the others keep what was
+        saved (a table saved without rate limiting stays so). A new
+        ``samples_per_insert`` gets the default ``error_buffer`` unless one is
+        given, ``samples_per_insert=None`` lifts the rate limit, and an
+        ``error_buffer`` alone needs a table saved with a rate. A truncated or
+        damaged file is refused with a ``ValueError`` naming it.
         """
         unknown = set(overrides) - set(_LOAD_OVERRIDES)
         if unknown:
@@ -623,11 +627,21 @@ class Replay:
         self._schema = schema
         config = core.config()
         if any(k in overrides for k in ("alpha", "min_size", "samples_per_insert", "error_buffer")):
-            spi = overrides.get("samples_per_insert", config["samples_per_insert"] or None)
-            eb = overrides.get(
-                "error_buffer",
-                config["error_buffer"] if "samples_per_insert" not in overrides else None,
-            )
+            # The core stores "no rate limiting" as a rate of 0 (and a buffer
+            # of 0, which is no buffer): only a saved rate keeps its buffer,
+            # and only when the rate is not overridden (a new rate gets the
+            # default buffer, unless one is given too).
+            saved_spi = config["samples_per_insert"] or None
+            spi = overrides.get("samples_per_insert", saved_spi)
+            eb = overrides.get("error_buffer")
+            if "error_buffer" not in overrides and "samples_per_insert" not in overrides:
+                eb = config["error_buffer"] if saved_spi is not None else None
+            if spi is None and eb is not None:
+                raise ValueError(
+                    f"Replay.load: error_buffer needs samples_per_insert: the table in "
+                    f"{os.fspath(path)} was saved without rate limiting; pass "
+                    "samples_per_insert as well"
+                )
             spi_value, eb_value = _limiter(spi, eb)
             core.reconfigure(
                 float(overrides.get("alpha", config["alpha"])),

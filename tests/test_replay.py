@@ -416,6 +416,41 @@ def test_checkpoint_round_trip(tmp_path, dedup):
         moolib.Replay.load(path, capacity=10)
 
 
+def test_load_overrides_of_a_table_without_rate_limiting(tmp_path):
+    replay = moolib.Replay(10, selector="uniform", seed=0)
+    replay.insert({"x": torch.arange(4)})
+    path = tmp_path / "unlimited"
+    replay.save(path)
+    for overrides in ({"alpha": 0.3}, {"min_size": 2}, {"seed": 5}, {"timeout": 3.0},
+                      {"alpha": 1.0, "min_size": 3, "seed": 1, "timeout": 2.0}):  # fmt: skip
+        loaded = moolib.Replay.load(path, **overrides)
+        info = loaded.info()
+        assert info["samples_per_insert"] is None and info["error_buffer"] is None, overrides
+        for k in ("alpha", "min_size"):
+            assert info[k] == overrides.get(k, replay.info()[k]), overrides
+        # Still unlimited: samples without inserts never wait.
+        for _ in range(5):
+            assert loaded.sample(100, timeout=0).size == 4
+    # A rate on a table saved without one: Reverb's default buffer, max(1, SPI).
+    info = moolib.Replay.load(path, samples_per_insert=2.0).info()
+    assert info["samples_per_insert"] == 2.0 and info["error_buffer"] == 2.0
+    info = moolib.Replay.load(path, samples_per_insert=2.0, error_buffer=8.0).info()
+    assert info["samples_per_insert"] == 2.0 and info["error_buffer"] == 8.0
+    # A buffer without a rate: refused, saying what to pass.
+    with pytest.raises(ValueError, match="error_buffer needs samples_per_insert.*without rate"):
+        moolib.Replay.load(path, error_buffer=5.0)
+    # A rate-limited table keeps its rate under other overrides, and loses it on request.
+    limited = moolib.Replay(10, samples_per_insert=3.0, error_buffer=9.0, seed=0)
+    limited.insert({"x": torch.arange(4)})
+    limited.save(tmp_path / "limited")
+    info = moolib.Replay.load(tmp_path / "limited", alpha=0.5).info()
+    assert (info["samples_per_insert"], info["error_buffer"], info["alpha"]) == (3.0, 9.0, 0.5)
+    info = moolib.Replay.load(tmp_path / "limited", error_buffer=12.0).info()
+    assert (info["samples_per_insert"], info["error_buffer"]) == (3.0, 12.0)
+    info = moolib.Replay.load(tmp_path / "limited", samples_per_insert=None).info()
+    assert info["samples_per_insert"] is None and info["error_buffer"] is None
+
+
 def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
     replay = moolib.Replay(100, dedup=("obs",), seed=1)
     replay.insert({"obs": torch.arange(2 * 3 * 8, dtype=torch.uint8).reshape(2, 3, 8)})
