@@ -78,6 +78,16 @@ def _describe(s: Any) -> str:
     return f"({inner},)" if len(s["t"]) == 1 else f"({inner})"
 
 
+def _ordered(x: Any) -> Any:
+    """The skeleton of a nest (of Nones) in its own dict key order, which
+    _walk's skeleton (the table's leaf order) sorts."""
+    if isinstance(x, dict):
+        return {"d": [[k, _ordered(v)] for k, v in x.items()]}
+    if isinstance(x, (list, tuple)):
+        return {"l" if isinstance(x, list) else "t": [_ordered(v) for v in x]}
+    return None
+
+
 def _unskeleton(s: Any) -> Any:
     if s is None:
         return None
@@ -207,17 +217,28 @@ class _Schema:
             "dtypes": [str(d) for d in self.dtypes],
             "shapes": [list(s) for s in self.shapes],
             "frames": self.frames,
+            # The first insert's dict key order, for the sampled nests (the
+            # skeleton holds the table's, sorted).
+            "order": _ordered(self.structure),
         }
 
     @classmethod
     def from_json(cls, d: dict) -> _Schema:
-        return cls(
+        schema = cls(
             d["skeleton"],
             list(d["names"]),
             [_dtype_from_name(x) for x in d["dtypes"]],
             [tuple(int(v) for v in s) for s in d["shapes"]],
             [int(f) for f in d["frames"]],
         )
+        # Absent from checkpoints written before it was kept: sorted keys then.
+        order = d.get("order")
+        if order is not None:
+            structure = _unskeleton(order)
+            if _walk(structure, (), [], []) != schema.skeleton:
+                raise ValueError("its key order does not match its layout")
+            schema.structure = structure
+        return schema
 
     def flatten(self, items: Any) -> tuple[list[torch.Tensor], int]:
         """The leaves of items in table order, and the batch size; raises

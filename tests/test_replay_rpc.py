@@ -19,6 +19,8 @@ import moolib
 
 REPLAY_PEER = HELPERS / "replay_peer.py"
 TRANSPORTS = {"shm": ["shm"], "tcp": ["tcp"]}
+# A ReplayClient through its shared memory segments, or through call payloads only.
+SHARED_MEMORY = pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "payload"])
 
 
 def replay_peer(tmp_path, name, *args):
@@ -443,3 +445,21 @@ def test_client_arguments_are_checked(make_rpc):
         moolib.ReplayClient(rpc, ("server", "table"), timeout="30")
     with pytest.raises(ValueError, match="timeout must be positive, got 0"):
         moolib.ReplayClient(rpc, ("server", "table"), timeout=0)
+
+
+@SHARED_MEMORY
+def test_a_client_of_a_loaded_table_keeps_the_items_key_order(shared_memory, tmp_path, make_rpc):
+    table = moolib.Replay(10, selector="fifo")
+    table.insert({"b": torch.zeros(2), "a": torch.ones(2)})
+    table.save(tmp_path / "r")
+    rpc = make_rpc("server", listen=True, timeout=30)
+    moolib.Replay.load(tmp_path / "r").serve(rpc, "table")
+    client_rpc = make_rpc("client", timeout=30)
+    client_rpc.connect(rpc.address)
+    client = moolib.ReplayClient(
+        client_rpc, ("server", "table"), timeout=30, shared_memory=shared_memory
+    )
+    for _ in range(3):  # the first sample learns the layout, the next ones use it
+        assert list(client.sample(2).items) == ["b", "a"]
+    client.insert({"b": torch.zeros(1), "a": torch.ones(1)})
+    assert list(client.sample(3).items) == ["b", "a"]

@@ -1,0 +1,134 @@
+"""A resumed run acts and learns with exactly what it stopped with.
+
+A real Trainer (V-trace on Pong's frames through real EnvPool processes, a real
+broker and accumulator) learns a few steps and writes its final checkpoint; a
+second Trainer over the same savedir restores it. On fixed observations, the
+restored policy gives the outputs the saved model gives, and the same as the
+trainer that wrote it; its optimizer holds the same state, on the parameters'
+device, so the next update is the one the first trainer would have made. On
+CPU, and on CUDA where a device is present (a resumed GPU run once played like
+an untrained policy; docs/architecture.md, section 6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moolib.agents import checkpoint
+from moolib.agents.models import create_model, resolve_network
+from moolib.agents.training import PeerInfo, Trainer
+from moolib.launch import config as config_lib
+from moolib.launch.local import EmbeddedBroker
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    ),
+]
+
+# Three updates of 2 unrolls of 4 steps; a learning rate that is not 0 by the end.
+SMALL = [
+    "agent=vtrace",
+    "env=pong",
+    "agent.actor_batch_size=2",
+    "agent.num_actor_batches=2",
+    "agent.num_actor_cpus=1",
+    "agent.batch_size=2",
+    "agent.unroll_length=4",
+    "agent.virtual_batch_size=2",
+    "agent.hidden_size=16",
+    "total_steps=24",
+    "torch_threads=1",
+    "seed=1",
+]
+
+
+def _observations(shape: tuple[int, ...], device: str) -> dict[str, torch.Tensor]:
+    """One step of 8 envs with fixed frames, rewards, episode ends and previous actions."""
+    g = torch.Generator().manual_seed(7)
+    batch = 8
+    return {
+        "state": torch.randint(0, 256, (1, batch, *shape), generator=g, dtype=torch.uint8),
+        "reward": torch.tensor([[0.0, 1.0, -1.0, 0.0, 0.0, 1.0, 0.0, -1.0]]),
+        "done": torch.tensor([[True, False, False, True, False, False, False, False]]),
+        "prev_action": torch.randint(0, 6, (1, batch), generator=g),
+    }
+
+
+def _policy(model: torch.nn.Module, inputs: dict, device: str) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad():
+        out, _ = model({k: v.to(device) for k, v in inputs.items()})
+    return out["policy_logits"].cpu(), out["baseline"].cpu()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, device: str) -> bool:
+    # CUDA kernels may pick other algorithms for the same op; the CPU's are exact.
+    if device == "cpu":
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_restored_trainer_acts_and_steps_as_the_saved_one(compose_config, tmp_path, device):
+    cfg = config_lib.prepare(compose_config(*SMALL, f"device={device}"), tmp_path)
+    peer = PeerInfo(rank=0, savedir=tmp_path, logdir=tmp_path, broker="")
+    broker = EmbeddedBroker()
+    try:
+        peer.broker = broker.address
+        first = Trainer(cfg, peer)
+        first.run()
+        assert first.steps == 24
+        second = Trainer(cfg, peer)
+    finally:
+        broker.close()
+    assert second.steps == first.steps
+    assert second.accumulator.model_version() == first.accumulator.model_version() == 3
+
+    # The policy: the restored one against the trainer that wrote it, and against
+    # the checkpoint's model built afresh on the CPU.
+    saved = checkpoint.load_latest(tmp_path).state
+    shape = second.model.observation_shape
+    inputs = _observations(shape, device)
+    fresh = create_model(
+        shape,
+        second.num_actions,
+        network=resolve_network(second.agent.network, shape),
+        use_lstm=second.agent.use_lstm,
+        hidden_size=second.agent.hidden_size,
+    )
+    fresh.load_state_dict(saved["model"])
+    logits, baseline = _policy(second.model, inputs, device)
+    first_logits, first_baseline = _policy(first.model, inputs, device)
+    fresh_logits, fresh_baseline = _policy(fresh, inputs, "cpu")
+    assert next(second.model.parameters()).device.type == device
+    assert _same(logits, first_logits, device) and _same(baseline, first_baseline, device)
+    assert torch.allclose(logits, fresh_logits, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(baseline, fresh_baseline, rtol=1e-4, atol=1e-5)
+
+    # The optimizer: every state tensor, on its parameter's device (Adam's step
+    # counts stay on the CPU, as torch keeps them).
+    params = list(second.model.parameters())
+    before = first.optimizer.state_dict()["state"]
+    after = second.optimizer.state_dict()["state"]
+    assert sorted(after) == sorted(before) == list(range(len(params)))
+    for i, p in enumerate(params):
+        assert set(after[i]) == set(before[i]) == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in after[i].items():
+            assert _same(value.cpu(), before[i][key].cpu(), device), (i, key)
+            if key != "step":
+                assert value.device == p.device, (i, key, value.device)
+        assert float(after[i]["step"]) == 3
+
+    # The next update is the one the first trainer makes from the same gradient.
+    g = torch.Generator().manual_seed(3)
+    for trainer in (first, second):
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = 1e-3
+        for p in trainer.model.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(p.device)
+        g.manual_seed(3)
+        trainer.optimizer.step()
+    for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True):
+        assert _same(a.detach().cpu(), b.detach().cpu(), device)
