@@ -66,6 +66,20 @@ class ReplayError(RuntimeError):
     """A replay shard could not be reached or refused a call; names the peer."""
 
 
+# How the core words the failure of a call whose function ran on the peer and
+# raised (moolib/core/rpc.cc: Rpc::onResponse, Responder::send), followed by
+# the remote exception's type, message and traceback. Every other failure (a
+# timeout, a peer not found or not linked, a function not defined there, this
+# Rpc closed) means the call never got an answer from the table.
+_REMOTE_EXCEPTION = "remote function '"
+
+
+def _refused(error: RpcError) -> bool:
+    """Whether the table answered the call with an error (it refused the
+    input): the shard is there, as opposed to gone."""
+    return str(error).startswith(_REMOTE_EXCEPTION)
+
+
 class _Mapped:
     """The serving side's mappings of its clients' shared memory segments."""
 
@@ -325,7 +339,10 @@ class ReplayClient:
     an insert or a sample waits on the tables' rate limiting (``min_size``,
     ``samples_per_insert``) before it raises ``TimeoutError``; a shard that
     does not answer at all (a peer not found, or dead) fails the call with
-    ``ReplayError`` after the Rpc's own timeout (``rpc.set_timeout``).
+    ``ReplayError`` after the Rpc's own timeout (``rpc.set_timeout``) and is
+    left out of sampling for a few seconds. A call that a table refuses (a
+    NaN priority, an item of another layout) raises ``ReplayError`` with the
+    table's message, and changes nothing else: that shard stays in use.
 
     With ``shared_memory`` (the default), shards on this host write samples
     straight into this client's shared memory; the sampled tensors are then
@@ -395,10 +412,19 @@ class ReplayClient:
         try:
             result = self._rpc.sync(shard.peer, f"{shard.name}/{fn}", *args)
         except RpcError as e:
-            shard.failed_at = time.monotonic()
-            raise ReplayError(f"{shard.describe()}: {fn} failed: {e}") from None
+            raise self._failed(shard, fn, e) from None
         shard.failed_at = None
         return result
+
+    def _failed(self, shard: _Shard, fn: str, error: RpcError) -> ReplayError:
+        """The error to raise for ``shard``'s failed call to ``fn``. Only a
+        shard that did not answer is left out of sampling for a while; one
+        that refused the call (bad input) is healthy and stays in use."""
+        if _refused(error):
+            shard.failed_at = None
+        else:
+            shard.failed_at = time.monotonic()
+        return ReplayError(f"{shard.describe()}: {fn} failed: {error}")
 
     def _live(self) -> list[_Shard]:
         now = time.monotonic()
@@ -570,8 +596,7 @@ class ReplayClient:
                     try:
                         result = future.result()
                     except RpcError as e:
-                        shard.failed_at = time.monotonic()
-                        raise ReplayError(f"{shard.describe()}: {fn} failed: {e}") from None
+                        raise self._failed(shard, fn, e) from None
                     shard.failed_at = None
                 else:
                     fn, args = self._insert_args(call)
@@ -849,14 +874,15 @@ class ReplayClient:
                         try:
                             result = future.result()
                         except RpcError as e:
-                            shard.failed_at = time.monotonic()
-                            # The update it carried may not have been made:
-                            # it goes with the next call again (it is
-                            # idempotent, and older than any made since).
-                            self._restore_update(shard.index, pending.updates[i])
-                            raise ReplayError(
-                                f"{shard.describe()}: sample_into failed: {e}"
-                            ) from None
+                            error = self._failed(shard, "sample_into", e)
+                            if shard.failed_at is not None:
+                                # Unanswered, the update it carried may not
+                                # have been made: it goes with the next call
+                                # again (it is idempotent, and older than any
+                                # made since). One the table refused would
+                                # only be refused again.
+                                self._restore_update(shard.index, pending.updates[i])
+                            raise error from None
                         shard.failed_at = None
                         future = None
                     else:

@@ -463,3 +463,34 @@ def test_a_client_of_a_loaded_table_keeps_the_items_key_order(shared_memory, tmp
         assert list(client.sample(2).items) == ["b", "a"]
     client.insert({"b": torch.zeros(1), "a": torch.ones(1)})
     assert list(client.sample(3).items) == ["b", "a"]
+
+
+@SHARED_MEMORY
+def test_a_refused_call_raises_its_error_and_the_shard_stays_in_use(shared_memory, make_rpc):
+    rpc, replay = served(make_rpc, None)
+    client_rpc = make_rpc("client", timeout=30)
+    client_rpc.connect(rpc.address)
+    client = moolib.ReplayClient(
+        client_rpc, ("server", "table"), timeout=30, shared_memory=shared_memory
+    )
+    keys = client.insert(rows(0, 8))
+    assert client.sample(4).size == 8
+    nan = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    bad_dtype = {**rows(8, 4), "x": rows(8, 4)["x"].double()}
+    refused = [
+        (lambda: client.update_priorities(keys[:4], nan), "priority for key 1 is nan"),
+        (lambda: client.insert(rows(8, 4), nan), "priority at batch index 1 is nan"),
+        (lambda: client.insert(bad_dtype), "leaf x has dtype torch.float64"),
+        (lambda: client.insert({"x": rows(8, 4)["x"]}), r"missing leaves \['k'\]"),
+    ]
+    for call, message in refused:
+        with pytest.raises((moolib.ReplayError, ValueError), match=message):
+            call()
+        # The table is healthy: the next calls go to it at once.
+        s = client.sample(4)
+        assert s.size == 8 and s.items["k"].tolist() == [0, 1, 2, 3]
+    with pytest.raises((moolib.ReplayError, ValueError), match="priority at batch index 1 is nan"):
+        client.insert(rows(8, 4), nan, block=False)
+        client.flush()
+    assert client.insert(rows(8, 4)).tolist() == [8, 9, 10, 11]
+    assert replay.size() == 12 and client.update_priorities(keys, torch.ones(8)) == 8
