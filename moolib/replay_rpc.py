@@ -258,6 +258,9 @@ class _Shard:
         self.failed_at: float | None = None
         # Whether it maps this client's segments: None until tried.
         self.shared: bool | None = None
+        # Its table's item layout (a _Schema), once learned from it: a
+        # table without items has none yet, whatever the other shards hold.
+        self.layout: Any = None
 
     def describe(self) -> str:
         return f"replay '{self.name}' on peer '{self.peer}'"
@@ -385,7 +388,10 @@ class ReplayClient:
         self._next_insert = 0
         self._lock = threading.Lock()
         self._shared_memory = bool(shared_memory)
-        self._schema: Any = None  # the tables' item layout, once one has items
+        # The layout of the first shard whose layout was learned: a batch
+        # sampled into shared memory takes its structure (every shard drawn
+        # from has the same, checked).
+        self._schema: Any = None
         # Segments no sample uses; a sample's tensors give theirs back when
         # freed (any thread), so these are deques, not lists under a lock.
         self._free: collections.deque[_Segment] = collections.deque()
@@ -424,6 +430,8 @@ class ReplayClient:
             shard.failed_at = None
         else:
             shard.failed_at = time.monotonic()
+            # Its peer may come back with a fresh table: asked again then.
+            shard.layout = None
         return ReplayError(f"{shard.describe()}: {fn} failed: {error}")
 
     def _live(self) -> list[_Shard]:
@@ -454,10 +462,17 @@ class ReplayClient:
             shard = live[self._next_insert % len(live)]
             self._next_insert += 1
         call = self._start_insert(shard, items, priorities)
-        if block or self._schema is None:
+        # Into a table whose layout this client has yet to learn, the batch
+        # goes as the call's payload; once it is in, the table has a layout
+        # to learn, for this shard's next batches to go through shared memory.
+        learn = self._shared_memory and shard.layout is None and shard.shared is not False
+        if block or learn:
             keys = self._finish_insert(call)
-            if self._shared_memory and self._schema is None:
-                self._learn_layout(shard)
+            if learn:
+                try:
+                    self._learn_layout(shard)
+                except ReplayError:
+                    pass  # asked again after its next insert
             return None if not block else keys
         try:
             self._send_insert(call)
@@ -503,7 +518,7 @@ class ReplayClient:
         """Prepares an insert of ``items`` into ``shard``: through this
         client's shared memory where the shard maps it, else in the call."""
         call = _InsertCall(shard, time.monotonic() + self._timeout)
-        if self._shared_memory and self._schema is not None and shard.shared is not False:
+        if self._shared_memory and shard.layout is not None and shard.shared is not False:
             if self._stage_shared(call, items, priorities):
                 return call
         call.n = _batch_size(items)
@@ -520,8 +535,9 @@ class ReplayClient:
         from .replay import _bytes_view
 
         shard = call.shard
+        schema = shard.layout
         try:
-            leaves, n = self._schema.flatten(items)
+            leaves, n = schema.flatten(items)
         except (ValueError, TypeError) as e:
             # As the shard would have refused it (the same text, naming the leaf).
             raise ReplayError(
@@ -536,7 +552,7 @@ class ReplayClient:
                 p = p.detach().cpu()
             if p.numel() != n:
                 raise ValueError(f"replay insert: {p.numel()} priorities for a batch of {n} items")
-        offsets, nbytes, sizes = self._layout(n)
+        offsets, nbytes, sizes = self._layout(n, schema)
         segment = self._lease(nbytes)
         if segment is None:
             return False
@@ -631,14 +647,14 @@ class ReplayClient:
         return keys | (shard.index << _SHARD_SHIFT) if shard.index else keys
 
     def _learn_layout(self, shard: _Shard) -> None:
+        """Asks ``shard`` for its table's layout (none while it has no items)."""
         from .replay import _Schema
 
-        try:
-            layout = self._call(shard, "layout")
-        except ReplayError:
-            return  # asked again after the next insert
+        layout = self._call(shard, "layout")
         if layout is not None:
-            self._schema = _Schema.from_json(layout)
+            shard.layout = _Schema.from_json(layout)
+            if self._schema is None:
+                self._schema = shard.layout
 
     def sample(self, batch_size: int) -> ReplaySample:
         """Samples ``batch_size`` items across the live shards."""
@@ -689,7 +705,14 @@ class ReplayClient:
                     )
         total_mass = sum(s.mass for s in live)
         # One part (one shard, one call) is already the batch: no copy.
-        items = parts[0][1] if len(parts) == 1 else nest.cat([p[1] for p in parts])
+        try:
+            items = parts[0][1] if len(parts) == 1 else nest.cat([p[1] for p in parts])
+        except (RuntimeError, ValueError, TypeError) as e:
+            drawn = ", ".join({p[0].describe(): None for p in parts})
+            raise ReplayError(
+                f"replay shards hold items of different layouts: the items of {drawn} "
+                f"do not stack ({e})"
+            ) from None
         keys = torch.cat([torch.as_tensor(p[2]) | (p[0].index << _SHARD_SHIFT) for p in parts])
         # An item's probability in the union: its shard's share of the mass
         # times its probability within the shard.
@@ -702,25 +725,36 @@ class ReplayClient:
     # Sampling into shared memory.
 
     def _shared_layout(self, live: list[_Shard]) -> bool:
-        """Whether every live shard can sample into this client's memory."""
+        """Whether every live shard can sample into this client's memory: each
+        may map it, and has items of one layout (learned from each shard)."""
         if any(s.shared is False for s in live):
             return False
-        if self._schema is None:
-            from .replay import _Schema
+        for shard in live:
+            if shard.layout is None:
+                self._learn_layout(shard)
+                if shard.layout is None:
+                    return False  # no items yet: this sample comes as replies
+        schema = self._schema
+        for shard in live:
+            if not _same_items(shard.layout, schema):
+                from .replay import _describe
 
-            layout = self._call(live[0], "layout")
-            if layout is None:
-                return False  # no items yet: the first sample waits the usual way
-            self._schema = _Schema.from_json(layout)
+                raise ReplayError(
+                    f"replay shards hold items of different layouts: {shard.describe()} "
+                    f"stores {_describe(shard.layout.skeleton)} of dtypes "
+                    f"{shard.layout.dtypes} and shapes {shard.layout.shapes}, this client's "
+                    f"first shard with items {_describe(schema.skeleton)} of dtypes "
+                    f"{schema.dtypes} and shapes {schema.shapes}"
+                )
         return True
 
-    def _layout(self, batch_size: int) -> tuple[list[int], int, list[int]]:
+    def _layout(self, batch_size: int, schema: Any = None) -> tuple[list[int], int, list[int]]:
         """Where each leaf's rows, the keys and the probabilities start in a
-        segment for ``batch_size`` items, the bytes it needs, and each one's
-        bytes per item."""
+        segment for ``batch_size`` items (of ``schema``, default the shards'
+        common one), the bytes it needs, and each one's bytes per item."""
         offsets = []
         end = 0
-        sizes = [*self._schema.item_bytes, 8, 8]
+        sizes = [*(schema or self._schema).item_bytes, 8, 8]
         for item_bytes in sizes:
             offsets.append(end)
             end = -(-(end + batch_size * item_bytes) // _ALIGN) * _ALIGN
@@ -1040,6 +1074,11 @@ class ReplayClient:
     def info(self) -> list[dict]:
         """Each shard's ``info()``, with its peer and name."""
         return [{"peer": s.peer, "name": s.name, **self._call(s, "info")} for s in self._shards]
+
+
+def _same_items(a: Any, b: Any) -> bool:
+    """Whether two tables' layouts store the same items (leaves, dtypes, shapes)."""
+    return a.skeleton == b.skeleton and a.dtypes == b.dtypes and a.shapes == b.shapes
 
 
 def _insert_timeout(shard: _Shard, n: int, done: int, timeout: float) -> TimeoutError:

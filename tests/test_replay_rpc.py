@@ -494,3 +494,60 @@ def test_a_refused_call_raises_its_error_and_the_shard_stays_in_use(shared_memor
         client.flush()
     assert client.insert(rows(8, 4)).tolist() == [8, 9, 10, 11]
     assert replay.size() == 12 and client.update_priorities(keys, torch.ones(8)) == 8
+
+
+# Two tables on in-process peers, and a client of both (shards 0 and 1).
+
+
+def two_shards(make_rpc, shared_memory, selector="fifo"):
+    client_rpc = make_rpc("client", timeout=30)
+    tables = []
+    for i in range(2):
+        rpc = make_rpc(f"shard{i}", listen=True, timeout=30)
+        table = moolib.Replay(1000, selector=selector, seed=i)
+        table.serve(rpc, "table")
+        client_rpc.connect(rpc.address)
+        tables.append(table)
+    shards = [("shard0", "table"), ("shard1", "table")]
+    client = moolib.ReplayClient(
+        client_rpc, shards, timeout=30, seed=0, shared_memory=shared_memory
+    )
+    return tables, client
+
+
+@SHARED_MEMORY
+@pytest.mark.parametrize("block", [True, False], ids=["waited", "pipelined"])
+def test_inserts_into_fresh_shards_go_to_each_in_turn(shared_memory, block, make_rpc):
+    tables, client = two_shards(make_rpc, shared_memory)
+    for b in range(6):
+        # Each shard's first insert finds a table without a layout yet.
+        client.insert(rows(8 * b, 8), torch.ones(8), block=block)
+    client.flush()
+    assert [t.size() for t in tables] == [24, 24]
+    for i, table in enumerate(tables):
+        # Batches in flight at once may go in in any order.
+        expected = [k for b in range(i, 6, 2) for k in range(8 * b, 8 * b + 8)]
+        assert sorted(all_items(table)["k"].tolist()) == expected
+    s = client.sample(8)
+    assert s.items["x"].shape == (8, 1000) and s.size == 48
+    assert torch.equal(s.items["x"][:, 0], s.items["k"].float())
+    # Each shard's layout was learned from it, for its next batches.
+    assert all((s.layout is not None) == shared_memory for s in client._shards)
+
+
+@SHARED_MEMORY
+def test_each_shard_takes_inserts_of_its_own_layout(shared_memory, make_rpc):
+    tables, client = two_shards(make_rpc, shared_memory)
+    tables[1].insert({"x": torch.zeros(1, 3)})
+    # Shard 0 has no layout yet, shard 1 stores x of shape (3,).
+    for b in range(3):
+        client.insert({"x": torch.full((2, 5), float(b))})
+        client.insert({"x": torch.full((2, 3), float(b))})
+    with pytest.raises(moolib.ReplayError, match=r"leaf x has item shape \(3,\); the table stores"):
+        client.insert({"x": torch.zeros(2, 3)})  # shard 0's turn
+    assert tables[0].sample(6).items["x"][:, 0].tolist() == [0, 0, 1, 1, 2, 2]
+    assert tables[1].sample(7).items["x"][:, 0].tolist() == [0, 0, 0, 1, 1, 2, 2]
+    # Batches of two layouts cannot be one batch: a sample says which shards differ.
+    with pytest.raises(moolib.ReplayError, match="shards hold items of different layouts"):
+        for _ in range(20):
+            client.sample(4)
