@@ -35,7 +35,10 @@ class ReplaySample(NamedTuple):
     ``items`` is the nest with each leaf stacked to ``(B, *leaf_shape)``,
     ``keys`` the items' int64 keys, ``probabilities`` (float64) the chance each
     item had of being drawn (for importance weights; 1.0 under ``fifo``), and
-    ``size`` the table's size when the batch was drawn.
+    ``size`` the table's size when the batch was drawn. From a
+    ``ReplayClient`` of several shards, both are the union's: ``size`` sums
+    the live shards' sizes, whichever shards the batch was drawn from, so
+    ``(size * probabilities) ** -beta`` weighs items as one table would.
     """
 
     items: Any

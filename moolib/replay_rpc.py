@@ -254,7 +254,9 @@ class _Shard:
         self.index = index
         self.peer = peer
         self.name = name
+        # Its priority mass and size as of its latest answer.
         self.mass = 0.0
+        self.size = 0
         self.failed_at: float | None = None
         # Whether it maps this client's segments: None until tried.
         self.shared: bool | None = None
@@ -338,7 +340,10 @@ class ReplayClient:
     ``shards`` is a list of ``(peer, name)`` pairs (or one pair). Inserts go to
     the shards in turn; a sample draws from every live shard in proportion to
     its priority mass (its size for uniform tables), so the probabilities it
-    returns are those of the union of the shards. ``timeout`` bounds how long
+    returns are those of the union of the shards, and so is its ``size``: the
+    sum of the live shards' sizes (a shard not drawn from this time counts
+    with its size as of its latest answer), whichever shards the batch came
+    from. ``timeout`` bounds how long
     an insert or a sample waits on the tables' rate limiting (``min_size``,
     ``samples_per_insert``) before it raises ``TimeoutError``; a shard that
     does not answer at all (a peer not found, or dead) fails the call with
@@ -690,12 +695,11 @@ class ReplayClient:
         for shard, count in zip(live, counts, strict=True):
             got = 0
             while got < count:
-                (items, keys, probs, size), mass = self._call(
+                (items, keys, probs, shard.size), shard.mass = self._call(
                     shard, "sample", count - got, self._wait_per_call(deadline)
                 )
-                shard.mass = mass
                 if len(keys):
-                    parts.append((shard, items, keys, probs, size))
+                    parts.append((shard, items, keys, probs))
                     got += len(keys)
                 elif time.monotonic() >= deadline:
                     raise TimeoutError(
@@ -719,8 +723,7 @@ class ReplayClient:
         probs = torch.cat(
             [torch.as_tensor(p[3], dtype=torch.float64) * (p[0].mass / total_mass) for p in parts]
         )
-        size = sum(p[4] for p in {id(p[0]): p for p in parts}.values())
-        return ReplaySample(items, keys, probs, size)
+        return ReplaySample(items, keys, probs, _union_size(live))
 
     # Sampling into shared memory.
 
@@ -897,12 +900,10 @@ class ReplayClient:
         segment = pending.segment
         try:
             row = 0
-            table_size = 0
             for i, (shard, count, future) in enumerate(
                 zip(pending.live, pending.counts, pending.futures, strict=True)
             ):
                 got = 0
-                size = 0
                 while got < count:
                     if future is not None:
                         try:
@@ -935,7 +936,7 @@ class ReplayClient:
                                 f"{shard.describe()}: cannot map this client's memory"
                             )
                         continue
-                    done, size, shard.mass = result
+                    done, shard.size, shard.mass = result
                     got += done
                     if got < count and not done and time.monotonic() >= pending.deadline:
                         raise TimeoutError(
@@ -944,7 +945,6 @@ class ReplayClient:
                             "for inserts)"
                         )
                 row += count
-                table_size += size
         except BaseException:
             # A call that failed (a timeout) may still write into it: never reused.
             self._drop(segment)
@@ -974,14 +974,16 @@ class ReplayClient:
                 probs[row : row + count] *= shard.mass / total_mass
                 row += count
         items = nest.pack_as(schema.structure, outs)
-        return ReplaySample(items, keys, probs, table_size)
+        return ReplaySample(items, keys, probs, _union_size(pending.live))
 
     def _split(self, batch_size: int, live: list[_Shard]) -> list[int]:
         if len(live) == 1:
             return [batch_size]
         if any(s.mass <= 0 for s in live):
             for s in live:
-                s.mass = float(self._call(s, "info")["priority_mass"])
+                info = self._call(s, "info")
+                s.mass = float(info["priority_mass"])
+                s.size = int(info["size"])
         weights = [s.mass for s in live]
         if sum(weights) <= 0:
             weights = [1.0] * len(live)
@@ -1074,6 +1076,13 @@ class ReplayClient:
     def info(self) -> list[dict]:
         """Each shard's ``info()``, with its peer and name."""
         return [{"peer": s.peer, "name": s.name, **self._call(s, "info")} for s in self._shards]
+
+
+def _union_size(live: list[_Shard]) -> int:
+    """The size of the union of the live shards, as the probabilities of a
+    sample are the union's: importance weights ``(size * p) ** -beta`` come
+    out as for one table, whichever shards a (small) batch was drawn from."""
+    return sum(s.size for s in live)
 
 
 def _same_items(a: Any, b: Any) -> bool:

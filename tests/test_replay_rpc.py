@@ -551,3 +551,19 @@ def test_each_shard_takes_inserts_of_its_own_layout(shared_memory, make_rpc):
     with pytest.raises(moolib.ReplayError, match="shards hold items of different layouts"):
         for _ in range(20):
             client.sample(4)
+
+
+@SHARED_MEMORY
+@pytest.mark.parametrize("selector", ["uniform", "prioritized"])
+def test_a_sharded_sample_has_the_size_of_the_union(shared_memory, selector, make_rpc):
+    tables, client = two_shards(make_rpc, shared_memory, selector=selector)
+    tables[0].insert(rows(0, 4))
+    tables[1].insert(rows(4, 6))
+    drawn = set()
+    for i in range(60):
+        s = client.sample(1 + i % 2)
+        drawn.update((s.keys >> 48).tolist())
+        # Every item has priority 1: size * probability is 1, as in one table of 10.
+        assert s.size == 10
+        assert torch.allclose(s.size * s.probabilities, torch.ones_like(s.probabilities))
+    assert drawn == {0, 1}
