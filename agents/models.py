@@ -34,7 +34,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["NETWORKS", "ImpalaNet", "MLPNet", "MinAtarNet", "create_model", "resolve_network"]
+__all__ = [
+    "NETWORKS",
+    "ImpalaNet",
+    "MLPNet",
+    "MinAtarNet",
+    "check_observations",
+    "create_model",
+    "observations_unfit",
+    "resolve_network",
+]
 
 CoreState = tuple[torch.Tensor, ...]
 
@@ -214,10 +223,7 @@ class ImpalaNet(_ActorCritic):
     ) -> None:
         super().__init__()
         observation_shape = tuple(observation_shape)
-        if len(observation_shape) != 3:
-            raise ValueError(
-                f"ImpalaNet needs image observations (C, H, W), got shape {observation_shape}"
-            )
+        check_observations("impala_deep" if deep else "impala_shallow", observation_shape)
         self.observation_shape = observation_shape
         self.num_actions = num_actions
         self.use_lstm = use_lstm
@@ -259,11 +265,7 @@ class MinAtarNet(_ActorCritic):
     ) -> None:
         super().__init__()
         observation_shape = tuple(observation_shape)
-        if len(observation_shape) != 3 or min(observation_shape[1:]) < 3:
-            raise ValueError(
-                "MinAtarNet needs image observations (C, H, W) of at least 3x3, "
-                f"got shape {observation_shape}"
-            )
+        check_observations("minatar", observation_shape)
         self.observation_shape = observation_shape
         self.num_actions = num_actions
         self.use_lstm = use_lstm
@@ -317,6 +319,36 @@ NETWORKS = ("impala_deep", "impala_shallow", "minatar", "mlp")
 # frames: auto gives them the MinAtar network, whose 3x3 convolution keeps every cell,
 # where the IMPALA nets' pooling and strides would leave little of them.
 SMALL_IMAGE = 16
+
+
+# The smallest frames (pixels high and wide) each convolutional network takes: the
+# shallow IMPALA network's strided convolutions (8x8 by 4, then 4x4 by 2) need 20, the
+# MinAtar network's unpadded 3x3 convolution 3; the deep one pads all it does.
+MIN_FRAME = {"impala_deep": 1, "impala_shallow": 20, "minatar": 3}
+
+
+def observations_unfit(network: str, observation_shape: Sequence[int]) -> str | None:
+    """What ``network`` (a name of ``NETWORKS``) needs that observations of
+    ``observation_shape`` are not (``needs image observations (C, H, W)``), or None when it
+    takes them: the convolutional networks take images ``(C, H, W)`` of at least
+    ``MIN_FRAME`` pixels high and wide; the MLP takes any."""
+    shape = tuple(observation_shape)
+    smallest = MIN_FRAME.get(network)
+    if smallest is None:
+        return None
+    if len(shape) != 3:
+        return "needs image observations (C, H, W)"
+    if min(shape[1:]) < smallest:
+        return f"needs images of at least {smallest}x{smallest} pixels"
+    return None
+
+
+def check_observations(network: str, observation_shape: Sequence[int]) -> None:
+    """Raises ValueError unless ``network`` takes observations of ``observation_shape``
+    (see ``observations_unfit``)."""
+    unfit = observations_unfit(network, observation_shape)
+    if unfit:
+        raise ValueError(f"{network} {unfit}, got shape {tuple(observation_shape)}")
 
 
 def resolve_network(network: str, observation_shape: Sequence[int]) -> str:

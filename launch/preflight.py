@@ -9,8 +9,9 @@ point of a ``-m`` sweep) is composed with Hydra's compose API and planned:
 - a savedir that holds a ``config.yaml`` is resumed from it (``resume.py``);
 - the values pass ``config.validate``;
 - the savedir can be written and no other run is in it (``savedir_lock.py``),
-  the env can be made with its options, the model fits the savedir's
-  checkpoint, and ``broker=`` answers (bounded wait).
+  the env can be made with its options, ``agent.network`` takes its
+  observations, the model fits the savedir's checkpoint, and ``broker=``
+  answers (bounded wait).
 
 The task function plans its job again (cheap, without the probes): the
 pre-flight only decides whether the run may start.
@@ -495,11 +496,27 @@ def check_env_name(job: Job) -> None:
         raise config_lib.env_name_error(str(job.config.env.name), str(env.name), keys[0])
 
 
+def check_network(cfg: DictConfig, shape: tuple[int, ...]) -> None:
+    """``agent.network`` takes the env's observations (of ``shape``): the convolutional
+    networks need images, large enough for their convolutions."""
+    from moolib.agents.models import observations_unfit, resolve_network
+
+    network = resolve_network(str(cfg.agent.network), shape)
+    unfit = observations_unfit(network, shape)
+    if unfit:
+        raise ConfigError(
+            f"agent.network={cfg.agent.network} cannot take the observations of "
+            f"env={cfg.env.name}, of shape {shape}: {network} {unfit}; agent.network=auto "
+            f"picks one that does ({resolve_network('auto', shape)} here)"
+        )
+
+
 def check_fits(job: Job) -> None:
-    """The env can be made with its options, and (on resume) its model loads the
-    savedir's checkpoint."""
+    """The env can be made with its options, the network takes its observations, and
+    (on resume) the model loads the savedir's checkpoint."""
     check_env_name(job)
     shape, actions = probe_env(job.config)
+    check_network(job.config, shape)
     if job.resume is not None and job.state is not None:
         resume_lib.check_model_fits(job.resume, job.state, shape, actions)
 
