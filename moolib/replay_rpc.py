@@ -732,22 +732,27 @@ class ReplayClient:
         may map it, and has items of one layout (learned from each shard)."""
         if any(s.shared is False for s in live):
             return False
+        layouts = []
         for shard in live:
-            if shard.layout is None:
+            # Read once: a failed call (another thread's) may forget it meanwhile.
+            layout = shard.layout
+            if layout is None:
                 self._learn_layout(shard)
-                if shard.layout is None:
+                layout = shard.layout
+                if layout is None:
                     return False  # no items yet: this sample comes as replies
+            layouts.append(layout)
         schema = self._schema
-        for shard in live:
-            if not _same_items(shard.layout, schema):
+        for shard, layout in zip(live, layouts, strict=True):
+            if not _same_items(layout, schema):
                 from .replay import _describe
 
                 raise ReplayError(
                     f"replay shards hold items of different layouts: {shard.describe()} "
-                    f"stores {_describe(shard.layout.skeleton)} of dtypes "
-                    f"{shard.layout.dtypes} and shapes {shard.layout.shapes}, this client's "
-                    f"first shard with items {_describe(schema.skeleton)} of dtypes "
-                    f"{schema.dtypes} and shapes {schema.shapes}"
+                    f"stores {_describe(layout.skeleton)} of dtypes {layout.dtypes} and "
+                    f"shapes {layout.shapes}, this client's first shard with items "
+                    f"{_describe(schema.skeleton)} of dtypes {schema.dtypes} and shapes "
+                    f"{schema.shapes}"
                 )
         return True
 
