@@ -27,6 +27,7 @@ import collections
 import mmap
 import os
 import random
+import secrets
 import threading
 import time
 import weakref
@@ -85,7 +86,10 @@ class _Mapped:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._next_id = 0
+        # Ids start where a table of an earlier life of this peer (or another
+        # serving peer) is unlikely to have been: a client naming a mapping it
+        # made there must meet no mapping here, least of all another client's.
+        self._next_id = secrets.randbits(48) << 8
         # id -> [uint8 array over the mapping, last use (monotonic)]
         self._segments: dict[int, list] = {}
 

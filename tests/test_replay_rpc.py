@@ -567,3 +567,60 @@ def test_a_sharded_sample_has_the_size_of_the_union(shared_memory, selector, mak
         assert s.size == 10
         assert torch.allclose(s.size * s.probabilities, torch.ones_like(s.probabilities))
     assert drawn == {0, 1}
+
+
+def test_a_restarted_table_never_writes_into_another_clients_memory(make_rpc):
+    """A table that comes back (its peer restarted) knows none of the segments
+    its clients mapped before: a client naming its old mapping is told so and
+    maps its segment again, rather than meeting another client's mapping that
+    the new table numbered alike."""
+    rpc, replay = served(make_rpc, ["shm"], capacity=16)
+    address = rpc.address
+    clients = []
+    for name in ("client1", "client2"):
+        client_rpc = make_rpc(name, transports=["shm"], timeout=30)
+        client_rpc.connect(address)
+        clients.append(moolib.ReplayClient(client_rpc, ("server", "table"), timeout=30))
+    replay.insert(rows(0, 16))
+    for client in clients:  # each maps a segment of its own on the table
+        assert client.sample(16).items["k"].tolist() == list(range(16))
+    rpc.close()
+    replay.close()
+
+    # The same peer again, at the same address, with a fresh table.
+    again = make_rpc("server", transports=["shm"], timeout=30)
+    wait_for(lambda: _listens(again, address), timeout=60, what=f"listening again at {address}")
+    table = moolib.Replay(16, selector="fifo")
+    table.serve(again, "table")
+    table.insert(rows(100, 16))
+    first, second = clients
+
+    def sample(client):
+        # Calls in flight when the old peer went may fail once; the shard is then
+        # asked again after its retry delay.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return client.sample(16)
+            except moolib.ReplayError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    held = sample(second)  # maps its segment on the new table first
+    assert held.items["k"].tolist() == list(range(100, 116))
+    table.insert(rows(200, 16))
+    mine = sample(first)
+    assert mine.items["k"].tolist() == list(range(200, 216))
+    assert torch.equal(mine.items["x"], rows(200, 16)["x"])
+    # The other client's batch is as it was drawn.
+    assert held.items["k"].tolist() == list(range(100, 116))
+    assert torch.equal(held.items["x"], rows(100, 16)["x"])
+
+
+def _listens(rpc, address: str) -> bool:
+    try:
+        rpc.listen(address)
+    except Exception:  # noqa: BLE001 - the port may still be held for a moment
+        return False
+    return True
