@@ -549,6 +549,9 @@ class Trainer:
             if wandb_run:
                 wandb_run.close()
             self.envs.close()
+            # Its Rpc and group: left open, they would reach for this run's broker
+            # until collected (another point of a sweep runs in this process).
+            self.accumulator.close()
         return row
 
     def _log_row(

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 import moolib
 from moolib import _signals
 
-from .peer import logdir_for
+from .peer import logdir_for, train
 
 
 class EmbeddedBroker:
@@ -38,6 +38,19 @@ class EmbeddedBroker:
         self._stop.set()
         self._thread.join()
         self.broker.close()
+
+
+def run_single(cfg: DictConfig, stop: threading.Event) -> None:
+    """``scaling=single``: the run's one peer (an off-policy run's learner, with its actors
+    as threads) in this process, beside a broker of its own unless ``cfg.broker`` names
+    one. What the point opened (Rpcs, groups, the broker, env workers) is closed when it
+    returns: a sweep runs its next point in this same process."""
+    broker = None if cfg.broker else EmbeddedBroker()
+    try:
+        train(cfg, 0, cfg.broker or broker.address, stop)
+    finally:
+        if broker:
+            broker.close()
 
 
 def check_broker(address: str, timeout: float, auth_key: str | None = None) -> None:

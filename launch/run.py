@@ -34,7 +34,7 @@ from . import config as config_lib
 from . import local, preflight, report, savedir_lock
 from . import resume as resume_lib
 from .config import ConfigError
-from .peer import stop_on_signals, train
+from .peer import stop_on_signals
 
 log = logging.getLogger("moolib.launch")
 
@@ -145,12 +145,7 @@ def _start(job: preflight.Job, final: DictConfig, savedir: Path) -> int:
         if final.scaling.wait:
             code = slurm.follow(launched, stop)
     elif mode == "single":
-        broker = None if final.broker else local.EmbeddedBroker()
-        try:
-            train(final, 0, final.broker or broker.address, stop)
-        finally:
-            if broker:
-                broker.close()
+        local.run_single(final, stop)
     else:
         _fail(f"scaling.name {mode!r} is not one of single, local, slurm")
     if stop.is_set():

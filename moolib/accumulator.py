@@ -64,7 +64,8 @@ class Accumulator:
 
     ``parameters`` and ``buffers`` are the model's (e.g. ``model.parameters()``,
     ``model.buffers()``). Without ``group``, the accumulator makes its own Rpc
-    and a group named ``name``; ``connect(address)`` then reaches the broker.
+    and a group named ``name``; ``connect(address)`` then reaches the broker, and
+    ``close()`` leaves the group and closes that Rpc.
     """
 
     def __init__(
@@ -83,6 +84,8 @@ class Accumulator:
                     raise TypeError(
                         f"Accumulator {what} must be tensors, got {type(t).__name__} at index {i}"
                     )
+        # Made here (no group given): this accumulator's own, which close() closes.
+        self._owns_group = group is None
         if group is None:
             group = Group(Rpc(), name)
         self._group = group
@@ -135,6 +138,20 @@ class Accumulator:
     def connect(self, address: str) -> None:
         """Connects this accumulator's Rpc to the broker at ``address``."""
         self._rpc.connect(address)
+
+    def close(self) -> None:
+        """Stops taking part: its function on the Rpc is undefined and, when the accumulator
+        made its own Rpc and group (none given), the group is left (the broker hears it at
+        once) and the Rpc closed. A given group and its Rpc stay open: they are the caller's.
+        Without it, the Rpc lives on until garbage collected (the function it serves refers
+        back to the accumulator), still reaching for its broker. Safe to call twice."""
+        try:
+            self._rpc.undefine(self._state_function)
+        except Exception:  # noqa: BLE001 - undefined already, or the Rpc was closed first
+            pass
+        if self._owns_group:
+            self._group.close()
+            self._rpc.close()
 
     def connected(self) -> bool:
         """Whether this peer is in the group, knows its leader and has received its model."""

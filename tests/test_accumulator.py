@@ -1047,3 +1047,36 @@ def test_arguments_are_checked_as_the_original_binds_them():
     acc.set_virtual_batch_size(np.int64(8))  # numpy's ints pass, as they do there
     acc.set_model_version(np.int64(4))
     assert acc.model_version() == 4 and type(acc.model_version()) is int
+
+
+def test_close_leaves_the_group_and_closes_the_rpc_it_made(make_peer, local_broker):
+    """close(): the others see the member leave at once (not after its timeout), the Rpc
+    the accumulator made is closed, and a second close() does nothing. An accumulator
+    over a group it was given leaves that group and its Rpc open: they are the caller's."""
+    a, b = make_peer([1.0]), make_peer([2.0])
+    connect_all([a, b])
+    a.acc.close()
+    a.acc.close()
+    poll_until([b], lambda: b.acc.group.members() == [b.acc.rpc.get_name()], "b alone")
+    with pytest.raises(RuntimeError, match="this Rpc is closed"):
+        a.acc.rpc.connect(local_broker)
+    assert not a.acc.connected()
+
+    rpc = moolib.Rpc()
+    try:
+        group = moolib.Group(rpc, "acc_given")
+        w = torch.nn.Parameter(torch.zeros(1))
+        acc = moolib.Accumulator("acc_given", [w], [], group=group)
+        acc.close()
+        # The accumulator's function is gone; the caller's Rpc and group still work.
+        assert not any("__moolib_accumulator" in f for f in rpc.debug_info()["functions"])
+        rpc.connect(local_broker)
+
+        def joined():
+            group.update()
+            return group.active()
+
+        wait_for(joined, what="the given group joined")
+        group.close()
+    finally:
+        rpc.close()

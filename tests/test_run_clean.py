@@ -10,8 +10,18 @@ to count what each leaves behind.
 
 from __future__ import annotations
 
+import gc
+import logging
+import os
+import threading
+import time
+
 import pytest
 from helpers.run_util import QUICK, check_ok, run, run_quick, snapshot
+from moolib.launch import config as config_lib
+from moolib.launch import local
+
+import moolib
 
 
 def one_error_line(result) -> str:
@@ -78,3 +88,143 @@ def test_a_resume_with_a_network_that_cannot_take_the_observations_is_refused(tm
     assert "agent.network=impala_deep" in line and "env=cartpole" in line, line
     assert "shape (4,)" in line, line
     assert snapshot(savedir) == before  # nothing written, nothing recorded as resumed
+
+
+# -- every point of a sweep releases what it opened -------------------------------------------
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _python_threads() -> list[str]:
+    # Not the dummies: threading's stand-ins for the core's threads that ran Python code
+    # (logged a line here), which it keeps for good.
+    dummy = threading._DummyThread  # type: ignore[attr-defined]
+    return sorted(t.name for t in threading.enumerate() if not isinstance(t, dummy))
+
+
+def _settled(measure, limit: int, timeout: float = 30.0) -> int:
+    """``measure()`` once it is at most ``limit``, else its value after ``timeout`` seconds:
+    an Rpc's sockets close on its threads, a moment after close() returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = measure()
+        if value <= limit or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+class _RpcCensus:
+    """Every moolib Rpc made while it counts, and which of them were closed: an Rpc alive
+    and not closed is still connected, or still trying to connect, to its broker."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import weakref
+
+        self.made: list[weakref.ref] = []
+        self.closed: set[int] = set()
+        init, close = moolib.Rpc.__init__, moolib.Rpc.close
+
+        def counted_init(rpc, *args, **kwargs):
+            init(rpc, *args, **kwargs)
+            self.made.append(weakref.ref(rpc))
+
+        def counted_close(rpc):
+            self.closed.add(id(rpc))
+            close(rpc)
+
+        monkeypatch.setattr(moolib.Rpc, "__init__", counted_init)
+        monkeypatch.setattr(moolib.Rpc, "close", counted_close)
+
+    def open(self) -> list[str]:
+        """The names of the Rpcs alive and not closed."""
+        alive = [r() for r in self.made]
+        return [rpc.get_name() for rpc in alive if rpc is not None and id(rpc) not in self.closed]
+
+
+class _CoreLog(logging.Handler):
+    """The core's log lines, verbose ones included (each failed dial is one)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+# Points that end quickly: a2c on CartPole, and Ape-X with its actors as threads.
+POINTS = {
+    "a2c": ["agent=a2c", "total_steps=3000"],
+    "apex": ["agent=apex", "total_steps=1500", "agent.min_replay_size=100"],
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("agent", sorted(POINTS))
+def test_each_point_of_a_sweep_releases_what_it_opened(
+    compose_config, tmp_path, monkeypatch, agent
+):
+    """Two points run one after the other in this process, as Hydra runs a -m sweep's
+    (scaling=single: launch.local.run_single). The garbage collector is off, as it may well
+    be for seconds in a real sweep: what a point leaves for it to close stays open. After
+    each point no Rpc of it is open, nothing dials its broker (gone by then: every failed
+    dial is a verbose line of the core's log, and after 11 s the 'no link after 11 s,
+    still trying' error), and the second point leaves no more descriptors and threads than
+    the first."""
+    core_log = _CoreLog()
+    # Each point's broker's address, and how many lines the core had logged when it closed.
+    closed_brokers: list[tuple[str, int]] = []
+
+    class RecordedBroker(local.EmbeddedBroker):
+        def close(self) -> None:
+            super().close()
+            closed_brokers.append((self.address, len(core_log.lines)))
+
+    monkeypatch.setattr(local, "EmbeddedBroker", RecordedBroker)
+    census = _RpcCensus(monkeypatch)
+    logger = logging.getLogger("test-run-clean.moolib-core")
+    logger.addHandler(core_log)
+    logger.setLevel(logging.DEBUG)
+    moolib.set_logging(logger)
+    moolib.set_log_level("verbose")
+    threads_before = _python_threads()
+
+    def point(n: int) -> None:
+        cfg = compose_config(*POINTS[agent], "env=cartpole", "device=cpu", "log_interval=1")
+        final = config_lib.prepare(cfg, tmp_path / str(n))
+        local.run_single(final, threading.Event())
+        assert (tmp_path / str(n) / "checkpoint.pt").exists()
+
+    gc.collect()
+    gc.disable()
+    try:
+        point(0)
+        assert census.open() == [], "Rpcs of the finished point still open"
+        fds, threads = _fds(), _os_threads()
+        point(1)
+        assert census.open() == [], "Rpcs of the finished point still open"
+        # The first point's broker is gone for the whole second point, the second's now:
+        # give a leftover Rpc time to dial them again (it does every 1.6 s at most).
+        time.sleep(5)
+        dials = [
+            line
+            for address, logged in closed_brokers
+            for line in core_log.lines[logged:]
+            if f"connect to {address}" in line or f'connect("{address}")' in line
+        ]
+        assert dials == [], dials[:5]
+        assert _settled(_fds, fds) <= fds, os.listdir("/proc/self/fd")
+        assert _settled(_os_threads, threads) <= threads
+        assert _python_threads() == threads_before
+    finally:
+        gc.enable()
+        moolib.set_logging(None)
+        moolib.set_log_level("error")
+        logger.removeHandler(core_log)
+    assert len(closed_brokers) == 2 and closed_brokers[0][0] != closed_brokers[1][0]
