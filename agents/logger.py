@@ -542,6 +542,10 @@ class EpisodeStats:
         self.returns.extend(returns)
         self.lengths.extend(lengths)
 
+    def __len__(self) -> int:
+        """The episodes finished since the last ``take``."""
+        return len(self.returns)
+
     def take(self) -> dict[str, Any]:
         n = len(self.returns)
         out = {

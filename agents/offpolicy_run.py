@@ -427,6 +427,11 @@ class _Reports:
             now = time.monotonic()
             return all(k in self.told for k, (t, _) in self.seen.items() if now - t < ACTOR_STALE)
 
+    def pending(self) -> tuple[int, int]:
+        """Env steps and episodes reported since they were last taken (left there)."""
+        with self.lock:
+            return self.env_steps, len(self.episodes)
+
     def take_steps(self) -> int:
         """Env steps reported since the last call."""
         with self.lock:
@@ -741,7 +746,12 @@ class Learner:
                     self.elapsed = clock()
                     self._save()
                     last_checkpoint = time.monotonic()
-            if stats or self.steps != last["steps"] or not row:
+            # A last row for what the run did since the previous one; none when the actors
+            # took no step and ended no episode (stopped right after a row, a learner step
+            # or two since): a row at that row's step would take its place in moolib-plot
+            # and the summary, with no return.
+            steps, episodes = self.reports.pending()
+            if not row or self.steps + steps != last["steps"] or episodes:
                 row = self._log_row(stats, last, clock())
                 logger.write(row)
                 progress.update(row, self._filling(row))

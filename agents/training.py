@@ -529,18 +529,22 @@ class Trainer:
                     self._save()
                     last_checkpoint = time.monotonic()
             now = clock()
-            row = self._log_row(
-                stats,
-                episodes,
-                now,
-                max(1e-9, now - last_log_time),
-                self.steps - last_log_steps,
-                env_steps - last_env_steps,
-            )
-            logger.write(row)
-            progress.update(row)
-            if wandb_run:
-                wandb_run.log(row)
+            # A last row for what the run did since the previous one; none when it learned
+            # nothing and no episode ended (stopped right after a row): a row at that row's
+            # step would take its place in moolib-plot and the summary, with no return.
+            if not row or self.steps != last_log_steps or len(episodes):
+                row = self._log_row(
+                    stats,
+                    episodes,
+                    now,
+                    max(1e-9, now - last_log_time),
+                    self.steps - last_log_steps,
+                    env_steps - last_env_steps,
+                )
+                logger.write(row)
+                progress.update(row)
+                if wandb_run:
+                    wandb_run.log(row)
             self.elapsed = now
             self._save_final()
         finally:

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers.run_util import QUICK, check_ok, run, run_quick, snapshot
@@ -228,3 +229,106 @@ def test_each_point_of_a_sweep_releases_what_it_opened(
         moolib.set_log_level("error")
         logger.removeHandler(core_log)
     assert len(closed_brokers) == 2 and closed_brokers[0][0] != closed_brokers[1][0]
+
+
+# -- a Ctrl-C right after a log row -----------------------------------------------------------
+
+
+def _record_rows(monkeypatch, stop: threading.Event | None = None) -> list[dict]:
+    """The rows written to logs.tsv from now on, in order; with ``stop``, which is set as
+    the first row with finished episodes is written: a Ctrl-C right after a log row."""
+    from moolib.agents.logger import TsvLog
+
+    written: list[dict] = []
+    write = TsvLog.write
+
+    def recorded(log, row):
+        write(log, row)
+        written.append(dict(row))
+        if stop is not None and row.get("episodes", 0) > 0:
+            stop.set()
+
+    monkeypatch.setattr(TsvLog, "write", recorded)
+    return written
+
+
+def _check_the_last_real_row_stays(savedir: Path, written: list[dict], stopped_at: dict):
+    """No row after ``stopped_at`` takes its place: the logs, the summary and moolib-plot all
+    end on the last row with episodes, the return the last progress line showed."""
+    from moolib.launch import plot, report
+
+    after = written[written.index(stopped_at) + 1 :]
+    # A later row at the same step would supersede it (a resume's rule) with no return.
+    assert all(r["step"] > stopped_at["step"] for r in after), (stopped_at, after)
+    last_real = [r for r in written if r.get("episodes", 0) > 0][-1]
+    ret = last_real["mean_episode_return"]
+    totals = report.read_totals(savedir)
+    assert totals is not None and totals.mean_return == pytest.approx(ret), (totals, last_real)
+    text = report.summary(savedir, 10**9, exit_code=130)
+    assert text is not None and f"mean return {ret:.2f}" in text, text
+    table = plot.read_table(savedir / "logs.tsv")
+    series = plot.load_series(table, "mean_episode_return", "step", "run")
+    assert series.last() == (pytest.approx(last_real["step"]), pytest.approx(ret))
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_right_after_a_row_leaves_that_row_the_last_word(
+    compose_config, tmp_path, monkeypatch
+):
+    from moolib.agents.training import PeerInfo, Trainer
+
+    stop = threading.Event()
+    written = _record_rows(monkeypatch, stop)
+    cfg = compose_config(*QUICK, "total_steps=1000000000", "torch_threads=1")
+    final = config_lib.prepare(cfg, tmp_path)
+    broker = local.EmbeddedBroker()
+    guard = threading.Timer(120, stop.set)  # never hangs, whatever happens
+    guard.start()
+    try:
+        peer = PeerInfo(rank=0, savedir=tmp_path, logdir=tmp_path, broker=broker.address)
+        Trainer(final, peer).run(stop)
+    finally:
+        guard.cancel()
+        broker.close()
+    stopped_at = next(r for r in written if r.get("episodes", 0) > 0)
+    _check_the_last_real_row_stays(tmp_path, written, stopped_at)
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_right_after_a_row_and_a_learner_step_leaves_that_row_the_last_word(
+    compose_config, tmp_path, monkeypatch
+):
+    """Ape-X's learner: stopped by the first learner step after a row with episodes (its
+    losses are new, its actors' steps not reported yet)."""
+    from moolib.agents.offpolicy_run import Learner
+    from moolib.launch.peer import make_trainer
+
+    stop = threading.Event()
+    written = _record_rows(monkeypatch)
+    update = Learner._update
+
+    def learner_step(learner, stats):
+        learned = update(learner, stats)
+        if learned and any(r.get("episodes", 0) > 0 for r in written):
+            stop.set()
+        return learned
+
+    monkeypatch.setattr(Learner, "_update", learner_step)
+    cfg = compose_config(
+        *QUICK,
+        "agent=apex",
+        "total_steps=1000000000",
+        "agent.min_replay_size=100",
+        "torch_threads=1",
+    )
+    final = config_lib.prepare(cfg, tmp_path)
+    broker = local.EmbeddedBroker()
+    guard = threading.Timer(180, stop.set)
+    guard.start()
+    try:
+        make_trainer(final, 0, broker.address).run(stop)
+    finally:
+        guard.cancel()
+        broker.close()
+    stopped_at = [r for r in written if r.get("episodes", 0) > 0][0]
+    _check_the_last_real_row_stays(tmp_path, written, stopped_at)
