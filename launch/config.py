@@ -48,6 +48,14 @@ def _number(cfg: DictConfig, key: str, low: float, high: float | None = None) ->
         raise ConfigError(f"{key} must be a number {bounds}, got {value!r}")
 
 
+def _seconds(cfg: DictConfig, key: str) -> None:
+    """A number of seconds > 0 (0 would do the thing at every step of the loop)."""
+    value = OmegaConf.select(cfg, key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not value > 0:
+        raise ConfigError(f"{key} must be a number of seconds > 0, got {value!r}")
+
+
 def check_flag(key: str, value: object) -> None:
     """Raises ConfigError unless ``value`` (the setting ``key``) is true or false."""
     if not isinstance(value, bool):
@@ -103,7 +111,8 @@ def validate(cfg: DictConfig) -> None:
         shown = OmegaConf.to_object(name) if OmegaConf.is_config(name) else name
         raise ConfigError(f"name must be a non-empty string, got {shown!r}")
     _flag(cfg, "wandb.enabled")
-    _number(cfg, "log_interval", 0.0)
+    # 0 would log every update: tens of thousands of lines a minute.
+    _seconds(cfg, "log_interval")
     _number(cfg, "checkpoint_interval", 0.0)
     _number(cfg, "group_timeout", 0.1, 1e6)
     _number(cfg, "lost_group_timeout", 1.0)

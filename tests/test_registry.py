@@ -83,7 +83,7 @@ TINY_OFFPOLICY = [
     "device=cpu",
     "torch_threads=1",
     "seed=1",
-    "log_interval=0",
+    "log_interval=0.01",
 ]
 SEQUENCES = ["agent.sequence_length=8", "agent.overlap=4", "agent.burn_in=2"]
 

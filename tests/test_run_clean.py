@@ -332,3 +332,19 @@ def test_ctrl_c_right_after_a_row_and_a_learner_step_leaves_that_row_the_last_wo
         broker.close()
     stopped_at = [r for r in written if r.get("episodes", 0) > 0][0]
     _check_the_last_real_row_stays(tmp_path, written, stopped_at)
+
+
+# -- log_interval must be more than 0 ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["log_interval=0"], ["log_interval=0.0"], ["-m", "log_interval=5,0"]],
+    ids=["zero", "zero-float", "sweep"],
+)
+def test_log_interval_zero_is_refused(tmp_path, overrides):
+    """0 logged every update (52,838 lines in 40 s): refused as the other bad values are."""
+    result = run_quick(tmp_path, *overrides, "agent=a2c", "env=cartpole", "total_steps=100")
+    line = one_error_line(result)
+    assert "log_interval must be a number of seconds > 0, got 0" in line, line
+    assert list(tmp_path.iterdir()) == []
