@@ -240,6 +240,21 @@ class Trainer:
         self.loss_fn = get_agent(self.agent.name).compute_loss
 
         self.envs, obs_shape, self.num_actions = make_envs(cfg)
+        try:
+            self._start(obs_shape)
+        except BaseException:
+            # A Trainer that fails to start (a savedir with no intact checkpoint, a
+            # model that does not fit the device) leaves nothing running: its env
+            # workers, and its accumulator's Rpc reaching for the broker.
+            if hasattr(self, "accumulator"):
+                self.accumulator.close()
+            self.envs.close()
+            raise
+
+    def _start(self, obs_shape: tuple[int, ...]) -> None:
+        """Builds the model, optimizer, accumulator and batcher, and restores the
+        experiment's newest checkpoint."""
+        cfg, peer = self.cfg, self.peer
         self.model = create_model(
             obs_shape,
             self.num_actions,

@@ -132,3 +132,40 @@ def test_a_restored_trainer_acts_and_steps_as_the_saved_one(compose_config, tmp_
         trainer.optimizer.step()
     for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True):
         assert _same(a.detach().cpu(), b.detach().cpu(), device)
+
+
+def test_a_trainer_that_cannot_restore_leaves_nothing_running(
+    compose_config, tmp_path, monkeypatch
+):
+    """A savedir whose every checkpoint is damaged refuses to start (rather than
+    train from scratch over them), and the env workers and the accumulator's Rpc
+    it had started by then are closed, not left to the garbage collector."""
+    from moolib.agents import training
+
+    cfg = config_lib.prepare(compose_config(*SMALL, "device=cpu"), tmp_path)
+    (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    pools, closed = [], []
+    make_envs, close = training.make_envs, training.moolib.Accumulator.close
+
+    def recorded_envs(cfg):
+        made = make_envs(cfg)
+        pools.append(made[0])
+        return made
+
+    def recorded_close(accumulator):
+        closed.append(accumulator)
+        close(accumulator)
+
+    monkeypatch.setattr(training, "make_envs", recorded_envs)
+    monkeypatch.setattr(training.moolib.Accumulator, "close", recorded_close)
+    broker = EmbeddedBroker()
+    try:
+        peer = PeerInfo(rank=0, savedir=tmp_path, logdir=tmp_path, broker=broker.address)
+        with pytest.raises(checkpoint.CheckpointError, match="no intact checkpoint"):
+            Trainer(cfg, peer)
+    finally:
+        broker.close()
+    assert len(pools) == 1 and pools[0]._closed
+    assert len(closed) == 1
+    with pytest.raises(RuntimeError):
+        pools[0].step(0, torch.zeros(2, dtype=torch.int64))
