@@ -113,7 +113,7 @@ def validate(cfg: DictConfig) -> None:
     _flag(cfg, "wandb.enabled")
     # 0 would log every update: tens of thousands of lines a minute.
     _seconds(cfg, "log_interval")
-    _number(cfg, "checkpoint_interval", 0.0)
+    _seconds(cfg, "checkpoint_interval")
     _number(cfg, "group_timeout", 0.1, 1e6)
     _number(cfg, "lost_group_timeout", 1.0)
     threads = cfg.torch_threads

@@ -1,7 +1,8 @@
 """A run ends clean, and says what happened: a network that cannot take the env's
 observations is a config error before anything starts; every point of a sweep releases
 what it opened (its Rpcs, groups and broker); a Ctrl-C right after a log row leaves the
-logs, the summary and ``moolib-plot`` on the last real row; ``log_interval`` must be > 0.
+logs, the summary and ``moolib-plot`` on the last real row; ``log_interval`` and
+``checkpoint_interval`` must be > 0.
 
 The launcher runs as real processes (``python -m moolib.launch.run``) where the exit code
 and the output are the point; the sweep's points run in this process, as Hydra runs them,
@@ -334,17 +335,24 @@ def test_ctrl_c_right_after_a_row_and_a_learner_step_leaves_that_row_the_last_wo
     _check_the_last_real_row_stays(tmp_path, written, stopped_at)
 
 
-# -- log_interval must be more than 0 ---------------------------------------------------------
+# -- log_interval and checkpoint_interval must be more than 0 -------------------------------
 
 
 @pytest.mark.parametrize(
     "overrides",
-    [["log_interval=0"], ["log_interval=0.0"], ["-m", "log_interval=5,0"]],
-    ids=["zero", "zero-float", "sweep"],
+    [
+        ["log_interval=0"],
+        ["log_interval=0.0"],
+        ["-m", "log_interval=5,0"],
+        ["checkpoint_interval=0"],
+    ],
+    ids=["zero", "zero-float", "sweep", "checkpoint-zero"],
 )
-def test_log_interval_zero_is_refused(tmp_path, overrides):
-    """0 logged every update (52,838 lines in 40 s): refused as the other bad values are."""
+def test_an_interval_of_zero_is_refused(tmp_path, overrides):
+    """log_interval=0 logged every update (52,838 lines in 40 s), and checkpoint_interval=0
+    wrote a checkpoint at every step: refused as the other bad values are."""
     result = run_quick(tmp_path, *overrides, "agent=a2c", "env=cartpole", "total_steps=100")
     line = one_error_line(result)
-    assert "log_interval must be a number of seconds > 0, got 0" in line, line
+    key = overrides[-1].split("=")[0]
+    assert f"{key} must be a number of seconds > 0, got 0" in line, line
     assert list(tmp_path.iterdir()) == []
