@@ -475,6 +475,24 @@ class Trainer:
         lost_group_timeout = float(cfg.lost_group_timeout)
         row: dict[str, Any] = {}
         b = 0
+
+        def write_row(now: float) -> dict[str, Any]:
+            """Logs what the run did since the last row (to logs.tsv, the progress
+            line and wandb) and returns the row."""
+            written = self._log_row(
+                stats,
+                episodes,
+                now,
+                max(1e-9, now - last_log_time),
+                self.steps - last_log_steps,
+                env_steps - last_env_steps,
+            )
+            logger.write(written)
+            progress.update(written)
+            if wandb_run:
+                wandb_run.log(written)
+            return written
+
         try:
             progress.start()
             while self.steps < total_steps and not stop.is_set():
@@ -522,18 +540,7 @@ class Trainer:
 
                 now = clock()
                 if now - last_log_time >= log_interval:
-                    row = self._log_row(
-                        stats,
-                        episodes,
-                        now,
-                        now - last_log_time,
-                        self.steps - last_log_steps,
-                        env_steps - last_env_steps,
-                    )
-                    logger.write(row)
-                    progress.update(row)
-                    if wandb_run:
-                        wandb_run.log(row)
+                    row = write_row(now)
                     stats = {}
                     last_log_time, last_log_steps, last_env_steps = now, self.steps, env_steps
                 if (
@@ -548,18 +555,7 @@ class Trainer:
             # nothing and no episode ended (stopped right after a row): a row at that row's
             # step would take its place in moolib-plot and the summary, with no return.
             if not row or self.steps != last_log_steps or len(episodes):
-                row = self._log_row(
-                    stats,
-                    episodes,
-                    now,
-                    max(1e-9, now - last_log_time),
-                    self.steps - last_log_steps,
-                    env_steps - last_env_steps,
-                )
-                logger.write(row)
-                progress.update(row)
-                if wandb_run:
-                    wandb_run.log(row)
+                row = write_row(now)
             self.elapsed = now
             self._save_final()
         finally:
