@@ -1,25 +1,39 @@
-"""End-to-end training throughput of moolib-run, beside its limit, in one run.
+"""End-to-end training throughput of moolib-run, beside its limits, in one run.
 
-    python bench/train.py [--seconds 90] [--device cpu]
+    python bench/train.py [--seconds 90] [--warmup 30] [--device cpu]
     python bench/train.py --cases --apex-loops 1 2 4 [--apex-seconds 45] [--apex-replay 2000]
 
-For V-trace on Breakout (the deep IMPALA network; actor batch 32 x 2, learner
-batch 8, unroll 20, as in the original moolib's example) and A2C on CartPole
-(conf/tuning/a2c_cartpole.yaml), prints:
+For V-trace on Breakout (the deep IMPALA network; actor batch 32 x 2 on 2 env
+processes, learner batch 8, unroll 20, as in the original moolib's example) and
+A2C on CartPole (conf/tuning/a2c_cartpole.yaml), prints, per case, in one run on
+the same machine (each limit measured right after the runs):
 
-- the learner's limit: forward + backward + optimizer step on learner batches
-  of the same shape, in a loop on the same device, in env steps per second
-  (unroll_length * batch_size per learner batch), and the compute limit of
-  acting and learning together (adding the actors' forward passes per env
-  step), measured right after the run on the same machine;
 - moolib-run's end-to-end SPS (env steps learned from per second, from its
-  logs.tsv after a warm-up), as a ratio to that limit;
+  logs.tsv after a warm-up), its actors' env steps/s over the same rows, and
+  the cores its own process and its env workers kept busy meanwhile (CPU
+  seconds per second, from /proc);
+- the EnvPool limit: the ``moolib.EnvPool`` moolib-run builds for that config
+  (``agents/training.py``'s ``make_envs``: the same env factory and options,
+  ``num_actor_cpus`` worker processes, ``num_actor_batches`` batches of
+  ``actor_batch_size`` envs), stepped double-buffered (a batch steps while the
+  other is in flight) with random actions and nothing else, in env steps/s;
+  and the run's SPS as a ratio to it;
+- the loop's limit: the same moolib-run with a network that costs almost
+  nothing (``--tiny``, by default ``agent.network=mlp agent.hidden_size=16``,
+  an MLP on the flattened frames), its SPS and its ratio to the EnvPool limit
+  (issue 39's bar on Atari: >= 0.8);
+- the learner's compute limit: forward + backward + optimizer step on learner
+  batches of the same shape, in a loop on the same device, in env steps per
+  second (unroll_length * batch_size per learner batch), and the compute limit
+  of acting and learning together (adding the actors' forward passes per env
+  step), each with the run's SPS as a ratio to it;
 - the original moolib's published figure on these machines where there is one
   (~63 SPS for V-trace on Breakout on CPU).
 
 ``--torch-threads auto N ...`` runs each case once per setting of moolib-run's
-``torch_threads`` (``N`` = this machine's core count is torch's own default),
-and ``--busy-cores K`` keeps K other processes spinning meanwhile (a busy
+``torch_threads`` (``N`` = this machine's core count is torch's own default;
+the limits once per case, the tiny-network run with the first setting), and
+``--busy-cores K`` keeps K other processes spinning meanwhile (a busy
 neighbour), so the two can be compared in one run.
 
 ``--apex-loops 1 2 4`` (``--cases`` with no names skips the cases above) runs
@@ -62,6 +76,10 @@ from moolib.agents import impala
 from moolib.agents.models import create_model
 
 ORIGINAL_MOOLIB_VTRACE_BREAKOUT_CPU_SPS = 63.0
+
+# The loop-limit run's overrides: an MLP of width 16 on the flattened observations
+# (frames too), whose forward and backward cost almost nothing beside the env step.
+TINY_NETWORK = ("agent.network=mlp", "agent.hidden_size=16")
 
 CASES = {
     "vtrace-breakout": {
@@ -187,29 +205,94 @@ def _interrupt(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by process ``pid``, and by its
+    descendants alive now (the env workers) together, from /proc; nan where /proc
+    cannot tell."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def used(p: int) -> float:
+        with open(f"/proc/{p}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    def children(p: int) -> list[int]:
+        kids = []
+        for task in os.listdir(f"/proc/{p}/task"):
+            with open(f"/proc/{p}/task/{task}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+        return kids
+
+    try:
+        own, rest, todo = used(pid), 0.0, children(pid)
+    except OSError:
+        return float("nan"), float("nan")
+    while todo:
+        child = todo.pop()
+        try:
+            rest += used(child)
+            todo += children(child)
+        except OSError:  # gone meanwhile
+            pass
+    return own, rest
+
+
 def run_sps(
-    case: dict, device: str, seconds: float, warmup: float, threads: str = "auto"
-) -> tuple[float, str]:
-    """moolib-run's SPS: steps learned per second between the first log row
-    after ``warmup`` seconds and the last row, over ``seconds`` of training."""
-    with tempfile.TemporaryDirectory() as savedir:
+    case: dict,
+    device: str,
+    seconds: float,
+    warmup: float,
+    threads: str = "auto",
+    extra: tuple[str, ...] = (),
+) -> dict:
+    """One moolib-run of ``case`` (``extra`` overrides after the case's own), for
+    ``warmup`` + ``seconds``, then Ctrl-C. Returns its SPS (steps learned per second
+    between the first log row after ``warmup`` seconds and the last row), its actors'
+    env steps per second over the same rows, the cores the run's own process and its
+    env workers kept busy over the timed ``seconds`` (CPU seconds per second), and the
+    command's overrides."""
+    with tempfile.TemporaryDirectory() as savedir, tempfile.TemporaryFile() as err:
         cmd = _run_command(
-            [*case["overrides"], f"device={device}", f"torch_threads={threads}"], savedir
+            [*case["overrides"], *extra, f"device={device}", f"torch_threads={threads}"],
+            savedir,
         )
         env = dict(os.environ, WANDB_MODE="disabled")
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        # stderr to a file: a pipe nobody reads would stall the run once full.
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         try:
-            time.sleep(warmup + seconds)
+            time.sleep(warmup)
+            before, since = _cpu_seconds(proc.pid), time.monotonic()
+            time.sleep(seconds)
+            after, span = _cpu_seconds(proc.pid), time.monotonic() - since
         finally:
             _interrupt(proc)
         with open(Path(savedir) / "logs.tsv") as f:
             rows = [r for r in csv.DictReader(f, delimiter="\t")]
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    result = {
+        "sps": float("nan"),
+        "env_sps": float("nan"),
+        "run_cores": (after[0] - before[0]) / span,
+        "worker_cores": (after[1] - before[1]) / span,
+        "command": " ".join(cmd[3:]),
+    }
     timed = [r for r in rows if float(r["time"]) >= warmup and r["step"]]
     if len(timed) < 2:
-        return float("nan"), " ".join(cmd[3:])
+        print(f"  no timed rows from {result['command']}:\n{stderr[-2000:]}", file=sys.stderr)
+        return result
     first, last = timed[0], timed[-1]
-    steps = int(last["step"]) - int(first["step"])
-    return steps / (float(last["time"]) - float(first["time"])), " ".join(cmd[3:])
+    span = float(last["time"]) - float(first["time"])
+    result["sps"] = (int(last["step"]) - int(first["step"])) / span
+    # Each row's env_sps is over the interval since the row before it.
+    result["env_sps"] = (
+        sum(
+            _num(r, "env_sps") * (float(r["time"]) - float(prev["time"]))
+            for prev, r in zip(timed[:-1], timed[1:], strict=True)
+        )
+        / span
+    )
+    return result
 
 
 # -- Ape-X on Breakout ---------------------------------------------------------------------
@@ -217,15 +300,20 @@ def run_sps(
 APEX_OVERRIDES = ["agent=apex", "env=breakout", "scaling=single"]
 
 
-def _apex_config(loops: int, batch: int, replay: int) -> object:
-    """The composed and checked config the Ape-X runs use (for the limits' pools)."""
+def _config(overrides: list[str]) -> object:
+    """moolib-run's composed and checked config for ``overrides`` (for the limits' pools)."""
     from hydra import compose, initialize_config_module
     from moolib.launch import config as config_lib
 
     with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
-        cfg = compose("config", overrides=_apex_overrides(loops, batch, replay))
+        cfg = compose("config", overrides=overrides)
     config_lib.validate(cfg)
     return cfg
+
+
+def _apex_config(loops: int, batch: int, replay: int) -> object:
+    """The composed and checked config the Ape-X runs use (for the limits' pools)."""
+    return _config(_apex_overrides(loops, batch, replay))
 
 
 def _apex_overrides(loops: int, batch: int, replay: int) -> list[str]:
@@ -312,16 +400,31 @@ def apex_run(
     return result
 
 
+def _pool_maker(cfg: object) -> object:
+    """What builds the env pool moolib-run builds for ``cfg``: the on-policy Trainer's
+    ``make_envs``, or an off-policy actor loop's ``_make_envs``."""
+    from moolib.agents.registry import get_agent
+
+    if get_agent(cfg.agent.name).runtime == "offpolicy":  # type: ignore[attr-defined]
+        from moolib.agents.offpolicy_run import _make_envs, _typed
+
+        agent = _typed(cfg)  # type: ignore[arg-type]
+        return lambda: _make_envs(cfg, agent)  # type: ignore[arg-type]
+    from moolib.agents.training import make_envs
+
+    return lambda: make_envs(cfg)  # type: ignore[arg-type]
+
+
 def envpool_limit(cfg: object, seconds: float, loops: int = 1) -> float:
-    """Env steps/s of the pools ``loops`` Ape-X actor loops build (same env, batches,
-    worker processes each), each stepped double-buffered with random actions and
-    nothing else, by a thread of its own, all at once."""
+    """Env steps/s of the pools moolib-run builds for ``cfg`` (same env and options,
+    batches, worker processes), ``loops`` of them (as many Ape-X actor loops build),
+    each stepped double-buffered with random actions and nothing else, by a thread
+    of its own, all at once."""
     import threading
 
-    from moolib.agents.offpolicy_run import _make_envs, _typed
-
-    agent = _typed(cfg)  # type: ignore[arg-type]
-    nb, bs = agent.num_actor_batches, agent.actor_batch_size
+    make = _pool_maker(cfg)
+    agent = cfg.agent  # type: ignore[attr-defined]
+    nb, bs = int(agent.num_actor_batches), int(agent.actor_batch_size)
     made: list = []
     counts = [0] * loops
 
@@ -349,7 +452,7 @@ def envpool_limit(cfg: object, seconds: float, loops: int = 1) -> float:
     try:
         # Inside the try: a pool that fails to start closes those made before it.
         for _ in range(loops):
-            made.append(_make_envs(cfg, agent))  # type: ignore[arg-type]
+            made.append(make())
         start = time.perf_counter() + 2.0  # a warm-up, the same for every pool
         threads = [threading.Thread(target=step, args=(i,)) for i in range(loops)]
         for t in threads:
@@ -438,6 +541,15 @@ def main() -> None:
     parser.add_argument("--torch-threads", nargs="*", default=["auto"])
     parser.add_argument("--busy-cores", type=int, default=0, help="spinning processes meanwhile")
     parser.add_argument(
+        "--tiny",
+        nargs="*",
+        default=list(TINY_NETWORK),
+        help="overrides of the loop-limit run (a network that costs almost nothing)",
+    )
+    parser.add_argument(
+        "--envpool-seconds", type=float, default=15.0, help="timed stepping of the EnvPool limit"
+    )
+    parser.add_argument(
         "--apex-loops", type=int, nargs="*", default=[], help="Ape-X on Breakout: actor loops"
     )
     parser.add_argument("--apex-seconds", type=float, default=60.0, help="timed learning per run")
@@ -470,23 +582,45 @@ def report(args: argparse.Namespace) -> None:
         f"torch's default threads {torch.get_num_threads()}, busy cores {args.busy_cores}"
     )
     print(
-        f"{'case':18} {'threads':>7} {'moolib-run SPS':>15} {'learner limit':>14} {'ratio':>6} "
-        f"{'act+learn limit':>16} {'ratio':>6} {'original':>9}"
+        f"{'case':16} {'threads':>7} {'moolib-run SPS':>14} {'EnvPool limit':>13} {'ratio':>6} "
+        f"{'tiny-net SPS':>12} {'ratio':>6} {'learner limit':>13} {'ratio':>6} "
+        f"{'act+learn limit':>15} {'ratio':>6} {'original':>8}"
     )
+
+    def detail(label: str, run: dict) -> str:
+        return (
+            f"  {label}: {run['command']} (actors {run['env_sps']:,.0f} env steps/s; "
+            f"busy cores: the run's process {run['run_cores']:.2f}, "
+            f"its env workers {run['worker_cores']:.2f})"
+        )
+
     for name in args.cases:
         case = CASES[name]
-        learn = both = float("nan")
+        learn = both = pool = float("nan")
+        tiny: dict = {"sps": float("nan")}
         for threads in args.torch_threads:
-            sps, command = run_sps(case, args.device, args.seconds, args.warmup, threads)
-            if learn != learn:  # the limits once per case, with torch's default threads
+            run = run_sps(case, args.device, args.seconds, args.warmup, threads)
+            if learn != learn:
+                # Once per case, right after its first run: the loop's limit (with this
+                # run's torch threads), the EnvPool limit, the compute limits (with
+                # torch's default threads).
+                tiny = run_sps(
+                    case, args.device, args.seconds, args.warmup, threads, tuple(args.tiny)
+                )
+                pool = envpool_limit(_config(case["overrides"]), args.envpool_seconds)
                 learn, both = limits(case, args.device, min(20.0, args.seconds / 3))
+            sps = run["sps"]
             ref = case["reference"]
-            ref_text = f"{ref:9.0f}" if ref else f"{'-':>9}"
+            ref_text = f"{ref:8.0f}" if ref else f"{'-':>8}"
             print(
-                f"{name:18} {threads:>7} {sps:15.0f} {learn:14.0f} {sps / learn:6.2f} "
-                f"{both:16.0f} {sps / both:6.2f} {ref_text}"
+                f"{name:16} {threads:>7} {sps:14,.0f} {pool:13,.0f} {sps / pool:6.3f} "
+                f"{tiny['sps']:12,.0f} {tiny['sps'] / pool:6.3f} {learn:13,.0f} "
+                f"{sps / learn:6.2f} {both:15,.0f} {sps / both:6.2f} {ref_text}"
             )
-            print(f"  command: {command}")
+            print(detail("command", run))
+        if "command" in tiny:
+            print(detail("tiny-net", tiny))
+        print(f"  load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
