@@ -10,6 +10,8 @@ make no per-item Python objects. docs/architecture.md ("Replay") has the design.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import os
@@ -212,6 +214,16 @@ class _Schema:
             empty = [n for n, b in zip(names, schema.item_bytes, strict=True) if b == 0]
             raise ValueError(f"replay leaf {empty[0]} holds no bytes per item")
         return schema
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """Names the layout of the items' bytes (leaves, dtypes, shapes): equal on
+        a table and on a client that learned its layout, so a call through
+        shared memory can say which layout its rows are in."""
+        text = json.dumps(
+            [self.names, [str(d) for d in self.dtypes], [list(s) for s in self.shapes]]
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def to_json(self) -> dict:
         return {

@@ -48,6 +48,9 @@ __all__ = ["ReplayClient", "ReplayError", "serve"]
 # A client key: shard index in the top bits, the table's own key below.
 _SHARD_SHIFT = 48
 _LOCAL_MASK = (1 << _SHARD_SHIFT) - 1
+# A shared-memory call's answer where the table's layout is not the one the
+# client laid its rows out for.
+_OTHER_LAYOUT = "other layout"
 # A shard that failed is left out of sampling for this long, then asked again.
 _RETRY_AFTER = 5.0
 # The serving peer unmaps a client's segment unused for this long (its client
@@ -79,6 +82,10 @@ def _refused(error: RpcError) -> bool:
     """Whether the table answered the call with an error (it refused the
     input): the shard is there, as opposed to gone."""
     return str(error).startswith(_REMOTE_EXCEPTION)
+
+
+class _LayoutChanged(ReplayError):
+    """A shard's table no longer has the layout this client learned from it."""
 
 
 class _Mapped:
@@ -174,11 +181,22 @@ def serve(replay: Replay, rpc: Rpc, name: str) -> None:
             outs.append(view[start:end])
         return outs
 
-    def insert_from(sid: int, rows: list, prioritized: bool, count: int, wait: float) -> int | None:
+    def insert_from(
+        sid: int,
+        rows: list,
+        prioritized: bool,
+        count: int,
+        wait: float,
+        layout: str | None = None,
+    ) -> int | str | None:
         """Inserts ``count`` items from segment ``sid``: ``rows`` holds the byte
         offset of each leaf's rows, then the priorities' and the keys' (written
-        here). Returns how many went in; None: the segment is not mapped."""
-        schema = _layout_of(replay)
+        here). Returns how many went in; None: the segment is not mapped;
+        ``_OTHER_LAYOUT``: the items are in a layout (``layout``, a digest)
+        that is not this table's."""
+        schema = _layout_of(replay, layout)
+        if schema is None:
+            return _OTHER_LAYOUT
         views = outputs(sid, rows, [*schema.item_bytes, 8, 8], count)
         if views is None:
             return None
@@ -196,16 +214,21 @@ def serve(replay: Replay, rpc: Rpc, name: str) -> None:
         wait: float,
         keys: bytes | None = None,
         priorities: bytes | None = None,
-    ) -> tuple | None:
+        layout: str | None = None,
+    ) -> tuple | str | None:
         """Samples ``count`` items into segment ``sid``: ``rows`` holds the byte
         offset where each leaf's rows start, then the keys' and the
-        probabilities'. None: the segment is not mapped (attach it again).
+        probabilities'. None: the segment is not mapped (attach it again);
+        ``_OTHER_LAYOUT``: the client's rows are laid out for items
+        (``layout``, a digest) that are not this table's.
         ``keys`` and ``priorities`` (int64 and float64 bytes): a priority
         update the client deferred, applied before the draw, as if it had
         been its own call just before."""
         if keys is not None:
             replay._update_priorities_raw(keys, priorities)
-        schema = _layout_of(replay)
+        schema = _layout_of(replay, layout)
+        if schema is None:
+            return _OTHER_LAYOUT
         outs = outputs(sid, rows, [*schema.item_bytes, 8, 8], count)
         if outs is None:
             return None
@@ -224,8 +247,13 @@ def serve(replay: Replay, rpc: Rpc, name: str) -> None:
     rpc.define(f"{name}/update_priorities_raw", update_priorities_raw)
 
 
-def _layout_of(replay: Replay) -> Any:
+def _layout_of(replay: Replay, layout: str | None) -> Any:
+    """The table's layout for a shared-memory call made for ``layout`` (a
+    digest); None where the table has another one, or none yet (its peer
+    restarted with a fresh table, say): the client then learns it anew."""
     schema = replay._schema
+    if layout is not None:
+        return schema if schema is not None and schema.digest == layout else None
     if schema is None:
         raise RuntimeError("replay: shared memory calls before the table has items")
     return schema
@@ -318,6 +346,7 @@ class _InsertCall:
         "items",
         "priorities",
         "keys",
+        "schema",
     )
 
     def __init__(self, shard: _Shard, deadline: float) -> None:
@@ -336,6 +365,8 @@ class _InsertCall:
         self.items: Any = None
         self.priorities: Any = None
         self.keys: list[Any] = []
+        # The layout the batch was staged in (shared memory).
+        self.schema: Any = None
 
 
 class ReplayClient:
@@ -586,6 +617,7 @@ class ReplayClient:
         call.offsets = offsets
         call.sizes = sizes
         call.prioritized = prioritized
+        call.schema = schema
         return True
 
     def _insert_args(self, call: _InsertCall) -> tuple[str, tuple]:
@@ -600,7 +632,8 @@ class ReplayClient:
         if call.start:
             rows = [o + call.start * b for o, b in zip(call.offsets, call.sizes, strict=True)]
         sid = call.segment.ids[call.shard.index]
-        return "insert_from", (sid, rows, call.prioritized, call.n - call.start, wait)
+        args = (sid, rows, call.prioritized, call.n - call.start, wait, call.schema.digest)
+        return "insert_from", args
 
     def _send_insert(self, call: _InsertCall) -> None:
         fn, args = self._insert_args(call)
@@ -634,6 +667,14 @@ class ReplayClient:
                     if self._attach(shard, segment) is None:
                         raise ReplayError(f"{shard.describe()}: cannot map this client's memory")
                     continue
+                elif isinstance(result, str):
+                    # The table's layout is not the batch's (a fresh table, its peer
+                    # restarted): the rest goes as the call's payload, for the table
+                    # to learn its layout from, or to refuse naming what differs.
+                    shard.layout = None
+                    self._to_payload(call)
+                    segment = None
+                    continue
                 else:
                     done = result
                 call.start += done
@@ -654,6 +695,31 @@ class ReplayClient:
         if segment is not None:
             self._give_back(segment)
         return keys | (shard.index << _SHARD_SHIFT) if shard.index else keys
+
+    def _to_payload(self, call: _InsertCall) -> None:
+        """Turns a batch staged in shared memory into one sent as the call's
+        payload: its rows copied out of the segment (which goes back to the
+        pool), the keys of the rows already in kept."""
+        import torch
+
+        schema, segment, n = call.schema, call.segment, call.n
+        assert segment is not None
+        whole = torch.from_numpy(segment.view)
+        leaves = [
+            whole[o : o + n * b].view(d).view(n, *shape).clone()
+            for o, b, d, shape in zip(
+                call.offsets, schema.item_bytes, schema.dtypes, schema.shapes, strict=False
+            )
+        ]
+        call.items = nest.pack_as(schema.structure, leaves)
+        if call.prioritized:
+            o = call.offsets[-2]
+            call.priorities = whole[o : o + n * 8].view(torch.float64).clone()
+        if call.start:
+            o = call.offsets[-1]
+            call.keys.append(whole[o : o + call.start * 8].view(torch.int64).clone())
+        call.segment = None
+        self._give_back(segment)
 
     def _learn_layout(self, shard: _Shard) -> None:
         """Asks ``shard`` for its table's layout (none while it has no items)."""
@@ -682,13 +748,20 @@ class ReplayClient:
                 # for the rate limiter as any other).
                 self._finish_shared(pending)
                 pending = None
-            if pending is None:
-                pending = self._start_shared(batch_size)
-            if pending is not None:
-                # The next batch is asked for once this one is in, so the
-                # table draws it while this one's tensors are made.
-                then = (lambda: self._prefetch_next(batch_size)) if self._prefetch else None
-                return self._finish_shared(pending, then)
+            # The next batch is asked for once this one is in, so the table
+            # draws it while this one's tensors are made.
+            then = (lambda: self._prefetch_next(batch_size)) if self._prefetch else None
+            for retry in (False, True):
+                if pending is None:
+                    pending = self._start_shared(batch_size)
+                if pending is None:
+                    break  # through replies, below
+                try:
+                    return self._finish_shared(pending, then)
+                except _LayoutChanged:
+                    if retry:
+                        raise
+                    pending = None
         self._send_updates()
         live = self._live()
         if not live:
@@ -882,6 +955,7 @@ class ReplayClient:
                             self._wait_per_call(deadline),
                             keys,
                             priorities,
+                            self._schema.digest,
                         )
                     elif keys is not None:
                         self._call(shard, "update_priorities_raw", keys, priorities)
@@ -937,6 +1011,9 @@ class ReplayClient:
                             pending.rows(row + got),
                             count - got,
                             self._wait_per_call(pending.deadline),
+                            None,
+                            None,
+                            self._schema.digest,
                         )
                     if result is None:  # the peer unmapped it meanwhile: map it again
                         del segment.ids[shard.index]
@@ -945,6 +1022,14 @@ class ReplayClient:
                                 f"{shard.describe()}: cannot map this client's memory"
                             )
                         continue
+                    if isinstance(result, str):
+                        # A fresh table (its peer restarted), or one of another layout:
+                        # learned anew by the next try.
+                        shard.layout = None
+                        raise _LayoutChanged(
+                            f"{shard.describe()}: its table's layout is not the one this "
+                            "client learned (its peer restarted?)"
+                        )
                     done, shard.size, shard.mass = result
                     got += done
                     if got < count and not done and time.monotonic() >= pending.deadline:

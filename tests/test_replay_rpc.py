@@ -624,3 +624,56 @@ def _listens(rpc, address: str) -> bool:
     except Exception:  # noqa: BLE001 - the port may still be held for a moment
         return False
     return True
+
+
+@pytest.mark.parametrize("layout", ["fresh", "other"])
+def test_a_table_restarted_without_a_failed_call_is_learned_anew(layout, make_rpc):
+    """The client's shared-memory calls say which layout their rows are in: a table
+    that came back fresh (its peer restarted, and no call of the client failed
+    meanwhile) takes the next insert as the call's payload and learns its layout
+    from it; one of another layout refuses it naming what differs, and a sample
+    says so, rather than reading or writing rows laid out for other items."""
+    rpc, replay = served(make_rpc, ["shm"], capacity=64)
+    address = rpc.address
+    client_rpc = make_rpc("client", transports=["shm"], timeout=30)
+    client_rpc.connect(address)
+    client = moolib.ReplayClient(client_rpc, ("server", "table"), timeout=30)
+    client.insert(rows(0, 4))
+    client.insert(rows(4, 4))  # through shared memory: the layout is learned
+    assert client.sample(8).items["k"].tolist() == list(range(8))
+    rpc.close()
+    replay.close()
+
+    again = make_rpc("server", transports=["shm"], timeout=30)
+    wait_for(lambda: _listens(again, address), timeout=60, what=f"listening again at {address}")
+    table = moolib.Replay(64, selector="fifo")
+    table.serve(again, "table")
+    if layout == "other":
+        table.insert({"y": torch.zeros(2, 3)})
+    # The client's Rpc finds the peer again before the replay client calls it.
+    wait_for(
+        lambda: _answers(client_rpc, "server", "table/info"),
+        timeout=60,
+        what="the client reaching the restarted table",
+    )
+    if layout == "fresh":
+        assert client.insert(rows(100, 4)).tolist() == [0, 1, 2, 3]
+        assert client.insert(rows(104, 4)).tolist() == [4, 5, 6, 7]
+        got = client.sample(8)
+        assert got.items["k"].tolist() == list(range(100, 108))
+        assert torch.equal(got.items["x"], rows(100, 8)["x"])
+        assert table.size() == 8
+    else:
+        with pytest.raises(moolib.ReplayError, match="missing leaves"):
+            client.insert(rows(100, 4))
+        with pytest.raises(moolib.ReplayError, match="different layouts"):
+            client.sample(2)
+        assert table.size() == 2
+
+
+def _answers(rpc, peer: str, fn: str) -> bool:
+    try:
+        rpc.sync(peer, fn)
+    except moolib.RpcError:
+        return False
+    return True
