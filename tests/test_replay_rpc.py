@@ -584,14 +584,7 @@ def test_a_restarted_table_never_writes_into_another_clients_memory(make_rpc):
     replay.insert(rows(0, 16))
     for client in clients:  # each maps a segment of its own on the table
         assert client.sample(16).items["k"].tolist() == list(range(16))
-    rpc.close()
-    replay.close()
-
-    # The same peer again, at the same address, with a fresh table.
-    again = make_rpc("server", transports=["shm"], timeout=30)
-    wait_for(lambda: _listens(again, address), timeout=60, what=f"listening again at {address}")
-    table = moolib.Replay(16, selector="fifo")
-    table.serve(again, "table")
+    table = _restarted(make_rpc, rpc, replay, capacity=16)
     table.insert(rows(100, 16))
     first, second = clients
 
@@ -618,6 +611,19 @@ def test_a_restarted_table_never_writes_into_another_clients_memory(make_rpc):
     assert torch.equal(held.items["x"], rows(100, 16)["x"])
 
 
+def _restarted(make_rpc, rpc, replay, capacity: int) -> moolib.Replay:
+    """Stops the serving peer ``rpc`` and its table, and starts the same peer again at
+    the same address with a fresh table, which it returns."""
+    address = rpc.address
+    rpc.close()
+    replay.close()
+    again = make_rpc("server", transports=["shm"], timeout=30)
+    wait_for(lambda: _listens(again, address), timeout=60, what=f"listening again at {address}")
+    table = moolib.Replay(capacity, selector="fifo")
+    table.serve(again, "table")
+    return table
+
+
 def _listens(rpc, address: str) -> bool:
     try:
         rpc.listen(address)
@@ -641,13 +647,7 @@ def test_a_table_restarted_without_a_failed_call_is_learned_anew(layout, make_rp
     client.insert(rows(0, 4))
     client.insert(rows(4, 4))  # through shared memory: the layout is learned
     assert client.sample(8).items["k"].tolist() == list(range(8))
-    rpc.close()
-    replay.close()
-
-    again = make_rpc("server", transports=["shm"], timeout=30)
-    wait_for(lambda: _listens(again, address), timeout=60, what=f"listening again at {address}")
-    table = moolib.Replay(64, selector="fifo")
-    table.serve(again, "table")
+    table = _restarted(make_rpc, rpc, replay, capacity=64)
     if layout == "other":
         table.insert({"y": torch.zeros(2, 3)})
     # The client's Rpc finds the peer again before the replay client calls it.
