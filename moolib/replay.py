@@ -217,11 +217,12 @@ class _Schema:
 
     @functools.cached_property
     def digest(self) -> str:
-        """Names the layout of the items' bytes (leaves, dtypes, shapes): equal on
-        a table and on a client that learned its layout, so a call through
-        shared memory can say which layout its rows are in."""
+        """Names the items this layout stores (their structure, dtypes and
+        shapes): equal on a table and on a client that learned its layout, so a
+        call through shared memory can say which layout its rows are in, and
+        shards can be told to hold the same items."""
         text = json.dumps(
-            [self.names, [str(d) for d in self.dtypes], [list(s) for s in self.shapes]]
+            [self.skeleton, [str(d) for d in self.dtypes], [list(s) for s in self.shapes]]
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
