@@ -32,6 +32,7 @@ COLUMNS = (
     "virtual_batch_size",
     "num_gradients",
     "model_version",
+    "actor_model_version",
     "param_sum",
     "peers",
     "time",
@@ -40,13 +41,20 @@ COLUMNS = (
 
 class TsvLog:
     """Appends one row per log interval to ``path`` (header written once) with
-    ``columns`` (``COLUMNS``, the on-policy runs' columns, by default)."""
+    ``columns`` (``COLUMNS``, the on-policy runs' columns, by default). A file that
+    already has a header (a resumed run) keeps its columns: rows written by a
+    version of moolib with other columns stay aligned with it."""
 
     def __init__(self, path: Path, columns: tuple[str, ...] = COLUMNS) -> None:
         self.path = Path(path)
         self.columns = tuple(columns)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fresh = not self.path.exists() or self.path.stat().st_size == 0
+        if not fresh:
+            with open(self.path, newline="") as f:
+                header = f.readline().rstrip("\n").split("\t")
+            if all(header):
+                self.columns = tuple(header)
         self._file = open(self.path, "a", newline="")  # noqa: SIM115 - closed in close()
         self._writer = csv.writer(self._file, delimiter="\t", lineterminator="\n")
         if fresh:

@@ -24,6 +24,7 @@ draws this data flow.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -50,6 +51,7 @@ from .logger import (
     start_banner,
 )
 from .models import create_model, resolve_network
+from .policy_slots import PolicySlots
 from .registry import agent_config, get_agent
 
 log = logging.getLogger("moolib.agents")
@@ -272,8 +274,12 @@ class Trainer:
         self.accumulator.connect(peer.broker)
 
         self.batcher = moolib.Batcher(self.agent.batch_size, self.device, dim=1)
-        self.backlog = 0  # unrolls handed to the batcher, not yet learned from
-        self.max_backlog = 4 * max(self.agent.batch_size, self.agent.actor_batch_size)
+        # Unrolls (in envs) handed to the batcher, not yet learned from; the actors wait
+        # while there are this many (the learner is behind), bounding the policy lag.
+        self.backlog = 0
+        self.max_backlog = 2 * max(self.agent.batch_size, self.agent.actor_batch_size)
+        self._room = threading.Condition()  # guards backlog
+        self.env_steps = 0  # env steps the actors took, this process
         self.steps = 0  # env steps learned from, group-wide
         self.total_steps = int(cfg.total_steps)
         self.wandb_id: str | None = None
@@ -281,6 +287,16 @@ class Trainer:
         self.wandb_ids: dict[str, str] = {}
         self.elapsed = 0.0
         self._restore()
+        # Between the threads of the loop (see run).
+        self.policy = PolicySlots(self.model, self.accumulator.model_version())
+        self.actor_version = self.accumulator.model_version()
+        self._connected = False  # the learner's accumulator is in the group
+        self._learner_done = threading.Event()
+        self._learner_error: BaseException | None = None
+        # Where the acting thread's CUDA work (and the Batcher's copies) is queued.
+        self._act_stream = (
+            torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        )
 
     # -- setup -------------------------------------------------------------
 
@@ -384,10 +400,18 @@ class Trainer:
         self._save(final=True)
 
     # -- the loop ------------------------------------------------------------
+    #
+    # Two threads (docs/architecture.md, section 6). The acting thread (the caller of
+    # ``run``) steps the envs, acts on the front slot of ``PolicySlots`` and hands
+    # full unrolls to the Batcher. The learner thread owns the model, the optimizer,
+    # the accumulator, the log rows and the checkpoints: it learns from the
+    # Batcher's batches and publishes each update to the slots.
 
-    def _act(self, b: int, env_out: dict, cores: list, prev_actions: list) -> tuple[dict, Any]:
+    def _act(
+        self, policy: torch.nn.Module, env_out: dict, core: tuple, prev_action: torch.Tensor
+    ) -> tuple[dict, Any]:
         done = env_out["done"].to(self.device)
-        prev = torch.where(done, torch.zeros_like(prev_actions[b]), prev_actions[b])
+        prev = torch.where(done, torch.zeros_like(prev_action), prev_action)
         inputs = {
             "state": env_out["state"].to(self.device)[None],
             "reward": env_out["reward"].to(self.device)[None],
@@ -395,28 +419,39 @@ class Trainer:
             "prev_action": prev[None],
         }
         with torch.no_grad():
-            out, core = self.model(inputs, cores[b])
+            out, core = policy(inputs, core)
         step = {k: inputs[k][0] for k in _ENV_KEYS}
         for k in _ACTOR_KEYS:
             step[k] = out[k][0]
         return step, core
 
-    def _learn(self, stats: dict) -> None:
-        """Feeds ready learner batches to the accumulator; applies summed gradients."""
+    def _learn(self, stats: dict) -> bool:
+        """Feeds a ready learner batch to the accumulator and applies summed gradients;
+        returns whether there was anything to do."""
         acc = self.accumulator
-        while acc.wants_gradients() and not self.batcher.empty():
-            item = self.batcher.get()
-            self.backlog -= self.agent.batch_size
-            batch = item["batch"]
-            self.model.zero_grad(set_to_none=True)
-            outputs, _ = self.model({k: batch[k] for k in _ENV_KEYS}, tuple(item["core"]))
-            loss, loss_stats = self.loss_fn(self.agent, outputs, batch)
-            loss.backward()
-            acc.reduce_gradients(self.agent.batch_size)
-            for k, v in loss_stats.items():
-                stats.setdefault(k, []).append(v)
+        worked = False
+        if acc.wants_gradients():
+            try:
+                item = self.batcher.get(timeout=0.002)
+            except TimeoutError:
+                item = None
+            if item is not None:
+                worked = True
+                with self._room:
+                    self.backlog -= self.agent.batch_size
+                    self._room.notify_all()
+                batch = self._on_learner_stream(item["batch"])
+                core = self._on_learner_stream(tuple(item["core"]))
+                self.model.zero_grad(set_to_none=True)
+                outputs, _ = self.model({k: batch[k] for k in _ENV_KEYS}, core)
+                loss, loss_stats = self.loss_fn(self.agent, outputs, batch)
+                loss.backward()
+                acc.reduce_gradients(self.agent.batch_size)
+                for k, v in loss_stats.items():
+                    stats.setdefault(k, []).append(v)
         acc.update()
         if acc.has_gradients():
+            worked = True
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), self.agent.grad_norm_clipping
             )
@@ -427,30 +462,83 @@ class Trainer:
                 group["lr"] = lr
             self.optimizer.step()
             acc.zero_gradients()
+            self.policy.publish(self.model, acc.model_version())
             stats.setdefault("grad_norm", []).append(float(grad_norm))
             stats["learning_rate"] = [lr]
             stats["virtual_batch_size"] = [summed["batch_size"]]
             stats["num_gradients"] = [summed["num_gradients"]]
+        return worked
+
+    def _on_learner_stream(self, tensors: Any) -> Any:
+        """On CUDA: makes the learner's stream wait for the acting stream's copies into
+        ``tensors`` (the Batcher fills batches there), and keeps the allocator from
+        handing their memory back to the acting stream while the learner reads it."""
+        if self._act_stream is None:
+            return tensors
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_stream(self._act_stream)
+        for t in moolib.nest.flatten(tensors):
+            t.record_stream(stream)
+        return tensors
+
+    def _learner_loop(self, halt: threading.Event, rows: _Rows) -> None:
+        """The learner thread: learns until ``total_steps`` or ``halt``; writes the log
+        rows and periodic checkpoints. An exception ends it and is kept in
+        ``self._learner_error`` for the acting thread to raise."""
+        cfg = self.cfg
+        stream = torch.cuda.Stream(self.device) if self._act_stream is not None else None
+        last_checkpoint = time.monotonic()
+        last_in_group = time.monotonic()
+        lost_group_timeout = float(cfg.lost_group_timeout)
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                while self.steps < self.total_steps and not halt.is_set():
+                    acc = self.accumulator
+                    acc.update()
+                    if acc.group.active():
+                        last_in_group = time.monotonic()
+                    elif time.monotonic() - last_in_group > lost_group_timeout:
+                        # Acting with nobody to learn with wastes the machine.
+                        raise GroupLostError(
+                            f"peer {self.peer.rank} has been out of its group for "
+                            f"{lost_group_timeout:g} s (lost_group_timeout): the broker at "
+                            f"{self.peer.broker} is gone or unreachable; stopping"
+                        )
+                    if acc.wants_state():
+                        acc.set_state(self._state())
+                    if acc.has_new_state():
+                        self._load(acc.state())
+                        self.policy.publish(self.model, acc.model_version())
+                    self._connected = acc.connected()
+                    worked = self._connected and self._learn(rows.stats)
+                    rows.maybe_write()
+                    if (
+                        time.monotonic() - last_checkpoint >= cfg.checkpoint_interval
+                        and acc.is_leader()
+                    ):
+                        self.elapsed = rows.clock()
+                        self._save()
+                        last_checkpoint = time.monotonic()
+                    if not worked:
+                        time.sleep(0.001)  # waiting for the group or for unrolls
+                if stream is not None:
+                    stream.synchronize()
+        except BaseException as e:
+            self._learner_error = e
+        finally:
+            self._learner_done.set()
+            with self._room:
+                self._room.notify_all()
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
-        """Trains until ``total_steps`` (or ``stop`` is set); returns the last log row."""
-        cfg, agent = self.cfg, self.agent
-        total_steps, log_interval = cfg.total_steps, cfg.log_interval
-        checkpoint_interval = cfg.checkpoint_interval
+        """Trains until ``total_steps`` (or ``stop`` is set); returns the last log row.
+        An exception of the learner thread ends the run and is raised here."""
+        agent = self.agent
         stop = stop or threading.Event()
         guard_log_handlers()
-        logger = TsvLog(self.peer.logdir / "logs.tsv")
-        progress = Progress(
-            cfg.total_steps,
-            prefix=f"[peer {self.peer.rank}] ",
-            log_path=self.peer.logdir / "progress.log",
-        )
-        progress.record(self.banner)
-        wandb_run = Wandb.for_run(
-            cfg, f"{cfg.name}-peer{self.peer.rank}", self.peer.logdir, self.wandb_id
-        )
-        if wandb_run is not None:
-            self.wandb_id = wandb_run.run_id
+        rows = _Rows(self, Clock(self.elapsed))
+        if rows.wandb_run is not None:
+            self.wandb_id = rows.wandb_run.run_id
 
         nb = agent.num_actor_batches
         unrolls = [Unroll(agent.unroll_length) for _ in range(nb)]
@@ -462,135 +550,150 @@ class Trainer:
             torch.zeros(agent.actor_batch_size, dtype=torch.int64, device=self.device)
             for _ in range(nb)
         ]
-        noop = torch.zeros(agent.actor_batch_size, dtype=torch.int64)
-        futures = [self.envs.step(b, noop) for b in range(nb)]
-
-        clock = Clock(self.elapsed)
-        episodes = EpisodeStats()
-        stats: dict[str, list] = {}
-        env_steps = 0
-        last_log_time, last_log_steps, last_env_steps = clock(), self.steps, 0
-        last_checkpoint = time.monotonic()
-        last_in_group = time.monotonic()
-        lost_group_timeout = float(cfg.lost_group_timeout)
-        row: dict[str, Any] = {}
+        halt = threading.Event()
+        learner = threading.Thread(
+            target=self._learner_loop, args=(halt, rows), name="moolib-learner", daemon=True
+        )
         b = 0
-
-        def write_row(now: float) -> dict[str, Any]:
-            """Logs what the run did since the last row (to logs.tsv, the progress
-            line and wandb) and returns the row."""
-            written = self._log_row(
-                stats,
-                episodes,
-                now,
-                max(1e-9, now - last_log_time),
-                self.steps - last_log_steps,
-                env_steps - last_env_steps,
-            )
-            logger.write(written)
-            progress.update(written)
-            if wandb_run:
-                wandb_run.log(written)
-            return written
-
         try:
-            progress.start()
-            while self.steps < total_steps and not stop.is_set():
-                self.accumulator.update()
-                if self.accumulator.group.active():
-                    last_in_group = time.monotonic()
-                elif time.monotonic() - last_in_group > lost_group_timeout:
-                    # Acting with nobody to learn with wastes the machine.
-                    raise GroupLostError(
-                        f"peer {self.peer.rank} has been out of its group for "
-                        f"{lost_group_timeout:g} s (lost_group_timeout): the broker at "
-                        f"{self.peer.broker} is gone or unreachable; stopping"
-                    )
-                if self.accumulator.wants_state():
-                    self.accumulator.set_state(self._state())
-                if self.accumulator.has_new_state():
-                    self._load(self.accumulator.state())
-
+            noop = torch.zeros(agent.actor_batch_size, dtype=torch.int64)
+            futures = [self.envs.step(b, noop) for b in range(nb)]
+            rows.start()
+            learner.start()
+            while not stop.is_set() and not self._learner_done.is_set():
                 env_out = futures[b].result()
                 done = env_out["done"]
                 if bool(done.any()):
-                    episodes.add(
-                        env_out["episode_return"][done].tolist(),
-                        env_out["episode_length"][done].tolist(),
-                    )
+                    with rows.lock:
+                        # A stop that came with a row (set while it was written) ends
+                        # the run with that row: no episode after it.
+                        if stop.is_set():
+                            break
+                        rows.episodes.add(
+                            env_out["episode_return"][done].tolist(),
+                            env_out["episode_length"][done].tolist(),
+                        )
                 core_before = cores[b]
-                step, cores[b] = self._act(b, env_out, cores, prev_actions)
+                with self.policy.acting() as (policy, version):
+                    step, cores[b] = self._act(policy, env_out, cores[b], prev_actions[b])
+                self.actor_version = version
                 prev_actions[b] = step["action"]
                 # The env's output is a view of shared memory that the next step
                 # of this batch overwrites: copy it into the unroll first.
                 full = unrolls[b].add(step, core_before)
                 futures[b] = self.envs.step(b, step["action"].cpu())
-                env_steps += agent.actor_batch_size
+                self.env_steps += agent.actor_batch_size
                 if full is not None:
-                    # Unrolls the learner cannot take (not in the group yet, or
-                    # falling behind) are dropped rather than queued without bound.
-                    if self.accumulator.connected() and self.backlog < self.max_backlog:
+                    # Unrolls the learner cannot take (not in the group yet) are
+                    # dropped; when it is behind, the actors wait for it.
+                    if self._connected and self._wait_for_room(stop):
                         self.batcher.cat(full)
-                        self.backlog += agent.actor_batch_size
                     unrolls[b].roll()
                 b = (b + 1) % nb
-
-                if self.accumulator.connected():
-                    self._learn(stats)
-
-                now = clock()
-                if now - last_log_time >= log_interval:
-                    row = write_row(now)
-                    stats = {}
-                    last_log_time, last_log_steps, last_env_steps = now, self.steps, env_steps
-                if (
-                    time.monotonic() - last_checkpoint >= checkpoint_interval
-                    and self.accumulator.is_leader()
-                ):
-                    self.elapsed = clock()
-                    self._save()
-                    last_checkpoint = time.monotonic()
-            now = clock()
-            # A last row for what the run did since the previous one; none when it learned
-            # nothing and no episode ended (stopped right after a row): a row at that row's
-            # step would take its place in moolib-plot and the summary, with no return.
-            if not row or self.steps != last_log_steps or len(episodes):
-                row = write_row(now)
-            self.elapsed = now
+            halt.set()
+            learner.join()
+            if self._learner_error is not None:
+                raise self._learner_error
+            self.elapsed = rows.final()
             self._save_final()
         finally:
-            progress.close()
-            logger.close()
-            if wandb_run:
-                wandb_run.close()
+            halt.set()
+            if learner.is_alive():
+                learner.join()
+            rows.close()
             self.envs.close()
             # Its Rpc and group: left open, they would reach for this run's broker
             # until collected (another point of a sweep runs in this process).
             self.accumulator.close()
-        return row
+        return rows.last
 
-    def _log_row(
-        self,
-        stats: dict[str, list],
-        episodes: EpisodeStats,
-        now: float,
-        interval: float,
-        learned: int,
-        acted: int,
-    ) -> dict[str, Any]:
+    def _wait_for_room(self, stop: threading.Event) -> bool:
+        """Waits until the learner's backlog has room for an unroll (or the run ends:
+        then False), and counts the unroll in."""
+        width = self.agent.actor_batch_size
+        with self._room:
+            while self.backlog + width > self.max_backlog:
+                if stop.is_set() or self._learner_done.is_set():
+                    return False
+                self._room.wait(0.1)
+            self.backlog += width
+        return True
+
+
+class _Rows:
+    """The run's log rows, to logs.tsv, the progress line and wandb: one every
+    ``log_interval`` seconds, written by the learner thread, and a last one at the
+    end. The acting thread adds finished episodes to ``episodes`` under ``lock``,
+    which a row holds from taking them until it is written."""
+
+    def __init__(self, trainer: Trainer, clock: Clock) -> None:
+        cfg, peer = trainer.cfg, trainer.peer
+        self.trainer = trainer
+        self.clock = clock
+        self.interval = float(cfg.log_interval)
+        self.logger = TsvLog(peer.logdir / "logs.tsv")
+        self.progress = Progress(
+            cfg.total_steps, prefix=f"[peer {peer.rank}] ", log_path=peer.logdir / "progress.log"
+        )
+        self.progress.record(trainer.banner)
+        self.wandb_run = Wandb.for_run(
+            cfg, f"{cfg.name}-peer{peer.rank}", peer.logdir, trainer.wandb_id
+        )
+        self.episodes = EpisodeStats()
+        self.lock = threading.Lock()
+        self.stats: dict[str, list] = {}  # the learner's, since the last row
+        self.last: dict[str, Any] = {}
+        self._time, self._steps, self._env_steps = clock(), trainer.steps, trainer.env_steps
+
+    def start(self) -> None:
+        self.progress.start()
+
+    def maybe_write(self) -> None:
+        """Writes a row if ``log_interval`` has passed since the last one."""
+        now = self.clock()
+        if now - self._time >= self.interval:
+            self._write(now)
+
+    def final(self) -> float:
+        """The last row, for what the run did since the previous one; none when it
+        learned nothing and no episode ended (stopped right after a row): a row at that
+        row's step would take its place in moolib-plot and the summary, with no return.
+        Returns the run's elapsed time."""
+        now = self.clock()
+        if not self.last or self.trainer.steps != self._steps or len(self.episodes):
+            self._write(now)
+        return now
+
+    def _write(self, now: float) -> None:
+        t = self.trainer
+        interval = max(1e-9, now - self._time)
         row: dict[str, Any] = {
-            "step": self.steps,
-            "sps": learned / interval if interval > 0 else math.nan,
-            "env_sps": acted / interval if interval > 0 else math.nan,
-            "model_version": self.accumulator.model_version(),
+            "step": t.steps,
+            "sps": (t.steps - self._steps) / interval,
+            "env_sps": (t.env_steps - self._env_steps) / interval,
+            "model_version": t.accumulator.model_version(),
+            # The version the actors acted with last: behind model_version by the
+            # updates the learner made since they took the front slot.
+            "actor_model_version": t.actor_version,
             # Equal on peers that hold identical parameters at equal versions.
-            "param_sum": math.fsum(
-                float(p.detach().double().sum()) for p in self.model.parameters()
-            ),
-            "peers": len(self.accumulator.group.members()) if self.accumulator.connected() else 0,
+            "param_sum": math.fsum(float(p.detach().double().sum()) for p in t.model.parameters()),
+            "peers": len(t.accumulator.group.members()) if t.accumulator.connected() else 0,
             "time": now,
         }
-        row.update(episodes.take())
-        for k, values in stats.items():
+        for k, values in self.stats.items():
             row[k] = sum(values) / len(values) if values else math.nan
-        return row
+        with self.lock:
+            row.update(self.episodes.take())
+            self.logger.write(row)
+            self.progress.update(row)
+            if self.wandb_run:
+                self.wandb_run.log(row)
+            self.last = row
+        self.stats = {}
+        self._time, self._steps, self._env_steps = now, t.steps, t.env_steps
+
+    def close(self) -> None:
+        self.progress.close()
+        self.logger.close()
+        if self.wandb_run:
+            self.wandb_run.close()

@@ -1,0 +1,23 @@
+"""``moolib-run ARGS`` whose learner thread raises at its third update (a learner bug,
+or a CUDA error): for tests/test_learner_thread.py."""
+
+from __future__ import annotations
+
+import sys
+
+from moolib.agents import training
+from moolib.launch.run import main
+
+_learn = training.Trainer._learn
+
+
+def _failing(self: training.Trainer, stats: dict) -> bool:
+    if self.accumulator.model_version() >= 3:
+        raise RuntimeError("injected learner failure at model version 3")
+    return _learn(self, stats)
+
+
+if __name__ == "__main__":
+    training.Trainer._learn = _failing
+    sys.argv[0] = "moolib-run"
+    main()
