@@ -1,25 +1,27 @@
 """One peer of a training run: acting, batching and data-parallel learning.
 
-The loop, shared by every agent (the agent contributes its loss):
+The loop, shared by every agent (the agent contributes its loss), runs on two
+threads (docs/architecture.md, section 6 draws it):
 
-- an ``EnvPool`` steps ``num_actor_batches`` batches of ``actor_batch_size``
-  envs in ``num_actor_cpus`` processes; while one batch steps, the model acts
-  on another (double buffering);
-- each actor batch keeps an unroll of ``unroll_length + 1`` steps (the last step
-  of an unroll is the first of the next, for bootstrapping) with the LSTM core
-  state at its start; full unrolls go to a ``Batcher`` that cuts learner
-  batches of ``batch_size`` unrolls on the learning device;
-- gradients of each learner batch go to the ``Accumulator``, which sums them
-  across the peers of the group until ``virtual_batch_size`` unrolls and
-  writes the average back into ``.grad`` on every peer; then each peer clips
-  and takes the same optimizer step, so models stay identical;
-- the leader (the peer with the highest model version) writes checkpoints and
-  hands its state to joining peers.
+- the acting thread: an ``EnvPool`` steps ``num_actor_batches`` batches of
+  ``actor_batch_size`` envs in ``num_actor_cpus`` processes; while one batch
+  steps, the model acts on another (double buffering), with the newest version
+  the learner published to ``PolicySlots``. Each actor batch keeps an unroll of
+  ``unroll_length + 1`` steps (the last step of an unroll is the first of the
+  next, for bootstrapping) with the LSTM core state at its start; full unrolls
+  go to a ``Batcher`` that cuts learner batches of ``batch_size`` unrolls on the
+  learning device;
+- the learner thread: gradients of each learner batch go to the
+  ``Accumulator``, which sums them across the peers of the group until
+  ``virtual_batch_size`` unrolls and writes the average back into ``.grad`` on
+  every peer; then each peer clips and takes the same optimizer step, so models
+  stay identical, and publishes the new version to the actors. The leader (the
+  peer with the highest model version) writes checkpoints and hands its state
+  to joining peers.
 
 ``steps`` counts env steps learned from across the whole group (unrolls in each
 applied update times ``unroll_length``), so every peer agrees on it, the
-learning-rate schedule and ``total_steps``. docs/architecture.md (section 6)
-draws this data flow.
+learning-rate schedule and ``total_steps``.
 """
 
 from __future__ import annotations
