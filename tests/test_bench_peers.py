@@ -1,0 +1,115 @@
+"""bench/peers.py: its check mode with no peer venvs (says which are missing, still
+measures moolib, prints a table that parses), the runners' shared counting on the real
+ALE, and a runner that cannot start reported as a failure. Nothing here asserts speed."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from helpers.util import REPO, child_env
+
+BENCH = REPO / "bench" / "peers.py"
+
+
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def peers() -> ModuleType:
+    return _load(BENCH, "bench_peers")
+
+
+def test_check_without_peer_venvs_skips_them_and_measures_moolib(peers: ModuleType) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--check"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    for flag in ("--sample-factory-python", "--rllib-python", "--torchrl-python", "--sb3-python"):
+        assert f"skipped (no {flag} given)" in out, out
+    rows = peers.parse_table(out)
+    assert [(r["library"], r["algorithm"]) for r in rows] == [("moolib", "V-trace")], out
+    assert float(rows[0]["env steps/s (median)"].replace(",", "")) > 0, out
+    assert float(rows[0]["EnvPool limit"].replace(",", "")) > 0, out
+    assert "check passed" in out
+
+
+def test_tables_parse_back(peers: ModuleType) -> None:
+    moolib, sb3 = peers.ROWS[0], peers.ROWS[-1]
+    text = peers.throughput_table([(moolib, [300.0, 100.0, 200.0]), (sb3, [])], [1000.0, 3000.0])
+    rows = peers.parse_table("before\n" + text + "\nafter")
+    assert [r["library"] for r in rows] == ["moolib", "stable-baselines3"]
+    assert rows[0]["env steps/s (median)"] == "200"
+    assert rows[0]["EnvPool limit"] == "2,000"
+    assert rows[0]["/ limit"] == "0.100"
+    assert rows[1]["env steps/s (median)"] == "-"
+    runs = [
+        {"reached": True, "seconds": 50.0, "steps": 1000, "best_score": 11.0},
+        {"reached": False, "seconds": 99.0, "steps": 5000, "best_score": 6.5},
+    ]
+    scored = peers.parse_table(peers.score_table([(moolib, runs)], "minatar", 99.0))
+    assert scored[0]["reached (cap 99 s)"] == "1/2"
+    assert scored[0]["median seconds"] == "50"
+    assert scored[0]["best score"] == "11.00"
+
+
+def test_moolib_rolling_score_takes_the_last_hundred_episodes(peers: ModuleType) -> None:
+    rows = [
+        {"episodes": "80", "mean_episode_return": "0"},
+        {"episodes": "", "mean_episode_return": ""},
+        {"episodes": "60", "mean_episode_return": "10"},
+        {"episodes": "40", "mean_episode_return": "20"},
+    ]
+    assert peers.rolling_score(rows) == pytest.approx((60 * 10 + 40 * 20) / 100)
+    assert peers.rolling_score(rows[-1:]) != peers.rolling_score(rows[-1:])  # nan: too few
+
+
+def test_common_counts_steps_and_episodes_of_the_real_ale(tmp_path, monkeypatch) -> None:
+    common = _load(REPO / "bench" / "peers" / "common.py", "peers_common")
+    monkeypatch.setenv(common.COUNT_DIR_VAR, str(tmp_path))
+    env = common.make_env("breakout", seed=1)
+    obs, _ = env.reset(seed=1)
+    assert obs.shape == (4, 84, 84) and str(obs.dtype) == "uint8"
+    for _ in range(7):
+        env.step(env.action_space.sample())
+    counts = list(tmp_path.glob("steps-*"))
+    assert len(counts) == 1
+    assert int(counts[0].read_bytes()[:8][::-1].hex(), 16) == 7  # little-endian int64
+    cart = common.make_env("cartpole", seed=2)
+    cart.reset(seed=2)
+    done = False
+    while not done:
+        _, _, terminated, truncated, _ = cart.step(0)  # always left: falls within ~10 steps
+        done = terminated or truncated
+    episodes = [p for p in tmp_path.glob("episodes-*") if p.read_text()]
+    assert len(episodes) == 1
+    ((stamp, ret),) = [line.split() for line in episodes[0].read_text().splitlines()]
+    assert 1 <= float(ret) < 50
+
+
+def test_a_runner_that_fails_is_reported_with_its_error(peers: ModuleType) -> None:
+    # This interpreter has no stable_baselines3: the runner's import fails.
+    pytest.importorskip("moolib")
+    if importlib.util.find_spec("stable_baselines3") is not None:
+        pytest.skip("stable_baselines3 is installed here")
+    row = peers.ROWS[-1]
+    res = peers.run_peer(
+        sys.executable, row, ["--task", "cartpole", "--mode", "throughput"], timeout=120
+    )
+    assert "error" in res and "stable_baselines3" in res["error"], res
