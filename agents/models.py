@@ -1,4 +1,5 @@
-"""Actor-critic networks for the agents: the IMPALA Atari nets, the MinAtar net and a small MLP.
+"""Actor-critic networks for the agents: the IMPALA Atari nets, the MinAtar net, a small MLP
+and a tiny net for measuring the loop.
 
 Every network has one interface, so an agent never needs to know which it got::
 
@@ -39,6 +40,7 @@ __all__ = [
     "ImpalaNet",
     "MLPNet",
     "MinAtarNet",
+    "TinyNet",
     "check_observations",
     "create_model",
     "observations_unfit",
@@ -314,7 +316,61 @@ class MLPNet(_ActorCritic):
         self._build_core(hidden_size, hidden_size)
 
 
-NETWORKS = ("impala_deep", "impala_shallow", "minatar", "mlp")
+class _Subsample(nn.Module):
+    """Every ``stride``-th cell of ``[N, C, H, W]`` images, high and wide."""
+
+    def __init__(self, stride: int) -> None:
+        super().__init__()
+        self.stride = stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Subsamples ``x``."""
+        return x[..., :: self.stride, :: self.stride] if self.stride > 1 else x
+
+
+class TinyNet(_ActorCritic):
+    """A network that costs almost nothing beside an env step: one fully connected
+    layer on the observations, images subsampled to at most ``TINY_CELLS`` cells high
+    and wide (every k-th pixel), vectors as they are. For measuring what moolib-run's
+    loop costs apart from its network (``bench/train.py``'s loop limit) and for quick
+    runs of the machinery; it learns little from frames.
+
+    Args:
+        observation_shape: shape of one observation.
+        num_actions: size of the discrete action space.
+        hidden_size: width of the layer (and of the LSTM).
+        use_lstm: put a one-layer LSTM core between the torso and the heads.
+    """
+
+    def __init__(
+        self,
+        observation_shape: Sequence[int],
+        num_actions: int,
+        *,
+        hidden_size: int = 16,
+        use_lstm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.observation_shape = tuple(observation_shape)
+        self.num_actions = num_actions
+        self.use_lstm = use_lstm
+        stride = 1
+        if len(self.observation_shape) == 3:
+            stride = max(1, math.ceil(max(self.observation_shape[1:]) / TINY_CELLS))
+            # Frames are bytes: scaled to [0, 1] as the IMPALA nets do.
+            self.observation_scale = 255.0
+        subsample = _Subsample(stride)
+        with torch.no_grad():
+            input_size = subsample(torch.zeros(1, *self.observation_shape)).numel()
+        self.torso = nn.Sequential(
+            subsample, nn.Flatten(), nn.Linear(input_size, hidden_size), nn.ReLU()
+        )
+        self._build_core(hidden_size, hidden_size)
+
+
+NETWORKS = ("impala_deep", "impala_shallow", "minatar", "mlp", "tiny")
+# The tiny network's images: at most this many cells high and wide.
+TINY_CELLS = 8
 # Images at most this high and wide are grids of a few cells (MinAtar's 10x10), not
 # frames: auto gives them the MinAtar network, whose 3x3 convolution keeps every cell,
 # where the IMPALA nets' pooling and strides would leave little of them.
@@ -375,10 +431,12 @@ def create_model(
     Args:
         observation_shape: shape of one observation (without T and B).
         num_actions: size of the discrete action space.
-        network: ``"impala_deep"``, ``"impala_shallow"``, ``"minatar"`` or ``"mlp"``.
+        network: ``"impala_deep"``, ``"impala_shallow"``, ``"minatar"``, ``"mlp"`` or
+            ``"tiny"``.
         use_lstm: add the LSTM core.
         hidden_size: width of the hidden layers; ``None`` takes the network's
-            default (256 for the IMPALA nets, 128 for MinAtar's, 64 for the MLP).
+            default (256 for the IMPALA nets, 128 for MinAtar's, 64 for the MLP, 16
+            for the tiny one).
 
     Raises:
         ValueError: for an unknown network name.
@@ -392,4 +450,6 @@ def create_model(
         return MinAtarNet(observation_shape, num_actions, use_lstm=use_lstm, **kwargs)
     if network == "mlp":
         return MLPNet(observation_shape, num_actions, use_lstm=use_lstm, **kwargs)
+    if network == "tiny":
+        return TinyNet(observation_shape, num_actions, use_lstm=use_lstm, **kwargs)
     raise ValueError(f"unknown network {network!r}; expected one of {', '.join(NETWORKS)}")

@@ -19,8 +19,8 @@ the same machine (each limit measured right after the runs):
   other is in flight) with random actions and nothing else, in env steps/s;
   and the run's SPS as a ratio to it;
 - the loop's limit: the same moolib-run with a network that costs almost
-  nothing (``--tiny``, by default ``agent.network=mlp agent.hidden_size=16``,
-  an MLP on the flattened frames), its SPS and its ratio to the EnvPool limit
+  nothing (``--tiny``, by default ``agent.network=tiny agent.hidden_size=16``,
+  one layer on the frames subsampled to 8x8), its SPS and its ratio to the EnvPool limit
   (issue 39's bar on Atari: >= 0.8);
 - the learner's compute limit: forward + backward + optimizer step on learner
   batches of the same shape, in a loop on the same device, in env steps per
@@ -35,6 +35,12 @@ the same machine (each limit measured right after the runs):
 the limits once per case, the tiny-network run with the first setting), and
 ``--busy-cores K`` keeps K other processes spinning meanwhile (a busy
 neighbour), so the two can be compared in one run.
+
+``--baseline-python PATH`` runs each case again right after ours with another
+venv's interpreter, i.e. another version of moolib (the starting commit of a
+change, installed in a second venv), and prints its SPS and ours as a ratio to it.
+``--device cuda`` adds the GPU's utilisation over the timed run (``nvidia-smi``,
+sampled every second).
 
 ``--apex-loops 1 2 4`` (``--cases`` with no names skips the cases above) runs
 Ape-X on Breakout (``agent=apex env=breakout``, the real ALE, scaling=single:
@@ -77,9 +83,12 @@ from moolib.agents.models import create_model
 
 ORIGINAL_MOOLIB_VTRACE_BREAKOUT_CPU_SPS = 63.0
 
-# The loop-limit run's overrides: an MLP of width 16 on the flattened observations
-# (frames too), whose forward and backward cost almost nothing beside the env step.
-TINY_NETWORK = ("agent.network=mlp", "agent.hidden_size=16")
+# The loop-limit run's overrides: the tiny network (agents/models.py: one layer of width
+# 16 on frames subsampled to 8x8 cells), whose forward and backward cost almost nothing
+# beside the env step. (An MLP of width 16 on whole 84x84x4 frames does not: its
+# 451k multiply-adds per frame, forward and backward, cost about a quarter of a core at
+# the EnvPool limit of this machine's Breakout.)
+TINY_NETWORK = ("agent.network=tiny", "agent.hidden_size=16")
 
 CASES = {
     "vtrace-breakout": {
@@ -180,11 +189,11 @@ def limits(case: dict, device: str, seconds: float) -> tuple[float, float]:
     return 1.0 / learn_per_step, 1.0 / (learn_per_step + act_per_step)
 
 
-def _run_command(overrides: list[str], savedir: str) -> list[str]:
-    """A moolib-run that runs until interrupted, logging every 2 s, no checkpoint
-    before the end."""
+def _run_command(overrides: list[str], savedir: str, python: str = sys.executable) -> list[str]:
+    """A moolib-run (by ``python``) that runs until interrupted, logging every 2 s, no
+    checkpoint before the end."""
     return [
-        sys.executable,
+        python,
         "-m",
         "moolib.launch.run",
         *overrides,
@@ -237,6 +246,40 @@ def _cpu_seconds(pid: int) -> tuple[float, float]:
     return own, rest
 
 
+class GpuBusy:
+    """The mean of ``nvidia-smi``'s GPU utilisation (percent of time a kernel ran),
+    sampled every second on a thread between ``start`` and ``stop``; nan without
+    nvidia-smi."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: list[float] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(1.0):
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
+                self.samples.append(float(out.split()[0]))
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                return
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        return sum(self.samples) / len(self.samples) if self.samples else float("nan")
+
+
 def run_sps(
     case: dict,
     device: str,
@@ -244,27 +287,35 @@ def run_sps(
     warmup: float,
     threads: str = "auto",
     extra: tuple[str, ...] = (),
+    python: str = sys.executable,
 ) -> dict:
-    """One moolib-run of ``case`` (``extra`` overrides after the case's own), for
-    ``warmup`` + ``seconds``, then Ctrl-C. Returns its SPS (steps learned per second
-    between the first log row after ``warmup`` seconds and the last row), its actors'
-    env steps per second over the same rows, the cores the run's own process and its
-    env workers kept busy over the timed ``seconds`` (CPU seconds per second), and the
-    command's overrides."""
+    """One moolib-run of ``case`` (``extra`` overrides after the case's own) by the
+    interpreter ``python`` (another venv's: another version of moolib), for ``warmup``
+    + ``seconds``, then Ctrl-C. Returns its SPS (steps learned per second between the
+    first log row after ``warmup`` seconds and the last row), its actors' env steps per
+    second over the same rows, the cores the run's own process and its env workers kept
+    busy over the timed ``seconds`` (CPU seconds per second), the GPU's utilisation
+    meanwhile (on CUDA), and the command's overrides."""
     with tempfile.TemporaryDirectory() as savedir, tempfile.TemporaryFile() as err:
         cmd = _run_command(
             [*case["overrides"], *extra, f"device={device}", f"torch_threads={threads}"],
             savedir,
+            python,
         )
         env = dict(os.environ, WANDB_MODE="disabled")
         # stderr to a file: a pipe nobody reads would stall the run once full.
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        # cwd: not this checkout, whose moolib/ another venv's interpreter would import.
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=savedir)
+        gpu = GpuBusy()
         try:
             time.sleep(warmup)
             before, since = _cpu_seconds(proc.pid), time.monotonic()
+            if device.startswith("cuda"):
+                gpu.start()
             time.sleep(seconds)
             after, span = _cpu_seconds(proc.pid), time.monotonic() - since
         finally:
+            gpu_busy = gpu.stop() if device.startswith("cuda") else float("nan")
             _interrupt(proc)
         with open(Path(savedir) / "logs.tsv") as f:
             rows = [r for r in csv.DictReader(f, delimiter="\t")]
@@ -275,6 +326,7 @@ def run_sps(
         "env_sps": float("nan"),
         "run_cores": (after[0] - before[0]) / span,
         "worker_cores": (after[1] - before[1]) / span,
+        "gpu_busy": gpu_busy,
         "command": " ".join(cmd[3:]),
     }
     timed = [r for r in rows if float(r["time"]) >= warmup and r["step"]]
@@ -547,6 +599,12 @@ def main() -> None:
         help="overrides of the loop-limit run (a network that costs almost nothing)",
     )
     parser.add_argument(
+        "--baseline-python",
+        default=None,
+        help="the interpreter of another venv (e.g. the starting commit's): its moolib-run "
+        "runs each case too, right after ours, for the ratio",
+    )
+    parser.add_argument(
         "--envpool-seconds", type=float, default=15.0, help="timed stepping of the EnvPool limit"
     )
     parser.add_argument(
@@ -581,10 +639,15 @@ def report(args: argparse.Namespace) -> None:
         f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs, device {args.device}, "
         f"torch's default threads {torch.get_num_threads()}, busy cores {args.busy_cores}"
     )
+    base = args.baseline_python
+    if base:
+        print(f"baseline: moolib-run by {base} (its moolib), run right after each of ours")
     print(
         f"{'case':16} {'threads':>7} {'moolib-run SPS':>14} {'EnvPool limit':>13} {'ratio':>6} "
         f"{'tiny-net SPS':>12} {'ratio':>6} {'learner limit':>13} {'ratio':>6} "
         f"{'act+learn limit':>15} {'ratio':>6} {'original':>8}"
+        + (f" {'baseline SPS':>12} {'ratio':>6}" if base else "")
+        + (f" {'GPU busy':>8}" if args.device.startswith("cuda") else "")
     )
 
     def detail(label: str, run: dict) -> str:
@@ -594,12 +657,18 @@ def report(args: argparse.Namespace) -> None:
             f"its env workers {run['worker_cores']:.2f})"
         )
 
+    nan = {"sps": float("nan")}
     for name in args.cases:
         case = CASES[name]
         learn = both = pool = float("nan")
-        tiny: dict = {"sps": float("nan")}
+        tiny: dict = nan
         for threads in args.torch_threads:
             run = run_sps(case, args.device, args.seconds, args.warmup, threads)
+            base_run = (
+                run_sps(case, args.device, args.seconds, args.warmup, threads, python=base)
+                if base
+                else nan
+            )
             if learn != learn:
                 # Once per case, right after its first run: the loop's limit (with this
                 # run's torch threads), the EnvPool limit, the compute limits (with
@@ -612,12 +681,19 @@ def report(args: argparse.Namespace) -> None:
             sps = run["sps"]
             ref = case["reference"]
             ref_text = f"{ref:8.0f}" if ref else f"{'-':>8}"
-            print(
+            line = (
                 f"{name:16} {threads:>7} {sps:14,.0f} {pool:13,.0f} {sps / pool:6.3f} "
                 f"{tiny['sps']:12,.0f} {tiny['sps'] / pool:6.3f} {learn:13,.0f} "
                 f"{sps / learn:6.2f} {both:15,.0f} {sps / both:6.2f} {ref_text}"
             )
+            if base:
+                line += f" {base_run['sps']:12,.0f} {sps / base_run['sps']:6.2f}"
+            if args.device.startswith("cuda"):
+                line += f" {run['gpu_busy']:7.0f}%"
+            print(line)
             print(detail("command", run))
+            if base:
+                print(detail("baseline", base_run))
         if "command" in tiny:
             print(detail("tiny-net", tiny))
         print(f"  load average {os.getloadavg()[0]:.2f}")

@@ -12,11 +12,13 @@ SMALL = {
     "impala_deep": (3, 36, 36),
     "impala_shallow": (3, 36, 36),
     "mlp": (5,),
+    "tiny": (3, 36, 36),
 }
 FULL = {
     "impala_deep": (4, 84, 84),
     "impala_shallow": (4, 84, 84),
     "mlp": (4,),
+    "tiny": (4, 84, 84),
 }
 NETWORK_IDS = list(SMALL)
 
@@ -67,7 +69,7 @@ def test_output_shapes_and_dtypes(network, use_lstm):
     num_steps, batch = 3, 2
     shape = FULL[network]
     model = models.create_model(shape, NUM_ACTIONS, network=network, use_lstm=use_lstm)
-    hidden = 64 if network == "mlp" else 256  # the networks' defaults
+    hidden = {"mlp": 64, "tiny": 16}.get(network, 256)  # the networks' defaults
     state = model.initial_state(batch)
     if use_lstm:
         assert len(state) == 2
