@@ -1,0 +1,146 @@
+"""Sample Factory on one of bench/peers.py's tasks (run with Sample Factory's own venv).
+
+APPO with Sample Factory's published Atari settings (sf_examples/atari/atari_params.py:
+rollout 128, batch 256, 4 epochs of 4 mini-batches, lr 2.5e-4 linearly decayed, clip
+0.1, entropy 0.01, value coefficient 0.5, gradient norm 0.5, normalized inputs and
+returns, Adam eps 1e-5) for Breakout and MinAtar, and its defaults for CartPole.
+Changed only to match the shared work: the envs are bench/peers/common.py's
+(gymnasium's Atari preprocessing as moolib's, no sticky actions, instead of its own
+Atari wrappers); ``--procs`` rollout workers of ``--envs / --procs`` envs each (its
+Atari file: 8 workers of 1 env); ``async_rl=True`` (Sample Factory's default, the
+asynchronous PPO the library is named for; its Atari file turns it off to match
+CleanRL's synchronous PPO); the network is its ``convnet_impala`` (the shallow
+IMPALA one, 16 8x8/4 and 32 4x4/2) with one 256-unit layer (its Atari file:
+``convnet_atari``, the Nature CNN); MinAtar's 10x10 grids are too small for its
+conv encoders, so MinAtar gets its MLP encoder of 128 units; CPU only; torch's
+threads in the main process are the cores less the env processes. Sample Factory
+2.1.1 pins gymnasium<1.0 and numpy<2: it is installed with ``--no-deps`` beside
+gymnasium 1.4.0 (the ALE's, as moolib's) and numpy 1.26 (with numpy 2 its rollout
+workers fail on the first step).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import common
+import numpy as np
+import sample_factory
+import torch
+from sample_factory.algo.runners.runner import AlgoObserver
+from sample_factory.algo.utils.misc import ExperimentStatus
+from sample_factory.cfg.arguments import parse_full_cfg, parse_sf_args
+from sample_factory.envs.env_utils import register_env
+from sample_factory.train import make_runner
+
+ALGOS = ("appo",)
+ATARI = dict(
+    encoder_conv_architecture="convnet_impala",
+    encoder_conv_mlp_layers=[256],
+    obs_scale=255.0,
+    gamma=0.99,
+    exploration_loss_coeff=0.01,
+    worker_num_splits=1,
+    nonlinearity="relu",
+    kl_loss_coeff=0.0,
+    use_rnn=False,
+    reward_scale=1.0,
+    with_vtrace=False,
+    recurrence=1,
+    batch_size=256,
+    rollout=128,
+    max_grad_norm=0.5,
+    num_epochs=4,
+    num_batches_per_epoch=4,
+    ppo_clip_ratio=0.1,
+    value_loss_coeff=0.5,
+    learning_rate=0.00025,
+    lr_schedule="linear_decay",
+    shuffle_minibatches=False,
+    gae_lambda=0.95,
+    batched_sampling=False,
+    normalize_input=True,
+    normalize_returns=True,
+    adam_eps=1e-5,
+)
+
+
+def make(full_env_name: str, cfg: object, env_config: object, render_mode: object = None) -> object:
+    """One counted env for a rollout worker."""
+    worker = getattr(env_config, "worker_index", 0) if env_config else 0
+    index = getattr(env_config, "vector_index", 0) if env_config else 0
+    return common.make_env(cfg.peer_task, cfg.seed * 1000 + worker * 100 + index)  # type: ignore[attr-defined]
+
+
+class Stop(AlgoObserver):
+    """Ends training after the first training step once the meter is done."""
+
+    def __init__(self, meter: common.Meter) -> None:
+        self.meter = meter
+
+    def on_training_step(self, runner: object, training_iteration_since_resume: int) -> None:
+        """Called by the runner's event loop after each training step."""
+        if self.meter.done.is_set():
+            runner._stop_training()  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    """Trains until the meter is done, then prints the result line."""
+    args = common.parse_args(ALGOS)
+    meter = common.Meter(args)
+    torch.set_num_threads(common.learner_threads(args.procs))
+    register_env("peer", make)
+    argv = [
+        "--env=peer",
+        "--experiment=peer",
+        f"--train_dir={Path(args.dir) / 'sf'}",
+        f"--seed={args.seed}",
+    ]
+    parser, _ = parse_sf_args(argv=argv, evaluation=False)
+    parser.add_argument("--peer_task", default=args.task)
+    settings: dict = {}
+    if args.task != "cartpole":
+        settings.update(ATARI)
+    if args.task == "minatar":
+        settings.update(obs_scale=1.0, encoder_mlp_layers=[128], normalize_input=False)
+        settings.pop("encoder_conv_architecture")
+        settings.pop("encoder_conv_mlp_layers")
+    settings.update(
+        num_workers=args.procs,
+        num_envs_per_worker=args.envs // args.procs,
+        async_rl=True,
+        device="cpu",
+        serial_mode=False,
+        train_for_env_steps=10**12,
+        train_for_seconds=10**9,
+        save_every_sec=10**9,
+        save_best_every_sec=10**9,
+        with_wandb=False,
+        experiment_summaries_interval=1000,
+    )
+    parser.set_defaults(**settings)
+    cfg = parse_full_cfg(parser, argv)
+    cfg, runner = make_runner(cfg)
+
+    runner.register_observer(Stop(meter))
+    status = runner.init()
+    if status == ExperimentStatus.SUCCESS:
+        runner.run()
+    meter.done.wait()
+    meter.finish(
+        lib="sample-factory",
+        version=getattr(sample_factory, "__version__", "2.1.1"),
+        torch=torch.__version__,
+        numpy=np.__version__,
+        algo="APPO",
+        env_processes=args.procs,
+        settings={
+            k: v
+            for k, v in settings.items()
+            if k in ("rollout", "batch_size", "num_workers", "num_envs_per_worker", "async_rl")
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
