@@ -275,22 +275,34 @@ PyObject* gRpcError = nullptr;  // moolib.RpcError
 py::dict toPython(const ConnectionInfo& c) {
   return py::dict("transport"_a = c.transport, "local"_a = c.local, "remote"_a = c.remote,
                   "outgoing"_a = c.outgoing, "bytes_sent"_a = c.bytesSent,
-                  "bytes_received"_a = c.bytesReceived);
+                  "bytes_received"_a = c.bytesReceived, "why"_a = c.why);
 }
 
 py::dict toPython(const PeerInfo& p) {
   py::list connections;
   for (auto& c : p.connections) connections.append(toPython(c));
-  return py::dict("name"_a = p.name, "same_host"_a = p.sameHost, "addresses"_a = p.addresses,
-                  "queued_calls"_a = p.queuedCalls, "connections"_a = connections);
+  return py::dict(
+      "name"_a = p.name, "same_host"_a = p.sameHost, "addresses"_a = p.addresses,
+      "queued_calls"_a = p.queuedCalls, "connections"_a = connections,
+      "transport"_a = p.transport.empty() ? py::object(py::none()) : py::str(p.transport),
+      "chosen"_a = p.chosen.empty() ? py::object(py::none()) : py::str(p.chosen), "why"_a = p.why);
 }
 
 py::dict toPython(const DebugInfo& info) {
   py::list peers;
   for (auto& p : info.peers) peers.append(toPython(p));
+  // Every registered transport: whether it is viable here, its priority and
+  // domain, or why not.
+  py::dict available;
+  for (auto& t : info.available) {
+    available[py::str(t.name)] =
+        t.available
+            ? py::dict("available"_a = true, "priority"_a = t.priority, "domain"_a = t.domain)
+            : py::dict("available"_a = false, "why"_a = t.why);
+  }
   return py::dict("name"_a = info.name, "listening"_a = info.listening,
-                  "advertised"_a = info.advertised, "transports"_a = info.transports,
-                  "pending_calls"_a = info.pendingCalls,
+                  "transport_status"_a = available, "advertised"_a = info.advertised,
+                  "transports"_a = info.transports, "pending_calls"_a = info.pendingCalls,
                   "unidentified_connections"_a = info.unidentifiedConnections,
                   "functions"_a = info.functions, "peers"_a = peers);
 }
@@ -312,10 +324,10 @@ Codec& codec() {
 // commonest payloads, the arguments of a call without any and a None
 // result, are constants. What is not plain takes the codec as before.
 struct FastCodec {
-  py::object dumps, loads;          // pickle.dumps, pickle.loads
+  py::object dumps, loads;           // pickle.dumps, pickle.loads
   std::string emptyCall, noneValue;  // pickle of ((), {}) and of None, protocol 5
-  py::object plainType, describe;   // moolib.rpc._Plain, moolib.rpc._describe
-  py::object handlersName;          // "_handlers"
+  py::object plainType, describe;    // moolib.rpc._Plain, moolib.rpc._describe
+  py::object handlersName;           // "_handlers"
 };
 // Filled in by initFastCodec at import, never lazily: a static initialized
 // on first use by Python code would deadlock a thread waiting for that
@@ -413,8 +425,8 @@ py::object decodeSegments(const std::vector<BufferPtr>& segs) {
   if (segs.size() == 1 && segmentIs(*segs[0], fastCodec().noneValue)) return py::none();
   if (segs.size() == 1 && segs[0]->size() <= 65536) {
     // No out-of-band buffers: what codec().loads would do, without its frame.
-    return callOrThrow(fastCodec().loads, py::bytes(reinterpret_cast<const char*>(segs[0]->data()),
-                                                    segs[0]->size()));
+    return callOrThrow(fastCodec().loads,
+                       py::bytes(reinterpret_cast<const char*>(segs[0]->data()), segs[0]->size()));
   }
   // The pickle stream is usually small: a bytes copy is cheaper than a
   // buffer object (and pickle reads it either way).
@@ -546,7 +558,8 @@ Rpc::Handler pythonDispatcher(py::handle ownerRef, const std::string& name) {
           responder->error(concat("function '", name, "' is gone: its Rpc was deleted"));
           return;
         }
-        if (Py_TYPE(handler.ptr()) == reinterpret_cast<PyTypeObject*>(fastCodec().plainType.ptr())) {
+        if (Py_TYPE(handler.ptr()) ==
+            reinterpret_cast<PyTypeObject*>(fastCodec().plainType.ptr())) {
           servePlain(handler, *responder, args);
         } else {
           callHandler(handler, responder, args);
@@ -563,14 +576,14 @@ Rpc::Handler pythonDispatcher(py::handle ownerRef, const std::string& name) {
 // dispatcher on every method call, several times what the call itself costs
 // in the core.
 struct FutureObject {
-  PyObject_HEAD
-  PyObject* weakrefs;
+  PyObject_HEAD PyObject* weakrefs;
   alignas(FuturePtr) unsigned char storage[sizeof(FuturePtr)];  // a FuturePtr
 };
 PyTypeObject* gFutureType = nullptr;
 
 FuturePtr& stateOf(PyObject* self) {
-  return *std::launder(reinterpret_cast<FuturePtr*>(reinterpret_cast<FutureObject*>(self)->storage));
+  return *std::launder(
+      reinterpret_cast<FuturePtr*>(reinterpret_cast<FutureObject*>(self)->storage));
 }
 
 void futureDealloc(PyObject* self) {
@@ -643,8 +656,7 @@ PyObject* futureWaitMethod(PyObject* self, PyObject* const* args, Py_ssize_t nar
   return guarded([&] { return PyBool_FromLong(futureWait(stateOf(self), seconds)); });
 }
 
-PyObject* futureResult(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
-                       PyObject* kwnames) {
+PyObject* futureResult(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   double seconds;
   if (!parseTimeout("result", args, nargs, kwnames, &seconds)) return nullptr;
   return guarded([&]() -> PyObject* {
@@ -726,8 +738,7 @@ void initFutureType(py::module_& m) {
       {Py_tp_dealloc, reinterpret_cast<void*>(futureDealloc)},
       {Py_tp_methods, futureMethods},
       {Py_tp_members, futureMembers},
-      {Py_tp_doc,
-       const_cast<char*>("The result of an asynchronous call, completed by the core.")},
+      {Py_tp_doc, const_cast<char*>("The result of an asynchronous call, completed by the core.")},
       {0, nullptr}};
   static PyType_Spec spec = {"moolib._core.Future", int(sizeof(FutureObject)), 0,
                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, slots};
@@ -986,8 +997,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<PyRpc> rpcClass(m, "Rpc", "The C++ peer; moolib.Rpc adds the Python-level API.");
   addFastMethod(rpcClass, &rpcAsyncDef);
   addFastMethod(rpcClass, &rpcSyncDef);
-  rpcClass
-      .def(py::init(&createRpc))
+  rpcClass.def(py::init(&createRpc))
       .def("set_name", onRpc(&Rpc::setName))
       .def("get_name", onRpc(&Rpc::name))
       .def("listen", onRpc(&Rpc::listen), py::call_guard<GilRelease>())
@@ -1034,9 +1044,9 @@ PYBIND11_MODULE(_core, m) {
     d["budget_us"] =
         std::chrono::duration_cast<std::chrono::microseconds>(SpinPolicy::budget()).count();
     // The calling thread's budget now (SpinPolicy::threadBudget).
-    d["thread_budget_us"] = std::chrono::duration_cast<std::chrono::microseconds>(
-                                SpinPolicy::current().threadBudget())
-                                .count();
+    d["thread_budget_us"] =
+        std::chrono::duration_cast<std::chrono::microseconds>(SpinPolicy::current().threadBudget())
+            .count();
     d["waits"] = s.waits;
     d["spins"] = s.spins;
     d["hits"] = s.hits;

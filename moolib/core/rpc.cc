@@ -79,9 +79,7 @@ std::shared_ptr<Rpc> Rpc::create() { return std::make_shared<Rpc>(); }
 
 Rpc::Rpc() : generation_(Loop::generation()), incarnation_(randomHex(8)), name_(randomHex(8)) {
   Loop::instance();
-  tcp_ = createTcpContext();
-  shm_ = createShmContext();
-  if (!shm_) MOO_LOG(kInfo, "shared memory is not available here; using TCP only");
+  for (auto* c : contexts_.byPriority()) transports_.insert(c->name());
   if (const char* key = std::getenv("MOOLIB_AUTH_KEY")) authKey_ = key;
 }
 
@@ -94,8 +92,7 @@ Rpc::~Rpc() {
     static auto* abandoned = new std::vector<std::shared_ptr<void>>();
     for (auto& l : links_) abandoned->push_back(l);
     for (auto& l : listeners_) abandoned->push_back(std::shared_ptr<Listener>(std::move(l)));
-    abandoned->push_back(std::shared_ptr<Context>(std::move(tcp_)));
-    abandoned->push_back(std::shared_ptr<Context>(std::move(shm_)));
+    for (auto& c : contexts_.release()) abandoned->push_back(std::move(c));
     listeners_.clear();
     return;
   }
@@ -119,17 +116,26 @@ void Rpc::ensureStarted() {
   });
 }
 
-bool Rpc::allowed(const char* transport) const { return transports_.count(transport) != 0; }
+bool Rpc::allowed(const std::string& transport) const { return transports_.count(transport) != 0; }
 
 bool Rpc::transportAllowed(const std::string& name) const {
   std::lock_guard<std::mutex> lock(mutex_);
   return transports_.count(name) != 0;
 }
 
-Context* Rpc::contextFor(const std::string& address) {
-  if (shm_ && shm_->handles(address)) return shm_.get();
-  MOO_ENFORCE(address.rfind("shm://", 0) != 0, "shared memory is not available on this host");
-  return tcp_.get();
+Context* Rpc::contextFor(const std::string& address) { return contexts_.forAddress(address); }
+
+PeerTransports Rpc::peerTransportsLocked(const std::string& host,
+                                         const std::map<std::string, std::string>& domains,
+                                         bool reported) const {
+  PeerTransports pt;
+  pt.sameHost = host == hostIdentity();
+  pt.domains = domains;
+  if (!reported) {
+    // A peer that did not list its transports has what every peer has.
+    pt.domains = {{kBootstrapTransport, ""}, {"shm", host}};
+  }
+  return pt;
 }
 
 void Rpc::setName(const std::string& name) {
@@ -157,14 +163,10 @@ std::string Rpc::listen(const std::string& address) {
   });
   std::string bound = listener->address();
   std::lock_guard<std::mutex> lock(mutex_);
-  if (ctx == tcp_.get()) {
-    tcpListenAddresses_.push_back(bound);
-    warnIfExposedLocked(bound);
-  } else {
-    shmAddress_ = bound;
-  }
+  listenAddresses_[ctx->name()].push_back(bound);
+  if (!ctx->hostLocal()) warnIfExposedLocked(hostPortOf(bound));
   listeners_.push_back(std::move(listener));
-  ensureShmListenerLocked();
+  ensureCompanionListenersLocked(ctx == contexts_.get(kBootstrapTransport) ? bound : "");
   return bound;
 }
 
@@ -179,28 +181,46 @@ void Rpc::warnIfExposedLocked(const std::string& address) const {
   }
 }
 
-void Rpc::ensureShmListenerLocked() {
-  if (!shm_ || !allowed("shm") || !shmAddress_.empty()) return;
-  std::weak_ptr<Rpc> weak = shared_from_this();
-  std::string address = "shm://" + incarnation_ + "-" + randomHex(4);
-  listeners_.push_back(shm_->listen(address, [weak](ConnectionPtr conn) {
+void Rpc::listenLocked(Context* ctx, const std::string& address) {
+  std::weak_ptr<Rpc> weak = weak_from_this();
+  auto l = ctx->listen(address, [weak](ConnectionPtr conn) {
     if (auto self = weak.lock()) {
       self->adopt(std::move(conn), false, "");
     } else {
       conn->close(Error("the Rpc is gone"));
     }
-  }));
-  shmAddress_ = address;
+  });
+  listenAddresses_[ctx->name()].push_back(l->address());
+  listeners_.push_back(std::move(l));
+}
+
+void Rpc::ensureCompanionListenersLocked(const std::string& tcpAddress) {
+  for (auto* ctx : contexts_.byPriority()) {
+    std::string name = ctx->name();
+    if (!allowed(name) || (!tcpAddress.empty() && ctx->handles(tcpAddress))) continue;
+    // A host-local transport needs one listener; one beside each TCP listener
+    // for the others.
+    auto key = std::make_pair(name, ctx->hostLocal() ? std::string() : tcpAddress);
+    if (companions_.count(key) || (ctx->hostLocal() && listenAddresses_.count(name))) continue;
+    std::string address = ctx->companionAddress(incarnation_, tcpAddress, forced_.count(name) != 0);
+    if (address.empty()) continue;
+    companions_.insert(key);
+    try {
+      listenLocked(ctx, address);
+    } catch (const std::exception& e) {
+      MOO_LOG(kError, "cannot listen on ", address, ": ", e.what());
+    }
+  }
 }
 
 void Rpc::connect(const std::string& address) {
   checkUsable();
   ensureStarted();
   // A malformed address never connects: say so here, not by retrying it forever.
-  if (contextFor(address) == tcp_.get()) checkTcpAddress(address);
+  if (contextFor(address) == contexts_.get(kBootstrapTransport)) checkTcpAddress(address);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    ensureShmListenerLocked();
+    ensureCompanionListenersLocked("");
     auto& d = dialers_[address];
     d.address = address;
   }
@@ -221,13 +241,19 @@ double Rpc::timeout() const {
 void Rpc::setTransports(const std::vector<std::string>& names) {
   std::set<std::string> chosen;
   for (auto& n : names) {
-    MOO_ENFORCE(n == "tcp" || n == "shm" || n == "ipc", "unknown transport '", n,
-                "' (known: tcp, shm)");
-    chosen.insert(n == "ipc" ? "shm" : n);
+    std::string name = canonicalTransport(n);
+    MOO_ENFORCE(!name.empty(), "unknown transport '", n, "' (known: ", knownTransports(), ")");
+    if (!contexts_.get(name)) {
+      for (auto& st : contexts_.status()) {
+        MOO_ENFORCE(st.name != name, "transport ", name, " is not available here: ", st.why);
+      }
+    }
+    chosen.insert(name);
   }
   MOO_ENFORCE(!chosen.empty(), "at least one transport is needed");
   std::lock_guard<std::mutex> lock(mutex_);
   transports_ = chosen;
+  forced_ = chosen;
 }
 
 void Rpc::setAuthKey(const std::string& key) {
@@ -484,22 +510,33 @@ DebugInfo Rpc::debugInfo() {
   DebugInfo info;
   std::lock_guard<std::mutex> lock(mutex_);
   info.name = name_;
-  info.listening = tcpListenAddresses_;
-  if (!shmAddress_.empty()) info.listening.push_back(shmAddress_);
+  // TCP first, as before there were more transports.
+  auto tcp = listenAddresses_.find(kBootstrapTransport);
+  if (tcp != listenAddresses_.end()) info.listening = tcp->second;
+  for (auto& [transport, addresses] : listenAddresses_) {
+    if (transport != kBootstrapTransport)
+      info.listening.insert(info.listening.end(), addresses.begin(), addresses.end());
+  }
   info.advertised = advertisedLocked();
   info.transports.assign(transports_.begin(), transports_.end());
+  info.available = contexts_.status();
   info.pendingCalls = calls_.size();
   info.unidentifiedConnections = 0;
   for (auto& l : links_) {
     if (l->state != Link::State::kReady) ++info.unidentifiedConnections;
   }
   for (auto& [name, p] : peers_) {
-    PeerInfo pi{name, p.host == hostIdentity(), p.addresses, {}, p.queued.size()};
+    PeerInfo pi{name, p.host == hostIdentity(), p.addresses, {}, p.queued.size(), "", "", ""};
     for (auto& l : p.links) {
-      pi.connections.push_back(ConnectionInfo{l->conn->transport(), l->conn->localAddress(),
-                                              l->conn->remoteAddress(), l->outgoing,
-                                              l->conn->bytesSent(), l->conn->bytesReceived()});
+      pi.connections.push_back(
+          ConnectionInfo{l->conn->transport(), l->conn->localAddress(), l->conn->remoteAddress(),
+                         l->outgoing, l->conn->bytesSent(), l->conn->bytesReceived(), l->why});
     }
+    if (auto best = bestLinkLocked(p)) pi.transport = best->conn->transport();
+    TransportChoice choice =
+        contexts_.choose(peerTransportsLocked(p.host, p.domains, p.reported), transports_, forced_);
+    if (choice.context) pi.chosen = choice.context->name();
+    pi.why = choice.why;
     info.peers.push_back(std::move(pi));
   }
   for (auto& [name, h] : functions_) info.functions.push_back(name);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "future.h"
+#include "transport/registry.h"
 #include "transport/transport.h"
 
 namespace moolib {
@@ -57,6 +58,7 @@ struct ConnectionInfo {
   std::string transport, local, remote;
   bool outgoing;
   uint64_t bytesSent, bytesReceived;
+  std::string why;  // why this link was made
 };
 struct PeerInfo {
   std::string name;
@@ -64,10 +66,14 @@ struct PeerInfo {
   std::vector<std::string> addresses;
   std::vector<ConnectionInfo> connections;
   size_t queuedCalls;
+  // The transport calls to this peer use ("" while no link is usable), the
+  // one the registry chooses, and why.
+  std::string transport, chosen, why;
 };
 struct DebugInfo {
   std::string name;
   std::vector<std::string> listening, advertised, transports;
+  std::vector<TransportStatus> available;  // every registered transport
   std::vector<PeerInfo> peers;
   size_t pendingCalls, unidentifiedConnections;
   std::vector<std::string> functions;
@@ -139,7 +145,11 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void checkUsable() const;
   void ensureStarted();
   Context* contextFor(const std::string& address);
-  bool allowed(const char* transport) const;
+  bool allowed(const std::string& transport) const;
+  // What the registry needs to choose a transport for this peer.
+  PeerTransports peerTransportsLocked(const std::string& host,
+                                      const std::map<std::string, std::string>& domains,
+                                      bool reported) const;
 
   // rpc.cc
   void sendRequest(const std::shared_ptr<Link>& link, uint64_t id, const std::string& function,
@@ -157,7 +167,9 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void expireCalls(TimePoint now);
 
   // rpc_links.cc
-  void adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddress);
+  // why: what made the link (debug_info); by default from the other arguments.
+  void adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddress,
+             const std::string& why = "");
   void onFrame(const std::shared_ptr<Link>& link, IncomingFrame&& frame);
   void onLinkClosed(const std::shared_ptr<Link>& link, const Error& error);
   void onHello(const std::shared_ptr<Link>& link, Reader& r);
@@ -167,14 +179,17 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void onFindPeer(const std::shared_ptr<Link>& link, Reader& r);
   void onPeerInfo(Reader& r);
   void startDiscoveryLocked(Peer& peer);
-  void dial(const std::string& address, const std::string& forPeer);
+  void dial(const std::string& address, const std::string& forPeer, const std::string& why);
   void dialFromDialer(const std::string& address);
   void tick();
   std::shared_ptr<Link> bestLinkLocked(const Peer& peer) const;
   std::vector<std::string> advertisedLocked() const;
   // What to advertise to a peer on peerHost (mutex_ held).
   std::vector<std::string> addressesFor(const std::string& peerHost) const;
-  void ensureShmListenerLocked();
+  // Listens on the transports that link upgrades need (shared memory; UCX
+  // beside tcpAddress), as far as they are allowed and not listening yet.
+  void ensureCompanionListenersLocked(const std::string& tcpAddress);
+  void listenLocked(Context* ctx, const std::string& address);
   void warnIfExposedLocked(const std::string& address) const;
   // A link that reached this Rpc itself: its dialer (if connect() made it)
   // is dropped under the lock, then the link is closed, saying so once.
@@ -191,19 +206,24 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
 
   const uint64_t generation_;
   const std::string incarnation_;
-  std::unique_ptr<Context> tcp_, shm_;
+  TransportSet contexts_;
 
   mutable std::mutex mutex_;
   std::string name_;
   std::string authKey_;
   double timeoutSeconds_ = 10.0;
-  std::set<std::string> transports_{"shm", "tcp"};
+  // The transports calls may use, and those set_transports() named (empty
+  // until it is called): a transport that reaches a peer only when forced
+  // counts when named there.
+  std::set<std::string> transports_, forced_;
   bool closed_ = false;
   std::atomic<bool> started_{false};
   uint64_t tickTimer_ = 0;
   std::vector<std::unique_ptr<Listener>> listeners_;
-  std::vector<std::string> tcpListenAddresses_;
-  std::string shmAddress_;
+  // Bound listen addresses by transport name, in the order they were made.
+  std::map<std::string, std::vector<std::string>> listenAddresses_;
+  // (transport, TCP address) pairs a companion listener was tried for.
+  std::set<std::pair<std::string, std::string>> companions_;
   std::map<std::string, Dialer> dialers_;
   std::set<std::string> dialing_;                 // addresses being dialed for discovery
   std::map<std::string, TimePoint> failedDials_;  // address -> when to try it again

@@ -46,12 +46,11 @@ void protocolError(const std::shared_ptr<Connection>& conn, const std::string& w
   conn->close(Error(why));
 }
 
-// Never hand a loopback or shared-memory address to a peer on another host.
+// Never hand a loopback or host-local (shared-memory) address to a peer on
+// another host.
 void dropHostLocal(std::vector<std::string>& addresses) {
-  auto hostLocal = [](const std::string& a) {
-    return a.rfind("shm://", 0) == 0 || isLoopbackHostPort(a);
-  };
-  addresses.erase(std::remove_if(addresses.begin(), addresses.end(), hostLocal), addresses.end());
+  addresses.erase(std::remove_if(addresses.begin(), addresses.end(), &isHostLocalAddress),
+                  addresses.end());
 }
 
 // Leaves room under the descriptor limit for established links and for
@@ -67,11 +66,9 @@ size_t pendingHandshakeCap() {
 // The host a connection came from; all local shared-memory connections count
 // as one source.
 std::string sourceOf(const Connection& conn) {
-  std::string remote = conn.remoteAddress();
+  std::string remote = hostPortOf(conn.remoteAddress());
   auto colon = remote.rfind(':');
-  if (std::string(conn.transport()) != "tcp" || colon == std::string::npos) {
-    return conn.transport();
-  }
+  if (colon == std::string::npos) return conn.transport();
   return remote.substr(0, colon);
 }
 
@@ -143,11 +140,16 @@ void Rpc::logShedLocked(TimePoint now) {
   shed_.lastLog = now;
 }
 
-void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddress) {
+void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddress,
+                const std::string& why) {
   auto link = std::make_shared<Link>();
   link->conn = conn;
   link->outgoing = outgoing;
   link->dialAddress = dialAddress;
+  link->why = !why.empty()           ? why
+              : !dialAddress.empty() ? concat("connect(\"", dialAddress, "\")")
+              : outgoing             ? "dialed"
+                                     : "accepted";
   link->myNonce = makeNonce();
   if (!outgoing) link->source = sourceOf(*conn);
   bool hasKey;
@@ -328,6 +330,9 @@ void Rpc::sendIdentify(const std::shared_ptr<Link>& link) {
     w.str(incarnation_);
     w.str(hostIdentity());
     w.strings(addressesFor(link->peerHost));
+    // Appended after the original fields: a reader that stops before them
+    // (an older peer) still parses the frame.
+    w.strings(contexts_.domains());
   }
   link->conn->send(OutgoingFrame{FrameType::kIdentify, w.take(), {}});
 }
@@ -339,12 +344,20 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
   link->peerIncarnation = r.str(64);
   link->peerHost = r.str(256);
   link->peerAddresses = r.strings(256);
+  if (r.remaining() > 0) {
+    for (auto& d : r.strings(64)) {
+      if (d.size() > 2048) return protocolError(link->conn, "oversized transport domain");
+      link->peerDomains.emplace(d.substr(0, d.find('=')),
+                                d.find('=') == std::string::npos ? "" : d.substr(d.find('=') + 1));
+    }
+    link->peerReported = true;
+  }
   if (link->peerName.empty()) return protocolError(link->conn, "peer sent an empty name");
   link->conn->setHandshaken();
   std::vector<std::shared_ptr<Link>> stale;
   std::vector<QueuedCall> flush;
   std::shared_ptr<Link> target;
-  std::string upgrade;
+  std::string upgrade, upgradeWhy;
   {
     std::unique_lock<std::mutex> lock(mutex_);
     ownNonces_.erase(link->myNonce);
@@ -372,6 +385,8 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
     p.incarnation = link->peerIncarnation;
     p.host = link->peerHost;
     p.addresses = link->peerAddresses;
+    p.domains = link->peerDomains;
+    p.reported = link->peerReported;
     p.links.push_back(link);
     target = bestLinkLocked(p);
     if (target) {
@@ -382,16 +397,26 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
         if (it != calls_.end()) it->second.sent = true;
       }
     }
-    if (link->outgoing && std::string(link->conn->transport()) == "tcp" &&
-        link->peerHost == hostIdentity() && shm_ && allowed("shm")) {
-      bool haveShm = std::any_of(p.links.begin(), p.links.end(), [](auto& l) {
-        return std::string(l->conn->transport()) == "shm";
-      });
-      for (auto& a : p.addresses) {
-        if (!haveShm && a.rfind("shm://", 0) == 0 && !dialing_.count(a)) {
-          upgrade = a;
-          dialing_.insert(a);
-          break;
+    if (link->outgoing) {
+      // The dialing side upgrades: when the registry prefers another
+      // transport for this peer than the link's, it dials the peer's address
+      // of that transport (shared memory on one host, UCX between hosts with
+      // RDMA devices or where set_transports names it).
+      TransportChoice choice = contexts_.choose(peerTransportsLocked(p.host, p.domains, p.reported),
+                                                transports_, forced_);
+      if (choice.context && contexts_.priority(choice.context->name()) >
+                                contexts_.priority(link->conn->transport())) {
+        std::string best = choice.context->name();
+        bool have = std::any_of(p.links.begin(), p.links.end(),
+                                [&](auto& l) { return best == l->conn->transport(); });
+        for (auto& a : p.addresses) {
+          if (!have && choice.context->handles(a) && transportOfAddress(a) == best &&
+              !dialing_.count(a)) {
+            upgrade = a;
+            upgradeWhy = "upgrade: " + choice.why;
+            dialing_.insert(a);
+            break;
+          }
         }
       }
     }
@@ -400,7 +425,7 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
           link->conn->remoteAddress(), ")");
   for (auto& s : stale) s->conn->close(Error("peer restarted"));
   for (auto& q : flush) sendRequest(target, q.id, q.function, std::move(q.segments));
-  if (!upgrade.empty()) dial(upgrade, link->peerName);
+  if (!upgrade.empty()) dial(upgrade, link->peerName, upgradeWhy);
 }
 
 std::string Rpc::stopDialingSelfLocked(const std::shared_ptr<Link>& link) {
@@ -427,8 +452,9 @@ void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
   // find it through discovery and dial it directly. So on its first outgoing
   // TCP link it listens on the interface that link uses (loopback stays
   // loopback), before telling the other side its addresses.
-  if (!link->outgoing || std::string(link->conn->transport()) != "tcp" ||
-      !tcpListenAddresses_.empty() || !allowed("tcp")) {
+  Context* tcp = contexts_.get(kBootstrapTransport);
+  if (!link->outgoing || !tcp || link->conn->transport() != std::string(kBootstrapTransport) ||
+      listenAddresses_.count(kBootstrapTransport) || !allowed(kBootstrapTransport)) {
     return;
   }
   std::string local = link->conn->localAddress();
@@ -437,14 +463,15 @@ void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
   std::string address = local.substr(0, colon) + ":0";
   try {
     std::weak_ptr<Rpc> weak = weak_from_this();
-    auto l = tcp_->listen(address, [weak](ConnectionPtr conn) {
+    auto l = tcp->listen(address, [weak](ConnectionPtr conn) {
       if (auto self = weak.lock()) self->adopt(std::move(conn), false, "");
     });
-    tcpListenAddresses_.push_back(l->address());
-    MOO_LOG(kInfo, "listening on ", l->address(),
-            " so that other peers can reach this one by name");
-    warnIfExposedLocked(l->address());
+    std::string bound = l->address();
+    listenAddresses_[kBootstrapTransport].push_back(bound);
+    MOO_LOG(kInfo, "listening on ", bound, " so that other peers can reach this one by name");
+    warnIfExposedLocked(bound);
     listeners_.push_back(std::move(l));
+    ensureCompanionListenersLocked(bound);
   } catch (const std::exception& e) {
     MOO_LOG(kInfo, "could not listen on ", address, ": ", e.what());
   }
@@ -479,10 +506,16 @@ void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
 }
 
 std::shared_ptr<Rpc::Link> Rpc::bestLinkLocked(const Peer& peer) const {
+  // The allowed link of the highest priority transport; the oldest among equals.
   std::shared_ptr<Link> best;
+  int bestPriority = 0;
   for (auto& l : peer.links) {
     if (l->conn->closed() || !allowed(l->conn->transport())) continue;
-    if (!best || std::string(l->conn->transport()) == "shm") best = l;
+    int priority = contexts_.priority(l->conn->transport());
+    if (!best || priority > bestPriority) {
+      best = l;
+      bestPriority = priority;
+    }
   }
   return best;
 }
@@ -494,22 +527,39 @@ std::vector<std::string> Rpc::addressesFor(const std::string& peerHost) const {
 }
 
 std::vector<std::string> Rpc::advertisedLocked() const {
+  // Highest priority transport first; TCP (the bootstrap) always, the others
+  // while allowed. A wildcard host stands for every interface.
   std::vector<std::string> out;
-  if (!shmAddress_.empty() && allowed("shm")) out.push_back(shmAddress_);
-  for (auto& a : tcpListenAddresses_) {
-    SockAddr addr;
-    try {
-      addr = parseTcpAddress(a);
-    } catch (const Exception&) {
-      continue;
+  auto add = [&](const std::string& transport, const std::vector<std::string>& addresses) {
+    bool host = !contexts_.hostLocal(transport);
+    for (auto& a : addresses) {
+      std::string hostPort = hostPortOf(a);
+      std::string scheme = a.substr(0, a.size() - hostPort.size());
+      SockAddr addr;
+      try {
+        if (!host) throw Exception("");
+        addr = parseTcpAddress(hostPort);
+      } catch (const Exception&) {
+        out.push_back(a);
+        continue;
+      }
+      if (!isWildcardAddress(addr)) {
+        out.push_back(a);
+        continue;
+      }
+      std::string port = hostPort.substr(hostPort.rfind(':') + 1);
+      for (auto& h : interfaceAddresses()) {
+        out.push_back(scheme + h + ":" + port);
+      }
+      out.push_back(scheme + "127.0.0.1:" + port);
     }
-    if (!isWildcardAddress(addr)) {
-      out.push_back(a);
-      continue;
-    }
-    std::string port = a.substr(a.rfind(':') + 1);
-    for (auto& host : interfaceAddresses()) out.push_back(host + ":" + port);
-    out.push_back("127.0.0.1:" + port);
+  };
+  for (auto* ctx : contexts_.byPriority()) {
+    std::string name = ctx->name();
+    auto it = listenAddresses_.find(name);
+    if (it == listenAddresses_.end()) continue;
+    if (name != kBootstrapTransport && !allowed(name)) continue;
+    add(name, it->second);
   }
   return out;
 }
@@ -564,7 +614,7 @@ void Rpc::onPeerInfo(Reader& r) {
   std::string host = r.str(256);
   std::vector<std::string> addresses = r.strings(256);
   if (!found) return;
-  std::string chosen;
+  std::string chosen, why;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = peers_.find(name);
@@ -577,27 +627,37 @@ void Rpc::onPeerInfo(Reader& r) {
       auto f = failedDials_.find(a);
       return f != failedDials_.end() && f->second > now;
     };
+    // What the peer's host alone tells (its transports' domains come with
+    // its identify): shared memory on the same host. Otherwise a bootstrap
+    // (TCP) address; the link upgrades once the peer has identified itself.
+    TransportChoice choice =
+        contexts_.choose(peerTransportsLocked(host, {}, false), transports_, forced_);
     for (auto& a : addresses) {
       if (dialing_.count(a)) return;  // already on its way
-      if (a.rfind("shm://", 0) == 0 && local && shm_ && allowed("shm") && !failed(a)) {
+      if (choice.context && choice.context->name() != std::string(kBootstrapTransport) &&
+          transportOfAddress(a) == choice.context->name() && !failed(a)) {
         chosen = a;
+        why = "found by name: " + choice.why;
         break;
       }
     }
     if (chosen.empty()) {
       for (auto& a : addresses) {
-        if (a.rfind("shm://", 0) == 0 || (!local && isLoopbackHostPort(a)) || failed(a)) continue;
+        if (transportOfAddress(a) != kBootstrapTransport || (!local && isHostLocalAddress(a)) ||
+            failed(a))
+          continue;
         chosen = a;
+        why = "found by name";
         break;
       }
     }
     if (chosen.empty()) return;
     dialing_.insert(chosen);
   }
-  dial(chosen, name);
+  dial(chosen, name, why);
 }
 
-void Rpc::dial(const std::string& address, const std::string& forPeer) {
+void Rpc::dial(const std::string& address, const std::string& forPeer, const std::string& why) {
   std::weak_ptr<Rpc> weak = weak_from_this();
   Context* ctx;
   try {
@@ -607,7 +667,7 @@ void Rpc::dial(const std::string& address, const std::string& forPeer) {
     dialing_.erase(address);
     return;
   }
-  ctx->connect(address, [weak, address, forPeer](const Error& error, ConnectionPtr conn) {
+  ctx->connect(address, [weak, address, forPeer, why](const Error& error, ConnectionPtr conn) {
     auto self = weak.lock();
     if (!self) {
       if (conn) conn->close(Error("the Rpc is gone"));
@@ -626,7 +686,7 @@ void Rpc::dial(const std::string& address, const std::string& forPeer) {
       MOO_LOG(kVerbose, "cannot reach peer '", forPeer, "' at ", address, ": ", error.what());
       return;
     }
-    self->adopt(std::move(conn), true, "");
+    self->adopt(std::move(conn), true, "", why);
   });
 }
 

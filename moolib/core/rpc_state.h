@@ -2,6 +2,7 @@
 #pragma once
 
 #include <list>
+#include <map>
 
 #include "rpc.h"
 
@@ -20,6 +21,11 @@ struct Rpc::Link {
   std::string myNonce, peerNonce;
   std::string peerName, peerIncarnation, peerHost;
   std::vector<std::string> peerAddresses;
+  // The peer's transports (name -> domain) from its identify; reported is
+  // false for a peer that sent none (then tcp, and shm on the same host).
+  std::map<std::string, std::string> peerDomains;
+  bool peerReported = false;
+  std::string why;  // why this link was made (debug_info)
   TimePoint created = Clock::now();
   std::atomic<TimePoint> lastReceived{Clock::now()};
   uint64_t lastBytesSent = 0;
@@ -36,6 +42,8 @@ struct Rpc::Link {
 struct Rpc::Peer {
   std::string name, incarnation, host;
   std::vector<std::string> addresses;
+  std::map<std::string, std::string> domains;
+  bool reported = false;
   std::vector<std::shared_ptr<Link>> links;
   std::vector<QueuedCall> queued;
   TimePoint nextDiscovery{};

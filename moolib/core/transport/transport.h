@@ -1,6 +1,9 @@
 // The transport interface: a Context creates Listeners and outgoing
-// Connections for one kind of link (TCP, shared memory). The RPC layer only
-// sees frames; how segments travel is the transport's business.
+// Connections for one kind of link (shared memory, TCP, UCX). The RPC layer
+// only sees frames; how segments travel is the transport's business. Each
+// transport is one folder (transport/<name>/: context_impl.cc,
+// connection_impl.h, connection_impl.cc) and one entry of the registry
+// (transport/registry.cc), which the RPC layer consults for every choice.
 #pragma once
 
 #include <cstdint>
@@ -63,6 +66,17 @@ class Listener {
   virtual void close() = 0;
 };
 
+// Whether a transport can carry a link to a given peer.
+struct Reach {
+  enum Kind {
+    kNo,      // not at all (the peer lacks it, or it cannot get there)
+    kForced,  // only when set_transports() names it
+    kAuto,    // chosen by priority
+  };
+  Kind kind = kNo;
+  std::string why;
+};
+
 class Context {
  public:
   using AcceptFn = std::function<void(ConnectionPtr)>;
@@ -70,15 +84,36 @@ class Context {
 
   virtual ~Context() = default;
   virtual const char* name() const = 0;
+  // Among transports both sides can use, the highest priority carries calls.
+  virtual int priority() const = 0;
+  // What this transport reaches from here, sent to peers in the handshake
+  // (shm: the host identity; tcp: the addresses it listens on; ucx: the
+  // devices and transports UCX found). Bounded: at most 1024 bytes.
+  virtual std::string domain() const = 0;
+  // Whether a link to a peer whose domain for this transport is peerDomain
+  // ("" when the peer did not report one) can use this transport.
+  virtual Reach reach(const std::string& peerDomain, bool sameHost) const = 0;
+  // Addresses that only mean something on this host (never told to peers
+  // on another host).
+  virtual bool hostLocal() const { return false; }
   // Whether this transport dials/listens on addresses of this form.
   virtual bool handles(const std::string& address) const = 0;
+  // An address to listen on without being asked, beside a TCP listener on
+  // tcpAddress ("" when connect() alone started the Rpc), so that peers can
+  // upgrade a link to this transport; "" for none. incarnation is unique to
+  // the Rpc. forced: set_transports() names this transport.
+  virtual std::string companionAddress(const std::string& incarnation,
+                                       const std::string& tcpAddress, bool forced) const {
+    return "";
+  }
   // Binds synchronously (so errors raise at the call); accepts on the poller.
   virtual std::unique_ptr<Listener> listen(const std::string& address, AcceptFn onAccept) = 0;
   // Completes on the poller, with an error or a connection not yet started.
   virtual void connect(const std::string& address, ConnectFn done) = 0;
 };
 
-std::unique_ptr<Context> createTcpContext();
-std::unique_ptr<Context> createShmContext();
+// Addresses of the form "<scheme>://host:port" (ucx) or "host:port" (tcp):
+// the host:port part; anything else unchanged.
+std::string hostPortOf(const std::string& address);
 
 }  // namespace moolib

@@ -3,6 +3,7 @@
 // "shm://<name>" and exchange large segments through shared memory.
 #include <sys/mman.h>
 
+#include "host.h"
 #include "transport/shm/connection_impl.h"
 #include "transport/socket_listener.h"
 
@@ -15,6 +16,19 @@ constexpr const char* kPrefix = "shm://";
 class ShmContext : public Context {
  public:
   const char* name() const override { return "shm"; }
+  // Above every network transport: one copy through memory.
+  int priority() const override { return 300; }
+  // Abstract Unix sockets are per network namespace, memfds per machine.
+  std::string domain() const override { return hostIdentity(); }
+  Reach reach(const std::string& peerDomain, bool sameHost) const override {
+    if (peerDomain == hostIdentity()) return {Reach::kAuto, "same host and network namespace"};
+    return {Reach::kNo, "another host or network namespace"};
+  }
+  bool hostLocal() const override { return true; }
+  std::string companionAddress(const std::string& incarnation, const std::string& tcpAddress,
+                               bool forced) const override {
+    return kPrefix + incarnation + "-" + randomHex(4);
+  }
   bool handles(const std::string& address) const override { return address.rfind(kPrefix, 0) == 0; }
 
   std::unique_ptr<Listener> listen(const std::string& address, AcceptFn onAccept) override {
@@ -45,10 +59,13 @@ class ShmContext : public Context {
 
 }  // namespace
 
-std::unique_ptr<Context> createShmContext() {
+std::unique_ptr<Context> createShmContext(std::string& whyNot) {
   // Viability: this kernel must support memfd.
   Fd probe(::memfd_create("moolib-probe", MFD_CLOEXEC));
-  if (!probe) return nullptr;
+  if (!probe) {
+    whyNot = concat("memfd_create: ", errnoString(errno));
+    return nullptr;
+  }
   return std::make_unique<ShmContext>();
 }
 

@@ -1,4 +1,5 @@
 // The TCP transport: works between any two hosts that can route to each other.
+#include "host.h"
 #include "transport/socket_listener.h"
 #include "transport/tcp/connection_impl.h"
 
@@ -28,6 +29,16 @@ void connectInTurn(std::shared_ptr<const std::vector<SockAddr>> addrs, size_t in
 class TcpContext : public Context {
  public:
   const char* name() const override { return "tcp"; }
+  int priority() const override { return 100; }
+  // The interface addresses a peer may reach this host at.
+  std::string domain() const override {
+    std::string out;
+    for (auto& a : interfaceAddresses()) out += (out.empty() ? "" : ",") + a;
+    return out;
+  }
+  Reach reach(const std::string& peerDomain, bool sameHost) const override {
+    return {Reach::kAuto, sameHost ? "loopback" : "routes between hosts"};
+  }
   bool handles(const std::string& address) const override {
     return address.find("://") == std::string::npos;
   }
@@ -53,6 +64,8 @@ class TcpContext : public Context {
 
 }  // namespace
 
-std::unique_ptr<Context> createTcpContext() { return std::make_unique<TcpContext>(); }
+std::unique_ptr<Context> createTcpContext(std::string& whyNot) {
+  return std::make_unique<TcpContext>();
+}
 
 }  // namespace moolib
