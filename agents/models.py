@@ -52,6 +52,9 @@ CoreState = tuple[torch.Tensor, ...]
 
 def scale_observations(state: torch.Tensor, scale: float) -> torch.Tensor:
     """``state`` as float32 divided by ``scale`` (no division when it is 1)."""
+    if state.dtype == torch.uint8 and scale != 1.0:
+        # One pass over the frames: the division promotes bytes to float32 as it goes.
+        return torch.div(state, scale).float()
     x = state.float()
     return x / scale if scale != 1.0 else x
 
@@ -317,15 +320,20 @@ class MLPNet(_ActorCritic):
 
 
 class _Subsample(nn.Module):
-    """Every ``stride``-th cell of ``[N, C, H, W]`` images, high and wide."""
+    """Every ``stride``-th cell of ``[N, C, H, W]`` images, high and wide, as float32
+    divided by ``scale``: subsampled before it is converted, which is most of the
+    tiny network's cost on whole frames."""
 
-    def __init__(self, stride: int) -> None:
+    def __init__(self, stride: int, scale: float) -> None:
         super().__init__()
         self.stride = stride
+        self.scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Subsamples ``x``."""
-        return x[..., :: self.stride, :: self.stride] if self.stride > 1 else x
+        """Subsamples and scales ``x``."""
+        if self.stride > 1:
+            x = x[..., :: self.stride, :: self.stride]
+        return scale_observations(x, self.scale)
 
 
 class TinyNet(_ActorCritic):
@@ -354,18 +362,23 @@ class TinyNet(_ActorCritic):
         self.observation_shape = tuple(observation_shape)
         self.num_actions = num_actions
         self.use_lstm = use_lstm
-        stride = 1
+        stride, scale = 1, 1.0
         if len(self.observation_shape) == 3:
             stride = max(1, math.ceil(max(self.observation_shape[1:]) / TINY_CELLS))
             # Frames are bytes: scaled to [0, 1] as the IMPALA nets do.
-            self.observation_scale = 255.0
-        subsample = _Subsample(stride)
+            scale = 255.0
+        # The torso takes the observations as they come (observation_scale is 1, and
+        # _preprocess passes them on) and scales only the cells it keeps.
+        subsample = _Subsample(stride, scale)
         with torch.no_grad():
             input_size = subsample(torch.zeros(1, *self.observation_shape)).numel()
         self.torso = nn.Sequential(
             subsample, nn.Flatten(), nn.Linear(input_size, hidden_size), nn.ReLU()
         )
         self._build_core(hidden_size, hidden_size)
+
+    def _preprocess(self, state: torch.Tensor) -> torch.Tensor:
+        return state
 
 
 NETWORKS = ("impala_deep", "impala_shallow", "minatar", "mlp", "tiny")
