@@ -30,6 +30,8 @@ import numpy as np
 START = time.monotonic()  # the runner's start: this module is its first import
 COUNT_DIR_VAR = "MOOLIB_PEERS_DIR"
 RESULT_PREFIX = "RESULT "
+# Seconds a library may take to stop once the measurement is over.
+STOP_GRACE = 30.0
 # Episodes the score is the mean return of (the most recent ones).
 SCORE_WINDOW = 100
 # Atari: the shared settings (moolib-run's env=breakout with sticky actions off).
@@ -191,7 +193,9 @@ class Meter:
         )
         self.done = threading.Event()
         self.result: dict[str, Any] = {"task": args.task, "mode": args.mode, "seed": args.seed}
+        self._lock = threading.Lock()
         threading.Thread(target=self._watch, daemon=True).start()
+        threading.Thread(target=self._finish_late, daemon=True).start()
 
     def steps(self) -> int:
         """Env steps taken so far, all envs together."""
@@ -258,7 +262,15 @@ class Meter:
     def finish(self, **info: Any) -> None:
         """Prints the result line (with ``info``: the library, its version, the
         settings) and leaves at once, whatever the library's processes do."""
-        self.result.update(info)
-        print(RESULT_PREFIX + json.dumps(self.result), flush=True)
-        sys.stdout.flush()
-        os._exit(0)
+        with self._lock:
+            self.result.update(info)
+            print(RESULT_PREFIX + json.dumps(self.result), flush=True)
+            sys.stdout.flush()
+            os._exit(0)
+
+    def _finish_late(self) -> None:
+        """When the library has not stopped ``STOP_GRACE`` seconds after ``done`` (a
+        loop that waits on a failed component), the result is printed all the same."""
+        self.done.wait()
+        time.sleep(STOP_GRACE)
+        self.finish(note=f"the library had not stopped {STOP_GRACE:.0f} s after the end")

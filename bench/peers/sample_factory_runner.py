@@ -12,7 +12,7 @@ asynchronous PPO the library is named for; its Atari file turns it off to match
 CleanRL's synchronous PPO); the network is its ``convnet_impala`` (the shallow
 IMPALA one, 16 8x8/4 and 32 4x4/2) with one 256-unit layer (its Atari file:
 ``convnet_atari``, the Nature CNN); MinAtar's 10x10 grids are too small for its
-conv encoders, so MinAtar gets its MLP encoder of 128 units; CPU only; torch's
+conv encoders, so MinAtar's frames are flattened for its MLP encoder of 128 units; CPU only; torch's
 threads in the main process are the cores less the env processes. Sample Factory
 2.1.1 pins gymnasium<1.0 and numpy<2: it is installed with ``--no-deps`` beside
 gymnasium 1.4.0 (the ALE's, as moolib's) and numpy 1.26 (with numpy 2 its rollout
@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import common
+import gymnasium
 import numpy as np
 import sample_factory
 import torch
@@ -69,7 +70,11 @@ def make(full_env_name: str, cfg: object, env_config: object, render_mode: objec
     """One counted env for a rollout worker."""
     worker = getattr(env_config, "worker_index", 0) if env_config else 0
     index = getattr(env_config, "vector_index", 0) if env_config else 0
-    return common.make_env(cfg.peer_task, cfg.seed * 1000 + worker * 100 + index)  # type: ignore[attr-defined]
+    env = common.make_env(cfg.peer_task, cfg.seed * 1000 + worker * 100 + index)  # type: ignore[attr-defined]
+    if cfg.peer_task == "minatar":  # type: ignore[attr-defined]
+        # Its conv encoders do not fit 10x10 grids; flat, they get its MLP encoder.
+        env = gymnasium.wrappers.FlattenObservation(env)
+    return env
 
 
 class Stop(AlgoObserver):
