@@ -194,6 +194,11 @@ class Meter:
         self.done = threading.Event()
         self.result: dict[str, Any] = {"task": args.task, "mode": args.mode, "seed": args.seed}
         self._lock = threading.Lock()
+        # Set by a runner whose loop alternates collecting and learning: the window then
+        # starts and ends at ``tick``s (the start of a collection), whole cycles only.
+        self.cycle_aligned = False
+        self._first: float | None = None
+        self._mark: tuple[float, int] | None = None
         threading.Thread(target=self._watch, daemon=True).start()
         threading.Thread(target=self._finish_late, daemon=True).start()
 
@@ -217,25 +222,37 @@ class Meter:
                     rows.append((float(parts[0]), float(parts[1])))
         return [r for _, r in sorted(rows)]
 
+    def tick(self) -> None:
+        """Called by a runner with ``cycle_aligned`` set at the start of each collection:
+        the throughput window opens and closes at ticks."""
+        if self.args.mode == "throughput":
+            self._window(time.monotonic(), self.steps())
+
+    def _window(self, now: float, steps: int) -> None:
+        a = self.args
+        if self._first is None and steps > 0:
+            self._first = now
+        if self._first is not None and self._mark is None and now >= self._first + a.warmup:
+            self._mark = (now, steps)
+        elif self._mark is not None and now >= self._mark[0] + a.seconds:
+            self.result.update(
+                env_sps=(steps - self._mark[1]) / (now - self._mark[0]),
+                startup_s=self._first - START,
+                window_s=now - self._mark[0],
+            )
+            self.done.set()
+
     def _watch(self) -> None:
         a = self.args
-        first = None
-        mark: tuple[float, int] | None = None
         best = float("-inf")
         while not self.done.is_set():
             time.sleep(0.25)
             now, steps = time.monotonic(), self.steps()
             if a.mode == "throughput":
-                if first is None and steps > 0:
-                    first = now
-                if first is not None and mark is None and now >= first + a.warmup:
-                    mark = (now, steps)
-                if mark is not None and now >= mark[0] + a.seconds:
-                    self.result.update(
-                        env_sps=(steps - mark[1]) / (now - mark[0]),
-                        startup_s=first - START if first else None,
-                    )
-                    self.done.set()
+                if self._first is None and steps > 0:
+                    self._first = now
+                if not self.cycle_aligned:
+                    self._window(now, steps)
             else:
                 returns = self.returns()
                 score = (

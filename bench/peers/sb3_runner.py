@@ -55,6 +55,9 @@ class Stop(BaseCallback):
         super().__init__()
         self.meter = meter
 
+    def _on_rollout_start(self) -> None:
+        self.meter.tick()
+
     def _on_step(self) -> bool:
         return not self.meter.done.is_set()
 
@@ -125,6 +128,7 @@ def main() -> None:
         verbose=0,
         **hp,
     )
+    meter.cycle_aligned = True  # collect a rollout, then learn: whole cycles are timed
     model.learn(total_timesteps=10**12, callback=Stop(meter))
     meter.done.wait()
     meter.finish(

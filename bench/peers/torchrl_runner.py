@@ -132,6 +132,7 @@ def main() -> None:
         normalize_advantage=True,
     )
     opt = torch.optim.Adam(loss_fn.parameters(), lr=hp["lr"], eps=1e-5)
+    meter.cycle_aligned = True  # collect, then learn: whole cycles are timed
     for data in collector:
         if meter.done.is_set():
             break
@@ -147,6 +148,7 @@ def main() -> None:
                 nn.utils.clip_grad_norm_(loss_fn.parameters(), hp["max_grad_norm"])
                 opt.step()
         collector.update_policy_weights_()
+        meter.tick()
     meter.done.wait()
     meter.finish(
         lib="torchrl",
