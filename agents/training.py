@@ -30,6 +30,7 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -57,6 +58,13 @@ from .policy_slots import PolicySlots
 from .registry import agent_config, get_agent
 
 log = logging.getLogger("moolib.agents")
+
+# How long a thread may hold the GIL while another waits for it (Python's default is
+# 5 ms), while the loop runs. The acting thread gives up the GIL at every env
+# hand-off (a socket send or receive per worker) and must take it back from the
+# learner thread: at 5 ms a turn, on a loop whose Python work is small (A2C on
+# CartPole), those waits cost up to a third of the acting thread's steps.
+_SWITCH_INTERVAL = 0.0005
 
 # Keys of an unroll step: the env's output and what the actor did with it.
 _ENV_KEYS = ("state", "reward", "done", "prev_action")
@@ -434,7 +442,9 @@ class Trainer:
         worked = False
         if acc.wants_gradients():
             try:
-                item = self.batcher.get(timeout=0.002)
+                # Blocks, without the GIL, until the actors hand over a batch: a learner
+                # that polled would take the GIL from the acting thread at every poll.
+                item = self.batcher.get(timeout=0.05)
             except TimeoutError:
                 item = None
             if item is not None:
@@ -521,8 +531,8 @@ class Trainer:
                         self.elapsed = rows.clock()
                         self._save()
                         last_checkpoint = time.monotonic()
-                    if not worked:
-                        time.sleep(0.001)  # waiting for the group or for unrolls
+                    if not worked and not (self._connected and acc.wants_gradients()):
+                        time.sleep(0.001)  # waiting for the group's sum, or to join it
                 if stream is not None:
                     stream.synchronize()
         except BaseException as e:
@@ -553,6 +563,7 @@ class Trainer:
             for _ in range(nb)
         ]
         halt = threading.Event()
+        switch_interval = sys.getswitchinterval()
         learner = threading.Thread(
             target=self._learner_loop, args=(halt, rows), name="moolib-learner", daemon=True
         )
@@ -561,6 +572,7 @@ class Trainer:
             noop = torch.zeros(agent.actor_batch_size, dtype=torch.int64)
             futures = [self.envs.step(b, noop) for b in range(nb)]
             rows.start()
+            sys.setswitchinterval(_SWITCH_INTERVAL)
             learner.start()
             while not stop.is_set() and not self._learner_done.is_set():
                 env_out = futures[b].result()
@@ -602,6 +614,7 @@ class Trainer:
             halt.set()
             if learner.is_alive():
                 learner.join()
+            sys.setswitchinterval(switch_interval)
             rows.close()
             self.envs.close()
             # Its Rpc and group: left open, they would reach for this run's broker
