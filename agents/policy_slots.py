@@ -47,8 +47,8 @@ class PolicySlots:
         self._front = 0
         self._reading = -1  # the slot the acting thread reads now, if any
         self._lock = threading.Lock()  # guards _front, _reading and _versions
-        device = next(iter(model.parameters())).device
-        self._cuda = device.type == "cuda"
+        self._device = next(iter(model.parameters())).device
+        self._cuda = self._device.type == "cuda"
         # CUDA events: a slot's copy is done; the last forward pass that read it is done.
         self._written: list[torch.cuda.Event | None] = [None] * _SLOTS
         self._read: list[torch.cuda.Event | None] = [None] * _SLOTS
@@ -65,14 +65,12 @@ class PolicySlots:
         with self._lock:
             slot = next(i for i in range(_SLOTS) if i not in (self._front, self._reading))
         if self._cuda and self._read[slot] is not None:
-            torch.cuda.current_stream().wait_event(self._read[slot])
+            torch.cuda.current_stream(self._device).wait_event(self._read[slot])
         with torch.no_grad():
             for dst, src in zip(self._tensors[slot], _tensors(model), strict=True):
                 dst.copy_(src)
         if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._written[slot] = event
+            self._written[slot] = self._record()
         with self._lock:
             self._versions[slot] = int(version)
             self._front = slot
@@ -85,16 +83,20 @@ class PolicySlots:
             slot = self._front
             self._reading = slot
         if self._cuda and self._written[slot] is not None:
-            torch.cuda.current_stream().wait_event(self._written[slot])
+            torch.cuda.current_stream(self._device).wait_event(self._written[slot])
         try:
             yield self._models[slot], self._versions[slot]
         finally:
             if self._cuda:
-                event = torch.cuda.Event()
-                event.record()
-                self._read[slot] = event
+                self._read[slot] = self._record()
             with self._lock:
                 self._reading = -1
+
+    def _record(self) -> torch.cuda.Event:
+        """An event at this point of the calling thread's stream on the model's device."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return event
 
 
 def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:

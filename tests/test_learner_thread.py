@@ -15,6 +15,7 @@ peer requeued) run them through this loop too.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -41,22 +42,37 @@ HELPERS = Path(__file__).parent / "helpers"
 CARTPOLE = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=0.5", "torch_threads=1"]
 
 
-def test_actors_see_whole_versions_moving_forward_while_the_learner_publishes():
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_actors_see_whole_versions_moving_forward_while_the_learner_publishes(device):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     model.register_buffer("count", torch.zeros(16))
+    model.to(device)
     slots = PolicySlots(model, version=0)
     publishes = 3000
     failures: list[str] = []
 
     def learner() -> None:
-        for version in range(1, publishes + 1):
-            with torch.no_grad():
-                for t in [*model.parameters(), *model.buffers()]:
-                    t.fill_(version)  # every tensor of version v holds v
-            slots.publish(model, version)
+        # On CUDA the learner works on a stream of its own, as the Trainer's does.
+        stream = torch.cuda.Stream() if device == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for version in range(1, publishes + 1):
+                with torch.no_grad():
+                    for t in [*model.parameters(), *model.buffers()]:
+                        t.fill_(version)  # every tensor of version v holds v
+                slots.publish(model, version)
 
     def values(policy: torch.nn.Module) -> set[float]:
-        return {float(v) for t in [*policy.parameters(), *policy.buffers()] for v in t.flatten()}
+        tensors = [*policy.parameters(), *policy.buffers()]
+        return {float(v) for t in tensors for v in t.detach().cpu().flatten()}
 
     thread = threading.Thread(target=learner)
     seen: list[int] = []
