@@ -5,7 +5,6 @@
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-
 #include <structmember.h>
 
 #include <atomic>
@@ -19,6 +18,7 @@
 #include "logging.h"
 #include "rpc.h"
 #include "spin.h"
+#include "transport/ucx/ucx_api.h"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -1054,6 +1054,15 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("create_uid", [] { return randomHex(16); });
   m.def("host_identity", &hostIdentity);
+  // Tests of the UCX transport's checks: bytes sent as they are.
+  m.def(
+      "_ucx_send_raw",
+      [](const std::string& address, const py::bytes& data, double timeout) {
+        std::string bytes = data;
+        py::gil_scoped_release release;
+        return ucxSendRaw(address, bytes, timeout);
+      },
+      "address"_a, "data"_a, "timeout"_a = 10.0);
   m.def(
       "shutdown",
       [](double graceSeconds) {

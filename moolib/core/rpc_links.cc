@@ -452,9 +452,14 @@ void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
   // find it through discovery and dial it directly. So on its first outgoing
   // TCP link it listens on the interface that link uses (loopback stays
   // loopback), before telling the other side its addresses.
+  // Also where set_transports() left TCP out but names a transport that
+  // listens beside it (ucx): peers reach this one over TCP, then upgrade.
   Context* tcp = contexts_.get(kBootstrapTransport);
+  bool wanted = allowed(kBootstrapTransport) ||
+                std::any_of(transports_.begin(), transports_.end(),
+                            [&](const std::string& t) { return !contexts_.hostLocal(t); });
   if (!link->outgoing || !tcp || link->conn->transport() != std::string(kBootstrapTransport) ||
-      listenAddresses_.count(kBootstrapTransport) || !allowed(kBootstrapTransport)) {
+      listenAddresses_.count(kBootstrapTransport) || !wanted) {
     return;
   }
   std::string local = link->conn->localAddress();

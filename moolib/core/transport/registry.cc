@@ -12,11 +12,13 @@ namespace moolib {
 // Defined in each transport's context_impl.cc.
 std::unique_ptr<Context> createShmContext(std::string& whyNot);
 std::unique_ptr<Context> createTcpContext(std::string& whyNot);
+std::unique_ptr<Context> createUcxContext(std::string& whyNot);
 
 const std::vector<TransportEntry>& transportRegistry() {
   static const std::vector<TransportEntry> kEntries = {
       {"shm", {"ipc"}, true, &createShmContext},
       {"tcp", {}, false, &createTcpContext},
+      {"ucx", {}, false, &createUcxContext},
   };
   return kEntries;
 }

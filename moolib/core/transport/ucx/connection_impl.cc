@@ -1,0 +1,700 @@
+#include "transport/ucx/connection_impl.h"
+
+#if MOOLIB_UCX_HEADERS
+
+#include <poll.h>
+#include <sys/epoll.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "logging.h"
+#include "transport/stream_connection.h"
+
+namespace moolib {
+
+namespace {
+
+constexpr uint8_t kPreamble = 0x4d;  // 'M': the accepting side is wired up
+// Segments up to this size are copied behind the head: one send is cheaper
+// than two for them.
+constexpr size_t kCopyBelow = 16 << 10;
+constexpr auto kPollInterval = std::chrono::milliseconds(1);
+// How long a thread waiting for a reply polls UCX before it sleeps.
+constexpr auto kServeSpin = std::chrono::microseconds(20);
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// UcxRuntime
+
+const UcxProbe& UcxProbe::get() {
+  static const UcxProbe probe = [] {
+    UcxProbe p;
+    if (const char* off = std::getenv("MOOLIB_UCX"); off && std::string(off) == "0") {
+      p.whyNot = "turned off by MOOLIB_UCX=0";
+      return p;
+    }
+    // UCX installs handlers for SIGSEGV, SIGBUS, ... when loaded unless told
+    // otherwise; they would replace Python's (faulthandler). A value the user
+    // set is kept.
+    ::setenv("UCX_HANDLE_ERRORS", "none", 0);
+    p.api = loadUcx(p.whyNot);
+    if (!p.api) return p;
+    const UcxApi* api = p.api;
+    // UCX's transports and devices here (uct), and whether one of them is an
+    // RDMA network: a network transport other than TCP.
+    std::string devices;
+    uct_component_h* components = nullptr;
+    unsigned numComponents = 0;
+    if (api->uct_query_components(&components, &numComponents) == UCS_OK) {
+      for (unsigned i = 0; i != numComponents; ++i) {
+        uct_component_attr_t attr{};
+        attr.field_mask =
+            UCT_COMPONENT_ATTR_FIELD_NAME | UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT;
+        if (api->uct_component_query(components[i], &attr) != UCS_OK) continue;
+        std::vector<uct_md_resource_desc_t> mds(attr.md_resource_count);
+        attr.field_mask = UCT_COMPONENT_ATTR_FIELD_MD_RESOURCES;
+        attr.md_resources = mds.data();
+        if (mds.empty() || api->uct_component_query(components[i], &attr) != UCS_OK) continue;
+        for (auto& md : mds) {
+          uct_md_config_t* mdConfig = nullptr;
+          if (api->uct_md_config_read(components[i], nullptr, nullptr, &mdConfig) != UCS_OK)
+            continue;
+          uct_md_h handle = nullptr;
+          ucs_status_t st = api->uct_md_open(components[i], md.md_name, mdConfig, &handle);
+          api->uct_config_release(mdConfig);
+          if (st != UCS_OK) continue;
+          uct_tl_resource_desc_t* tls = nullptr;
+          unsigned numTls = 0;
+          if (api->uct_md_query_tl_resources(handle, &tls, &numTls) == UCS_OK) {
+            for (unsigned t = 0; t != numTls; ++t) {
+              std::string tl = tls[t].tl_name;
+              if (tls[t].dev_type == UCT_DEVICE_TYPE_NET && tl != "tcp") p.rdma = true;
+              std::string item = tl + "/" + tls[t].dev_name;
+              if (devices.size() + item.size() < 900) {
+                devices += (devices.empty() ? "" : ",") + item;
+              }
+            }
+            api->uct_release_tl_resource_list(tls);
+          }
+          api->uct_md_close(handle);
+        }
+      }
+      api->uct_release_component_list(components);
+    }
+    // UCX_TLS may leave the RDMA transports out.
+    if (const char* tls = std::getenv("UCX_TLS")) {
+      std::string v = tls;
+      bool mayUseRdma = v.empty() || v[0] == '^' || v.find("all") != std::string::npos;
+      for (const char* t : {"rc", "ud", "dc", "ib"}) mayUseRdma |= v.find(t) != std::string::npos;
+      if (!mayUseRdma) p.rdma = false;
+    }
+    // For tests of the choice on machines without RDMA: count UCX's devices
+    // here as RDMA-capable.
+    if (const char* v = std::getenv("MOOLIB_UCX_ASSUME_RDMA"); v && std::string(v) == "1") {
+      p.rdma = true;
+    }
+    p.domain = concat("rdma=", p.rdma ? 1 : 0, ";", devices);
+    return p;
+  }();
+  return probe;
+}
+
+UcxRuntime::UcxRuntime(const UcxApi& a, ucp_context_h c, ucp_worker_h w, int efd)
+    : api(a), context(c), worker(w), efd_(efd) {}
+
+std::shared_ptr<UcxRuntime> UcxRuntime::get(std::string& whyNot) {
+  static std::mutex m;
+  static std::shared_ptr<UcxRuntime> instance;
+  static uint64_t generation = 0;
+  static std::string failure;
+  // A runtime made before fork() belongs to the parent: kept, never used.
+  static std::vector<std::shared_ptr<UcxRuntime>> abandoned;
+  std::lock_guard<std::mutex> lock(m);
+  if (instance && generation == Loop::generation()) return instance;
+  if (!instance && generation == Loop::generation() && !failure.empty()) {
+    whyNot = failure;
+    return nullptr;
+  }
+  if (instance) abandoned.push_back(std::move(instance));
+  generation = Loop::generation();
+  failure.clear();
+  auto fail = [&](std::string why) -> std::shared_ptr<UcxRuntime> {
+    failure = why;
+    whyNot = why;
+    return nullptr;
+  };
+  const UcxProbe& probe = UcxProbe::get();
+  if (!probe.api) return fail(probe.whyNot);
+  const UcxApi* api = probe.api;
+
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = api->ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return fail(concat("ucp_config_read: ", api->ucs_status_string(st)));
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_STREAM | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 0;
+  ucp_context_h context = nullptr;
+  st = api->ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &context);
+  api->ucp_config_release(config);
+  if (st != UCS_OK) return fail(concat("ucp_init: ", api->ucs_status_string(st)));
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // our mutex serializes every call
+  ucp_worker_h worker = nullptr;
+  st = api->ucp_worker_create(context, &wp, &worker);
+  if (st != UCS_OK) {
+    api->ucp_cleanup(context);
+    return fail(concat("ucp_worker_create: ", api->ucs_status_string(st)));
+  }
+  int efd = -1;
+  st = api->ucp_worker_get_efd(worker, &efd);
+  if (st != UCS_OK) {
+    api->ucp_worker_destroy(worker);
+    api->ucp_cleanup(context);
+    return fail(concat("ucp_worker_get_efd: ", api->ucs_status_string(st)));
+  }
+  auto rt = std::make_shared<UcxRuntime>(*api, context, worker, efd);
+  rt->token_ = Loop::instance().addFd(efd, EPOLLIN, rt);
+  {
+    // Armed before the first wait, as UCX asks.
+    std::lock_guard<std::mutex> l(rt->mutex);
+    rt->progressLocked();
+  }
+  MOO_LOG(kVerbose, "UCX ", api->ucp_get_version_string(), " started: ", probe.domain);
+  instance = rt;
+  return rt;
+}
+
+void UcxRuntime::progressLocked() {
+  for (;;) {
+    while (api.ucp_worker_progress(worker) != 0) {
+    }
+    ucs_status_t st = api.ucp_worker_arm(worker);
+    if (st != UCS_ERR_BUSY) break;
+  }
+}
+
+void UcxRuntime::onEvents(uint32_t events) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    progressLocked();
+  }
+  Loop::instance().rearm(efd_, token_, EPOLLIN);
+  runDeferred();
+}
+
+void UcxRuntime::serve(const std::function<bool()>& done, TimePoint deadline) {
+  while (!done() && Clock::now() < deadline) {
+    // Poll UCX for a little while: a quick reply then costs no wake-up.
+    TimePoint spinUntil = std::min(deadline, Clock::now() + kServeSpin);
+    bool progressed = false;
+    do {
+      std::lock_guard<std::mutex> lock(mutex);
+      progressed = api.ucp_worker_progress(worker) != 0;
+    } while (!progressed && Clock::now() < spinUntil);
+    {
+      // Progressed to the end and armed again, whatever happened: the loop's
+      // worker sleeps on the event fd too, and must be woken by what comes.
+      std::lock_guard<std::mutex> lock(mutex);
+      progressLocked();
+    }
+    runDeferred();
+    if (progressed || done()) continue;
+    // Sleep on the event fd; a loop worker may take the event and hand the
+    // reply up itself: the future then wakes this thread's waiter.
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    Waiter& waiter = currentWaiter();
+    pollfd p[2] = {{efd_, POLLIN, 0}, {waiter.fd(), POLLIN, 0}};
+    ::poll(p, 2, int(std::clamp<int64_t>(left.count() + 1, 0, 100)));
+    if (p[1].revents) waiter.clear();
+  }
+}
+
+bool UcxConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline,
+                               bool claimed) {
+  if (closed_) return false;
+  rt_->serve(done, deadline);
+  return true;
+}
+
+void UcxRuntime::ensurePollingLocked() {
+  if (polling || sendsInFlight == 0) return;
+  polling = true;
+  std::weak_ptr<UcxRuntime> weak = weak_from_this();
+  Loop::instance().addTimer(Clock::now() + kPollInterval, [weak] {
+    auto self = weak.lock();
+    if (!self) return;
+    {
+      std::lock_guard<std::mutex> lock(self->mutex);
+      self->polling = false;
+      self->progressLocked();
+      self->ensurePollingLocked();
+    }
+    self->runDeferred();
+  });
+}
+
+void UcxRuntime::runDeferred() {
+  std::vector<Task> tasks;
+  std::vector<std::shared_ptr<UcxConnection>> conns;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    tasks.swap(deferred);
+    conns.swap(dirty);
+  }
+  for (auto& t : tasks) t();
+  for (auto& c : conns) c->drain();
+}
+
+// ---------------------------------------------------------------------------
+// UcxConnection
+
+namespace {
+
+void recvCallback(void* request, ucs_status_t status, size_t length, void* user) {
+  static_cast<UcxConnection*>(user)->onRecvDone(request, status, length);
+}
+
+void closeCallback(void* request, ucs_status_t status, void* user) {
+  static_cast<UcxConnection*>(user)->onCloseDone(request);
+}
+
+}  // namespace
+
+void UcxConnection::sendCallback(void* request, ucs_status_t status, void* user) {
+  auto* tag = static_cast<SendTag*>(user);
+  tag->conn->onSendDone(request, status, tag->op);
+}
+
+UcxConnection::UcxConnection(std::shared_ptr<UcxRuntime> runtime, std::string local,
+                             std::string remote)
+    : rt_(std::move(runtime)), local_(std::move(local)), remote_(std::move(remote)) {}
+
+UcxConnection::~UcxConnection() = default;
+
+std::string UcxConnection::statusString(ucs_status_t s) const {
+  return rt_->api.ucs_status_string(s);
+}
+
+void UcxConnection::dialLocked(ucp_ep_h ep, Context::ConnectFn done) {
+  ep_ = ep;
+  connectDone_ = std::move(done);
+  rt_->live.insert(shared_from_this());
+  state_ = RecvState::kPreamble;
+  pumpLocked();
+}
+
+void UcxConnection::acceptLocked(ucp_ep_h ep) {
+  ep_ = ep;
+  rt_->live.insert(shared_from_this());
+  static const uint8_t preamble = kPreamble;
+  SendOp& op = sends_[0];
+  op.tag = SendTag{this, 0};
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &UcxConnection::sendCallback;
+  p.user_data = &op.tag;
+  ucs_status_ptr_t r = rt_->api.ucp_stream_send_nbx(ep_, &preamble, 1, &p);
+  if (UCS_PTR_IS_ERR(r)) {
+    sends_.erase(0);
+    failLocked(concat("sending the preamble: ", statusString(UCS_PTR_STATUS(r))));
+  } else if (r) {
+    op.pending++;
+    rt_->sendsInFlight++;
+    rt_->ensurePollingLocked();
+  } else {
+    sends_.erase(0);
+  }
+}
+
+void UcxConnection::start(FrameFn onFrame, CloseFn onClose) {
+  {
+    std::lock_guard<std::mutex> lock(inboxMutex_);
+    onFrame_ = std::move(onFrame);
+    onClose_ = std::move(onClose);
+  }
+  {
+    std::lock_guard<std::mutex> lock(rt_->mutex);
+    started_ = true;
+    if (!closed_ && state_ == RecvState::kIdle) {
+      state_ = RecvState::kHeader;
+      pumpLocked();
+    }
+    markDirtyLocked();
+  }
+  rt_->runDeferred();
+}
+
+void UcxConnection::send(OutgoingFrame&& frame) {
+  if (closed_) return;
+  SendOp op;
+  FrameHeader h{kFrameMagic,
+                kWireVersion,
+                uint8_t(frame.type),
+                0,
+                uint32_t(frame.segments.size()),
+                uint32_t(frame.meta.size()),
+                0};
+  size_t copied = 0;
+  for (auto& s : frame.segments) copied += s.size < kCopyBelow ? s.size : 0;
+  op.head.reserve(sizeof(h) + frame.segments.size() * sizeof(SegmentDesc) + frame.meta.size() +
+                  copied);
+  op.head.append(reinterpret_cast<const char*>(&h), sizeof(h));
+  for (auto& s : frame.segments) {
+    SegmentDesc d{s.size, uint32_t(SegmentKind::kInline), 0, 0};
+    op.head.append(reinterpret_cast<const char*>(&d), sizeof(d));
+  }
+  op.head.append(frame.meta);
+  // Segments in order: the small ones copied behind the head until the first
+  // large one; from there each goes out as its own send (the stream keeps
+  // the order), the small ones after it too.
+  size_t i = 0;
+  for (; i != frame.segments.size() && frame.segments[i].size < kCopyBelow; ++i) {
+    op.head.append(reinterpret_cast<const char*>(frame.segments[i].data), frame.segments[i].size);
+  }
+  for (; i != frame.segments.size(); ++i) {
+    if (frame.segments[i].size) op.segments.push_back(std::move(frame.segments[i]));
+  }
+  uint64_t total = op.head.size();
+  for (auto& s : op.segments) total += s.size;
+
+  std::unique_lock<std::mutex> lock(rt_->mutex);
+  if (closed_ || !ep_) return;
+  uint64_t id = nextSend_++;
+  // A map node: its address (the requests' user data) is stable.
+  SendOp& stored = sends_[id] = std::move(op);
+  stored.tag = SendTag{this, id};
+  auto post = [&](const void* data, size_t size) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = &UcxConnection::sendCallback;
+    p.user_data = &stored.tag;
+    ucs_status_ptr_t r = rt_->api.ucp_stream_send_nbx(ep_, data, size, &p);
+    if (UCS_PTR_IS_ERR(r)) {
+      failLocked(concat("UCX send: ", statusString(UCS_PTR_STATUS(r))));
+      return false;
+    }
+    if (r) {
+      stored.pending++;
+      rt_->sendsInFlight++;
+    }
+    return true;
+  };
+  bool ok = post(stored.head.data(), stored.head.size());
+  for (size_t k = 0; ok && k != stored.segments.size(); ++k) {
+    ok = post(stored.segments[k].data, stored.segments[k].size);
+  }
+  bytesSent_ += total;
+  SendOp finished;
+  auto it = sends_.find(id);  // a failure above may have cleared them all
+  if (it != sends_.end() && it->second.pending == 0) {
+    finished = std::move(it->second);
+    sends_.erase(it);
+  } else if (it != sends_.end()) {
+    rt_->ensurePollingLocked();
+  }
+  lock.unlock();
+  // finished (and what it kept alive) is dropped here, outside the mutex.
+  if (!ok) rt_->runDeferred();
+}
+
+void UcxConnection::sendRaw(std::string bytes) {
+  std::unique_lock<std::mutex> lock(rt_->mutex);
+  if (closed_ || !ep_) return;
+  uint64_t id = nextSend_++;
+  SendOp& op = sends_[id];
+  op.tag = SendTag{this, id};
+  op.head = std::move(bytes);
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &UcxConnection::sendCallback;
+  p.user_data = &op.tag;
+  ucs_status_ptr_t r = rt_->api.ucp_stream_send_nbx(ep_, op.head.data(), op.head.size(), &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    op.pending++;
+    rt_->sendsInFlight++;
+    rt_->ensurePollingLocked();
+  } else {
+    sends_.erase(id);
+  }
+}
+
+void UcxConnection::onSendDone(void* request, ucs_status_t status, uint64_t op) {
+  rt_->api.ucp_request_free(request);
+  rt_->sendsInFlight--;
+  auto it = sends_.find(op);
+  if (it != sends_.end() && --it->second.pending == 0) {
+    // Dropped outside the mutex: a segment's keepalive may be a tensor.
+    auto done = std::make_shared<SendOp>(std::move(it->second));
+    sends_.erase(it);
+    rt_->deferred.push_back([done] {});
+  }
+  if (status != UCS_OK && status != UCS_ERR_CANCELED) {
+    failLocked(concat("UCX send failed: ", statusString(status)));
+  }
+  maybeRetireLocked();
+}
+
+void UcxConnection::pumpLocked() {
+  while (!closed_ && !recvPending_ && ep_) {
+    void* target = nullptr;
+    size_t size = 0;
+    switch (state_) {
+      case RecvState::kIdle:
+        return;
+      case RecvState::kPreamble:
+        target = &preamble_;
+        size = 1;
+        break;
+      case RecvState::kHeader:
+        target = &header_;
+        size = sizeof(header_);
+        break;
+      case RecvState::kFixed:
+        target = fixed_.data();
+        size = fixed_.size();
+        break;
+      case RecvState::kSegment:
+        target = frame_.segments[segmentIndex_]->data();
+        size = frame_.segments[segmentIndex_]->size();
+        break;
+    }
+    if (size == 0) {
+      if (!advanceLocked(0)) return;
+      continue;
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.recv_stream = &recvCallback;
+    p.user_data = this;
+    p.flags = UCP_STREAM_RECV_FLAG_WAITALL;
+    size_t length = 0;
+    ucs_status_ptr_t r = rt_->api.ucp_stream_recv_nbx(ep_, target, size, &length, &p);
+    if (UCS_PTR_IS_ERR(r)) {
+      failLocked(concat("UCX receive: ", statusString(UCS_PTR_STATUS(r))));
+      return;
+    }
+    if (r) {
+      recvPending_ = true;
+      recvRequest_ = r;
+      return;
+    }
+    if (!advanceLocked(length)) return;
+  }
+}
+
+void UcxConnection::onRecvDone(void* request, ucs_status_t status, size_t length) {
+  rt_->api.ucp_request_free(request);
+  recvPending_ = false;
+  recvRequest_ = nullptr;
+  if (status != UCS_OK) {
+    if (status != UCS_ERR_CANCELED) {
+      failLocked(concat("UCX receive failed: ", statusString(status)));
+    }
+    maybeRetireLocked();
+    return;
+  }
+  if (advanceLocked(length)) pumpLocked();
+  maybeRetireLocked();
+}
+
+bool UcxConnection::advanceLocked(size_t length) {
+  bytesReceived_ += length;
+  try {
+    switch (state_) {
+      case RecvState::kIdle:
+        return true;
+      case RecvState::kPreamble: {
+        if (preamble_ != kPreamble) {
+          failLocked("the peer is not a moolib UCX endpoint");
+          return false;
+        }
+        state_ = RecvState::kIdle;
+        if (connectDone_) {
+          if (connectTimer_) Loop::instance().cancelTimer(connectTimer_);
+          connectTimer_ = 0;
+          auto done = std::move(connectDone_);
+          connectDone_ = nullptr;
+          auto self = shared_from_this();
+          rt_->deferred.push_back([done, self] { done(Error(), self); });
+        }
+        return true;
+      }
+      case RecvState::kHeader: {
+        if (Error e = validateHeader(header_, handshaken_)) {
+          failLocked(e.what());
+          return false;
+        }
+        // Bounded by the header's checks: kMaxSegments descriptors, kMaxMetaLength.
+        fixed_.resize(size_t(header_.numSegments) * sizeof(SegmentDesc) + header_.metaLength);
+        state_ = RecvState::kFixed;
+        return true;
+      }
+      case RecvState::kFixed: {
+        descs_.resize(header_.numSegments);
+        std::memcpy(descs_.data(), fixed_.data(), descs_.size() * sizeof(SegmentDesc));
+        uint64_t limit =
+            handshaken_ ? StreamConnection::kMaxMessageBytes : uint64_t(kMaxHandshakeFrame);
+        uint64_t total = 0;
+        for (auto& d : descs_) {
+          if (d.kind != uint32_t(SegmentKind::kInline)) {
+            failLocked(concat("segment kind ", d.kind, " over UCX (only inline segments)"));
+            return false;
+          }
+          if (d.length > limit || total + d.length > limit) {
+            failLocked(concat("frame of more than ", limit, " bytes"));
+            return false;
+          }
+          total += d.length;
+        }
+        frame_.type = FrameType(header_.type);
+        frame_.meta.assign(
+            reinterpret_cast<const char*>(fixed_.data()) + descs_.size() * sizeof(SegmentDesc),
+            header_.metaLength);
+        frame_.segments.clear();
+        frame_.segments.reserve(descs_.size());
+        for (auto& d : descs_) frame_.segments.push_back(allocateBuffer(d.length));
+        segmentIndex_ = 0;
+        return nextSegmentLocked();
+      }
+      case RecvState::kSegment:
+        ++segmentIndex_;
+        return nextSegmentLocked();
+    }
+  } catch (const std::bad_alloc&) {
+    failLocked("out of memory for an incoming frame");
+    return false;
+  }
+  return true;
+}
+
+bool UcxConnection::nextSegmentLocked() {
+  while (segmentIndex_ < frame_.segments.size() && frame_.segments[segmentIndex_]->size() == 0) {
+    ++segmentIndex_;
+  }
+  if (segmentIndex_ < frame_.segments.size()) {
+    state_ = RecvState::kSegment;
+    return true;
+  }
+  deliverLocked();
+  state_ = RecvState::kHeader;
+  return !closed_;
+}
+
+void UcxConnection::deliverLocked() {
+  {
+    std::lock_guard<std::mutex> lock(inboxMutex_);
+    inbox_.push_back(std::move(frame_));
+  }
+  frame_ = IncomingFrame{};
+  markDirtyLocked();
+}
+
+void UcxConnection::markDirtyLocked() {
+  std::lock_guard<std::mutex> lock(inboxMutex_);
+  if (dirty_ || (inbox_.empty() && !closeQueued_)) return;
+  dirty_ = true;
+  rt_->dirty.push_back(shared_from_this());
+}
+
+void UcxConnection::drain() {
+  std::unique_lock<std::mutex> lock(inboxMutex_);
+  dirty_ = false;
+  if (draining_ || !onFrame_) return;
+  draining_ = true;
+  for (;;) {
+    if (!inbox_.empty()) {
+      IncomingFrame f = std::move(inbox_.front());
+      inbox_.pop_front();
+      if (closeDelivered_) continue;
+      auto fn = onFrame_;
+      lock.unlock();
+      fn(std::move(f));
+      lock.lock();
+      continue;
+    }
+    if (closeQueued_ && !closeDelivered_) {
+      closeDelivered_ = true;
+      auto fn = std::move(onClose_);
+      onClose_ = nullptr;
+      onFrame_ = [](IncomingFrame&&) {};
+      Error reason = closeReason_;
+      lock.unlock();
+      if (fn) fn(reason);
+      lock.lock();
+      continue;
+    }
+    break;
+  }
+  draining_ = false;
+}
+
+void UcxConnection::close(const Error& reason) {
+  {
+    std::lock_guard<std::mutex> lock(rt_->mutex);
+    closeLocked(reason, false);
+  }
+  rt_->runDeferred();
+}
+
+void UcxConnection::failLocked(const std::string& why) {
+  if (closed_) return;
+  MOO_LOG(kVerbose, "UCX connection ", remote_, ": ", why);
+  closeLocked(Error(why), true);
+}
+
+void UcxConnection::closeLocked(const Error& reason, bool force) {
+  if (closed_.exchange(true)) return;
+  if (connectDone_) {
+    // Still dialing: the dial fails.
+    if (connectTimer_) Loop::instance().cancelTimer(connectTimer_);
+    connectTimer_ = 0;
+    auto done = std::move(connectDone_);
+    connectDone_ = nullptr;
+    rt_->deferred.push_back([done, reason] { done(reason, nullptr); });
+  }
+  {
+    std::lock_guard<std::mutex> lock(inboxMutex_);
+    closeQueued_ = true;
+    closeReason_ = reason;
+  }
+  if (started_) markDirtyLocked();
+  if (recvPending_ && recvRequest_) rt_->api.ucp_request_cancel(rt_->worker, recvRequest_);
+  if (ep_) {
+    ucp_ep_h ep = ep_;
+    ep_ = nullptr;
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send = &closeCallback;
+    p.user_data = this;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    closing_ = true;
+    ucs_status_ptr_t r = rt_->api.ucp_ep_close_nbx(ep, &p);
+    if (!UCS_PTR_IS_PTR(r)) closing_ = false;
+  }
+  maybeRetireLocked();
+}
+
+void UcxConnection::onCloseDone(void* request) {
+  rt_->api.ucp_request_free(request);
+  closing_ = false;
+  maybeRetireLocked();
+}
+
+void UcxConnection::maybeRetireLocked() {
+  // UCX holds raw pointers to this connection until its endpoint is closed
+  // and its requests have called back.
+  if (!closed_ || closing_ || recvPending_ || !sends_.empty()) return;
+  auto self = shared_from_this();
+  if (rt_->live.erase(self)) rt_->deferred.push_back([self] {});
+}
+
+}  // namespace moolib
+
+#endif

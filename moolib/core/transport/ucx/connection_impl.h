@@ -1,0 +1,214 @@
+// A UCX connection: one UCP endpoint (client-server, made through a
+// sockaddr) carrying moolib's frames on UCP's stream API.
+//
+// Protocol, per direction: the accepting side first sends one preamble byte
+// (the dialer's connect completes when it arrives: the endpoint is wired
+// up). Then frames exactly as the stream transports write them (wire.h), all
+// segments inline. A frame goes out as its head (header, descriptors,
+// metadata and any small segments copied behind them) followed by each large
+// segment sent from the caller's memory without a copy; the receiver reads
+// the head, then every segment straight into the buffer it hands up. UCX
+// moves the bytes over whatever it chose (RDMA, its shared memory, TCP;
+// UCX_TLS and UCX_NET_DEVICES select), registering memory as it needs.
+//
+// Threads: every UCX call is made under the runtime's mutex. The runtime's
+// event fd (ucp_worker_get_efd) sits in the loop's epoll set; the thread it
+// wakes progresses the worker. UCX callbacks only record what happened
+// (under that mutex); frames and close notices are handed to the RPC layer
+// afterwards, outside it, in order per connection.
+#pragma once
+
+#include "transport/ucx/ucx_api.h"
+
+#if MOOLIB_UCX_HEADERS
+
+#include <atomic>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <vector>
+
+#include "loop.h"
+#include "socket.h"
+#include "transport/transport.h"
+
+namespace moolib {
+
+class UcxConnection;
+class UcxListener;
+
+// What UCX offers in this process, found once (loading UCX but starting
+// nothing): its functions, the handshake's domain descriptor (UCX's
+// transports and devices) and whether it has an RDMA device.
+struct UcxProbe {
+  static const UcxProbe& get();
+  const UcxApi* api = nullptr;  // nullptr: not available, see whyNot
+  std::string whyNot;
+  std::string domain;
+  bool rdma = false;
+};
+
+// The process's UCP context and worker, and their progress on the loop;
+// started on first use (a UCX listener or dial).
+class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRuntime> {
+ public:
+  // The runtime of this process (made on first use); nullptr with the reason.
+  static std::shared_ptr<UcxRuntime> get(std::string& whyNot);
+  UcxRuntime(const UcxApi& api, ucp_context_h context, ucp_worker_h worker, int efd);
+
+  void onEvents(uint32_t events) override;
+  // Progresses the worker until idle (mutex held by the caller).
+  void progressLocked();
+  // Runs what callbacks recorded: tasks, then frames of the connections that
+  // got any. Call without the mutex after anything that may have called back.
+  void runDeferred();
+  // Progresses now and then while sends are in flight, in case UCX wants
+  // progress the event fd does not announce.
+  void ensurePollingLocked();
+  // Progresses on this thread until done() or the deadline: polls UCX for a
+  // few microseconds, then sleeps on its event fd.
+  void serve(const std::function<bool()>& done, TimePoint deadline);
+
+  const UcxApi& api;
+  std::mutex mutex;  // every UCX call, and the state below
+  ucp_context_h context;
+  ucp_worker_h worker;
+  std::vector<Task> deferred;                         // run by runDeferred
+  std::vector<std::shared_ptr<UcxConnection>> dirty;  // have frames to hand up
+  // Connections whose endpoint or requests are alive (UCX holds raw
+  // pointers to them), and listeners likewise.
+  std::set<std::shared_ptr<UcxConnection>> live;
+  std::set<std::shared_ptr<UcxListener>> listeners;
+  size_t sendsInFlight = 0;
+  bool polling = false;
+
+ private:
+  int efd_;
+  uint64_t token_ = 0;
+};
+
+class UcxConnection : public Connection, public std::enable_shared_from_this<UcxConnection> {
+ public:
+  UcxConnection(std::shared_ptr<UcxRuntime> runtime, std::string local, std::string remote);
+  ~UcxConnection() override;
+
+  void start(FrameFn onFrame, CloseFn onClose) override;
+  void send(OutgoingFrame&& frame) override;
+  // Sends bytes as they are (tests of the receiver's checks).
+  void sendRaw(std::string bytes);
+  void flush() override {}
+  void close(const Error& reason) override;
+  void setHandshaken() override { handshaken_ = true; }
+  bool closed() const override { return closed_.load(); }
+  const char* transport() const override { return "ucx"; }
+  std::string localAddress() const override { return local_; }
+  std::string remoteAddress() const override { return remote_; }
+  uint64_t bytesSent() const override { return bytesSent_.load(); }
+  uint64_t bytesReceived() const override { return bytesReceived_.load(); }
+  // The waiting thread progresses UCX itself, so that a reply wakes the
+  // thread that waits for it.
+  bool serveWhile(const std::function<bool()>& done, TimePoint deadline,
+                  bool claimed = false) override;
+
+  // Runtime side; mutex held.
+  // A dialed endpoint: waits for the preamble, then calls done (deferred).
+  void dialLocked(ucp_ep_h ep, Context::ConnectFn done);
+  // An accepted endpoint: sends the preamble.
+  void acceptLocked(ucp_ep_h ep);
+  void failLocked(const std::string& why);
+  void setConnectTimer(uint64_t id) { connectTimer_ = id; }
+  std::string statusText(ucs_status_t s) const;
+  void onSendDone(void* request, ucs_status_t status, uint64_t op);
+  static void sendCallback(void* request, ucs_status_t status, void* user);
+  void onRecvDone(void* request, ucs_status_t status, size_t length);
+  void onCloseDone(void* request);
+  // Hands queued frames and the close notice to the RPC layer, in order;
+  // without the mutex.
+  void drain();
+
+ private:
+  enum class RecvState { kPreamble, kIdle, kHeader, kFixed, kSegment };
+  // The user data of the UCX requests of one frame's sends.
+  struct SendTag {
+    UcxConnection* conn;
+    uint64_t op;
+  };
+  struct SendOp {
+    SendTag tag{};
+    std::string head;
+    std::vector<OutSegment> segments;
+    int pending = 0;
+  };
+
+  void closeLocked(const Error& reason, bool force);
+  void pumpLocked();
+  // Consumes length received bytes of the current step; false once failed.
+  bool advanceLocked(size_t length);
+  bool nextSegmentLocked();
+  void deliverLocked();
+  // Lists this connection for runDeferred when it has something to hand up
+  // (lock order: the runtime's mutex, then inboxMutex_).
+  void markDirtyLocked();
+  void maybeRetireLocked();
+  std::string statusString(ucs_status_t s) const;
+
+  std::shared_ptr<UcxRuntime> rt_;
+  std::string local_, remote_;
+  ucp_ep_h ep_ = nullptr;
+  std::atomic<bool> closed_{false};
+  std::atomic<bool> handshaken_{false};
+  std::atomic<uint64_t> bytesSent_{0}, bytesReceived_{0};
+  bool started_ = false;
+  Context::ConnectFn connectDone_;  // while dialing
+  uint64_t connectTimer_ = 0;
+
+  // Sends in flight: id -> what they keep alive (op 0: the preamble).
+  std::map<uint64_t, SendOp> sends_;
+  uint64_t nextSend_ = 1;
+  bool closing_ = false;  // ucp_ep_close_nbx in flight
+  bool recvPending_ = false;
+  void* recvRequest_ = nullptr;
+
+  // Read side (mutex held).
+  RecvState state_ = RecvState::kIdle;
+  uint8_t preamble_ = 0;
+  FrameHeader header_{};
+  std::vector<uint8_t> fixed_;  // descriptors and metadata
+  std::vector<SegmentDesc> descs_;
+  IncomingFrame frame_;
+  size_t segmentIndex_ = 0;
+
+  // Handed up outside the mutex, in order.
+  std::mutex inboxMutex_;
+  std::deque<IncomingFrame> inbox_;
+  bool closeQueued_ = false;
+  bool closeDelivered_ = false;
+  Error closeReason_;
+  bool draining_ = false;
+  bool dirty_ = false;  // listed in the runtime's dirty list
+  FrameFn onFrame_;
+  CloseFn onClose_;
+};
+
+class UcxListener : public Listener, public std::enable_shared_from_this<UcxListener> {
+ public:
+  UcxListener(std::shared_ptr<UcxRuntime> runtime, Context::AcceptFn onAccept)
+      : rt_(std::move(runtime)), onAccept_(std::move(onAccept)) {}
+  // Binds (mutex not held); throws with UCX's reason.
+  void bind(const SockAddr& addr, const std::string& host);
+  std::string address() const override { return address_; }
+  void close() override;
+  void onConnRequest(ucp_conn_request_h request);  // mutex held
+
+ private:
+  std::shared_ptr<UcxRuntime> rt_;
+  Context::AcceptFn onAccept_;
+  ucp_listener_h listener_ = nullptr;
+  std::string address_;
+};
+
+}  // namespace moolib
+
+#endif

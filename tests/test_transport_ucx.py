@@ -1,0 +1,425 @@
+"""The ucx transport (issue 42) and the choice among transports.
+
+The transport contract over UCX, forced with ``set_transports(["ucx"])``:
+calls and exact payloads, large tensors, discovery by name, keepalive,
+close and kill -9, authentication, malformed frames, all-reduce and the
+Accumulator; over UCX's TCP and its shared memory (``UCX_TLS``) in child
+processes. Then the choice: one host picks shm, two hosts (network
+namespaces) that both have UCX with an RDMA device pick ucx, and one without
+UCX falls back to tcp.
+
+moolib loads UCX at run time; where it is absent these tests are skipped,
+saying why (CI installs Debian's libucx0).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from helpers.util import (
+    DEADLINE,
+    assert_same,
+    child_env,
+    connections,
+    peer_entry,
+    run_script,
+    sample_payload,
+    transports_to,
+    wait_for,
+)
+
+import moolib
+
+
+def _ucx_status() -> dict:
+    rpc = moolib.Rpc()
+    try:
+        return rpc.debug_info()["transport_status"].get("ucx", {"available": False, "why": "?"})
+    finally:
+        rpc.close()
+
+
+STATUS = _ucx_status()
+UCX = ["ucx"]
+pytestmark = [
+    pytest.mark.usefixtures("watchdog"),
+    pytest.mark.skipif(
+        not STATUS["available"], reason=f"UCX is not available: {STATUS.get('why')}"
+    ),
+]
+
+
+@pytest.fixture
+def pair(make_rpc):
+    """(client, server), both restricted to ucx; the client dialed the server's
+    TCP address and upgrades to the UCX one the server advertises."""
+    server = make_rpc("server", transports=UCX, listen=True, timeout=DEADLINE)
+    client = make_rpc("client", transports=UCX, timeout=DEADLINE)
+    client.connect(server.address)
+    return client, server
+
+
+def test_calls_and_exact_payloads_go_over_ucx(pair):
+    client, server = pair
+    server.define("echo", lambda x: x)
+    server.define("echo_all", lambda *a, **kw: (a, kw))
+    payload = sample_payload()
+    assert_same(payload, client.sync("server", "echo", payload))
+    a, kw = client.sync("server", "echo_all", 1, torch.ones(2), key=[torch.zeros(3)], other=None)
+    assert_same(((1, torch.ones(2)), {"key": [torch.zeros(3)], "other": None}), (a, kw))
+    entry = peer_entry(client, "server")
+    assert entry["transport"] == "ucx" and entry["chosen"] == "ucx", entry
+    assert "ucx" in transports_to(client, "server")
+    assert any(a.startswith("ucx://") for a in server.debug_info()["listening"])
+    # Requests went over the UCX link, not the TCP one it was reached through.
+    before = {c["transport"]: c["bytes_sent"] for c in connections(client, "server")}
+    for _ in range(3):
+        client.sync("server", "echo", torch.ones(1 << 18, dtype=torch.uint8))
+    after = {c["transport"]: c["bytes_sent"] for c in connections(client, "server")}
+    assert after["ucx"] - before["ucx"] >= 3 << 18
+    assert after.get("tcp", 0) - before.get("tcp", 0) < 1 << 16
+
+
+def test_large_tensors_and_errors(pair):
+    client, server = pair
+    server.define("checksum", lambda t: (t.numel(), float(t.double().sum())))
+    server.define("make", lambda n: torch.arange(n, dtype=torch.float32))
+    server.define("fail", lambda: 1 / 0)
+    big = torch.rand(16 << 20)  # 64 MiB
+    assert client.sync("server", "checksum", big) == (big.numel(), float(big.double().sum()))
+    got = client.sync("server", "make", 8 << 20)
+    assert torch.equal(got, torch.arange(8 << 20, dtype=torch.float32))
+    got += 1  # received memory is writable
+    with pytest.raises(moolib.RpcError, match="ZeroDivisionError"):
+        client.sync("server", "fail")
+    with pytest.raises(moolib.RpcError, match="nothere"):
+        client.sync("server", "nothere")
+
+
+def test_many_concurrent_calls_from_threads(pair):
+    client, server = pair
+    server.define("add", lambda a, b: a + b)
+    errors = []
+
+    def run(k):
+        try:
+            futures = [client.async_("server", "add", k, i) for i in range(50)]
+            for i, f in enumerate(futures):
+                assert f.result(timeout=DEADLINE) == k + i
+            for i in range(20):
+                assert client.sync("server", "add", torch.full((100,), k), i)[0] == k + i
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=DEADLINE)
+    assert not errors, errors
+
+
+def test_idle_ucx_link_sends_keepalives_and_stays_usable(pair):
+    client, server = pair
+    server.define("ping", lambda: "pong")
+    assert client.sync("server", "ping") == "pong"
+
+    def sent():
+        links = connections(client, "server")
+        return sum(c["bytes_sent"] for c in links if c["transport"] == "ucx")
+
+    before = sent()
+    wait_for(lambda: sent() >= before + 3 * 24, timeout=30, what="keepalives over ucx")
+    assert client.sync("server", "ping") == "pong"
+
+
+def test_discovery_by_name_connects_directly_over_ucx(make_rpc):
+    hub = make_rpc("hub", transports=UCX, listen=True, timeout=DEADLINE)
+    a = make_rpc("a", transports=UCX, timeout=DEADLINE)
+    b = make_rpc("b", transports=UCX, timeout=DEADLINE)
+    b.define("who", lambda: "b")
+    a.connect(hub.address)
+    b.connect(hub.address)
+    assert a.sync("b", "who") == "b"
+    entry = peer_entry(a, "b")
+    assert entry["transport"] == "ucx", entry
+
+
+def test_closed_and_killed_peers_are_noticed(make_rpc, spawn_peer):
+    # An Rpc that closes: its UCX links go away on both ends.
+    client = make_rpc("client", transports=UCX, timeout=DEADLINE)
+    server = make_rpc("server", transports=UCX, listen=True)
+    server.define("ping", lambda: "pong")
+    client.connect(server.address)
+    assert client.sync("server", "ping") == "pong"
+    server.close()
+    wait_for(lambda: not transports_to(client, "server"), what="the closed peer's links dropped")
+
+    # A peer killed with SIGKILL: the call in flight fails, the link drops.
+    peer = spawn_peer("doomed", transports=UCX)
+    client.connect(peer.address)
+    assert client.sync("doomed", "pid") == peer.pid
+    assert transports_to(client, "doomed")[-1:] == ["ucx"] or "ucx" in transports_to(
+        client, "doomed"
+    )
+    client.set_timeout(3)
+    in_flight = client.async_("doomed", "sleep", 30)
+    time.sleep(0.2)
+    peer.kill(signal.SIGKILL)
+    with pytest.raises(moolib.RpcError):
+        in_flight.result(timeout=DEADLINE)
+    wait_for(
+        lambda: "ucx" not in transports_to(client, "doomed"), what="the killed peer's ucx link"
+    )
+    client.define("local", lambda: "fine")
+    assert client.sync("client", "local") == "fine"
+
+
+def test_authentication_over_ucx(make_rpc):
+    server = make_rpc("vault", transports=UCX, listen=True, auth_key="k1", timeout=DEADLINE)
+    server.define("secret", lambda: 42)
+    good = make_rpc("good", transports=UCX, auth_key="k1", timeout=DEADLINE)
+    good.connect(server.address)
+    assert good.sync("vault", "secret") == 42
+    assert peer_entry(good, "vault")["transport"] == "ucx"
+    bad = make_rpc("bad", transports=UCX, auth_key="k2", timeout=2)
+    bad.connect(server.address)
+    with pytest.raises(moolib.RpcError):
+        bad.sync("vault", "secret")
+    assert not transports_to(bad, "vault")
+
+
+def test_malformed_frames_over_ucx_close_only_that_connection(make_rpc):
+    server = make_rpc("server", transports=UCX, listen=True, timeout=DEADLINE)
+    server.define("ping", lambda: "pong")
+    ucx_address = next(a for a in server.debug_info()["listening"] if a.startswith("ucx://"))
+    garbage = [
+        b"\x00" * 24,  # bad magic
+        b"MOO1" + bytes([1, 4, 0, 0]) + (9000).to_bytes(4, "little") + bytes(12),  # segments
+        b"MOO1" + bytes([1, 1, 0, 0, 0, 0, 0, 0]) + (1 << 30).to_bytes(4, "little") + bytes(8),
+        b"MOO1" + bytes([1, 4, 0, 0]) + bytes(16),  # a request before the handshake
+    ]
+    for frame in garbage:
+        # True: the server closed the connection that sent it.
+        assert moolib._core._ucx_send_raw(ucx_address, frame, 10.0), frame
+    client = make_rpc("client", transports=UCX, timeout=DEADLINE)
+    client.connect(server.address)
+    assert client.sync("server", "ping") == "pong"
+    wait_for(lambda: server.debug_info()["unidentified_connections"] == 0, what="garbage dropped")
+
+
+def test_all_reduce_and_accumulator_over_ucx(make_rpc):
+    broker_rpc = make_rpc("broker", transports=UCX, listen=True, timeout=DEADLINE)
+    broker = moolib.Broker(broker_rpc)
+    stop = threading.Event()
+
+    def run():
+        while not stop.wait(0.05):
+            broker.update()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        rpcs = [make_rpc(f"m{i}", transports=UCX, timeout=DEADLINE) for i in range(3)]
+        groups = []
+        for r in rpcs:
+            r.connect(broker_rpc.address)
+            g = moolib.Group(r, "ucxgroup")
+            g.set_timeout(10)
+            groups.append(g)
+        wait_for(
+            lambda: [g.update() for g in groups] and all(len(g.members()) == 3 for g in groups),
+            what="three members",
+        )
+        data = [torch.full((1 << 16,), float(i + 1)) for i in range(3)]
+        results = [g.all_reduce("sum", d) for g, d in zip(groups, data, strict=True)]
+        # Members keep calling update() while they wait, as a training loop does.
+        wait_for(
+            lambda: [g.update() for g in groups] and all(r.done() for r in results),
+            what="the all-reduce",
+        )
+        for r in results:
+            assert torch.equal(r.result(timeout=DEADLINE), torch.full((1 << 16,), 6.0))
+        for r in rpcs:
+            assert "ucx" in {p["transport"] for p in r.debug_info()["peers"] if p["transport"]}
+
+        # Two Accumulators averaging gradients over UCX.
+        ws = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+        accs = []
+        for i, w in enumerate(ws):
+            acc = moolib.Accumulator("ucxacc", [w], [])
+            acc.rpc.set_transports(UCX)
+            acc.rpc.set_name(f"acc{i}")
+            acc.group.set_timeout(10)
+            acc.connect(broker_rpc.address)
+            accs.append(acc)
+
+        def poll():
+            for acc, w in zip(accs, ws, strict=True):
+                acc.update()
+                if acc.wants_state():
+                    acc.set_state({"w": w.detach().clone()})
+                if acc.has_new_state():
+                    acc.state()
+            return all(a.connected() for a in accs)
+
+        try:
+            wait_for(poll, what="accumulators connected")
+            for acc in accs:
+                acc.set_virtual_batch_size(4)
+            wait_for(lambda: poll() and all(a.wants_gradients() for a in accs), what="ready")
+            for k, (acc, w) in enumerate(zip(accs, ws, strict=True)):
+                w.grad = torch.full((3,), float(k + 1))
+                acc.reduce_gradients(2)
+            wait_for(lambda: poll() and all(a.has_gradients() for a in accs), what="gradients")
+            for w in ws:
+                assert torch.allclose(w.grad, torch.full((3,), 1.5)), w.grad
+        finally:
+            for acc in accs:
+                acc.group.close()
+                acc.rpc.close()
+    finally:
+        stop.set()
+        thread.join(timeout=DEADLINE)
+
+
+# UCX's own transports, chosen per process with UCX_TLS: the same calls over
+# UCX's TCP and over its shared memory.
+OVER_UCX_TLS = """
+import sys, time, moolib, torch
+server = moolib.Rpc(); server.set_name("server"); server.set_transports(["ucx"])
+server.define("echo", lambda x: x)
+client = moolib.Rpc(); client.set_name("client"); client.set_transports(["ucx"])
+client.set_timeout(30)
+client.connect(server.listen("127.0.0.1:0"))
+for n in (0, 10, 1 << 16, 1 << 22):
+    t = torch.rand(n)
+    assert torch.equal(client.sync("server", "echo", t), t)
+peer = next(p for p in client.debug_info()["peers"] if p["name"] == "server")
+print(peer["transport"])
+"""
+
+
+# UCX connects client to server through its TCP connection manager, so its
+# shared memory comes with tcp in UCX_TLS; UCX then moves the data over shm.
+@pytest.mark.parametrize("tls", ["tcp", "sm,tcp"], ids=["ucx-tcp", "ucx-shm"])
+def test_calls_over_ucx_tcp_and_shared_memory(tmp_path, tls):
+    out = run_script(OVER_UCX_TLS, tmp_path, env={"UCX_TLS": tls})
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "ucx", out.stdout
+
+
+# ---------------------------------------------------------------------------
+# The choice
+
+
+def test_one_host_picks_shm_and_says_why(make_rpc):
+    server = make_rpc("server", listen=True, timeout=DEADLINE)
+    client = make_rpc("client", timeout=DEADLINE)
+    client.connect(server.address)
+    server.define("ping", lambda: "pong")
+    assert client.sync("server", "ping") == "pong"
+    wait_for(lambda: peer_entry(client, "server")["transport"] == "shm", what="an shm link")
+    entry = peer_entry(client, "server")
+    assert entry["chosen"] == "shm" and "same host" in entry["why"], entry
+    # UCX is never listened on unasked without an RDMA device.
+    info = server.debug_info()
+    ucx_listening = any(a.startswith("ucx://") for a in info["listening"])
+    assert not ucx_listening or STATUS["domain"].startswith("rdma=1")
+    assert info["transport_status"]["ucx"]["priority"] == 200
+    with pytest.raises(RuntimeError, match="unknown transport"):
+        client.set_transports(["verbs"])
+
+
+CHOICE_PEER = """
+import sys, moolib
+rpc = moolib.Rpc()
+rpc.set_name(sys.argv[1])
+rpc.set_auth_key("choice")
+rpc.define("ping", lambda: "pong")
+rpc.connect(sys.argv[2])
+rpc.set_timeout(30)
+assert rpc.sync("hub", "ping") == "pong"
+import time
+deadline = time.time() + 30
+while time.time() < deadline:
+    peer = next(p for p in rpc.debug_info()["peers"] if p["name"] == "hub")
+    if peer["transport"] == peer["chosen"]:
+        break
+    time.sleep(0.05)
+print(peer["transport"], "|", peer["why"])
+"""
+
+
+@pytest.mark.parametrize(
+    "hub_env, peer_env, expected",
+    [
+        ({"MOOLIB_UCX_ASSUME_RDMA": "1"}, {"MOOLIB_UCX_ASSUME_RDMA": "1"}, "ucx"),
+        ({"MOOLIB_UCX": "0"}, {"MOOLIB_UCX_ASSUME_RDMA": "1"}, "tcp"),
+    ],
+    ids=["both-have-ucx-rdma", "one-without-ucx"],
+)
+def test_two_hosts_pick_ucx_only_when_both_have_it(tmp_path, hub_env, peer_env, expected):
+    from test_rpc_netns import _add_namespace, _ip
+
+    tag = os.getpid() % 200 + 20
+    ns, host_if, ns_if = f"mooucx{tag}", f"mux{tag}h", f"mux{tag}n"
+    host_ip, ns_ip = f"10.214.{tag}.1", f"10.214.{tag}.2"
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
+    _add_namespace(ns)
+    hub = None
+    try:
+        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        _ip("link", "set", ns_if, "netns", ns)
+        _ip("addr", "add", f"{host_ip}/24", "dev", host_if)
+        _ip("link", "set", host_if, "up")
+        _ip("netns", "exec", ns, "ip", "addr", "add", f"{ns_ip}/24", "dev", ns_if)
+        _ip("netns", "exec", ns, "ip", "link", "set", ns_if, "up")
+        _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        # The hub: another process on this host (UCX reads its settings once
+        # per process), listening on the veth address.
+        hub_script = tmp_path / "hub.py"
+        hub_script.write_text(
+            "import sys, time, moolib\n"
+            "rpc = moolib.Rpc(); rpc.set_name('hub'); rpc.set_auth_key('choice')\n"
+            "rpc.define('ping', lambda: 'pong')\n"
+            "print(rpc.listen(sys.argv[1]), flush=True)\n"
+            "time.sleep(120)\n"
+        )
+        hub = subprocess.Popen(
+            [sys.executable, str(hub_script), f"{host_ip}:0"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(hub_env),
+        )
+        address = hub.stdout.readline().strip()
+        assert address, "the hub did not start"
+        script = tmp_path / "peer.py"
+        script.write_text(CHOICE_PEER)
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns, sys.executable, str(script), "peer", address],
+            capture_output=True,
+            text=True,
+            env=child_env(peer_env),
+            timeout=3 * DEADLINE,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        transport, why = (s.strip() for s in out.stdout.strip().splitlines()[-1].split("|", 1))
+        assert transport == expected, out.stdout
+        if expected == "ucx":
+            assert "RDMA" in why, why
+        else:
+            assert "ucx: the peer does not have it" in why, why
+    finally:
+        if hub is not None:
+            hub.kill()
+            hub.wait(timeout=30)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
