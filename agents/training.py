@@ -420,17 +420,16 @@ class Trainer:
     def _act(
         self, policy: torch.nn.Module, env_out: dict, core: tuple, prev_action: torch.Tensor
     ) -> tuple[dict, Any]:
-        done = env_out["done"].to(self.device)
-        prev = torch.where(done, torch.zeros_like(prev_action), prev_action)
-        inputs = {
-            "state": env_out["state"].to(self.device)[None],
-            "reward": env_out["reward"].to(self.device)[None],
-            "done": done[None],
-            "prev_action": prev[None],
+        device = self.device
+        # One step of each env: what the unroll keeps, and the network's [T=1, B] input.
+        step = {
+            "state": env_out["state"].to(device),
+            "reward": env_out["reward"].to(device),
+            "done": env_out["done"].to(device),
         }
+        step["prev_action"] = prev_action.masked_fill(step["done"], 0)
         with torch.no_grad():
-            out, core = policy(inputs, core)
-        step = {k: inputs[k][0] for k in _ENV_KEYS}
+            out, core = policy({k: v[None] for k, v in step.items()}, core)
         for k in _ACTOR_KEYS:
             step[k] = out[k][0]
         return step, core
@@ -532,7 +531,9 @@ class Trainer:
                         self._save()
                         last_checkpoint = time.monotonic()
                     if not worked and not (self._connected and acc.wants_gradients()):
-                        time.sleep(0.001)  # waiting for the group's sum, or to join it
+                        # Waiting for the group's sum of gradients (or to join the group).
+                        if not acc.wait_gradients(0.05):
+                            time.sleep(0.001)
                 if stream is not None:
                     stream.synchronize()
         except BaseException as e:

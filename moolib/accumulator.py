@@ -443,6 +443,17 @@ class Accumulator:
         }
         self._has_gradients = True
 
+    def wait_gradients(self, timeout: float | None = None) -> bool:
+        """Blocks, without holding the GIL, until the oldest gradient round in flight is
+        complete (its sum waits for ``update()``), for at most ``timeout`` seconds.
+        Returns whether one is; False at once when no round is in flight. A learner on
+        a thread of its own blocks here rather than polling ``update()``, which would
+        take the GIL from the other threads at every poll. (Not in the original
+        moolib.)"""
+        if not self._rounds:
+            return False
+        return bool(self._rounds[0].wait(timeout))
+
     def has_gradients(self) -> bool:
         """Whether summed gradients reached the virtual batch size and are in ``.grad``."""
         return self._has_gradients

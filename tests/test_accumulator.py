@@ -1080,3 +1080,21 @@ def test_close_leaves_the_group_and_closes_the_rpc_it_made(make_peer, local_brok
         group.close()
     finally:
         rpc.close()
+
+
+def test_wait_gradients_blocks_until_the_oldest_round_is_summed(make_peer):
+    a = make_peer([0.0, 0.0])
+    b = make_peer([0.0, 0.0])
+    connect_all([a, b])
+    for p in (a, b):
+        p.acc.set_virtual_batch_size(2)
+    assert a.acc.wait_gradients(0) is False  # no round in flight: at once
+    a.reduce([1.0, 0.0], 1)
+    # b has offered nothing yet: a's round cannot be summed.
+    assert a.acc.wait_gradients(0.3) is False
+    assert not a.acc.has_gradients()
+    b.reduce([0.0, 1.0], 1)
+    assert a.acc.wait_gradients(DEADLINE) is True
+    a.acc.update()
+    assert a.acc.has_gradients()
+    assert a.w.grad.tolist() == [0.5, 0.5]
