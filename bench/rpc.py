@@ -9,6 +9,13 @@ Prints, for the shared-memory and the TCP transport:
   - bandwidth of a 64 MiB float32 tensor argument, beside a 64 MiB memcpy
     and a plain socket sending the same 64 MiB in 1 MiB writes.
 
+Where UCX is available (moolib loads it at run time), the same three figures
+for the ucx transport over UCX's own TCP and over its shared memory (UCX_TLS
+set per client process), beside ucx_perftest (ucx-utils) on the same UCX
+transport: stream_lat (a busy-polling ping-pong of UCP stream messages) and
+stream_bw of 64 MiB messages, the limits of an RPC over UCP streams. --no-ucx
+leaves them out.
+
 With --baseline, a second moolib (today's main, say) is measured beside this
 one in the same run, rounds interleaved, and the table gains its figures and
 the ratio of the two. The baseline is one of:
@@ -24,7 +31,7 @@ Each moolib runs in a client process of its own (with its own server
 process), so that the two never share an interpreter; the raw references run
 in this process.
 
-Usage: python bench/rpc.py [--repeats N] [--calls N] [--baseline REF_OR_PYTHON_OR_DIR]
+Usage: python bench/rpc.py [--repeats N] [--calls N] [--baseline REF_OR_PYTHON_OR_DIR] [--no-ucx]
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import argparse
 import faulthandler
 import json
 import os
+import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -77,8 +86,25 @@ def serve() -> None:
         rpc.listen(address)
     else:
         address = rpc.listen("127.0.0.1:0")
+        if "ucx" in bench_transports():
+            rpc.listen("ucx://127.0.0.1:0")  # advertised: the client upgrades to it
     print(address, flush=True)
     sys.stdin.read()  # until the client closes our stdin
+
+
+def bench_transports() -> list[str]:
+    """The transports a client measures (its server listens for them)."""
+    return os.environ.get("MOOLIB_BENCH_TRANSPORTS", "shm,tcp").split(",")
+
+
+def ucx_available(moolib) -> bool:
+    if is_original(moolib):
+        return False
+    rpc = moolib.Rpc()
+    try:
+        return rpc.debug_info()["transport_status"].get("ucx", {}).get("available", False)
+    finally:
+        rpc.close()
 
 
 def connect(moolib, address: str, transport: str):
@@ -121,7 +147,7 @@ def client() -> None:
     )
     try:
         address = server.stdout.readline().strip()
-        rpcs = {t: connect(moolib, address, t) for t in ("shm", "tcp")}
+        rpcs = {t: connect(moolib, address, t) for t in bench_transports()}
         tensor = torch.rand(MIB64 // 4)
 
         def round_trip(rpc, n: int) -> float:
@@ -146,7 +172,9 @@ def client() -> None:
             round_trip(rpc, 500)
             async_calls(rpc, 1000)
             bandwidth(rpc)
-        print(json.dumps({"ready": moolib.__file__, "original": is_original(moolib)}), flush=True)
+        ready = {"ready": moolib.__file__, "original": is_original(moolib)}
+        ready["ucx"] = ucx_available(moolib)
+        print(json.dumps(ready), flush=True)
         for line in sys.stdin:
             name, _, arg = line.strip().partition(" ")
             kind, _, transport = name.partition("_")
@@ -180,6 +208,7 @@ class Client:
         ready = self._read()
         self.module = ready["ready"]
         self.original = ready.get("original", False)
+        self.ucx = ready.get("ucx", False)
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -326,6 +355,48 @@ class RawPeer:
         os.waitpid(self.pid, 0)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ucx_perftest(tls: str, test: str, args: list[str]) -> float:
+    """One ucx_perftest run (server and client processes) over UCX_TLS=tls: the
+    overall latency in seconds (stream_lat) or bandwidth in GB/s (stream_bw)."""
+    env = dict(os.environ, UCX_TLS=tls)
+    port = str(free_port())
+    server = subprocess.Popen(
+        ["ucx_perftest", "-p", port], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        for _ in range(50):  # the server needs a moment to listen
+            out = subprocess.run(
+                ["ucx_perftest", "127.0.0.1", "-p", port, "-t", test, *args],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            final = re.search(r"^Final:\s+(.*)$", out.stdout, re.M)
+            if final:
+                cols = [float(x) for x in final.group(1).split()]
+                # iterations, latency p50/average/overall (us), bandwidth
+                # average/overall (MB/s), message rate average/overall
+                return cols[3] * 1e-6 if test.endswith("lat") else cols[5] * 1.048576e-3
+            time.sleep(0.1)
+        raise RuntimeError(f"ucx_perftest {test} over {tls}: {out.stdout}{out.stderr}")
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+# UCX's transports measured: its TCP, and its shared memory ("sm": posix, sysv,
+# cma; with tcp, which UCX's client-server connection manager needs to connect).
+# ucx_perftest runs with the same UCX_TLS.
+UCX_TLS = {"ucx-tcp": "tcp", "ucx-shm": "sm,tcp"}
+
+
 def memcpy_rate(src: np.ndarray, dst: np.ndarray) -> float:
     t = time.perf_counter()
     np.copyto(dst, src)
@@ -354,6 +425,7 @@ def main() -> None:
         metavar="REF_OR_PYTHON_OR_DIR",
         help="a second moolib measured beside this one (see above)",
     )
+    parser.add_argument("--no-ucx", action="store_true", help="leave the ucx rows out")
     args = parser.parse_args()
 
     # Raw references first: forking after the clients start would copy them.
@@ -361,6 +433,12 @@ def main() -> None:
     clients = {"moolib": Client(sys.executable, dict(os.environ))}
     if args.baseline:
         clients["base"] = Client(*baseline_env(args.baseline))
+    ucx = not args.no_ucx and clients["moolib"].ucx
+    perftest = ucx and shutil.which("ucx_perftest") is not None
+    if ucx:
+        for who, tls in UCX_TLS.items():
+            env = dict(os.environ, UCX_TLS=tls, MOOLIB_BENCH_TRANSPORTS="ucx")
+            clients[who] = Client(sys.executable, env)
     src = np.random.rand(MIB64 // 8)
     dst = np.empty_like(src)
     n, na = args.calls, args.async_calls
@@ -374,7 +452,21 @@ def main() -> None:
         "bulk_tcp": raw["tcp"].bulk,
         "bulk_unix": raw["unix"].bulk,
     }
+    for who, tls in UCX_TLS.items() if ucx else ():
+        c = clients[who]
+        measures[f"{who}:rtt"] = lambda c=c: c.measure("rtt_ucx", n)
+        measures[f"{who}:async"] = lambda c=c: c.measure("async_ucx", na)
+        measures[f"{who}:bw"] = lambda c=c: c.measure("bw_ucx")
+        if perftest:
+            measures[f"{who}:perf_lat"] = lambda tls=tls: ucx_perftest(
+                tls, "stream_lat", ["-n", str(n)]
+            )
+            measures[f"{who}:perf_bw"] = lambda tls=tls: ucx_perftest(
+                tls, "stream_bw", ["-s", str(MIB64), "-n", "20"]
+            )
     for who, c in clients.items():
+        if who in UCX_TLS:
+            continue
         for t in ("shm", "tcp"):
             measures[f"{who}:rtt_{t}"] = lambda c=c, t=t: c.measure(f"rtt_{t}", n)
             measures[f"{who}:async_{t}"] = lambda c=c, t=t: c.measure(f"async_{t}", na)
@@ -411,6 +503,8 @@ def main() -> None:
         f"rounds, load average {os.getloadavg()[0]:.2f} at the end)"
     )
     for who, c in clients.items():
+        if who in UCX_TLS:
+            continue
         if c.original:
             print(
                 f"  {who}: {c.module} (the original moolib: its shm and tcp figures are calls "
@@ -445,6 +539,26 @@ def main() -> None:
         f"{'(64 MiB over a unix socket, GB/s)':<32}{m['bulk_unix']:>12,.1f}"
         f"   (1 MiB writes; memcpy {m['memcpy']:,.1f})"
     )
+    if not ucx:
+        why = "--no-ucx" if args.no_ucx else "UCX is not available to moolib here"
+        print(f"(no ucx rows: {why})")
+        return
+    print(f"{'ucx transport':<32}{'moolib':>12}{'ucx_perftest':>36}{'ratio':>7}")
+    for who in UCX_TLS:
+        perf_lat = m.get(f"{who}:perf_lat")
+        perf_bw = m.get(f"{who}:perf_bw")
+        for label, key, scale, ref_name, ref in [
+            (f"sync round trip, {who} (us)", "rtt", us, "stream_lat", perf_lat),
+            (f"async no-op calls/s, {who}", "async", 1, "", None),
+            (f"64 MiB tensor arg, {who} (GB/s)", "bw", 1, "stream_bw 64 MiB", perf_bw),
+        ]:
+            value = m[f"{who}:{key}"] * scale
+            ref = ref * scale if ref is not None else None
+            ref_text = f"{ref_name} {ref:,.1f}" if ref is not None else ""
+            ratio = f"{value / ref:.2f}" if ref else ""
+            print(f"{label:<32}{value:>12,.1f}{ref_text:>36}{ratio:>7}")
+    if not perftest:
+        print("(no ucx_perftest on PATH: install ucx-utils for the limits)")
 
 
 if __name__ == "__main__":

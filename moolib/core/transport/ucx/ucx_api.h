@@ -23,20 +23,40 @@ bool ucxSendRaw(const std::string& address, const std::string& bytes, double tim
 
 #if MOOLIB_UCX_HEADERS
 struct UcxApi {
-#define MOOLIB_UCX_FUNCTIONS(X)                                                                    \
-  X(ucp_get_version_string)                                                                        \
-  X(ucp_config_read)                                                                               \
-  X(ucp_config_release)                                                                            \
-  X(ucp_init_version)                                                                              \
-  X(ucp_cleanup) X(ucp_worker_create) X(ucp_worker_destroy) X(ucp_worker_get_efd)                  \
-      X(ucp_worker_arm) X(ucp_worker_progress) X(ucp_listener_create) X(ucp_listener_destroy)      \
-          X(ucp_listener_query) X(ucp_listener_reject) X(ucp_conn_request_query) X(ucp_ep_create)  \
-              X(ucp_ep_close_nbx) X(ucp_stream_send_nbx) X(ucp_stream_recv_nbx)                    \
-                  X(ucp_request_free) X(ucp_request_cancel) X(ucs_status_string)                   \
-                      X(uct_query_components) X(uct_release_component_list) X(uct_component_query) \
-                          X(uct_md_config_read) X(uct_config_release) X(uct_md_open)               \
-                              X(uct_md_close) X(uct_md_query_tl_resources)                         \
-                                  X(uct_release_tl_resource_list)
+  // clang-format off
+#define MOOLIB_UCX_FUNCTIONS(X) \
+  X(ucp_get_version_string) \
+  X(ucp_config_read) \
+  X(ucp_config_release) \
+  X(ucp_init_version) \
+  X(ucp_cleanup) \
+  X(ucp_worker_create) \
+  X(ucp_worker_destroy) \
+  X(ucp_worker_get_efd) \
+  X(ucp_worker_arm) \
+  X(ucp_worker_progress) \
+  X(ucp_listener_create) \
+  X(ucp_listener_destroy) \
+  X(ucp_listener_query) \
+  X(ucp_listener_reject) \
+  X(ucp_conn_request_query) \
+  X(ucp_ep_create) \
+  X(ucp_ep_close_nbx) \
+  X(ucp_stream_send_nbx) \
+  X(ucp_stream_recv_nbx) \
+  X(ucp_request_free) \
+  X(ucp_request_cancel) \
+  X(ucs_status_string) \
+  X(uct_query_components) \
+  X(uct_release_component_list) \
+  X(uct_component_query) \
+  X(uct_md_config_read) \
+  X(uct_config_release) \
+  X(uct_md_open) \
+  X(uct_md_close) \
+  X(uct_md_query_tl_resources) \
+  X(uct_release_tl_resource_list)
+// clang-format on
 #define MOOLIB_UCX_POINTER(name) decltype(&::name) name = nullptr;
   MOOLIB_UCX_FUNCTIONS(MOOLIB_UCX_POINTER)
 #undef MOOLIB_UCX_POINTER
