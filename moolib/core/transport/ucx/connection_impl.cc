@@ -36,9 +36,11 @@ const UcxProbe& UcxProbe::get() {
       return p;
     }
     // UCX installs handlers for SIGSEGV, SIGBUS, ... when loaded unless told
-    // otherwise; they would replace Python's (faulthandler). A value the user
-    // set is kept.
+    // otherwise; they would replace Python's (faulthandler). And it takes
+    // SIGHUP (UCX_DEBUG_SIGNO) to print debug information: a launcher whose
+    // terminal went away would go on running. A value the user set is kept.
     ::setenv("UCX_HANDLE_ERRORS", "none", 0);
+    ::setenv("UCX_DEBUG_SIGNO", "0", 0);
     p.api = loadUcx(p.whyNot);
     if (!p.api) return p;
     const UcxApi* api = p.api;
