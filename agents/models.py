@@ -54,7 +54,7 @@ def scale_observations(state: torch.Tensor, scale: float) -> torch.Tensor:
     """``state`` as float32 divided by ``scale`` (no division when it is 1)."""
     if state.dtype == torch.uint8 and scale != 1.0:
         # One pass over the frames: the division promotes bytes to float32 as it goes.
-        return torch.div(state, scale).float()
+        return torch.div(state, scale)
     x = state.float()
     return x / scale if scale != 1.0 else x
 
