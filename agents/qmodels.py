@@ -63,7 +63,7 @@ class Torso(nn.Module):
             # Frames in channels-last layout: the convolutions keep it, and torch's CPU
             # max-pooling is several times faster on it than on NCHW (it took 59% of the
             # deep IMPALA torso's forward pass). The same values, about 2x faster acting
-            # and 1.6x faster learner steps on CPU (bench/train.py, README).
+            # and 1.6x faster learner steps on CPU (docs/decisions/channels-last.md).
             x = x.contiguous(memory_format=torch.channels_last)
         return self.layers(x)
 

@@ -539,7 +539,7 @@ def test_peer_joining_mid_training_gets_the_state(cluster):
 
 @pytest.mark.parametrize("order", sorted(acc_trainer.ORDERS))
 def test_every_call_order_trains_through_a_late_join_and_a_killed_leader(cluster, order):
-    """The loop's calls in the README's order, in the original example's
+    """The loop's calls in docs/library.md's order, in the original example's
     (skip while not connected, first) and with gradients before the state:
     each trains, takes in a late peer and goes on after the leader dies."""
     cluster.start_broker()

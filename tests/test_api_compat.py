@@ -489,7 +489,7 @@ class _Learner:
 
 
 def test_accumulator_loop_of_the_original_example(local_broker, make_rpc, watchdog):
-    # The README's form: no group; the accumulator's own Rpc connects to the broker.
+    # docs/library.md's form: no group; the accumulator's own Rpc connects to the broker.
     model_a = _model(1)
     acc_a = moolib.Accumulator("model", model_a.parameters(), model_a.buffers())
     # The example's form: keywords and a Group on the program's Rpc.

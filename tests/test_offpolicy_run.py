@@ -76,7 +76,7 @@ def test_apex_learns_cartpole(tmp_path):
     """The low-epsilon actors first log 500 at 70k-182k steps, then swing between about
     150 and 500 (a DQN's policy still moves). Greedy scores of the last checkpoint were
     170-500 in sixteen runs, two under 195; the best of the last three (10 s apart)
-    292-500 in six (docs/architecture.md, "Adaptive spin"), and 147/177/183 in a CI run
+    292-500 in six (docs/decisions/spinning.md), and 147/177/183 in a CI run
     beside a training run: the bar is set under that, at 7x random play."""
     savedir = tmp_path / "apex"
     out = check_ok(

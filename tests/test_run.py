@@ -53,7 +53,7 @@ GAMES = (
     "space_invaders",
 )
 
-# What every logs.tsv row carries (README, "Training: moolib-run").
+# What every logs.tsv row carries (docs/toolkit.md, "What a run writes").
 EXPECTED_COLUMNS = {
     "step",
     "sps",

@@ -82,7 +82,7 @@ def param_hash(model: torch.nn.Module) -> str:
     return tensors_hash(model.parameters())
 
 
-# Orders of the calls after update() in one loop iteration: the README's,
+# Orders of the calls after update() in one loop iteration: docs/library.md's,
 # the original moolib example's (skip while not connected first), and one that
 # handles gradients before the state.
 ORDERS = {
