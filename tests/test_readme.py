@@ -1,6 +1,8 @@
-"""The README's Python examples run as pasted: each code block is extracted from
-README.md and run in a fresh interpreter (the broker examples against the
-broker started by the README's own command), and prints what its comments say."""
+"""The documentation's Python examples run as pasted: each ```python block of
+README.md and docs/ (wherever an example moved) is extracted and run in a fresh
+interpreter (the broker examples against the broker started by the docs' own
+command), and prints what its comments say. The README stays a front door, and
+every relative link of the documentation resolves."""
 
 from __future__ import annotations
 
@@ -9,22 +11,26 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 from helpers.util import DEADLINE, REPO, child_env
 
 README = REPO / "README.md"
-BROKER = "127.0.0.1:4431"  # the address the README's examples use
+DOCS = [README, *sorted((REPO / "docs").rglob("*.md"))]
+BROKER = "127.0.0.1:4431"  # the address the examples use
 
 
 def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    """Every ```python block of the docs, dedented (one may sit in a list item)."""
+    pattern = re.compile(r"^( *)```python\n(.*?)^\1```", flags=re.M | re.S)
+    return [textwrap.dedent(m.group(2)) for doc in DOCS for m in pattern.finditer(doc.read_text())]
 
 
 def block(marker: str) -> str:
     found = [b for b in python_blocks() if marker in b]
-    assert len(found) == 1, f"one README example with {marker!r}, found {len(found)}"
+    assert len(found) == 1, f"one example with {marker!r} in the docs, found {len(found)}"
     return found[0]
 
 
@@ -54,9 +60,11 @@ def finish(proc: subprocess.Popen, timeout: float = 3 * DEADLINE) -> str:
 
 @pytest.fixture
 def readme_broker():
-    """The broker, started with the README's own command (``moolib-broker 127.0.0.1:4431``)."""
-    command = re.search(r"^moolib-broker (\S+)", README.read_text(), flags=re.M)
-    assert command and command.group(1) == BROKER
+    """The broker, started with the docs' own command (``moolib-broker 127.0.0.1:4431``)."""
+    commands = [
+        m for d in DOCS for m in re.findall(r"^moolib-broker (\S+)", d.read_text(), flags=re.M)
+    ]
+    assert commands == [BROKER], commands
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", 4431)) == 0:
             pytest.fail("port 4431, which the README's examples use, is taken on this machine")
@@ -82,8 +90,9 @@ def test_every_python_example_is_run_here():
         "EnvPool(",
         "moolib.Replay(",
         "moolib.Publisher(",
+        'register_agent("mine"',
     ]
-    assert len(python_blocks()) == len(markers), "a README example this test does not run"
+    assert len(python_blocks()) == len(markers), "an example in the docs that is not run here"
     for m in markers:
         block(m)
 
@@ -118,3 +127,64 @@ def test_replay_and_publisher_examples(tmp_path):
     code = block("moolib.Replay(") + block("moolib.Publisher(")
     out = finish(start(code, tmp_path, "offpolicy"))
     assert out.splitlines()[-2:] == ["torch.Size([32, 4]) 64", "True False"], out
+
+
+def test_extending_example_registers_an_agent(tmp_path):
+    out = finish(start(block('register_agent("mine"'), tmp_path, "extending"))
+    assert out.splitlines()[-1] == "True", out
+
+
+def sh_blocks(doc: Path) -> list[str]:
+    return re.findall(r"^```sh\n(.*?)^```", doc.read_text(), flags=re.M | re.S)
+
+
+def test_readme_is_a_front_door():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300
+    # Its first training command names a savedir, and the next line plots it.
+    train = next(b for b in sh_blocks(README) if "moolib-run" in b).splitlines()
+    first = r"moolib-run agent=a2c env=cartpole total_steps=(\d+) savedir=(\S+)"
+    run = re.fullmatch(first, train[0])
+    assert run and int(run.group(1)) <= 500_000, train[0]
+    assert train[1] == f"moolib-plot {run.group(2)}", train
+    # A user who only trains installs the package alone; the test extras are for the tests.
+    install = sh_blocks(README)[0]
+    assert "pip install -e .  " in install and "[test]" not in install, install
+    # The Test section's command is the one .ci/run runs.
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    test = next(b for b in sh_blocks(README) if "pytest" in b)
+    assert ci in test.splitlines(), (ci, test)
+    # Every example sweep is small: a small env and few steps a point.
+    for doc in DOCS:
+        for b in sh_blocks(doc):
+            for line in b.splitlines():
+                if line.startswith("moolib-run -m") and "scaling=slurm" not in line:
+                    assert "env=cartpole" in line and "total_steps=" in line, (doc.name, line)
+
+
+def anchors(doc: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    found, seen = set(), {}
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)
+    for heading in re.findall(r"^#+ (.*)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        found.add(slug if n == 0 else f"{slug}-{n}")
+    return found
+
+
+def test_relative_links_resolve():
+    broken = []
+    for doc in DOCS:
+        text = re.sub(r"^ *```.*?^ *```", "", doc.read_text(), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: not checked here
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
