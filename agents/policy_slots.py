@@ -66,9 +66,10 @@ class PolicySlots:
             slot = next(i for i in range(_SLOTS) if i not in (self._front, self._reading))
         if self._cuda and self._read[slot] is not None:
             torch.cuda.current_stream(self._device).wait_event(self._read[slot])
+        # One call for all tensors: each torch call gives up the GIL, and on a small
+        # model a call per tensor hands the GIL to the acting thread and back each time.
         with torch.no_grad():
-            for dst, src in zip(self._tensors[slot], _tensors(model), strict=True):
-                dst.copy_(src)
+            torch._foreach_copy_(self._tensors[slot], _tensors(model))
         if self._cuda:
             self._written[slot] = self._record()
         with self._lock:
