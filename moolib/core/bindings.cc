@@ -269,9 +269,6 @@ bool futureWait(const FuturePtr& state, double seconds) {
   }
 }
 
-struct RpcErrorTag {};
-PyObject* gRpcError = nullptr;  // moolib.RpcError
-
 // debug_info() as plain dicts and lists.
 py::dict toPython(const ConnectionInfo& c) {
   return py::dict("transport"_a = c.transport, "local"_a = c.local, "remote"_a = c.remote,
@@ -663,10 +660,7 @@ PyObject* futureResult(PyObject* self, PyObject* const* args, Py_ssize_t nargs, 
   return guarded([&]() -> PyObject* {
     const FuturePtr& state = stateOf(self);
     if (!waitOrTimeout(state, seconds)) return nullptr;
-    if (!state->error().empty()) {
-      PyErr_SetString(gRpcError, state->error().c_str());
-      return nullptr;
-    }
+    if (state->error()) return raiseError(state->error());
     return decodeSegments(state->result()).release().ptr();
   });
 }
@@ -678,15 +672,15 @@ PyObject* futureException(PyObject* self, PyObject* const* args, Py_ssize_t narg
   return guarded([&]() -> PyObject* {
     const FuturePtr& state = stateOf(self);
     if (!waitOrTimeout(state, seconds)) return nullptr;
-    if (state->error().empty()) Py_RETURN_NONE;
-    return py::handle(gRpcError)(state->error()).release().ptr();
+    if (!state->error()) Py_RETURN_NONE;
+    return errorObject(state->error()).release().ptr();
   });
 }
 
 PyObject* futureSegments(PyObject* self, PyObject*) {
   return guarded([&] {
     const FuturePtr& state = stateOf(self);
-    MOO_ENFORCE(state->done() && state->error().empty(), "the call has not succeeded");
+    MOO_ENFORCE(state->done() && !state->error(), "the call has not succeeded");
     return wrapSegments(state->result()).release().ptr();
   });
 }
@@ -716,11 +710,13 @@ PyMethodDef futureMethods[] = {
      "timeout."},
     {"result", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(futureResult)),
      METH_FASTCALL | METH_KEYWORDS,
-     "result(timeout=None)\n--\n\nWaits for the call and returns its result; raises RpcError if "
-     "it failed, TimeoutError if timeout seconds pass first (the call goes on)."},
+     "result(timeout=None)\n--\n\nWaits for the call and returns its result; raises RpcError (the "
+     "moolib.errors subclass of the failure) if it failed, TimeoutError if timeout seconds pass "
+     "first (the call goes on)."},
     {"exception", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(futureException)),
      METH_FASTCALL | METH_KEYWORDS,
-     "exception(timeout=None)\n--\n\nWaits for the call; returns its error as an RpcError, or "
+     "exception(timeout=None)\n--\n\nWaits for the call; returns its error as an RpcError (the "
+     "moolib.errors subclass of the failure), or "
      "None."},
     {"cancel", futureCancel, METH_NOARGS,
      "Gives up on the call; returns False if it had already completed."},
@@ -829,10 +825,7 @@ PyObject* rpcSync(PyObject* self, PyObject* const* args, size_t nargsf, PyObject
   return guarded([&]() -> PyObject* {
     FuturePtr state = callFromArgs("sync", self, args, PyVectorcall_NARGS(nargsf), kwnames, true);
     futureWait(state, -1);
-    if (!state->error().empty()) {
-      PyErr_SetString(gRpcError, state->error().c_str());
-      return nullptr;
-    }
+    if (state->error()) return raiseError(state->error());
     return decodeSegments(state->result()).release().ptr();
   });
 }
@@ -972,12 +965,7 @@ PYBIND11_MODULE(_core, m) {
       })
       .def("__len__", [](const PyBuffer& b) { return b.buffer->size(); });
 
-  // Leaked: destroying it at exit would run after the interpreter is gone.
-  static auto& rpcError = *new py::exception<RpcErrorTag>(m, "RpcError", PyExc_RuntimeError);
-  rpcError.doc() =
-      "A call failed: timeout, unknown peer or function, or an exception in the remote function.";
-
-  gRpcError = rpcError.ptr();
+  bindErrors(m);
   initFutureType(m);
 
   py::class_<Responder, std::shared_ptr<Responder>>(m, "Responder")

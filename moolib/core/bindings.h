@@ -59,6 +59,12 @@ PyObject* wrapFuture(FuturePtr state);
 // the object must allow writing through it.
 OutSegment exportSegment(py::handle h, bool writable = false);
 
+// bindings_errors.cc: the exception of a failed call, of the class its
+// code maps to. raiseError sets it and returns null.
+PyObject* raiseError(const Error& error);
+py::object errorObject(const Error& error);
+void bindErrors(py::module_& m);
+
 // bindings_group.cc
 void bindGroup(py::module_& m);
 

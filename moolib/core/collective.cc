@@ -40,6 +40,7 @@ std::string CollectiveMessage::encode() const {
   w.u32(region.pid);
   w.u32(region.fd);
   w.u64(region.bytes);
+  w.u8(uint8_t(code));
   return w.take();
 }
 
@@ -67,6 +68,8 @@ CollectiveMessage CollectiveMessage::decode(std::string_view data) {
   m.region.pid = r.u32();
   m.region.fd = r.u32();
   m.region.bytes = r.u64();
+  if (r.remaining() > 0) m.code = errorCodeFromWire(r.u8());
+  if (m.code == ErrorCode::kOk) m.code = ErrorCode::kFailed;  // an abort is a failure
   if (m.kind != kData && m.kind != kAbort)
     throw WireError(concat("unknown collective message kind ", int(m.kind)));
   if (m.mode != kSum && m.mode != kGather)
@@ -226,7 +229,9 @@ void Collective::start() {
       try {
         own = regions_->acquire(shmBytes_);
       } catch (const std::exception& e) {
-        return fail(concat(describe(), " failed: ", e.what()), true);
+        return fail(Error(ErrorCode::kSharedMemoryUnavailable,
+                          concat(describe(), " failed: cannot create shared memory: ", e.what())),
+                    true);
       }
       for (size_t b = 0; b != buffers_.size(); ++b) {
         if (algo_[b] == kShmAlgo) copyParts(buffers_[b], own->data() + shmOffset_[b]);
@@ -275,7 +280,7 @@ void Collective::sendShm(uint8_t phase, const RegionRef& region) {
   for (size_t dest = 0; dest != n_; ++dest) {
     if (dest == self_) continue;
     if (phase == CollectiveMessage::kShmDone) {
-      sendFn_(members_[dest], m.encode(), {}, [](const std::string&) {});
+      sendFn_(members_[dest], m.encode(), {}, [](const Error&) {});
     } else {
       send(dest, m, {});
     }
@@ -294,8 +299,9 @@ void Collective::onShm(const CollectiveMessage& m) {
       MOO_ENFORCE(m.region.bytes >= shmBytes_, "its region is smaller than the data");
       region = regions_->map(m.region);
     } catch (const std::exception& e) {
-      return fail(concat(describe(), " failed: cannot share memory with member '",
-                         members_[m.source], "': ", e.what()),
+      return fail(Error(ErrorCode::kSharedMemoryUnavailable,
+                        concat(describe(), " failed: cannot share memory with member '",
+                               members_[m.source], "': ", e.what())),
                   true);
     }
     bool duplicate;
@@ -432,13 +438,13 @@ void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> 
   }
   std::weak_ptr<Collective> weak = shared_from_this();
   std::string peer = members_[dest];
-  sendFn_(peer, m.encode(), std::move(data), [weak, peer](const std::string& error) {
+  sendFn_(peer, m.encode(), std::move(data), [weak, peer](const Error& error) {
     auto self = weak.lock();
     if (!self) return;
-    if (!error.empty()) {
-      return self->fail(
-          concat(self->describe(), " failed: member '", peer, "' did not take its data: ", error),
-          true);
+    if (error) {
+      return self->fail(Error(error.code(), concat(self->describe(), " failed: member '", peer,
+                                                   "' did not take its data: ", error.what())),
+                        true);
     }
     {
       std::lock_guard<std::mutex> lock(self->mutex_);
@@ -475,7 +481,8 @@ void Collective::onMessage(const std::string& from, const CollectiveMessage& m,
   }
   if (m.kind == CollectiveMessage::kAbort) {
     if (std::find(members_.begin(), members_.end(), from) == members_.end()) return;
-    return fail(concat(describe(), " failed on member '", from, "': ", m.error), false);
+    return fail(Error(m.code, concat(describe(), " failed on member '", from, "': ", m.error)),
+                false);
   }
   if (m.source >= n_ || members_[m.source] != from) {
     return fail(concat(describe(), " failed: a message from '", from,
@@ -708,10 +715,10 @@ void Collective::onDeadline(double seconds) {
   }
   auto error = concat(describe(), " timed out after ", seconds, " s (", n_, " members): ", why);
   MOO_LOG(kError, error);
-  fail(error, true);
+  fail(Error(ErrorCode::kTimeout, error), true);
 }
 
-void Collective::fail(const std::string& error, bool broadcast) {
+void Collective::fail(const Error& error, bool broadcast) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (finished_) return;
@@ -720,7 +727,7 @@ void Collective::fail(const std::string& error, bool broadcast) {
     failed_ = true;
   }
   cancelDeadline();
-  MOO_LOG(kVerbose, error);
+  MOO_LOG(kVerbose, error.what());
   if (broadcast && n_ > 1) {
     CollectiveMessage m;
     m.kind = CollectiveMessage::kAbort;
@@ -728,10 +735,11 @@ void Collective::fail(const std::string& error, bool broadcast) {
     m.mode = mode_;
     m.source = uint32_t(self_);
     m.numMembers = uint32_t(n_);
-    m.error = error;
+    m.error = error.what();
+    m.code = error.code();
     std::string meta = m.encode();
     for (size_t dest = 0; dest != n_; ++dest) {
-      if (dest != self_) sendFn_(members_[dest], meta, {}, [](const std::string&) {});
+      if (dest != self_) sendFn_(members_[dest], meta, {}, [](const Error&) {});
     }
   }
   future_->setError(error);

@@ -91,6 +91,9 @@ struct CollectiveMessage {
   uint64_t structure = 0;
   std::string error;  // kAbort
   RegionRef region;   // kShmReady
+  // kAbort: the ErrorCode the op failed with. Encoded last, so that a peer
+  // that predates it reads the rest; decoded as kFailed when absent.
+  ErrorCode code = ErrorCode::kFailed;
   std::string encode() const;
   static CollectiveMessage decode(std::string_view data);
 };
@@ -98,10 +101,10 @@ struct CollectiveMessage {
 class Collective : public std::enable_shared_from_this<Collective> {
  public:
   // Sends meta + data to a member; onAck(error) runs once it was taken
-  // (error empty) or could not be delivered.
+  // (no error) or could not be delivered.
   using SendFn =
       std::function<void(const std::string& peer, std::string meta, std::vector<OutSegment> data,
-                         std::function<void(const std::string& error)> onAck)>;
+                         std::function<void(const Error& error)> onAck)>;
 
   // A sum all-reduce; the result is one segment per buffer. With regions
   // (all members on one host), large buffers go through shared memory.
@@ -120,7 +123,11 @@ class Collective : public std::enable_shared_from_this<Collective> {
   // A message for this op from member `from` (already acknowledged).
   void onMessage(const std::string& from, const CollectiveMessage& m, std::vector<BufferPtr> data);
   // Fails the op here; with broadcast, tells every other member to fail it too.
-  void fail(const std::string& error, bool broadcast);
+  void fail(const Error& error, bool broadcast);
+  // A kFailed error: members that disagree, a malformed message.
+  void fail(const std::string& error, bool broadcast) {
+    fail(Error(ErrorCode::kFailed, error), broadcast);
+  }
   std::string describe() const;
   // fn runs once no message for this op can come any more (at once if so).
   void setOnRetired(std::function<void()> fn);

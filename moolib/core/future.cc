@@ -16,14 +16,16 @@ bool FutureState::setResult(std::vector<BufferPtr> segments) {
   return complete(std::move(segments), {}, false);
 }
 
-bool FutureState::setError(std::string error) {
-  if (error.empty()) error = "unknown error";
+bool FutureState::setError(Error error) {
+  if (!error) error = Error(ErrorCode::kFailed, "unknown error");
   return complete({}, std::move(error), false);
 }
 
-bool FutureState::cancel() { return complete({}, "the call was cancelled", true); }
+bool FutureState::cancel() {
+  return complete({}, Error(ErrorCode::kCancelled, "the call was cancelled"), true);
+}
 
-bool FutureState::complete(std::vector<BufferPtr> segments, std::string error, bool cancelled) {
+bool FutureState::complete(std::vector<BufferPtr> segments, Error error, bool cancelled) {
   std::vector<Task> callbacks;
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "buffer.h"
+#include "error.h"
 #include "loop.h"
 
 namespace moolib {
@@ -25,8 +26,9 @@ class FutureState {
 
   // The first completion wins; later ones return false.
   bool setResult(std::vector<BufferPtr> segments);
-  bool setError(std::string error);
-  // Completes with an error saying so; false if it already completed.
+  // error must be one (a code other than kOk).
+  bool setError(Error error);
+  // Completes with a kCancelled error; false if it already completed.
   bool cancel();
 
   bool done() const { return done_.load(std::memory_order_acquire); }
@@ -41,17 +43,17 @@ class FutureState {
   // which the first wait takes over.
   void setServe(std::weak_ptr<Connection> conn, bool claimed = false);
 
-  // Valid once done().
-  const std::string& error() const { return error_; }
+  // Valid once done(); false (kOk) on success.
+  const Error& error() const { return error_; }
   const std::vector<BufferPtr>& result() const { return result_; }
 
  private:
-  bool complete(std::vector<BufferPtr> segments, std::string error, bool cancelled);
+  bool complete(std::vector<BufferPtr> segments, Error error, bool cancelled);
 
   mutable std::mutex mutex_;
   std::atomic<bool> done_{false};
   bool cancelled_ = false;
-  std::string error_;
+  Error error_;
   std::vector<BufferPtr> result_;
   // Threads waiting; nearly always one (a sync() call), kept without a
   // vector's allocation.

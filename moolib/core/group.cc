@@ -14,10 +14,16 @@ constexpr const char* kGroupFunctionPrefix = "__moolib_group/";
 // Messages held for collectives not started here yet (other members ahead).
 constexpr size_t kMaxEarly = 1 << 16;
 
-FuturePtr failedFuture(std::string error) {
+FuturePtr failedFuture(Error error) {
   auto f = std::make_shared<FutureState>();
   f->setError(std::move(error));
   return f;
+}
+
+// Failures of this member's part in the group: the others see a membership
+// change, and so does this member's caller.
+Error membershipChanged(std::string why) {
+  return Error(ErrorCode::kMembershipChanged, std::move(why));
 }
 
 OutSegment ownedSegment(std::string bytes) {
@@ -47,7 +53,9 @@ void Group::start() {
   rpc_->define(function_,
                [weak](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
                  auto self = weak.lock();
-                 if (!self) return responder->error("the group is closed");
+                 if (!self) {
+                   return responder->error("the group is closed", ErrorCode::kMembershipChanged);
+                 }
                  self->onMessage(responder, std::move(args));
                });
 }
@@ -97,7 +105,9 @@ void Group::tick() {
       if (auto self = weak.lock()) self->tick();
     });
   }
-  for (auto& op : failed) op->fail(concat(op->describe(), " failed: ", why), false);
+  for (auto& op : failed) {
+    op->fail(membershipChanged(concat(op->describe(), " failed: ", why)), false);
+  }
   if (leave) sendLeave(broker);
   if (doPing) ping();
 }
@@ -159,8 +169,8 @@ void Group::onBrokerReply(const FuturePtr& reply) {
     pingInFlight_ = false;
     // A reply to a ping sent before this peer left for being idle.
     if (closed_ || idle_) return;
-    if (!reply->error().empty()) {
-      MOO_LOG(kVerbose, "group '", name_, "': broker ping failed: ", reply->error());
+    if (reply->error()) {
+      MOO_LOG(kVerbose, "group '", name_, "': broker ping failed: ", reply->error().what());
       return;
     }
     BrokerReply r;
@@ -186,7 +196,9 @@ void Group::onBrokerReply(const FuturePtr& reply) {
     changed_ = true;
     MOO_LOG(kVerbose, "group '", name_, "': sync id ", syncId_, ", ", members_.size(), " members");
   }
-  for (auto& op : failed) op->fail(concat(op->describe(), " failed: ", why), false);
+  for (auto& op : failed) {
+    op->fail(membershipChanged(concat(op->describe(), " failed: ", why)), false);
+  }
 }
 
 void Group::failAllLocked(const std::string& why, std::vector<std::shared_ptr<Collective>>& out) {
@@ -222,14 +234,18 @@ void Group::onMessage(const std::shared_ptr<Responder>& responder, std::vector<B
   std::shared_ptr<Collective> op;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (closed_) return responder->error(concat("group '", name_, "' is closed"));
+    if (closed_) {
+      return responder->error(concat("group '", name_, "' is closed"),
+                              ErrorCode::kMembershipChanged);
+    }
     auto it = ops_.find(m.key);
     if (it != ops_.end()) {
       op = it->second;
     } else if (auto a = aborted_.find(m.key); a != aborted_.end()) {
-      return responder->error(concat("all_reduce '", m.key.name, "' was aborted"));
+      return responder->error(concat("all_reduce '", m.key.name, "' was aborted"),
+                              a->second.code());
     } else if (m.kind == CollectiveMessage::kAbort) {
-      if (aborted_.size() < kMaxEarly) aborted_[m.key] = m.error;
+      if (aborted_.size() < kMaxEarly) aborted_[m.key] = Error(m.code, m.error);
     } else if (m.key.syncId == syncId_ && m.key.seq < nextSeq_[m.key.name]) {
       return responder->error(
           concat("all_reduce '", m.key.name, "' is already over on '", rpc_->name(), "'"));
@@ -250,27 +266,29 @@ FuturePtr Group::startOp(const std::string& name, uint64_t syncId, Args&&... arg
   MOO_ENFORCE(!name.empty() && name.size() <= 1024, "all_reduce name must be 1 to 1024 characters");
   std::shared_ptr<Collective> op;
   std::vector<Early> early;
-  std::string abortedBy;
+  Error abortedBy;
   double deadline;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     deadline = collectiveTimeoutLocked();
-    if (closed_)
-      return failedFuture(concat("all_reduce '", name, "': group '", name_, "' is closed"));
+    if (closed_) {
+      return failedFuture(
+          membershipChanged(concat("all_reduce '", name, "': group '", name_, "' is closed")));
+    }
     auto self = std::find(members_.begin(), members_.end(), rpc_->name());
     if (!inContact_ || self == members_.end()) {
-      return failedFuture(concat("all_reduce '", name,
-                                 "': this peer is not an active member of group '", name_,
-                                 "' (call update() until active())"));
+      return failedFuture(membershipChanged(
+          concat("all_reduce '", name, "': this peer is not an active member of group '", name_,
+                 "' (call update() until active())")));
     }
     if (syncId && syncId != syncId_) {
-      return failedFuture(
-          concat("all_reduce '", name, "': the membership of group '", name_, "' changed"));
+      return failedFuture(membershipChanged(
+          concat("all_reduce '", name, "': the membership of group '", name_, "' changed")));
     }
     OpKey key{syncId_, name, nextSeq_[name]++};
     auto send = [rpc = rpc_, function = function_](const std::string& peer, std::string meta,
                                                    std::vector<OutSegment> data,
-                                                   std::function<void(const std::string&)> onAck) {
+                                                   std::function<void(const Error&)> onAck) {
       std::vector<OutSegment> segs;
       segs.reserve(1 + data.size());
       segs.push_back(ownedSegment(std::move(meta)));
@@ -279,7 +297,7 @@ FuturePtr Group::startOp(const std::string& name, uint64_t syncId, Args&&... arg
       try {
         f = rpc->call(peer, function, std::move(segs));
       } catch (const std::exception& e) {
-        return onAck(e.what());
+        return onAck(Error(ErrorCode::kFailed, e.what()));
       }
       f->onDone([f, onAck] { onAck(f->error()); });
     };
@@ -303,8 +321,10 @@ FuturePtr Group::startOp(const std::string& name, uint64_t syncId, Args&&... arg
     auto it = self->ops_.find(done->key());
     if (it != self->ops_.end() && it->second == done) self->ops_.erase(it);
   });
-  if (!abortedBy.empty()) {
-    op->fail(concat(op->describe(), " failed on another member: ", abortedBy), false);
+  if (abortedBy) {
+    op->fail(Error(abortedBy.code(),
+                   concat(op->describe(), " failed on another member: ", abortedBy.what())),
+             false);
     return op->future();
   }
   op->start();
@@ -322,11 +342,12 @@ FuturePtr Group::allReduce(const std::string& name, std::vector<TypedBuffer> buf
   }
   auto future = startOp(name, syncId, std::move(buffers), std::move(regions), structure);
   // A member that cannot map its peers' memory (other user, sandbox) stops
-  // offering it: the next membership goes through sockets.
+  // offering it: the next membership goes through sockets. So does every
+  // member told of it by that one's abort (the same code).
   std::weak_ptr<Group> weak = shared_from_this();
   future->onDone([weak, future] {
     auto self = weak.lock();
-    if (self && future->error().find("cannot share memory") != std::string::npos) {
+    if (self && future->error().code() == ErrorCode::kSharedMemoryUnavailable) {
       std::lock_guard<std::mutex> lock(self->mutex_);
       self->shmFailed_ = true;
     }
@@ -451,8 +472,10 @@ void Group::close() {
     members_.clear();
     syncId_ = 0;
   }
-  for (auto& op : failed)
-    op->fail(concat(op->describe(), " failed: group '", name_, "' was closed"), false);
+  for (auto& op : failed) {
+    op->fail(membershipChanged(concat(op->describe(), " failed: group '", name_, "' was closed")),
+             false);
+  }
   if (member) sendLeave(broker);
   try {
     rpc_->undefine(function_);

@@ -123,7 +123,7 @@ class Group : public std::enable_shared_from_this<Group> {
   std::map<OpKey, std::vector<Early>> early_;
   size_t earlyCount_ = 0;
   // Collectives aborted by another member before they started here.
-  std::map<OpKey, std::string> aborted_;
+  std::map<OpKey, Error> aborted_;
 };
 
 }  // namespace moolib

@@ -10,8 +10,6 @@ namespace moolib {
 
 namespace {
 
-enum ResponseStatus : uint8_t { kOk = 0, kRemoteException = 1, kNotDefined = 2 };
-
 // The function a pool thread is running, so undefine() from inside it does not
 // wait for itself.
 thread_local const Rpc* tlsRpc = nullptr;
@@ -46,21 +44,25 @@ Responder::~Responder() {
   if (!answered_) error(concat("function '", function_, "' returned without replying"));
 }
 
-void Responder::reply(std::vector<OutSegment> segments) { send(kOk, {}, std::move(segments)); }
+void Responder::reply(std::vector<OutSegment> segments) {
+  send(ErrorCode::kOk, {}, std::move(segments));
+}
 
-void Responder::error(const std::string& message) { send(kRemoteException, message, {}); }
+void Responder::error(const std::string& message, ErrorCode code) {
+  send(code == ErrorCode::kOk ? ErrorCode::kRemoteException : code, message, {});
+}
 
-void Responder::send(uint8_t status, const std::string& error, std::vector<OutSegment> segments) {
+void Responder::send(ErrorCode status, const std::string& error, std::vector<OutSegment> segments) {
   if (answered_.exchange(true)) return;
   auto rpc = rpc_.lock();
   if (local_) {
-    if (status == kOk) {
+    if (status == ErrorCode::kOk) {
       std::vector<BufferPtr> copies;
       for (auto& s : segments) copies.push_back(copyToBuffer(s));
       local_->setResult(std::move(copies));
     } else {
-      local_->setError(
-          concat("remote function '", function_, "' on peer '", peer_, "' raised ", error));
+      local_->setError(Error(status, concat("remote function '", function_, "' on peer '", peer_,
+                                            "' raised ", error)));
     }
     if (rpc) rpc->finishCall(function_);
     return;
@@ -68,7 +70,7 @@ void Responder::send(uint8_t status, const std::string& error, std::vector<OutSe
   if (!rpc) return;
   Writer w;
   w.u64(callId_);
-  w.u8(status);
+  w.u8(uint8_t(status));
   w.str(error);
   rpc->sendResponse(peer_, conn_,
                     OutgoingFrame{FrameType::kResponse, w.take(), std::move(segments)});
@@ -325,6 +327,7 @@ FuturePtr Rpc::call(const std::string& peer, const std::string& function,
     return future;
   }
   pending.sent = true;
+  pending.incarnation = p.incarnation;
   lock.unlock();
   future->setServe(link->conn, waitNext && link->conn->claim());
   sendRequest(link, id, function, std::move(segments));
@@ -353,7 +356,9 @@ void Rpc::callLocal(const FuturePtr& future, uint64_t id, const std::string& fun
     }
   }
   if (!handler) {
-    future->setError(concat("function '", function, "' is not defined on peer '", self, "'"));
+    future->setError(
+        Error(ErrorCode::kNotDefined,
+              concat("function '", function, "' is not defined on peer '", self, "'")));
     return;
   }
   std::vector<BufferPtr> args;
@@ -386,7 +391,7 @@ void Rpc::onRequest(const std::shared_ptr<Link>& link, IncomingFrame& frame) {
   if (!handler) {
     Writer w;
     w.u64(id);
-    w.u8(kNotDefined);
+    w.u8(uint8_t(ErrorCode::kNotDefined));
     w.str(concat("function '", function, "' is not defined on peer '", self, "'"));
     link->conn->send(OutgoingFrame{FrameType::kResponse, w.take(), {}});
     return;
@@ -424,7 +429,7 @@ void Rpc::sendResponse(const std::string& peer, const std::weak_ptr<Connection>&
 void Rpc::onResponse(IncomingFrame& frame) {
   Reader r(frame.meta);
   uint64_t id = r.u64();
-  uint8_t status = r.u8();
+  ErrorCode status = errorCodeFromWire(r.u8());
   std::string error = r.str();
   PendingCall call;
   {
@@ -434,18 +439,23 @@ void Rpc::onResponse(IncomingFrame& frame) {
     call = std::move(it->second);
     calls_.erase(it);
   }
-  if (status == kOk) {
+  if (status == ErrorCode::kOk) {
     call.future->setResult(std::move(frame.segments));
-  } else if (status == kNotDefined) {
-    call.future->setError(error);
+  } else if (status == ErrorCode::kNotDefined) {
+    call.future->setError(Error(status, error));
   } else {
-    call.future->setError(
-        concat("remote function '", call.function, "' on peer '", call.peer, "' raised ", error));
+    call.future->setError(Error(status, concat("remote function '", call.function, "' on peer '",
+                                               call.peer, "' raised ", error)));
   }
 }
 
 void Rpc::expireCalls(TimePoint now) {
-  std::vector<std::pair<PendingCall, std::string>> expired;
+  struct Expired {
+    PendingCall call;
+    ErrorCode code;
+    std::string why;
+  };
+  std::vector<Expired> expired;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // The heap holds every call's deadline; calls answered meanwhile are
@@ -458,6 +468,7 @@ void Rpc::expireCalls(TimePoint now) {
       if (it == calls_.end()) continue;
       PendingCall& c = it->second;
       std::string why;
+      ErrorCode code = ErrorCode::kTimeout;
       auto p = peers_.find(c.peer);
       if (c.sent) {
         why = "no reply";
@@ -466,19 +477,44 @@ void Rpc::expireCalls(TimePoint now) {
       } else {
         why = concat("no link to peer '", c.peer, "'");
       }
+      // A peer not reached while links this Rpc dialed were refused at
+      // authentication is most likely behind one of them. A refusal shortly
+      // before the call counts: connect() is often called right before it.
+      auto window = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(c.timeoutSeconds));
+      if (!c.sent && !authFailure_.empty() && lastAuthFailure_ + window >= c.created) {
+        code = ErrorCode::kAuthenticationFailed;
+        why += concat("; authentication failed: ", authFailure_);
+      }
       if (p != peers_.end()) {
         auto& q = p->second.queued;
         q.erase(
             std::remove_if(q.begin(), q.end(), [id](const QueuedCall& x) { return x.id == id; }),
             q.end());
       }
-      expired.emplace_back(std::move(c), std::move(why));
+      expired.push_back(Expired{std::move(c), code, std::move(why)});
       calls_.erase(it);
     }
   }
-  for (auto& [c, why] : expired) {
-    c.future->setError(concat("call to peer '", c.peer, "' function '", c.function,
-                              "' timed out after ", c.timeoutSeconds, " seconds: ", why));
+  for (auto& e : expired) {
+    e.call.future->setError(
+        Error(e.code, concat("call to peer '", e.call.peer, "' function '", e.call.function,
+                             "' timed out after ", e.call.timeoutSeconds, " seconds: ", e.why)));
+  }
+}
+
+void Rpc::takeCallsToLocked(const std::string& peer, const std::string& incarnation,
+                            std::vector<PendingCall>& out) {
+  // Link closes are rare and calls in flight few: a scan costs less than an
+  // index kept up to date on every call.
+  for (auto it = calls_.begin(); it != calls_.end();) {
+    PendingCall& c = it->second;
+    if (c.sent && c.peer == peer && c.incarnation == incarnation) {
+      out.push_back(std::move(c));
+      it = calls_.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 
@@ -503,7 +539,11 @@ void Rpc::close() {
   }
   for (auto& l : links) l->conn->close(Error("the Rpc was closed"));
   for (auto& l : listeners) l->close();
-  for (auto& [id, c] : calls) c.future->setError("the Rpc was closed");
+  for (auto& [id, c] : calls) {
+    c.future->setError(
+        Error(ErrorCode::kConnectionLost, concat("call to peer '", c.peer, "' function '",
+                                                 c.function, "' failed: the Rpc was closed")));
+  }
 }
 
 DebugInfo Rpc::debugInfo() {

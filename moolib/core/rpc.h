@@ -39,12 +39,14 @@ class Responder {
             uint64_t callId, std::string function, FuturePtr local = nullptr);
   ~Responder();
   void reply(std::vector<OutSegment> segments);
-  void error(const std::string& message);
+  // The caller's future fails with code (a handler in the core may say what
+  // kind of failure it is; Python functions answer kRemoteException).
+  void error(const std::string& message, ErrorCode code = ErrorCode::kRemoteException);
   const std::string& peer() const { return peer_; }
   const std::string& function() const { return function_; }
 
  private:
-  void send(uint8_t status, const std::string& error, std::vector<OutSegment> segments);
+  void send(ErrorCode status, const std::string& error, std::vector<OutSegment> segments);
   std::weak_ptr<Rpc> rpc_;
   std::string peer_;
   std::weak_ptr<Connection> conn_;
@@ -132,6 +134,10 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
     double timeoutSeconds = 0;
     FuturePtr future;
     bool sent = false;
+    // Of the peer the request went to: once no link to that incarnation is
+    // left, no reply can come.
+    std::string incarnation;
+    TimePoint created = Clock::now();
   };
   struct Dialer {
     std::string address;
@@ -165,6 +171,10 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
                          std::shared_ptr<Responder> responder, const std::string& function,
                          std::vector<BufferPtr> args);
   void expireCalls(TimePoint now);
+  // Fails the calls sent to this incarnation of the peer (mutex_ held; the
+  // futures go to out, to be failed once it is released).
+  void takeCallsToLocked(const std::string& peer, const std::string& incarnation,
+                         std::vector<PendingCall>& out);
 
   // rpc_links.cc
   // why: what made the link (debug_info); by default from the other arguments.
@@ -172,6 +182,9 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
              const std::string& why = "");
   void onFrame(const std::shared_ptr<Link>& link, IncomingFrame&& frame);
   void onLinkClosed(const std::shared_ptr<Link>& link, const Error& error);
+  // A link this Rpc dialed failed authentication: calls that then find no
+  // peer fail with kAuthenticationFailed rather than a timeout.
+  void noteAuthFailure(const std::shared_ptr<Link>& link, const std::string& why);
   void onHello(const std::shared_ptr<Link>& link, Reader& r);
   void onAuth(const std::shared_ptr<Link>& link, Reader& r);
   void onIdentify(const std::shared_ptr<Link>& link, Reader& r);
@@ -241,6 +254,9 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
     TimePoint lastLog{};
   } shed_;
   std::shared_ptr<void> descriptorRelief_;  // registered while it listens
+  // The last authentication failure of a link this Rpc dialed, and why.
+  TimePoint lastAuthFailure_{};
+  std::string authFailure_;
   std::unordered_map<uint64_t, PendingCall> calls_;
   std::vector<std::pair<TimePoint, uint64_t>> deadlines_;  // min-heap of (deadline, call id)
   uint64_t nextCallId_ = 1;

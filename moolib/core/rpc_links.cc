@@ -278,13 +278,16 @@ void Rpc::onHello(const std::shared_ptr<Link>& link, Reader& r) {
     key = authKey_;
   }
   if (!key.empty() && !peerHasKey) {
-    return protocolError(link->conn,
-                         "authentication required, but the peer has no key (set MOOLIB_AUTH_KEY)");
+    std::string why = "authentication required, but the peer has no key (set MOOLIB_AUTH_KEY)";
+    noteAuthFailure(link, why);
+    return protocolError(link->conn, why);
   }
   if (key.empty() && peerHasKey) {
-    return protocolError(link->conn,
-                         "the peer requires authentication and this process has no key "
-                         "(set MOOLIB_AUTH_KEY or moolib.set_auth_key)");
+    std::string why =
+        "the peer requires authentication and this process has no key "
+        "(set MOOLIB_AUTH_KEY or moolib.set_auth_key)";
+    noteAuthFailure(link, why);
+    return protocolError(link->conn, why);
   }
   if (key.empty()) {
     link->state = Link::State::kIdentify;
@@ -310,7 +313,9 @@ void Rpc::onAuth(const std::shared_ptr<Link>& link, Reader& r) {
   }
   std::string expected = authProof(key, roleName(!link->outgoing), link->myNonce, link->peerNonce);
   if (!constantTimeEqual(proof, expected)) {
-    return protocolError(link->conn, "authentication failed: the peer's key does not match");
+    std::string why = "authentication failed: the peer's key does not match";
+    noteAuthFailure(link, why);
+    return protocolError(link->conn, why);
   }
   if (!link->outgoing) {
     Writer w;
@@ -394,7 +399,10 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
       p.queued.clear();
       for (auto& q : flush) {
         auto it = calls_.find(q.id);
-        if (it != calls_.end()) it->second.sent = true;
+        if (it != calls_.end()) {
+          it->second.sent = true;
+          it->second.incarnation = p.incarnation;
+        }
       }
     }
     if (link->outgoing) {
@@ -482,7 +490,22 @@ void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
   }
 }
 
+void Rpc::noteAuthFailure(const std::shared_ptr<Link>& link, const std::string& why) {
+  if (!link->outgoing) return;  // the dialer's calls are the dialer's business
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (link->authRefused || closed_) return;
+  link->authRefused = true;
+  lastAuthFailure_ = Clock::now();
+  authFailure_ = concat(why, " (", link->conn->remoteAddress(), ")");
+}
+
 void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
+  // The dialing side sends its proof first; a peer that does not accept it
+  // closes the link without a word.
+  if (link->state == Link::State::kAuth) {
+    noteAuthFailure(link, "the peer closed the connection during authentication: its key differs");
+  }
+  std::vector<PendingCall> lost;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     links_.erase(link);
@@ -494,6 +517,12 @@ void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
         auto& v = it->second.links;
         v.erase(std::remove(v.begin(), v.end(), link), v.end());
         if (v.empty()) it->second.idleSince = Clock::now();
+        // The callee answers over any link to it: a call fails only once
+        // that incarnation of the peer has none left.
+        bool linked = std::any_of(v.begin(), v.end(), [&](const std::shared_ptr<Link>& l) {
+          return l->peerIncarnation == link->peerIncarnation && !l->conn->closed();
+        });
+        if (!linked) takeCallsToLocked(link->peerName, link->peerIncarnation, lost);
       }
     }
     if (!link->dialAddress.empty()) {
@@ -507,6 +536,11 @@ void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
   if (link->state == Link::State::kReady) {
     MOO_LOG(kInfo, "link to peer '", link->peerName, "' (", link->conn->transport(),
             ") closed: ", error.what());
+  }
+  for (auto& c : lost) {
+    c.future->setError(Error(ErrorCode::kConnectionLost,
+                             concat("call to peer '", c.peer, "' function '", c.function,
+                                    "' failed: the connection was lost (", error.what(), ")")));
   }
 }
 

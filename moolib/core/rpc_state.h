@@ -25,7 +25,8 @@ struct Rpc::Link {
   // false for a peer that sent none (then tcp, and shm on the same host).
   std::map<std::string, std::string> peerDomains;
   bool peerReported = false;
-  std::string why;  // why this link was made (debug_info)
+  std::string why;           // why this link was made (debug_info)
+  bool authRefused = false;  // noted by noteAuthFailure (under the Rpc mutex)
   TimePoint created = Clock::now();
   std::atomic<TimePoint> lastReceived{Clock::now()};
   uint64_t lastBytesSent = 0;
