@@ -11,14 +11,16 @@ import logging as _logging
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from . import errors as errors  # moolib.errors, with `import moolib` alone
 from ._checks import check_int as _check_int
 from .accumulator import Accumulator, ModelMismatchError
 from .batcher import Batcher
 from .envpool import EnvPool, EnvStepperFuture
+from .errors import RpcError
 from .group import AllReduce, Broker, Group
 from .publish import Publisher, Subscriber
 from .replay_rpc import ReplayClient, ReplayError
-from .rpc import Future, Queue, Rpc, RpcError, set_auth_key
+from .rpc import Future, Queue, Rpc, set_auth_key
 
 if TYPE_CHECKING:
     from .replay import Replay, ReplaySample

@@ -5,6 +5,8 @@ from typing import Any
 
 class RpcError(RuntimeError): ...
 
+def _set_error_classes(classes: dict[str, type[RpcError]]) -> None: ...
+
 class Buffer:
     """A received segment: writable memory owned by the core (buffer protocol)."""
 

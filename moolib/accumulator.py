@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._checks import check_int
+from .errors import MembershipChangedError
 from .group import Group
 from .rpc import Rpc
 
@@ -236,10 +237,18 @@ class Accumulator:
         vote = (self._model_version, self._lineage, self._layout)
         self._election = self._group._gather_at(f"{self._name}/elect", vote, sync_id)
 
+    def _failed(self, what: str, error: BaseException) -> None:
+        # A membership change (or the group losing the broker) is how rounds
+        # normally end; anything else (a member stuck past the collective
+        # timeout, a lost link) ends them too, and the log says so.
+        if not isinstance(error, MembershipChangedError):
+            log.warning("accumulator '%s': %s failed, electing again: %s", self._name, what, error)
+
     def _finish_election(self) -> None:
-        if self._election.exception() is not None:
-            # Membership changed meanwhile (update() sees the new sync id next)
-            # or the group lost the broker: start over.
+        error = self._election.exception()
+        if error is not None:
+            # update() sees the new sync id next, or elects again under this one.
+            self._failed("the election", error)
             self._sync_id = None
             self._phase = "idle"
             return
@@ -395,8 +404,10 @@ class Accumulator:
     def _collect_rounds(self) -> None:
         while self._rounds and self._rounds[0].done():
             r = self._rounds.popleft()
-            if r.exception() is not None:
-                # Only a membership change fails a round; update() re-syncs.
+            error = r.exception()
+            if error is not None:
+                # Every member drops its rounds of this membership; update() re-syncs.
+                self._failed("a gradient round", error)
                 self._reset("idle")
                 self._sync_id = None
                 return

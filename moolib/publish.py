@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from . import errors
 from . import rpc as _rpc
 from ._checks import check_int, check_seconds, check_served
 from .serialization import loads
@@ -416,17 +417,18 @@ class Subscriber:
     def _request(self) -> Any:
         return self._rpc.async_(self._peer, self._name, self._version)
 
-    def _failed(self, error: BaseException) -> BaseException:
+    def _failed(self, error: errors.RpcError) -> errors.RpcError:
         # The peer is there but publishes nothing by this name: say so in the
         # Publisher's terms, the RPC function being an implementation detail.
-        unknown = f"function '{self._name}' is not defined" in str(error)
+        unknown = isinstance(error, errors.FunctionNotDefinedError)
         hint = f" (no Publisher named '{self._name}' there)" if unknown else ""
-        return _rpc.RpcError(
+        # Of the same class, so that callers can tell failures apart as for any call.
+        return type(error)(
             f"fetching '{self._name}' from peer '{self._peer}' failed: {error}{hint}"
         )
 
-    def _timed_out(self) -> BaseException:
-        return _rpc.RpcError(
+    def _timed_out(self) -> errors.RpcError:
+        return errors.RpcTimeoutError(
             f"fetching '{self._name}' from peer '{self._peer}' failed: no answer within "
             f"{self._timeout} s"
         )
@@ -437,7 +439,7 @@ class Subscriber:
             raise self._timed_out()
         try:
             return future.result()
-        except _rpc.RpcError as e:
+        except errors.RpcError as e:
             raise self._failed(e) from None
 
     async def _wait_async(self, future: Any) -> Any:
@@ -448,11 +450,11 @@ class Subscriber:
             if self._timeout is None:
                 return await result()
             return await asyncio.wait_for(result(), self._timeout)
+        except errors.RpcError as e:  # first: an RpcTimeoutError is a TimeoutError too
+            raise self._failed(e) from None
         except asyncio.TimeoutError:
             future.cancel()
             raise self._timed_out() from None
-        except _rpc.RpcError as e:
-            raise self._failed(e) from None
 
     def _parse(self, reply: Any) -> tuple[int, _Layout, Any] | None:
         """(version, layout, buffers) of a reply, or None when it holds nothing newer."""
@@ -485,7 +487,9 @@ class Subscriber:
         The nest is shaped like the published one; its tensors and arrays
         share the received memory (no copy); tensors published from a GPU come
         back on the GPU of the same index when there is one. Raises RpcError,
-        naming the peer, if the peer is unknown, gone, or does not answer in time.
+        naming the peer, if the peer is unknown, gone, or does not answer in time:
+        the ``moolib.errors`` class of the failure (``RpcTimeoutError``,
+        ``FunctionNotDefinedError`` where no Publisher of that name is, ...).
         """
         return self._accept(self._wait(self._request()))
 

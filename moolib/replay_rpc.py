@@ -38,7 +38,8 @@ import numpy as np
 
 from . import nest
 from ._checks import check_seconds, check_served
-from .rpc import Rpc, RpcError
+from .errors import RemoteError, RpcError
+from .rpc import Rpc
 
 if TYPE_CHECKING:
     from .replay import Replay, ReplaySample
@@ -70,18 +71,12 @@ class ReplayError(RuntimeError):
     """A replay shard could not be reached or refused a call; names the peer."""
 
 
-# How the core words the failure of a call whose function ran on the peer and
-# raised (moolib/core/rpc.cc: Rpc::onResponse, Responder::send), followed by
-# the remote exception's type, message and traceback. Every other failure (a
-# timeout, a peer not found or not linked, a function not defined there, this
-# Rpc closed) means the call never got an answer from the table.
-_REMOTE_EXCEPTION = "remote function '"
-
-
 def _refused(error: RpcError) -> bool:
     """Whether the table answered the call with an error (it refused the
-    input): the shard is there, as opposed to gone."""
-    return str(error).startswith(_REMOTE_EXCEPTION)
+    input): the shard is there, as opposed to gone. Every other failure (a
+    timeout, a lost connection, a peer not found, a function not defined
+    there, this Rpc closed) means the call never got an answer from the table."""
+    return isinstance(error, RemoteError)
 
 
 class _LayoutChanged(ReplayError):

@@ -12,12 +12,12 @@ from typing import Any
 
 from . import _core, nest
 from ._checks import check_int
+from .errors import RpcError
 from .serialization import dumps, loads
 
 __all__ = ["Future", "Queue", "Rpc", "RpcError"]
 
 
-RpcError = _core.RpcError
 Future = _core.Future
 
 
@@ -304,7 +304,7 @@ class Rpc(_core.Rpc):
     call, default 10 s), get_timeout, set_transports (["shm", "tcp"]),
     set_auth_key, debug_info, close, and the calls themselves:
     async_(peer, fn, *args, **kwargs) -> Future and sync(peer, fn, *args,
-    **kwargs) -> result (raises RpcError).
+    **kwargs) -> result (raises RpcError: the moolib.errors class of the failure).
 
     An Rpc that is deleted or garbage collected closes as close() does before
     that returns. The functions defined on it belong to it (the core reaches
