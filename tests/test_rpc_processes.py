@@ -311,8 +311,8 @@ def test_peer_killed_while_sending_a_large_reply(make_rpc, spawn_peer):
     reply = a.async_("doomed-sender", "zeros", 4 << 30)
     wait_for(lambda: received() > before + (1 << 20), what="the reply's first MiB")
     peer.kill(signal.SIGKILL)
-    # The reader drops the connection (a call in flight fails at its timeout: the
-    # peer may come back, as in test_killed_peer_calls_fail_after_timeout).
+    # The reader drops the connection, and with it the call in flight (no other
+    # link to that process is left): a ConnectionLostError.
     wait_for(lambda: not connections(a, "doomed-sender"), what="the dead connection dropped")
     with pytest.raises(moolib.RpcError):
         reply.result(timeout=DEADLINE)
