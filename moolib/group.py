@@ -48,7 +48,10 @@ class AllReduce:
         return self._future.wait(timeout)
 
     def result(self, timeout: float | None = None) -> Any:
-        """Waits and returns the result; raises RpcError if the all-reduce failed."""
+        """Waits and returns the result; raises RpcError if the all-reduce failed
+        (the moolib.errors class of the failure: MembershipChangedError,
+        RpcTimeoutError, SharedMemoryUnavailableError, ...), TimeoutError if
+        ``timeout`` seconds pass first (it goes on)."""
         if not self._future.wait(timeout):
             raise TimeoutError("the all-reduce did not complete within the wait timeout")
         error = self._future.exception()

@@ -269,6 +269,16 @@ def test_all_reduce_of_a_peer_not_or_no_longer_a_member_raises_membership_change
     assert_kind(raised(g.all_reduce("x", np.ones(2)).result), errors.MembershipChangedError)
 
 
+def test_a_message_the_group_refuses_is_a_plain_rpc_error(make_rpc, local_broker):
+    g = _member(make_rpc, local_broker, "err-target", "err-refusing")
+    settle([g])
+    prankster = make_rpc("err-prankster", timeout=DEADLINE)
+    prankster.connect(local_broker.address)
+    e = raised(prankster.sync, "err-target", "__moolib_group/err-refusing", b"not a message")
+    assert_kind(e, moolib.RpcError)  # not a RemoteError: no function raised
+    assert "malformed group message" in str(e)
+
+
 def test_all_reduce_past_the_collective_timeout_raises_rpc_timeout_error(make_rpc, local_broker):
     groups = [_member(make_rpc, local_broker, f"err-t{i}", "err-timeout") for i in range(2)]
     for g in groups:

@@ -1,6 +1,7 @@
 """Authentication between real peers: a shared key lets calls through (over
 every transport); a wrong key, or a key on one side only, refuses the
-connection, so calls time out and the remote function never runs."""
+connection, so calls fail after their timeout (an AuthenticationError) and
+the remote function never runs."""
 
 from __future__ import annotations
 

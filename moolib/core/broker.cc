@@ -148,14 +148,15 @@ Broker::Broker(std::shared_ptr<Rpc> rpc) : rpc_(std::move(rpc)), state_(std::mak
   rpc_->define(kBrokerFunction, [weak](std::shared_ptr<Responder> responder,
                                        std::vector<BufferPtr> args) {
     auto state = weak.lock();
-    if (!state) return responder->error("the broker is closed");
-    if (args.empty()) return responder->error("empty broker request");
+    // Refusals of the broker's protocol: plain failures, not a function's exception.
+    if (!state) return responder->error("the broker is closed", ErrorCode::kFailed);
+    if (args.empty()) return responder->error("empty broker request", ErrorCode::kFailed);
     BrokerRequest q;
     try {
       q = BrokerRequest::decode({reinterpret_cast<const char*>(args[0]->data()), args[0]->size()});
     } catch (const WireError& e) {
       MOO_LOG(kError, "broker: malformed request from '", responder->peer(), "': ", e.what());
-      return responder->error(concat("malformed broker request: ", e.what()));
+      return responder->error(concat("malformed broker request: ", e.what()), ErrorCode::kFailed);
     }
     auto encoded = std::make_shared<std::string>(state->handle(responder->peer(), q).encode());
     responder->reply(

@@ -220,7 +220,9 @@ void Group::failAllLocked(const std::string& why, std::vector<std::shared_ptr<Co
 }
 
 void Group::onMessage(const std::shared_ptr<Responder>& responder, std::vector<BufferPtr> args) {
-  if (args.empty()) return responder->error("empty group message");
+  // Refusals of the group's own protocol are plain failures, not exceptions
+  // of a function.
+  if (args.empty()) return responder->error("empty group message", ErrorCode::kFailed);
   CollectiveMessage m;
   try {
     m = CollectiveMessage::decode(
@@ -228,7 +230,7 @@ void Group::onMessage(const std::shared_ptr<Responder>& responder, std::vector<B
   } catch (const WireError& e) {
     MOO_LOG(kError, "group '", name_, "': malformed message from '", responder->peer(),
             "': ", e.what());
-    return responder->error(concat("malformed group message: ", e.what()));
+    return responder->error(concat("malformed group message: ", e.what()), ErrorCode::kFailed);
   }
   args.erase(args.begin());
   std::shared_ptr<Collective> op;
@@ -248,10 +250,12 @@ void Group::onMessage(const std::shared_ptr<Responder>& responder, std::vector<B
       if (aborted_.size() < kMaxEarly) aborted_[m.key] = Error(m.code, m.error);
     } else if (m.key.syncId == syncId_ && m.key.seq < nextSeq_[m.key.name]) {
       return responder->error(
-          concat("all_reduce '", m.key.name, "' is already over on '", rpc_->name(), "'"));
+          concat("all_reduce '", m.key.name, "' is already over on '", rpc_->name(), "'"),
+          ErrorCode::kFailed);
     } else if (earlyCount_ >= kMaxEarly) {
       return responder->error(
-          concat("too many messages for collectives not started on '", rpc_->name(), "'"));
+          concat("too many messages for collectives not started on '", rpc_->name(), "'"),
+          ErrorCode::kFailed);
     } else {
       early_[m.key].push_back({responder->peer(), std::move(m), std::move(args)});
       ++earlyCount_;

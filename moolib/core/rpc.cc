@@ -484,7 +484,8 @@ void Rpc::expireCalls(TimePoint now) {
           std::chrono::duration<double>(c.timeoutSeconds));
       if (!c.sent && !authFailure_.empty() && lastAuthFailure_ + window >= c.created) {
         code = ErrorCode::kAuthenticationFailed;
-        why += concat("; authentication failed: ", authFailure_);
+        why +=
+            concat("; a link this Rpc dialed was refused at authentication (", authFailure_, ")");
       }
       if (p != peers_.end()) {
         auto& q = p->second.queued;

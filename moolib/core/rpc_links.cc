@@ -496,7 +496,7 @@ void Rpc::noteAuthFailure(const std::shared_ptr<Link>& link, const std::string& 
   if (link->authRefused || closed_) return;
   link->authRefused = true;
   lastAuthFailure_ = Clock::now();
-  authFailure_ = concat(why, " (", link->conn->remoteAddress(), ")");
+  authFailure_ = concat(link->conn->remoteAddress(), ": ", why);
 }
 
 void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
