@@ -91,6 +91,7 @@ def test_every_python_example_is_run_here():
         "moolib.Replay(",
         "moolib.Publisher(",
         'register_agent("mine"',
+        "except errors.RpcTimeoutError",
     ]
     assert len(python_blocks()) == len(markers), "an example in the docs that is not run here"
     for m in markers:
@@ -120,6 +121,11 @@ def test_accumulator_example(tmp_path, readme_broker):
 def test_envpool_example(tmp_path):
     out = finish(start(block("EnvPool("), tmp_path, "envpool"))
     assert out.splitlines()[-1] == "torch.Size([32, 4, 84, 84]) torch.float32", out
+
+
+def test_errors_example(tmp_path):
+    out = finish(start(block("except errors.RpcTimeoutError"), tmp_path, "errors"))
+    assert out.splitlines()[-1] == "no answer: RpcTimeoutError", out
 
 
 def test_replay_and_publisher_examples(tmp_path):
