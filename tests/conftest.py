@@ -22,7 +22,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # The files that take minutes (SLURM jobs requeued, agents learning) start first: with
 # the README's ``-n 2 --dist loadfile``, the short files then fill in beside them
 # instead of one of them running alone at the end.
-LONG_FILES = ("test_slurm.py", "test_offpolicy_run.py")
+LONG_FILES = ("test_offpolicy_learning.py", "test_slurm.py", "test_offpolicy_run.py")
 
 
 def pytest_collection_modifyitems(config, items):
