@@ -49,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 import moolib
 from moolib._cpus import task_cores
 
-from . import checkpoint
+from . import checkpoint, run_config
 from .apex import epsilon_schedule
 from .host_results import HostResults
 from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
@@ -902,9 +902,7 @@ def evaluate(
     (or the one at ``checkpoint_path``, e.g. one of ``checkpoint.list_history``) with
     ``epsilon``-greedy actions (0: greedy), on the run's env, one env at a time. The
     network gets the inputs an actor gives it (see ``R2D2Acting``)."""
-    from moolib.launch import config as config_lib
-
-    cfg = config_lib.load(Path(savedir) / config_lib.CONFIG_FILE)
+    cfg = run_config.load(Path(savedir) / run_config.CONFIG_FILE)
     if checkpoint_path is not None:
         state = checkpoint.load(Path(checkpoint_path))
     else:

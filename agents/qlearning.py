@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from moolib.launch.config import ConfigError
 from torch import nn
+
+from moolib.config_checks import ConfigError
 
 from . import apex, r2d2
 from .models import resolve_network

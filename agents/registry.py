@@ -27,7 +27,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from moolib.launch.config import ConfigError, check_flag, check_int_at_least
+from moolib.config_checks import (
+    ConfigError,
+    check_choice,
+    check_flag,
+    check_int_at_least,
+    check_number,
+)
 
 from .models import NETWORKS
 
@@ -48,19 +54,11 @@ class _Checks:
 
     def check_number(self, name: str, low: float, high: float | None = None) -> None:
         """Raises ConfigError unless field ``name`` is a number in [low, high]."""
-        value = getattr(self, name)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok or value < low or (high is not None and value > high):
-            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise ConfigError(f"{self._key(name)} must be a number {bounds}, got {value!r}")
+        check_number(self._key(name), getattr(self, name), low, high)
 
     def check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         """Raises ConfigError unless field ``name`` is one of ``choices``."""
-        value = getattr(self, name)
-        if value not in choices:
-            raise ConfigError(
-                f"{self._key(name)} must be one of {', '.join(choices)}; got {value!r}"
-            )
+        check_choice(self._key(name), getattr(self, name), choices)
 
     def check_bool(self, name: str) -> None:
         """Raises ConfigError unless field ``name`` is true or false."""

@@ -22,7 +22,6 @@ Rewards are not clipped.
 from __future__ import annotations
 
 import difflib
-import functools
 import re
 from typing import Any, SupportsFloat
 
@@ -212,25 +211,3 @@ def make_atari(
         env.reset(seed=seed)
         env.action_space.seed(seed)
     return env
-
-
-@functools.cache
-def _envpool_task_ids() -> frozenset[str]:
-    from .envpool_backend import import_envpool
-
-    return frozenset(import_envpool().list_all_envs())
-
-
-def envpool_task_id(name: str) -> str:
-    """The envpool task id (e.g. ``"Breakout-v5"``) of an Atari short name or
-    ALE id. Raises ValueError for unknown names and games envpool lacks."""
-    game = atari_game(name)
-    if game is None:
-        raise ValueError(unknown_name_message(name, ATARI_GAMES))
-    task = f"{rom_id_to_name(game)}-v5"
-    if task not in _envpool_task_ids():
-        raise ValueError(
-            f"{name!r} ({task}) is an ALE game that envpool does not provide; "
-            "use the gymnasium backend (moolib.envs.create_env) for it"
-        )
-    return task

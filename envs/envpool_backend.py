@@ -8,23 +8,27 @@ envpool is optional (``pip install 'moolib[envpool]'``): it is imported when an
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import secrets
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from ale_py.registration import rom_id_to_name
 
 from moolib._cpus import task_cores
 
 from .atari import (
+    ATARI_GAMES,
     DEFAULT_MAX_EPISODE_FRAMES,
     DEFAULT_NOOP_MAX,
     DEFAULT_REPEAT_ACTION_PROBABILITY,
     FRAME_SKIP,
     FRAME_STACK,
     SCREEN_SIZE,
+    atari_game,
     check_atari_options,
-    envpool_task_id,
+    unknown_name_message,
 )
 
 if TYPE_CHECKING:
@@ -43,6 +47,26 @@ def import_envpool() -> ModuleType:
             "pip install 'moolib[envpool]' (or pip install envpool)"
         ) from e
     return envpool
+
+
+@functools.cache
+def _envpool_task_ids() -> frozenset[str]:
+    return frozenset(import_envpool().list_all_envs())
+
+
+def envpool_task_id(name: str) -> str:
+    """The envpool task id (e.g. ``"Breakout-v5"``) of an Atari short name or
+    ALE id. Raises ValueError for unknown names and games envpool lacks."""
+    game = atari_game(name)
+    if game is None:
+        raise ValueError(unknown_name_message(name, ATARI_GAMES))
+    task = f"{rom_id_to_name(game)}-v5"
+    if task not in _envpool_task_ids():
+        raise ValueError(
+            f"{name!r} ({task}) is an ALE game that envpool does not provide; "
+            "use the gymnasium backend (moolib.envs.create_env) for it"
+        )
+    return task
 
 
 class EnvpoolFuture:

@@ -10,30 +10,31 @@ import datetime
 import secrets
 from pathlib import Path
 
+from moolib.agents.run_config import CONFIG_FILE, load, save
 from omegaconf import DictConfig, OmegaConf
 
-CONFIG_FILE = "config.yaml"
+from moolib.config_checks import (
+    ConfigError,
+    check_choice,
+    check_flag,
+    check_int_at_least,
+    check_number,
+    one_line,
+)
 
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key."""
-
-
-def one_line(text: str) -> str:
-    """``text`` with its line breaks and runs of blanks folded into single spaces: a
-    ConfigError is one line."""
-    return " ".join(str(text).split())
-
-
-def check_int_at_least(key: str, value: object, low: int = 1) -> None:
-    """Raises ConfigError unless ``value`` (the setting ``key``) is an integer >= ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        kind = "a positive integer" if low == 1 else f"an integer >= {low}"
-        hint = ""
-        if isinstance(value, float) and value.is_integer() and value >= low:
-            # Most likely 1e6 on the command line, meant as the integer.
-            hint = f" (write {int(value)}: Hydra reads 1e6 or 2.0 as a float)"
-        raise ConfigError(f"{key} must be {kind}, got {value!r}{hint}")
+# Importable from here too (moolib.launch.config.ConfigError, ...), where they lived first.
+__all__ = [
+    "CONFIG_FILE",
+    "ConfigError",
+    "check_flag",
+    "check_int_at_least",
+    "env_name_error",
+    "load",
+    "one_line",
+    "prepare",
+    "save",
+    "validate",
+]
 
 
 def _int_at_least(cfg: DictConfig, key: str, low: int = 1) -> None:
@@ -41,11 +42,7 @@ def _int_at_least(cfg: DictConfig, key: str, low: int = 1) -> None:
 
 
 def _number(cfg: DictConfig, key: str, low: float, high: float | None = None) -> None:
-    value = OmegaConf.select(cfg, key)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ConfigError(f"{key} must be a number {bounds}, got {value!r}")
+    check_number(key, OmegaConf.select(cfg, key), low, high)
 
 
 def _seconds(cfg: DictConfig, key: str) -> None:
@@ -56,20 +53,12 @@ def _seconds(cfg: DictConfig, key: str) -> None:
         raise ConfigError(f"{key} must be a number of seconds > 0, got {value!r}")
 
 
-def check_flag(key: str, value: object) -> None:
-    """Raises ConfigError unless ``value`` (the setting ``key``) is true or false."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-
-
 def _flag(cfg: DictConfig, key: str) -> None:
     check_flag(key, OmegaConf.select(cfg, key))
 
 
 def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
-    value = OmegaConf.select(cfg, key)
-    if value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+    check_choice(key, OmegaConf.select(cfg, key), choices)
 
 
 def env_name_error(name: str, follows: str, key: str = "game") -> ConfigError:
@@ -221,21 +210,3 @@ def prepare(cfg: DictConfig, savedir: Path) -> DictConfig:
     final = OmegaConf.create(out)
     OmegaConf.set_struct(final, True)
     return final
-
-
-def save(cfg: DictConfig, savedir: Path) -> Path:
-    """Writes the resolved config into the savedir (what peers and resumes read)."""
-    savedir.mkdir(parents=True, exist_ok=True)
-    path = savedir / CONFIG_FILE
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(OmegaConf.to_yaml(cfg))
-    tmp.replace(path)
-    return path
-
-
-def load(path: Path) -> DictConfig:
-    """A config written by ``save``."""
-    cfg = OmegaConf.load(path)
-    assert isinstance(cfg, DictConfig)
-    OmegaConf.set_struct(cfg, True)
-    return cfg

@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -42,7 +42,7 @@ from .errors import RemoteError, RpcError
 from .rpc import Rpc
 
 if TYPE_CHECKING:
-    from .replay import Replay, ReplaySample
+    from .replay_schema import ReplaySample, _Schema
 
 __all__ = ["ReplayClient", "ReplayError", "serve"]
 
@@ -140,7 +140,26 @@ class _Mapped:
                 self._segments.pop(sid, None)
 
 
-def serve(replay: Replay, rpc: Rpc, name: str) -> None:
+class ServedTable(Protocol):
+    """What ``serve`` asks of the table it serves, a ``moolib.Replay``: named here
+    because ``moolib.replay`` imports this module (for ``Replay.serve``), so this
+    one does not import it back."""
+
+    _schema: _Schema | None
+
+    def _insert_some(self, items: Any, priorities: Any, wait: float) -> Any: ...
+    def _insert_into(self, leaves: list, priorities: Any, keys: Any, wait: float) -> int: ...
+    def _sample_some(self, batch_size: int, wait: float) -> ReplaySample: ...
+    def _sample_into(
+        self, batch_size: int, outs: list, keys: Any, probs: Any, wait: float
+    ) -> tuple[int, int]: ...
+    def update_priorities(self, keys: Any, priorities: Any) -> int: ...
+    def _update_priorities_raw(self, keys: Any, priorities: Any) -> int: ...
+    def _mass(self) -> float: ...
+    def info(self) -> dict: ...
+
+
+def serve(replay: ServedTable, rpc: Rpc, name: str) -> None:
     """Defines ``name/insert``, ``name/sample``, ``name/update_priorities`` and
     ``name/info`` on ``rpc``, answered by ``replay`` (and ``name/layout``,
     ``name/attach``, ``name/sample_into``, ``name/detach``, with which a
@@ -242,7 +261,7 @@ def serve(replay: Replay, rpc: Rpc, name: str) -> None:
     rpc.define(f"{name}/update_priorities_raw", update_priorities_raw)
 
 
-def _layout_of(replay: Replay, layout: str | None) -> Any:
+def _layout_of(replay: ServedTable, layout: str | None) -> Any:
     """The table's layout for a shared-memory call made for ``layout`` (a
     digest); None where the table has another one, or none yet (its peer
     restarted with a fresh table, say): the client then learns it anew."""
@@ -567,7 +586,7 @@ class ReplayClient:
         segments it may; nothing was sent."""
         import torch
 
-        from .replay import _bytes_view
+        from .replay_schema import _bytes_view
 
         shard = call.shard
         schema = shard.layout
@@ -718,7 +737,7 @@ class ReplayClient:
 
     def _learn_layout(self, shard: _Shard) -> None:
         """Asks ``shard`` for its table's layout (none while it has no items)."""
-        from .replay import _Schema
+        from .replay_schema import _Schema
 
         layout = self._call(shard, "layout")
         if layout is not None:
@@ -730,7 +749,7 @@ class ReplayClient:
         """Samples ``batch_size`` items across the live shards."""
         import torch
 
-        from .replay import ReplaySample
+        from .replay_schema import ReplaySample
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -817,7 +836,7 @@ class ReplayClient:
         schema = self._schema
         for shard, layout in zip(live, layouts, strict=True):
             if layout.digest != schema.digest:
-                from .replay import _describe
+                from .replay_schema import _describe
 
                 raise ReplayError(
                     f"replay shards hold items of different layouts: {shard.describe()} "
@@ -973,7 +992,7 @@ class ReplayClient:
         is in, and returns the batch."""
         import torch
 
-        from .replay import ReplaySample
+        from .replay_schema import ReplaySample
 
         segment = pending.segment
         try:

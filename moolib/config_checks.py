@@ -1,0 +1,50 @@
+"""Checks of the toolkit's config values, and the error they raise.
+
+A leaf module: the agents' settings (``moolib.agents.registry``) and
+``moolib-run``'s checks of the rest (``moolib.launch.config``) both word their
+failures through it, so neither package imports the other for them.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and runs of blanks folded into single spaces: a
+    ConfigError is one line."""
+    return " ".join(str(text).split())
+
+
+def check_int_at_least(key: str, value: object, low: int = 1) -> None:
+    """Raises ConfigError unless ``value`` (the setting ``key``) is an integer >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = "a positive integer" if low == 1 else f"an integer >= {low}"
+        hint = ""
+        if isinstance(value, float) and value.is_integer() and value >= low:
+            # Most likely 1e6 on the command line, meant as the integer.
+            hint = f" (write {int(value)}: Hydra reads 1e6 or 2.0 as a float)"
+        raise ConfigError(f"{key} must be {kind}, got {value!r}{hint}")
+
+
+def check_number(key: str, value: object, low: float, high: float | None = None) -> None:
+    """Raises ConfigError unless ``value`` (the setting ``key``) is a number in
+    [``low``, ``high``] (no upper bound where ``high`` is None)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or value < low or (high is not None and value > high):  # type: ignore[operator]
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{key} must be a number {bounds}, got {value!r}")
+
+
+def check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raises ConfigError unless ``value`` (the setting ``key``) is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def check_flag(key: str, value: object) -> None:
+    """Raises ConfigError unless ``value`` (the setting ``key``) is true or false."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
