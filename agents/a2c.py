@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .models import make_actor_critic
 from .registry import ActorCriticConfig, register_agent
+from .training import OnPolicyRuntime
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ def n_step_returns(
     return returns
 
 
-@register_agent("a2c", A2CConfig)
+@register_agent("a2c", A2CConfig, make_network=make_actor_critic, runtime=OnPolicyRuntime)
 def compute_loss(
     cfg: A2CConfig, outputs: dict, batch: dict
 ) -> tuple[torch.Tensor, dict[str, float]]:

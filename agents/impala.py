@@ -7,7 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from . import vtrace
+from .models import make_actor_critic
 from .registry import ActorCriticConfig, register_agent
+from .training import OnPolicyRuntime
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,7 @@ class VTraceConfig(ActorCriticConfig):
         self.check_number("clip_pg_rho_threshold", 0.0)
 
 
-@register_agent("vtrace", VTraceConfig)
+@register_agent("vtrace", VTraceConfig, make_network=make_actor_critic, runtime=OnPolicyRuntime)
 def compute_loss(
     cfg: VTraceConfig, outputs: dict, batch: dict
 ) -> tuple[torch.Tensor, dict[str, float]]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -466,3 +467,15 @@ def create_model(
     if network == "tiny":
         return TinyNet(observation_shape, num_actions, use_lstm=use_lstm, **kwargs)
     raise ValueError(f"unknown network {network!r}; expected one of {', '.join(NETWORKS)}")
+
+
+def make_actor_critic(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+    """The network of an actor-critic agent's settings ``cfg`` (its ``network``,
+    ``use_lstm`` and ``hidden_size``; an ``AgentConfig`` or a config node)."""
+    return create_model(
+        obs_shape,
+        num_actions,
+        network=resolve_network(cfg.network, tuple(obs_shape)),
+        use_lstm=bool(cfg.use_lstm),
+        hidden_size=cfg.hidden_size,
+    )

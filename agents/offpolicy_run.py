@@ -54,8 +54,8 @@ from .apex import epsilon_schedule
 from .host_results import HostResults
 from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
 from .offpolicy import epsilon_greedy, importance_weights
-from .qlearning import QConfig, R2D2Config, make_acting, make_qnet
-from .registry import agent_config, get_agent
+from .qlearning import QConfig, make_acting, make_qnet
+from .registry import Runtime, agent_config, get_agent
 from .training import (
     GroupLostError,
     PeerInfo,
@@ -107,11 +107,6 @@ SHORT_EPISODES = 200
 def learner_name(group: str) -> str:
     """The Rpc name of an experiment's learner (actors address it by this)."""
     return f"moolib-run/{group}/learner"
-
-
-def is_offpolicy(cfg: DictConfig) -> bool:
-    """Whether ``cfg``'s agent is trained by this runtime."""
-    return get_agent(str(cfg.agent.name)).runtime == "offpolicy"
 
 
 def num_actor_processes(cfg: DictConfig) -> int:
@@ -525,9 +520,7 @@ class Learner:
                 alpha=agent.priority_exponent,
                 min_size=agent.min_replay_size,
                 samples_per_insert=agent.samples_per_insert or None,
-                dedup=("state", "next_state")
-                if agent.name == "apex" and len(obs_shape) == 3
-                else (),
+                dedup=agent.replay_dedup(obs_shape),
                 seed=None if cfg.seed is None else int(cfg.seed),
             )
         self.reports = _Reports()
@@ -849,23 +842,15 @@ class Learner:
         """R2D2 stores no sequence of an episode shorter than its burn-in and a
         transition (``r2d2.SequenceSplitter``): with episodes that short the replay
         stays empty and the learner waits forever, so say why, once."""
-        agent = self.agent
-        if not isinstance(agent, R2D2Config) or inserts or self.warned_short:
+        if inserts or self.warned_short:
             return
         self.episodes_seen += len(episodes)
         self.longest_episode = max([self.longest_episode, *(n for _, _, n in episodes)])
-        need = agent.burn_in + 2
-        if self.episodes_seen >= SHORT_EPISODES and self.longest_episode < need:
-            self.warned_short = True
-            log.warning(
-                "r2d2: the replay is empty: all %d episodes so far ended within %d steps, "
-                "and a sequence needs at least agent.burn_in + 2 = %d (its burn-in and a "
-                "transition to learn from); lower agent.burn_in and agent.sequence_length "
-                "for this env (as conf/tuning/r2d2_cartpole.yaml does)",
-                self.episodes_seen,
-                self.longest_episode,
-                need,
-            )
+        if self.episodes_seen >= SHORT_EPISODES:
+            why = self.agent.episodes_too_short(self.longest_episode, self.episodes_seen)
+            if why is not None:
+                self.warned_short = True
+                log.warning("%s", why)
 
 
 def _mean(values: list) -> float:
@@ -878,11 +863,26 @@ def _mean(values: list) -> float:
     return sum(values) / len(values)
 
 
-def make_runner(cfg: DictConfig, rank: int, peer: PeerInfo) -> Learner | Actor:
-    """Rank 0 is the learner, ranks 1.. the actor processes (actor ``rank - 1``)."""
-    if rank == 0:
-        return Learner(cfg, peer)
-    return Actor(cfg, rank - 1, peer.broker)
+class OffPolicyRuntime(Runtime):
+    """One learner (rank 0, serving the replay) and ``scaling.actors`` actor processes
+    (ranks 1..) feeding it: the Q-learning agents' runtime."""
+
+    name = "offpolicy"
+    processes = "actors"
+
+    @classmethod
+    def logdir(cls, savedir: Path, rank: int, cfg: Any) -> Path:
+        """The learner logs into the savedir, actor process ``i`` (rank i + 1) into
+        ``actor<i>/``."""
+        return savedir if rank == 0 else actor_logdir(savedir, rank - 1)
+
+    @classmethod
+    def make_runner(cls, cfg: Any, rank: int, broker: str) -> Learner | Actor:
+        """Rank 0 is the learner, ranks 1.. the actor processes (actor ``rank - 1``)."""
+        if rank == 0:
+            savedir = Path(cfg.savedir)
+            return Learner(cfg, PeerInfo(rank, savedir, cls.logdir(savedir, rank, cfg), broker))
+        return Actor(cfg, rank - 1, broker)
 
 
 def actor_logdir(savedir: Path, index: int) -> Path:
@@ -911,8 +911,9 @@ def evaluate(
             raise FileNotFoundError(f"{savedir} holds no checkpoint")
         state = loaded.state
     agent = _typed(cfg)
+    spec = get_agent(agent.name)
     factory, obs_shape, num_actions = _env_factory(cfg)
-    model = make_qnet(agent, obs_shape, num_actions)
+    model = spec.make_network(agent, obs_shape, num_actions)
     model.load_state_dict(state["model"])
     model.eval()
     generator = torch.Generator().manual_seed(seed)
@@ -923,20 +924,9 @@ def evaluate(
         try:
             obs, _ = env.reset(seed=seed + episode)
             total, reward, done, action = 0.0, 0.0, True, 0
-            core = model.initial_state(1) if agent.name == "r2d2" else ()
+            q_values = spec.acting.evaluator(model)
             while True:
-                state = torch.as_tensor(obs)[None]
-                if agent.name == "r2d2":
-                    inputs = {
-                        "state": state[None],
-                        "reward": torch.tensor([[reward]]),
-                        "done": torch.tensor([[done]]),
-                        "prev_action": torch.tensor([[action]]),
-                    }
-                    q, core = model(inputs, core)
-                    q = q[0]
-                else:
-                    q = model(state)
+                q = q_values(torch.as_tensor(obs)[None], reward, done, action)
                 action = int(epsilon_greedy(q, eps, generator)[0])
                 obs, reward, terminated, truncated, _ = env.step(action)
                 total += float(reward)

@@ -3,16 +3,17 @@ what an actor does with each env step.
 
 The math is in :mod:`moolib.agents.offpolicy`, :mod:`moolib.agents.apex` and
 :mod:`moolib.agents.r2d2`; the runtime that runs actors and the learner is
-:mod:`moolib.agents.offpolicy_run`. This module joins the two: one
-``QAgent`` per agent says how to build the network (the one definition that
-learner and actors both build), how an actor batch turns env steps into replay
-items with their initial priorities (``ApexActing``, ``R2D2Acting``), and how the
-learner takes its loss on a sampled batch (the registered ``compute_loss``).
+:mod:`moolib.agents.offpolicy_run`. This module joins the two: for each agent,
+how to build the network (the one definition that learner and actors both
+build), how an actor batch turns env steps into replay items with their initial
+priorities (``ApexActing``, ``R2D2Acting``), and how the learner takes its loss
+on a sampled batch. :mod:`moolib.agents.qagents` registers them as the agents'
+specs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,7 +26,7 @@ from . import apex, r2d2
 from .models import resolve_network
 from .offpolicy import epsilon_greedy, n_step_transitions
 from .qmodels import DuelingQNet, RecurrentQNet, create_torso
-from .registry import AgentConfig, register_agent
+from .registry import AgentConfig, get_agent
 
 __all__ = [
     "ApexActing",
@@ -34,7 +35,9 @@ __all__ = [
     "R2D2Acting",
     "R2D2Config",
     "make_acting",
+    "make_dueling_qnet",
     "make_qnet",
+    "make_recurrent_qnet",
 ]
 
 
@@ -73,6 +76,16 @@ class QConfig(AgentConfig):
         replay's warm-up, ``min_replay_size`` items, into the run's steps."""
         return 1
 
+    def replay_dedup(self, obs_shape: Sequence[int]) -> tuple[str, ...]:
+        """The item leaves the replay stores once per distinct frame (``moolib.Replay``'s
+        ``dedup``): none here."""
+        return ()
+
+    def episodes_too_short(self, longest: int, seen: int) -> str | None:
+        """Why the replay stays empty when none of ``seen`` episodes lasted more than
+        ``longest`` steps; None where such episodes still make items."""
+        return None
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in (
@@ -108,6 +121,11 @@ class ApexConfig(QConfig):
 
     item_name: ClassVar[str] = "transitions"
 
+    def replay_dedup(self, obs_shape: Sequence[int]) -> tuple[str, ...]:
+        """Image states: a transition's next state is a later transition's state (and
+        its frames overlap its neighbours'), so both are stored once."""
+        return ("state", "next_state") if len(obs_shape) == 3 else ()
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_int("actor_buffer_size")
@@ -131,6 +149,19 @@ class R2D2Config(QConfig):
         """Within an episode a sequence starts every ``sequence_length - overlap`` steps."""
         return self.sequence_length - self.overlap
 
+    def episodes_too_short(self, longest: int, seen: int) -> str | None:
+        """No sequence is stored of an episode shorter than the burn-in and a transition
+        (``r2d2.SequenceSplitter``)."""
+        need = self.burn_in + 2
+        if longest >= need:
+            return None
+        return (
+            f"r2d2: the replay is empty: all {seen} episodes so far ended within {longest} "
+            f"steps, and a sequence needs at least agent.burn_in + 2 = {need} (its burn-in "
+            "and a transition to learn from); lower agent.burn_in and agent.sequence_length "
+            "for this env (as conf/tuning/r2d2_cartpole.yaml does)"
+        )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_int("sequence_length", 2)
@@ -152,21 +183,36 @@ class R2D2Config(QConfig):
             raise ConfigError("agent.use_lstm must be true for r2d2 (its LSTM is its point)")
 
 
-def make_qnet(cfg: QConfig | Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
-    """The agent's Q-network: the one definition the learner and every actor build.
-
-    ``cfg`` needs ``name``, ``network`` and ``hidden_size`` (a ``QConfig``, or a
-    config node with those keys)."""
-    torso = create_torso(
+def _torso(cfg: Any, obs_shape: Sequence[int]) -> nn.Module:
+    return create_torso(
         obs_shape,
         network=resolve_network(cfg.network, tuple(obs_shape)),
         hidden_size=cfg.hidden_size,
     )
-    if cfg.name == "r2d2":
-        return RecurrentQNet(
-            torso, num_actions, lstm_size=cfg.hidden_size, head_hidden_size=cfg.hidden_size
-        )
-    return DuelingQNet(torso, num_actions, head_hidden_size=cfg.hidden_size)
+
+
+def make_dueling_qnet(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+    """Ape-X's network: a dueling Q-head on the torso ``cfg`` names."""
+    return DuelingQNet(_torso(cfg, obs_shape), num_actions, head_hidden_size=cfg.hidden_size)
+
+
+def make_recurrent_qnet(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+    """R2D2's network: the torso, an LSTM, and a dueling Q-head."""
+    return RecurrentQNet(
+        _torso(cfg, obs_shape),
+        num_actions,
+        lstm_size=cfg.hidden_size,
+        head_hidden_size=cfg.hidden_size,
+    )
+
+
+def make_qnet(cfg: QConfig | Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+    """The agent's Q-network, as its spec builds it: the one definition the learner
+    and every actor build.
+
+    ``cfg`` needs ``name``, ``network`` and ``hidden_size`` (a ``QConfig``, or a
+    config node with those keys)."""
+    return get_agent(str(cfg.name)).make_network(cfg, obs_shape, num_actions)
 
 
 def _clip(rewards: torch.Tensor, clip: float) -> torch.Tensor:
@@ -176,7 +222,6 @@ def _clip(rewards: torch.Tensor, clip: float) -> torch.Tensor:
 # -- the learner's losses ---------------------------------------------------------------------
 
 
-@register_agent("apex", ApexConfig, runtime="offpolicy")
 def apex_loss(cfg: ApexConfig, nets: dict, batch: dict) -> tuple[torch.Tensor, dict]:
     """Ape-X's loss on a sampled batch: ``nets`` holds ``online`` and ``target``;
     ``batch`` the sampled ``items`` and their importance ``weights``. The stats carry
@@ -190,7 +235,6 @@ def apex_loss(cfg: ApexConfig, nets: dict, batch: dict) -> tuple[torch.Tensor, d
     }
 
 
-@register_agent("r2d2", R2D2Config, runtime="offpolicy")
 def r2d2_loss(cfg: R2D2Config, nets: dict, batch: dict) -> tuple[torch.Tensor, dict]:
     """R2D2's loss on sampled sequences (see ``apex_loss`` for the arguments)."""
     out = r2d2.loss(
@@ -226,7 +270,11 @@ class ApexActing:
     Buffers are preallocated once; a step copies the env's output into them (it is
     a view of shared memory the next env step overwrites)."""
 
-    def __init__(self, cfg: ApexConfig, epsilons: torch.Tensor) -> None:
+    def __init__(
+        self, cfg: ApexConfig, epsilons: torch.Tensor, model: nn.Module | None = None
+    ) -> None:
+        # model: unused (Ape-X's network keeps no state across steps), taken as every
+        # agent's acting is made: acting(cfg, epsilons, model).
         self.cfg = cfg
         self.epsilons = epsilons
         self.batch_size = len(epsilons)
@@ -244,6 +292,12 @@ class ApexActing:
             "reward": torch.empty((s, b)),
             "done": torch.empty((s, b), dtype=torch.bool),
         }
+
+    @staticmethod
+    def evaluator(model: nn.Module) -> Callable[[torch.Tensor, float, bool, int], torch.Tensor]:
+        """Q-values of one env's steps as ``offpolicy_run.evaluate`` plays them:
+        ``q(state, reward, done, prev_action)`` for a state batch of 1."""
+        return lambda state, reward, done, prev_action: model(state)
 
     @torch.no_grad()
     def step(self, env_out: dict, model: nn.Module) -> tuple[torch.Tensor, Any]:
@@ -312,6 +366,25 @@ class R2D2Acting:
             self.batch_size, cfg.sequence_length, cfg.overlap, cfg.burn_in
         )
 
+    @staticmethod
+    def evaluator(model: nn.Module) -> Callable[[torch.Tensor, float, bool, int], torch.Tensor]:
+        """Q-values of one env's steps as ``offpolicy_run.evaluate`` plays them, the
+        LSTM state carried from step to step, the inputs an actor gives the network."""
+        core = model.initial_state(1)
+
+        def q_values(state: torch.Tensor, reward: float, done: bool, prev: int) -> torch.Tensor:
+            nonlocal core
+            inputs = {
+                "state": state[None],
+                "reward": torch.tensor([[reward]]),
+                "done": torch.tensor([[done]]),
+                "prev_action": torch.tensor([[prev]]),
+            }
+            q, core = model(inputs, core)
+            return q[0]
+
+        return q_values
+
     @torch.no_grad()
     def step(self, env_out: dict, model: nn.Module) -> tuple[torch.Tensor, Any]:
         """Acts on one env step; returns the actions and ``(items, priorities)`` of the
@@ -350,8 +423,7 @@ class R2D2Acting:
 
 
 def make_acting(cfg: QConfig, epsilons: torch.Tensor, model: nn.Module) -> ApexActing | R2D2Acting:
-    """The acting state of one actor batch of the agent ``cfg`` describes."""
-    if isinstance(cfg, R2D2Config):
-        return R2D2Acting(cfg, epsilons, model)
-    assert isinstance(cfg, ApexConfig)
-    return ApexActing(cfg, epsilons)
+    """The acting state of one actor batch of the agent ``cfg`` describes (its spec's)."""
+    acting = get_agent(cfg.name).acting
+    assert acting is not None, f"{cfg.name} does not act off-policy"
+    return acting(cfg, epsilons, model)

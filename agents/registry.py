@@ -15,7 +15,10 @@ An agent is one module of ``moolib.agents`` plus one YAML file in
     @register_agent("mine", MyConfig)
     def compute_loss(cfg: MyConfig, outputs: dict, batch: dict) -> tuple[Tensor, dict]: ...
 
-The Trainer and ``moolib-run``'s checks look agents up here; nothing lists them.
+The spec (``AgentSpec``) carries everything that differs between agents: settings,
+loss, network, acting and the runtime that trains it. The trainers and
+``moolib-run`` look agents up here and ask their spec; nothing lists them, and
+nothing tells them apart by name.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from moolib.config_checks import (
@@ -35,9 +39,11 @@ from moolib.config_checks import (
     check_number,
 )
 
-from .models import NETWORKS
+from .models import NETWORKS, make_actor_critic
 
 LossFn = Callable[[Any, dict, dict], tuple[Any, dict[str, float]]]
+# (cfg, observation shape, number of actions) -> the agent's torch network
+NetworkFn = Callable[[Any, Sequence[int], int], Any]
 
 
 class _Checks:
@@ -161,32 +167,87 @@ class ActorCriticConfig(AgentConfig):
         self.check_number("entropy_cost", 0.0)
 
 
+class Runtime:
+    """What trains an agent's runs, and how a run's processes are laid out: the
+    launcher starts, names and counts them by asking the agent's runtime, never by
+    telling agents apart. Subclassed by ``moolib.agents.training.OnPolicyRuntime``
+    and ``moolib.agents.offpolicy_run.OffPolicyRuntime``."""
+
+    name: ClassVar[str]  # as logged and tested: onpolicy, offpolicy
+    # The scaling key that counts the run's processes: peers (alike, each acting and
+    # learning) or actors (actor processes beside one learner, rank 0).
+    processes: ClassVar[str]
+
+    @classmethod
+    def has_learner(cls) -> bool:
+        """Whether rank 0 is a learner of its own and the other ranks its actors."""
+        return cls.processes == "actors"
+
+    @classmethod
+    def role(cls, rank: int) -> str:
+        """How logs and job names call process ``rank``: ``peer 2``, ``learner``, ``actor 0``."""
+        if not cls.has_learner():
+            return f"peer {rank}"
+        return "learner" if rank == 0 else f"actor {rank - 1}"
+
+    @classmethod
+    def logdir(cls, savedir: Path, rank: int, cfg: Any) -> Path:
+        """Where process ``rank`` of the run ``cfg`` describes writes its logs."""
+        raise NotImplementedError
+
+    @classmethod
+    def make_runner(cls, cfg: Any, rank: int, broker: str) -> Any:
+        """What process ``rank`` runs (``.run(stop)`` trains until done or stopped)."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class AgentSpec:
-    """A registered agent: its settings' dataclass, its loss, and the runtime that trains
-    it: ``onpolicy`` (``moolib.agents.training.Trainer``: actors and data-parallel
-    learners in every peer) or ``offpolicy`` (``moolib.agents.offpolicy_run``: actors
-    feeding one learner's prioritized replay)."""
+    """A registered agent: everything that differs between agents.
+
+    ``config``: its settings' dataclass. ``compute_loss``: its loss (see
+    ``register_agent``). ``make_network(cfg, obs_shape, num_actions)``: its network,
+    the one definition learners, actors and checks build. ``acting``: the off-policy
+    actors' per-batch acting state, made as ``acting(cfg, epsilons, model)`` (None:
+    the agent acts by sampling its policy, as the on-policy runtime does).
+    ``runtime``: what trains it (see ``Runtime``)."""
 
     name: str
     config: type[AgentConfig]
     compute_loss: LossFn
-    runtime: str = "onpolicy"
+    make_network: NetworkFn = make_actor_critic
+    acting: Callable[..., Any] | None = None
+    # None until the registry resolves it: the on-policy runtime, which registers
+    # itself as the default (this module cannot import it: it imports this one).
+    runtime: type[Runtime] | None = None
 
 
 _AGENTS: dict[str, AgentSpec] = {}
 _discovered = False
+_default_runtime: list[type[Runtime]] = []
+
+
+def set_default_runtime(runtime: type[Runtime]) -> type[Runtime]:
+    """Class decorator: ``runtime`` trains the agents registered without one."""
+    _default_runtime[:] = [runtime]
+    return runtime
 
 
 def register_agent(
-    name: str, config: type[AgentConfig], runtime: str = "onpolicy"
+    name: str,
+    config: type[AgentConfig],
+    *,
+    make_network: NetworkFn = make_actor_critic,
+    acting: Callable[..., Any] | None = None,
+    runtime: type[Runtime] | None = None,
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering ``compute_loss(cfg, outputs, batch) -> (loss, stats)``
-    as agent ``name`` (the ``name:`` of its YAML), with settings ``config``, trained
-    by ``runtime`` (see ``AgentSpec``; an off-policy agent's loss takes the online and
-    target networks and a sampled batch instead of outputs)."""
-    if runtime not in ("onpolicy", "offpolicy"):
-        raise ValueError(f"runtime must be onpolicy or offpolicy, got {runtime!r}")
+    as agent ``name`` (the ``name:`` of its YAML), with settings ``config``, network
+    ``make_network``, and ``acting`` and ``runtime`` (see ``AgentSpec``; the default:
+    the on-policy actor-critic agents'). An off-policy agent's loss takes the online
+    and target networks and a sampled batch instead of outputs."""
+    if runtime is not None and not (isinstance(runtime, type) and issubclass(runtime, Runtime)):
+        raise ValueError(f"runtime must be a subclass of Runtime, got {runtime!r}")
 
     def register(loss: LossFn) -> LossFn:
         known = _AGENTS.get(name)
@@ -194,7 +255,7 @@ def register_agent(
             raise ValueError(
                 f"agent {name!r} is registered twice ({known.compute_loss} and {loss})"
             )
-        _AGENTS[name] = AgentSpec(name, config, loss, runtime)
+        _AGENTS[name] = AgentSpec(name, config, loss, make_network, acting, runtime)
         return loss
 
     return register
@@ -222,7 +283,22 @@ def get_agent(name: str) -> AgentSpec:
     _discover()
     if name not in _AGENTS:
         raise ConfigError(f"agent.name must be one of {', '.join(agent_names())}; got {name!r}")
-    return _AGENTS[name]
+    spec = _AGENTS[name]
+    if spec.runtime is None:
+        spec = _AGENTS[name] = dataclasses.replace(spec, runtime=_default_runtime[0])
+    return spec
+
+
+def runtime_of_agent(name: str) -> type[Runtime]:
+    """The runtime that trains agent ``name``."""
+    runtime = get_agent(name).runtime
+    assert runtime is not None
+    return runtime
+
+
+def runtime_of(cfg: Any) -> type[Runtime]:
+    """The runtime that trains the run ``cfg`` (a moolib-run config) describes."""
+    return runtime_of_agent(str(cfg.agent.name))
 
 
 def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:

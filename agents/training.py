@@ -53,9 +53,8 @@ from .logger import (
     guard_log_handlers,
     start_banner,
 )
-from .models import create_model, resolve_network
 from .policy_slots import PolicySlots
-from .registry import agent_config, get_agent
+from .registry import Runtime, agent_config, get_agent, set_default_runtime
 
 log = logging.getLogger("moolib.agents")
 
@@ -236,6 +235,27 @@ class PeerInfo:
     broker: str  # address of the broker
 
 
+@set_default_runtime
+class OnPolicyRuntime(Runtime):
+    """Actors and a data-parallel learner in every peer (``Trainer``), ``scaling.peers``
+    of them: the actor-critic agents' runtime, and the default."""
+
+    name = "onpolicy"
+    processes = "peers"
+
+    @classmethod
+    def logdir(cls, savedir: Path, rank: int, cfg: Any) -> Path:
+        """A lone peer logs into the savedir; each of several into ``peer<rank>/``."""
+        return savedir if cfg.scaling.peers == 1 else savedir / f"peer{rank}"
+
+    @classmethod
+    def make_runner(cls, cfg: Any, rank: int, broker: str) -> Trainer:
+        """The Trainer of peer ``rank``."""
+        savedir = Path(cfg.savedir)
+        peer = PeerInfo(rank, savedir, cls.logdir(savedir, rank, cfg), broker)
+        return Trainer(cfg, peer)
+
+
 class Trainer:
     """One peer's training loop (see the module doc)."""
 
@@ -260,7 +280,8 @@ class Trainer:
         print(self.banner, flush=True)
         if cfg.seed is not None:
             torch.manual_seed(int(cfg.seed) + peer.rank)
-        self.loss_fn = get_agent(self.agent.name).compute_loss
+        self.spec = get_agent(self.agent.name)
+        self.loss_fn = self.spec.compute_loss
 
         self.envs, obs_shape, self.num_actions = make_envs(cfg)
         try:
@@ -278,13 +299,7 @@ class Trainer:
         """Builds the model, optimizer, accumulator and batcher, and restores the
         experiment's newest checkpoint."""
         cfg, peer = self.cfg, self.peer
-        self.model = create_model(
-            obs_shape,
-            self.num_actions,
-            network=resolve_network(self.agent.network, obs_shape),
-            use_lstm=self.agent.use_lstm,
-            hidden_size=self.agent.hidden_size,
-        ).to(self.device)
+        self.model = self.spec.make_network(self.agent, obs_shape, self.num_actions).to(self.device)
         self.optimizer = make_optimizer(self.agent.optimizer, self.model.parameters())
 
         self.accumulator = moolib.Accumulator(

@@ -112,11 +112,13 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"torch_threads must be auto or a positive integer, got {threads!r}")
     _choice(cfg, "env.backend", ("gymnasium", "envpool"))
     _choice(cfg, "wandb.mode", ("auto", "online", "offline", "disabled"))
-    from moolib.agents.registry import get_agent
+    from moolib.agents.registry import runtime_of
 
-    offpolicy = get_agent(str(cfg.agent.name)).runtime == "offpolicy"
-    if offpolicy and cfg.scaling.name in ("local", "slurm"):
-        _int_at_least(cfg, "scaling.actors")
+    # The scaling key counting the run's processes: scaling.peers, or scaling.actors
+    # beside a learner.
+    what = runtime_of(cfg).processes
+    if cfg.scaling.name in ("local", "slurm"):
+        _int_at_least(cfg, f"scaling.{what}")
     if cfg.scaling.name == "slurm":
         for key in (
             "scaling.time",
@@ -129,7 +131,6 @@ def validate(cfg: DictConfig) -> None:
         per_job = cfg.scaling.nodes * cfg.scaling.tasks_per_node
         # Off-policy runs spread their actor processes over the array's jobs (the
         # learner has a job of its own); the others their peers.
-        what = "actors" if offpolicy else "peers"
         count = cfg.scaling[what]
         if count % per_job:
             raise ConfigError(

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 import moolib
 from moolib import _signals
 
-from .peer import logdir_for, train
+from .peer import train
 
 
 class EmbeddedBroker:
@@ -126,8 +126,9 @@ def run_offpolicy(cfg: DictConfig, config_path: Path, stop: threading.Event) -> 
     and ``scaling.actors`` actor processes (ranks 1..). An actor that dies while the
     learner runs (killed, crashed) is started again and rejoins; the run ends with the
     learner. Returns the learner's exit status (0 when it finished cleanly)."""
-    from moolib.agents.offpolicy_run import actor_logdir
+    from moolib.agents.registry import runtime_of
 
+    runtime = runtime_of(cfg)
     broker = None if cfg.broker else EmbeddedBroker()
     address = cfg.broker or broker.address
     savedir = Path(cfg.savedir)
@@ -137,7 +138,7 @@ def run_offpolicy(cfg: DictConfig, config_path: Path, stop: threading.Event) -> 
     interrupted = False
 
     def start_actor(index: int) -> subprocess.Popen:
-        logdir = actor_logdir(savedir, index)
+        logdir = runtime.logdir(savedir, index + 1, cfg)
         logdir.mkdir(parents=True, exist_ok=True)
         with open(logdir / "stdout.log", "ab") as out:
             return _start_peer(config_path, index + 1, address, parent_r, out)
@@ -183,9 +184,10 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
     """Starts the peers (and a broker unless ``cfg.broker`` names one); waits for
     them. ``stop`` (Ctrl-C/SIGTERM) is passed on to every peer. Returns 0 when
     every peer finished cleanly."""
-    from moolib.agents.offpolicy_run import is_offpolicy
+    from moolib.agents.registry import runtime_of
 
-    if is_offpolicy(cfg):
+    runtime = runtime_of(cfg)
+    if runtime.has_learner():
         return run_offpolicy(cfg, config_path, stop)
     broker = None if cfg.broker else EmbeddedBroker()
     address = cfg.broker or broker.address
@@ -198,7 +200,7 @@ def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
     interrupted = False
     try:
         for rank in range(cfg.scaling.peers):
-            logdir = logdir_for(savedir, rank, cfg.scaling.peers)
+            logdir = runtime.logdir(savedir, rank, cfg)
             logdir.mkdir(parents=True, exist_ok=True)
             # Peer 0 draws the progress line here; the others log to files.
             out = None if rank == 0 else open(logdir / "stdout.log", "ab")  # noqa: SIM115

@@ -24,12 +24,6 @@ from moolib import _signals
 
 from . import config as config_lib
 
-
-def logdir_for(savedir: Path, rank: int, peers: int) -> Path:
-    """A lone peer logs into the savedir; each of several into ``peer<rank>/``."""
-    return savedir if peers == 1 else savedir / f"peer{rank}"
-
-
 # Seconds a peer whose launcher is gone has to finish its step and checkpoint.
 ORPHAN_GRACE = 20.0
 # The exit code of a peer that lost its group (see lost_group_timeout).
@@ -94,22 +88,9 @@ def stop_with_parent(fd: int, stop: threading.Event, rank: int) -> None:
 def make_trainer(cfg: Any, rank: int, broker: str) -> Any:
     """The Trainer of peer ``rank`` of the experiment described by ``cfg``; for an
     off-policy agent, its learner (rank 0) or one of its actor processes."""
-    from moolib.agents.training import PeerInfo, Trainer
+    from moolib.agents.registry import runtime_of
 
-    savedir = Path(cfg.savedir)
-    from moolib.agents import offpolicy_run
-
-    if offpolicy_run.is_offpolicy(cfg):
-        logdir = savedir if rank == 0 else offpolicy_run.actor_logdir(savedir, rank - 1)
-        peer = PeerInfo(rank=rank, savedir=savedir, logdir=logdir, broker=broker)
-        return offpolicy_run.make_runner(cfg, rank, peer)
-    peer = PeerInfo(
-        rank=rank,
-        savedir=savedir,
-        logdir=logdir_for(savedir, rank, cfg.scaling.peers),
-        broker=broker,
-    )
-    return Trainer(cfg, peer)
+    return runtime_of(cfg).make_runner(cfg, rank, broker)
 
 
 def train(cfg: Any, rank: int, broker: str, stop: threading.Event) -> dict:

@@ -288,16 +288,17 @@ def unused_scaling_keys(job: Job) -> list[str]:
     """Notes on a process count the command line sets that this run's agent does not
     read: ``scaling.actors`` with an on-policy agent, ``scaling.peers`` with an off-policy
     one. Notes, not errors: a sweep over agents may set both."""
-    from moolib.agents.offpolicy_run import is_offpolicy
+    from moolib.agents.registry import agent_names, runtime_of, runtime_of_agent
 
     cfg = job.config
-    offpolicy = is_offpolicy(cfg)
+    runtime = runtime_of(cfg)
+    offpolicy = runtime.has_learner()
     unused, used = ("peers", "actors") if offpolicy else ("actors", "peers")
     given = {o.key_or_group for o in parse_overrides(job.lines)}
     if f"scaling.{unused}" not in given or used not in cfg.scaling:
         return []
     runs = "actor processes beside its learner" if offpolicy else "peers"
-    readers = "vtrace and a2c" if offpolicy else "apex and r2d2"
+    readers = " and ".join(n for n in agent_names() if runtime_of_agent(n).processes == unused)
     return [
         f"scaling.{unused} is not used by agent={cfg.agent.name}, which runs "
         f"scaling.{used}={cfg.scaling[used]} {runs} (scaling.{unused} is for {readers})"

@@ -344,21 +344,11 @@ def check_model_fits(
 ) -> None:
     """Raises ConfigError when the model this config builds cannot load the checkpoint
     (another network, width, LSTM, observation shape or number of actions)."""
-    from moolib.agents.models import create_model, resolve_network
-    from moolib.agents.offpolicy_run import is_offpolicy
-    from moolib.agents.qlearning import make_qnet
+    from moolib.agents.models import resolve_network
+    from moolib.agents.registry import get_agent
 
     agent = resume.config.agent
-    if is_offpolicy(resume.config):
-        model = make_qnet(agent, obs_shape, num_actions)
-    else:
-        model = create_model(
-            obs_shape,
-            num_actions,
-            network=resolve_network(agent.network, obs_shape),
-            use_lstm=bool(agent.use_lstm),
-            hidden_size=agent.hidden_size,
-        )
+    model = get_agent(str(agent.name)).make_network(agent, obs_shape, num_actions)
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     held = {k: tuple(v.shape) for k, v in state["model"].items()}
     if wanted == held:

@@ -229,9 +229,10 @@ def _submit(what: str, submit: Any, *args: Any) -> Any:
 def _submit_all(
     cfg: DictConfig, config_path: Path, stop: threading.Event, submitted: list[submitit.Job]
 ) -> Launched:
-    from moolib.agents.offpolicy_run import is_offpolicy
+    from moolib.agents.registry import runtime_of
 
-    offpolicy = is_offpolicy(cfg)
+    # A learner with actor processes (off-policy) or alike peers: jobs laid out to match.
+    offpolicy = runtime_of(cfg).has_learner()
     savedir = Path(cfg.savedir).resolve()
     folder = savedir / SLURM_DIR
     folder.mkdir(parents=True, exist_ok=True)

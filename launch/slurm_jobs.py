@@ -155,11 +155,9 @@ class PeerJob(_RequeueableJob):
         cfg = config_lib.load(Path(config_path))
         env = submitit.JobEnvironment()
         rank = first_rank + index * env.num_tasks + env.global_rank
-        from moolib.agents.offpolicy_run import is_offpolicy
+        from moolib.agents.registry import runtime_of
 
-        who = f"peer {rank}"
-        if is_offpolicy(cfg):  # named as moolib-jobs names their jobs
-            who = "learner" if rank == 0 else f"actor {rank - 1}"
+        who = runtime_of(cfg).role(rank)  # named as moolib-jobs names their jobs
         logging.basicConfig(level=logging.INFO, format=f"[{who}] %(message)s")
         savedir = Path(cfg.savedir)
         use_auth_key(savedir, launch)

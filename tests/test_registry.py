@@ -67,8 +67,8 @@ def test_every_agent_file_is_a_registered_agent_with_a_typed_config(compose_conf
         assert settings.batch_size == composed.agent.batch_size
 
 
-ONPOLICY = [a for a in AGENT_FILES if get_agent(a).runtime == "onpolicy"]
-OFFPOLICY = [a for a in AGENT_FILES if get_agent(a).runtime == "offpolicy"]
+ONPOLICY = [a for a in AGENT_FILES if get_agent(a).runtime.name == "onpolicy"]
+OFFPOLICY = [a for a in AGENT_FILES if get_agent(a).runtime.name == "offpolicy"]
 # Off-policy agents: the learner's replay starts sampling at 16 items; sequences of
 # 8 steps for r2d2.
 TINY_OFFPOLICY = [
