@@ -455,9 +455,10 @@ def apex_run(
 def _pool_maker(cfg: object) -> object:
     """What builds the env pool moolib-run builds for ``cfg``: the on-policy Trainer's
     ``make_envs``, or an off-policy actor loop's ``_make_envs``."""
-    from moolib.agents.registry import get_agent
+    from moolib.agents.offpolicy_run import OffPolicyRuntime
+    from moolib.agents.registry import runtime_of
 
-    if get_agent(cfg.agent.name).runtime == "offpolicy":  # type: ignore[attr-defined]
+    if issubclass(runtime_of(cfg), OffPolicyRuntime):
         from moolib.agents.offpolicy_run import _make_envs, _typed
 
         agent = _typed(cfg)  # type: ignore[arg-type]
