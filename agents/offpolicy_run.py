@@ -34,7 +34,6 @@ inside its ops, and each process uses one intra-op thread per loop.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import math
 import os
@@ -60,6 +59,7 @@ from .training import (
     GroupLostError,
     PeerInfo,
     env_detail,
+    env_options,
     learning_rate,
     make_optimizer,
     resolve_device,
@@ -126,39 +126,22 @@ def _typed(cfg: DictConfig) -> QConfig:
 
 
 def _env_factory(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
-    from moolib.envs import create_env_quietly
+    from moolib.envs import env_factory
 
-    options = (
-        OmegaConf.to_container(cfg.env.options, resolve=True) if cfg.env.get("options") else {}
-    )
-    factory = functools.partial(create_env_quietly, cfg.env.name, **options)
-    probe = factory()
-    try:
-        shape = tuple(probe.observation_space.shape)
-        num_actions = int(probe.action_space.n)
-    finally:
-        probe.close()
-    return factory, shape, num_actions
+    return env_factory(cfg.env.name, env_options(cfg))
 
 
 def _make_envs(cfg: DictConfig, agent: QConfig) -> tuple[Any, tuple[int, ...], int]:
-    if cfg.env.backend == "envpool":
-        from moolib.envs import create_envpool
+    from moolib.envs import actor_pool
 
-        options = OmegaConf.to_container(cfg.env.options, resolve=True) or {}
-        pool = create_envpool(
-            cfg.env.name,
-            agent.actor_batch_size,
-            agent.num_actor_batches,
-            num_threads=agent.num_actor_cpus,
-            **options,
-        )
-        return pool, tuple(pool.observation_space.shape), int(pool.num_actions)
-    factory, shape, num_actions = _env_factory(cfg)
-    pool = moolib.EnvPool(
-        factory, agent.num_actor_cpus, agent.actor_batch_size, agent.num_actor_batches
+    return actor_pool(
+        cfg.env.name,
+        cfg.env.backend,
+        env_options(cfg),
+        batch_size=agent.actor_batch_size,
+        num_batches=agent.num_actor_batches,
+        num_workers=agent.num_actor_cpus,
     )
-    return pool, shape, num_actions
 
 
 # -- actors ------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ learning-rate schedule and ``total_steps``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import sys
@@ -98,24 +97,33 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def env_options(cfg: DictConfig) -> dict[str, Any]:
+    """The config's ``env.options`` as keyword arguments of its env."""
+    options = (
+        OmegaConf.to_container(cfg.env.options, resolve=True) if cfg.env.get("options") else {}
+    )
+    assert isinstance(options, dict)
+    return options
+
+
 def env_detail(cfg: DictConfig) -> str:
     """What steps the env, for the start banner: ALE's version, say, which moolib-run prints
     there once instead of ALE's own banner in every env process."""
     from importlib import metadata
 
-    from moolib.envs.atari import atari_game
-    from moolib.envs.minatar import minatar_game
+    from moolib.envs import find_env_spec
+    from moolib.envs.registry import find_backend
 
-    if cfg.env.backend == "envpool":
-        library, shown = "envpool", "envpool"
-    elif atari_game(cfg.env.name) is not None:
-        library, shown = "ale-py", "ALE"
-    elif minatar_game(cfg.env.name) is not None:
-        library, shown = "minatar", "MinAtar"
+    backend = find_backend(str(cfg.env.backend))
+    spec = find_env_spec(str(cfg.env.name))
+    if backend is not None:
+        distribution, shown = backend.library
+    elif spec is not None and spec.library is not None:
+        distribution, shown = spec.library
     else:
         return cfg.env.backend
     try:
-        version = metadata.version(library)
+        version = metadata.version(distribution)
     except metadata.PackageNotFoundError:
         version = "?"
     return f"{shown} {version}"
@@ -123,31 +131,17 @@ def env_detail(cfg: DictConfig) -> str:
 
 def make_envs(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
     """The actors' env pool, the observation shape and the number of actions."""
-    from moolib.envs import create_env_quietly as create_env
-    from moolib.envs import create_envpool
+    from moolib.envs import actor_pool
 
-    agent, env = cfg.agent, cfg.env
-    options = OmegaConf.to_container(env.options, resolve=True) if env.get("options") else {}
-    if env.backend == "envpool":
-        pool = create_envpool(
-            env.name,
-            agent.actor_batch_size,
-            agent.num_actor_batches,
-            num_threads=agent.num_actor_cpus,
-            **options,
-        )
-        return pool, tuple(pool.observation_space.shape), int(pool.num_actions)
-    factory = functools.partial(create_env, env.name, **options)
-    probe = factory()
-    try:
-        shape = tuple(probe.observation_space.shape)
-        num_actions = int(probe.action_space.n)
-    finally:
-        probe.close()
-    pool = moolib.EnvPool(
-        factory, agent.num_actor_cpus, agent.actor_batch_size, agent.num_actor_batches
+    agent = cfg.agent
+    return actor_pool(
+        cfg.env.name,
+        cfg.env.backend,
+        env_options(cfg),
+        batch_size=agent.actor_batch_size,
+        num_batches=agent.num_actor_batches,
+        num_workers=agent.num_actor_cpus,
     )
-    return pool, shape, num_actions
 
 
 def make_optimizer(opt: Any, params: Any) -> torch.optim.Optimizer:

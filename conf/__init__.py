@@ -13,50 +13,63 @@ is ``env=minatar env.game=breakout``), and so is each game's tuning: a file
 from __future__ import annotations
 
 from importlib import resources
+from typing import TYPE_CHECKING
 
 from hydra.core.config_store import ConfigStore
 
-# The parametrised files a registered game option extends.
-ATARI_CONFIG = "atari"
-MINATAR_CONFIG = "minatar"
+if TYPE_CHECKING:
+    from moolib.envs import GameSuite
+
 _registered: tuple[str, ...] | None = None
 
 
+def _game_suites() -> list[GameSuite]:
+    """The env registry's game suites (none without ale-py: env=atari env.game=...
+    still composes)."""
+    try:
+        from moolib.envs import env_specs
+    except ImportError:
+        return []
+    return [spec.games for spec in env_specs() if spec.games is not None]
+
+
 def register_games() -> tuple[str, ...]:
-    """Registers ``env=GAME`` for every Atari game and ``env=minatar-GAME`` for every
-    MinAtar game, with their tunings (idempotent); returns the Atari games."""
+    """Registers an ``env`` option for every game of the env registry's game suites
+    (``env=GAME`` for Atari, ``env=minatar-GAME`` for MinAtar), with their tunings
+    (idempotent); returns the games' env options."""
     global _registered
     if _registered is not None:
         return _registered
-    try:
-        from moolib.envs.atari import ATARI_GAMES
-    except ImportError:  # no ale-py: env=atari env.game=... still composes
-        ATARI_GAMES = ()
-    from moolib.envs.minatar import MINATAR_GAMES, PREFIX
-
     store = ConfigStore.instance()
     files = set(file_options("env"))
-    games = [(game, ATARI_CONFIG, game) for game in ATARI_GAMES]
-    games += [(PREFIX + game, MINATAR_CONFIG, game) for game in MINATAR_GAMES]
-    for option, config, game in games:
-        if option not in files:
-            # Defaults relative to the env group: the game's option is its suite's file, re-gamed.
-            store.store(
-                group="env", name=option, node={"defaults": [config, "_self_"], "game": game}
-            )
-    # tuning: ${agent}_${env} names the env option, so a suite's tuning file
-    # (a2c_minatar.yaml) is registered again under each of its games' options.
-    suffix = f"_{MINATAR_CONFIG}"
-    for tuning in file_options("tuning"):
-        if tuning.endswith(suffix):
-            for game in MINATAR_GAMES:
+    tunings = file_options("tuning")
+    options: list[str] = []
+    for suite in _game_suites():
+        for game in suite.games:
+            option = suite.env_name(game)
+            options.append(option)
+            if option not in files:
+                # Defaults relative to the env group: the game's option is its suite's file,
+                # re-gamed.
                 store.store(
-                    group="tuning",
-                    name=f"{tuning}-{game}",
-                    node={"defaults": [tuning, "_self_"]},
-                    package="_global_",
+                    group="env",
+                    name=option,
+                    node={"defaults": [suite.config, "_self_"], "game": game},
                 )
-    _registered = tuple(ATARI_GAMES)
+        # tuning: ${agent}_${env} names the env option, so a suite's tuning file
+        # (a2c_minatar.yaml) is registered again under each of its games' options.
+        suffix = f"_{suite.config}"
+        for tuning in tunings:
+            if tuning.endswith(suffix):
+                agent = tuning.removesuffix(suffix)
+                for game in suite.games:
+                    store.store(
+                        group="tuning",
+                        name=f"{agent}_{suite.env_name(game)}",
+                        node={"defaults": [tuning, "_self_"]},
+                        package="_global_",
+                    )
+    _registered = tuple(options)
     return _registered
 
 
@@ -100,17 +113,18 @@ def registered_suites(group: str) -> dict[str, list[str]]:
     """The games registered as options of ``env``, by suite, sorted: ``{"Atari":
     [...], "MinAtar": ["minatar-asterix", ...]}`` (suites without options are left
     out); ``{}`` for the other groups."""
-    from moolib.envs.minatar import is_minatar_name
-
     if group != "env":  # the tunings registered per MinAtar game are no one's choice
         return {}
     files = set(file_options(group))
     names = [n for n in registered_options(group) if n not in files]
-    suites = {
-        "Atari": [n for n in names if not is_minatar_name(n)],
-        "MinAtar": [n for n in names if is_minatar_name(n)],
-    }
-    return {suite: found for suite, found in suites.items() if found}
+    from moolib.envs.registry import game_suite_of
+
+    suites: dict[str, list[str]] = {}
+    for name in names:
+        suite = game_suite_of(name)
+        if suite is not None:
+            suites.setdefault(suite.label, []).append(name)
+    return {label: found for label, found in suites.items() if found}
 
 
 def group_options(group: str) -> list[str]:

@@ -22,6 +22,7 @@ Rewards are not clipped.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from typing import Any, SupportsFloat
 
@@ -31,6 +32,7 @@ from ale_py.registration import rom_id_to_name
 from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation, TimeLimit
 
 from .options import check_flag
+from .registry import EnvOption
 
 gymnasium.register_envs(ale_py)
 
@@ -96,6 +98,24 @@ def unknown_name_message(name: str, known: tuple[str, ...] | list[str]) -> str:
     )
 
 
+def check_noop_max(value: object) -> None:
+    """Raises ValueError unless ``value`` is a number of no-op frames: an int >= 0."""
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"noop_max must be an int >= 0, got {value!r}")
+
+
+def check_repeat_action_probability(value: Any) -> None:
+    """Raises ValueError unless ``value`` is a probability."""
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"repeat_action_probability must be in [0, 1], got {value!r}")
+
+
+def check_max_episode_frames(value: object) -> None:
+    """Raises ValueError unless ``value`` is at least one agent step of frames."""
+    if not isinstance(value, int) or value < FRAME_SKIP:
+        raise ValueError(f"max_episode_frames must be an int >= {FRAME_SKIP}, got {value!r}")
+
+
 def check_atari_options(
     noop_max: int,
     repeat_action_probability: float,
@@ -106,16 +126,30 @@ def check_atari_options(
     """Raises ValueError for out-of-range Atari options (shared by both backends)."""
     check_flag("full_action_space", full_action_space)
     check_flag("episodic_life", episodic_life)
-    if not isinstance(noop_max, int) or noop_max < 0:
-        raise ValueError(f"noop_max must be an int >= 0, got {noop_max!r}")
-    if not 0.0 <= float(repeat_action_probability) <= 1.0:
-        raise ValueError(
-            f"repeat_action_probability must be in [0, 1], got {repeat_action_probability!r}"
-        )
-    if not isinstance(max_episode_frames, int) or max_episode_frames < FRAME_SKIP:
-        raise ValueError(
-            f"max_episode_frames must be an int >= {FRAME_SKIP}, got {max_episode_frames!r}"
-        )
+    check_noop_max(noop_max)
+    check_repeat_action_probability(repeat_action_probability)
+    check_max_episode_frames(max_episode_frames)
+
+
+# The options of make_atari, in its order: the env registry's schema of env.options.
+ATARI_OPTIONS: tuple[EnvOption, ...] = (
+    EnvOption("seed"),
+    EnvOption("noop_max", DEFAULT_NOOP_MAX, check_noop_max),
+    EnvOption(
+        "repeat_action_probability",
+        DEFAULT_REPEAT_ACTION_PROBABILITY,
+        check_repeat_action_probability,
+    ),
+    EnvOption("full_action_space", False, functools.partial(check_flag, "full_action_space")),
+    EnvOption("max_episode_frames", DEFAULT_MAX_EPISODE_FRAMES, check_max_episode_frames),
+    EnvOption("episodic_life", False, functools.partial(check_flag, "episodic_life")),
+)
+
+
+def quiet_ale() -> None:
+    """Turns ale-py's informational messages off in this process (its banner, printed
+    once by every process that makes an Atari env); warnings and errors still print."""
+    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Warning)
 
 
 class EpisodicLife(gymnasium.Wrapper):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import gymnasium
 import numpy as np
+
+from .registry import EnvOption
 
 # Short name -> the gymnasium id it is made from.
 CLASSIC_ENVS: dict[str, str] = {"cartpole": "CartPole-v1", "cartpole-novel": "CartPole-v1"}
@@ -50,3 +54,24 @@ def make_cartpole_novel(*, seed: int | None = None) -> gymnasium.Env:
         env.reset(seed=seed)
         env.action_space.seed(seed)
     return env
+
+
+# The options of make_classic, in its order: the env registry's schema of env.options.
+CLASSIC_OPTIONS: tuple[EnvOption, ...] = (EnvOption("seed"),)
+
+
+def classic_name(name: str) -> str | None:
+    """The short name (``"cartpole"``) of a classic env, case and blanks aside; None
+    when ``name`` is none."""
+    key = name.strip().lower()
+    return key if key in CLASSIC_ENVS else None
+
+
+def make_classic(name: str, *, seed: int | None = None) -> gymnasium.Env:
+    """The classic env ``name`` (``"cartpole"`` or ``"cartpole-novel"``). Raises
+    ValueError for another name."""
+    key = classic_name(name)
+    if key is None:
+        raise ValueError(f"unknown classic env {name!r}; known: {', '.join(CLASSIC_ENVS)}")
+    make: Any = make_cartpole_novel if key == "cartpole-novel" else make_cartpole
+    return make(seed=seed)

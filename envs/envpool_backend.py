@@ -20,6 +20,7 @@ from moolib._cpus import task_cores
 
 from .atari import (
     ATARI_GAMES,
+    ATARI_OPTIONS,
     DEFAULT_MAX_EPISODE_FRAMES,
     DEFAULT_NOOP_MAX,
     DEFAULT_REPEAT_ACTION_PROBABILITY,
@@ -30,6 +31,7 @@ from .atari import (
     check_atari_options,
     unknown_name_message,
 )
+from .registry import EnvOption
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +69,14 @@ def envpool_task_id(name: str) -> str:
             "use the gymnasium backend (moolib.envs.create_env) for it"
         )
     return task
+
+
+# The options of EnvpoolAtari after its sizes, in its order: the env registry's schema
+# of env.options on the envpool backend (its threads are the run's num_actor_cpus).
+ENVPOOL_OPTIONS: tuple[EnvOption, ...] = (
+    EnvOption("num_threads"),
+    *ATARI_OPTIONS,
+)
 
 
 class EnvpoolFuture:

@@ -25,7 +25,13 @@ _FACTORY = re.compile(r"^([A-Za-z_][\w.]*):([A-Za-z_]\w*)$")
 
 
 def is_gym_name(name: str) -> bool:
+    """Whether ``name`` names a gymnasium env (``gym:<id>`` or ``gym:<module>:<function>``)."""
     return name.startswith(PREFIX) and len(name) > len(PREFIX)
+
+
+def gym_name(name: str) -> str | None:
+    """``name`` itself when it names a gymnasium env, else None (the registry's resolver)."""
+    return name if is_gym_name(name) else None
 
 
 class _Float32Observations(gymnasium.ObservationWrapper):

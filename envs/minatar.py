@@ -20,6 +20,7 @@ One MinAtar step is one frame: the paper's frame budgets are env steps here.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, SupportsFloat
 
@@ -28,6 +29,7 @@ import numpy as np
 from gymnasium.wrappers import TimeLimit
 
 from .options import check_flag
+from .registry import EnvOption
 
 # The games of the minatar package (minatar/environments/), in its own spelling.
 MINATAR_GAMES: tuple[str, ...] = ("asterix", "breakout", "freeway", "seaquest", "space_invaders")
@@ -49,6 +51,20 @@ def minatar_game(name: str) -> str | None:
         return None
     game = re.sub(r"[-\s]+", "_", name.strip()[len(PREFIX) :]).lower()
     return game if game in MINATAR_GAMES else None
+
+
+def check_sticky_action_prob(value: Any) -> None:
+    """Raises ValueError unless ``value`` is a probability."""
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"sticky_action_prob must be in [0, 1], got {value!r}")
+
+
+def check_max_episode_steps(value: object) -> None:
+    """Raises ValueError unless ``value`` is None (no time limit) or a positive int."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_episode_steps must be a positive int, got {value!r}")
 
 
 class MinAtarEnv(gymnasium.Env):
@@ -78,8 +94,7 @@ class MinAtarEnv(gymnasium.Env):
 
         if game not in MINATAR_GAMES:
             raise ValueError(f"unknown MinAtar game {game!r}; known: {', '.join(MINATAR_GAMES)}")
-        if not 0.0 <= float(sticky_action_prob) <= 1.0:
-            raise ValueError(f"sticky_action_prob must be in [0, 1], got {sticky_action_prob!r}")
+        check_sticky_action_prob(sticky_action_prob)
         check_flag("difficulty_ramping", difficulty_ramping)
         check_flag("minimal_action_set", minimal_action_set)
         self.game = Environment(
@@ -150,9 +165,16 @@ def make_minatar(
         seed=seed,
     )
     if max_episode_steps is not None:
-        if isinstance(max_episode_steps, bool) or not isinstance(max_episode_steps, int):
-            raise ValueError(f"max_episode_steps must be a positive int, got {max_episode_steps!r}")
-        if max_episode_steps < 1:
-            raise ValueError(f"max_episode_steps must be a positive int, got {max_episode_steps!r}")
+        check_max_episode_steps(max_episode_steps)
         env = TimeLimit(env, max_episode_steps=max_episode_steps)
     return env
+
+
+# The options of make_minatar, in its order: the env registry's schema of env.options.
+MINATAR_OPTIONS: tuple[EnvOption, ...] = (
+    EnvOption("seed"),
+    EnvOption("sticky_action_prob", DEFAULT_STICKY_ACTION_PROB, check_sticky_action_prob),
+    EnvOption("difficulty_ramping", True, functools.partial(check_flag, "difficulty_ramping")),
+    EnvOption("minimal_action_set", False, functools.partial(check_flag, "minimal_action_set")),
+    EnvOption("max_episode_steps", None, check_max_episode_steps),
+)

@@ -110,7 +110,9 @@ def validate(cfg: DictConfig) -> None:
         isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
     ):
         raise ConfigError(f"torch_threads must be auto or a positive integer, got {threads!r}")
-    _choice(cfg, "env.backend", ("gymnasium", "envpool"))
+    from moolib.envs.registry import backend_names
+
+    _choice(cfg, "env.backend", backend_names())
     _choice(cfg, "wandb.mode", ("auto", "online", "offline", "disabled"))
     from moolib.agents.registry import runtime_of
 
@@ -157,39 +159,44 @@ def validate(cfg: DictConfig) -> None:
         local = cfg.scaling.name != "slurm"
         if local and device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={cfg.device}: CUDA is not available on this machine")
-    from moolib.envs import list_envs
-    from moolib.envs.atari import atari_game
-    from moolib.envs.gymnasium_env import is_gym_name
-    from moolib.envs.minatar import MINATAR_GAMES, PREFIX, is_minatar_name, minatar_game
+    _check_env(cfg)
+
+
+def _check_env(cfg: DictConfig) -> None:
+    """The env's name, game and backend agree with the env registry, and its options
+    pass the checks of the family's options schema."""
+    from moolib.envs.registry import DEFAULT_BACKEND, find_backend, find_env_spec, game_suite_of
 
     name = str(cfg.env.name)
     game = cfg.env.get("game")
     # The suite is the config's (conf/env/minatar.yaml names its env minatar-<game>).
-    minatar = is_minatar_name(name)
-    if game is not None:
-        if minatar and str(game) not in MINATAR_GAMES:
-            raise ConfigError(
-                f"env.game {game!r} is not a MinAtar game (one of {', '.join(MINATAR_GAMES)})"
-            )
-        if not minatar and atari_game(str(game)) is None:
-            raise ConfigError(
-                f"env.game {game!r} is not an Atari game ale-py knows (see moolib.envs.list_envs())"
-            )
-    known = atari_game(name) or minatar_game(name) or is_gym_name(name)
-    if name not in list_envs() and not known:
+    suite = game_suite_of(name)
+    if game is not None and suite is not None and suite.game_of(str(game)) is None:
+        raise ConfigError(f"env.game {game!r} {suite.not_a_game}")
+    spec = find_env_spec(name)
+    if spec is None:
         raise ConfigError(
             f"env.name {name!r} is not a known environment (see moolib.envs.list_envs())"
         )
-    if game is not None:
-        follows = (
-            name == PREFIX + str(game) if minatar else atari_game(str(game)) == atari_game(name)
-        )
-        if not follows:
-            raise env_name_error(name, PREFIX + str(game) if minatar else str(game))
-    if cfg.env.backend == "envpool" and (
-        name.startswith("cartpole") or minatar or is_gym_name(name)
-    ):
-        raise ConfigError(f"env.backend=envpool serves Atari games only; {name} needs gymnasium")
+    if game is not None and suite is not None:
+        follows = suite.env_name(str(game))
+        if spec.canonical(follows) != spec.canonical(name):
+            raise env_name_error(name, follows)
+    backend = str(cfg.env.backend)
+    if backend != DEFAULT_BACKEND and (spec.backend is None or spec.backend.name != backend):
+        served = find_backend(backend)
+        serves = served.serves if served is not None else "no env"
+        raise ConfigError(f"env.backend={backend} serves {serves} only; {name} needs gymnasium")
+    options = (
+        OmegaConf.to_container(cfg.env.options, resolve=True) if cfg.env.get("options") else {}
+    )
+    assert isinstance(options, dict)
+    for key, value in options.items():
+        try:
+            spec.check_options({key: value}, backend)
+        except (TypeError, ValueError) as e:
+            error = f"{type(e).__name__}: {one_line(str(e))}"
+            raise ConfigError(f"env.options.{key}={value!r}: {error}") from e
 
 
 def prepare(cfg: DictConfig, savedir: Path) -> DictConfig:

@@ -383,35 +383,13 @@ def _quiet_ale() -> None:
     ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
 
 
-def _env_option_names(cfg: DictConfig) -> list[str]:
-    """The options the config's env takes (keyword parameters of its factory)."""
-    import inspect
-
-    from moolib.envs.atari import make_atari
-    from moolib.envs.classic import CLASSIC_ENVS, make_cartpole
-    from moolib.envs.envpool_backend import EnvpoolAtari
-    from moolib.envs.gymnasium_env import is_gym_name
-    from moolib.envs.minatar import is_minatar_name, make_minatar
-
-    name = str(cfg.env.name)
-    if cfg.env.backend == "envpool":
-        factory: Any = EnvpoolAtari.__init__
-    elif is_gym_name(name):
-        return []  # whatever gymnasium.make or the user's factory takes
-    elif is_minatar_name(name):
-        factory = make_minatar
-    else:
-        factory = make_cartpole if name.lower() in CLASSIC_ENVS else make_atari
-    skip = {"self", "name", "batch_size", "num_batches"}
-    return [p for p in inspect.signature(factory).parameters if p not in skip]
-
-
 _env_probes: dict[str, tuple[tuple[int, ...], int]] = {}
 
 
 def probe_env(cfg: DictConfig) -> tuple[tuple[int, ...], int]:
-    """Makes the config's env once (its options checked by the env itself); returns
-    its observation shape and number of actions. Raises ConfigError naming the key."""
+    """Makes the config's env once (the names of its options checked against its
+    family's schema first, their values by the env); returns its observation shape and
+    number of actions. Raises ConfigError naming the key."""
     options = (
         OmegaConf.to_container(cfg.env.options, resolve=True) if cfg.env.get("options") else {}
     )
@@ -419,28 +397,27 @@ def probe_env(cfg: DictConfig) -> tuple[tuple[int, ...], int]:
     key = json.dumps([cfg.env.name, cfg.env.backend, options], sort_keys=True, default=str)
     if key in _env_probes:
         return _env_probes[key]
-    from moolib.envs import create_env, create_envpool
+    from moolib.envs import find_env_spec
+    from moolib.envs import probe_env as probe
 
+    backend = str(cfg.env.backend)
+    spec = find_env_spec(str(cfg.env.name))
+    unknown = spec.unknown_options(options, backend) if spec is not None else []
+    if spec is not None and unknown:
+        # The schema's names, before any env is made (a gymnasium env's options are
+        # its own: it names what it does not take).
+        known = [f"env.options.{k}" for k in spec.option_names(backend) or ()]
+        raise resume_lib.unknown_key_error(
+            f"env.options.{unknown[0]}", known, f" ({cfg.env.name} has no such option)"
+        )
     _quiet_ale()
     try:
-        if cfg.env.backend == "envpool":
-            pool = create_envpool(cfg.env.name, 1, 1, num_threads=1, **options)
-            try:
-                found = tuple(pool.observation_space.shape), int(pool.num_actions)
-            finally:
-                pool.close()
-        else:
-            env = create_env(cfg.env.name, **options)
-            try:
-                found = tuple(env.observation_space.shape), int(env.action_space.n)
-            finally:
-                env.close()
+        found = probe(str(cfg.env.name), backend, options)
     except Exception as e:  # noqa: BLE001 - whatever the env refuses is the user's to fix
         unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(e))
         if isinstance(e, TypeError) and unexpected:
-            known = [f"env.options.{k}" for k in _env_option_names(cfg)]
             raise resume_lib.unknown_key_error(
-                f"env.options.{unexpected.group(1)}", known, f" ({cfg.env.name} has no such option)"
+                f"env.options.{unexpected.group(1)}", [], f" ({cfg.env.name} has no such option)"
             ) from e
         named = [k for k in options if re.search(rf"\b{re.escape(str(k))}\b", str(e))]
         if named:

@@ -1,0 +1,63 @@
+"""The env pools a trainer's actors step, on the backend its config names: the
+family's own (envpool), or moolib.EnvPool's worker processes over ``create_env``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .create import create_batched, create_env, create_env_quietly
+from .registry import DEFAULT_BACKEND
+
+
+def env_factory(
+    name: str, options: Mapping[str, Any]
+) -> tuple[Callable[[], Any], tuple[int, ...], int]:
+    """A picklable factory of the env ``name`` with ``options`` (quiet in each worker
+    process), with the observation shape and number of actions of one env it made."""
+    factory = functools.partial(create_env_quietly, name, **options)
+    probe = factory()
+    try:
+        return factory, tuple(probe.observation_space.shape), int(probe.action_space.n)
+    finally:
+        probe.close()
+
+
+def actor_pool(
+    name: str,
+    backend: str,
+    options: Mapping[str, Any],
+    *,
+    batch_size: int,
+    num_batches: int,
+    num_workers: int,
+) -> tuple[Any, tuple[int, ...], int]:
+    """``num_batches`` batches of ``batch_size`` envs of ``name`` stepped on ``backend``
+    by ``num_workers`` worker processes (threads of a backend of the family's own), with
+    the observation shape and number of actions."""
+    if backend != DEFAULT_BACKEND:
+        pool = create_batched(
+            name, backend, batch_size, num_batches, num_threads=num_workers, **options
+        )
+        return pool, tuple(pool.observation_space.shape), int(pool.num_actions)
+    import moolib
+
+    factory, shape, num_actions = env_factory(name, options)
+    return moolib.EnvPool(factory, num_workers, batch_size, num_batches), shape, num_actions
+
+
+def probe_env(name: str, backend: str, options: Mapping[str, Any]) -> tuple[tuple[int, ...], int]:
+    """Makes the env once (a batch of one on a backend of the family's own) and closes
+    it: its observation shape and number of actions. Raises what the env raises."""
+    if backend != DEFAULT_BACKEND:
+        pool = create_batched(name, backend, 1, 1, num_threads=1, **options)
+        try:
+            return tuple(pool.observation_space.shape), int(pool.num_actions)
+        finally:
+            pool.close()
+    env = create_env(name, **options)
+    try:
+        return tuple(env.observation_space.shape), int(env.action_space.n)
+    finally:
+        env.close()
