@@ -64,6 +64,11 @@ _terminal_stderr: int | None = None
 def pytest_configure(config):
     global _terminal_stderr
     _terminal_stderr = os.dup(2)
+    # pytest-xdist's --dist loadfile hands out files with the most tests first, which
+    # put the two-test learning file last, alone on one worker for minutes. Keep the
+    # collection order (LONG_FILES first) instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 @pytest.fixture
