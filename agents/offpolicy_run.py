@@ -61,6 +61,7 @@ from .training import (
     env_detail,
     env_options,
     learning_rate,
+    make_envs,
     make_optimizer,
     resolve_device,
 )
@@ -131,19 +132,6 @@ def _env_factory(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
     return env_factory(cfg.env.name, env_options(cfg))
 
 
-def _make_envs(cfg: DictConfig, agent: QConfig) -> tuple[Any, tuple[int, ...], int]:
-    from moolib.envs import actor_pool
-
-    return actor_pool(
-        cfg.env.name,
-        cfg.env.backend,
-        env_options(cfg),
-        batch_size=agent.actor_batch_size,
-        num_batches=agent.num_actor_batches,
-        num_workers=agent.num_actor_cpus,
-    )
-
-
 # -- actors ------------------------------------------------------------------------------------
 
 
@@ -164,7 +152,7 @@ class ActorLoop:
         agent = self.agent
         if seed is not None:
             torch.manual_seed(seed)
-        self.envs, obs_shape, num_actions = _make_envs(cfg, agent)
+        self.envs, obs_shape, num_actions = make_envs(cfg)
         self.model = make_qnet(agent, obs_shape, num_actions)
         self.model.eval()
         per_loop = agent.num_actor_batches * agent.actor_batch_size

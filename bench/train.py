@@ -453,16 +453,8 @@ def apex_run(
 
 
 def _pool_maker(cfg: object) -> object:
-    """What builds the env pool moolib-run builds for ``cfg``: the on-policy Trainer's
-    ``make_envs``, or an off-policy actor loop's ``_make_envs``."""
-    from moolib.agents.offpolicy_run import OffPolicyRuntime
-    from moolib.agents.registry import runtime_of
-
-    if issubclass(runtime_of(cfg), OffPolicyRuntime):
-        from moolib.agents.offpolicy_run import _make_envs, _typed
-
-        agent = _typed(cfg)  # type: ignore[arg-type]
-        return lambda: _make_envs(cfg, agent)  # type: ignore[arg-type]
+    """What builds the env pool moolib-run builds for ``cfg`` (on-policy peers and
+    off-policy actor loops alike): ``agents/training.py``'s ``make_envs``."""
     from moolib.agents.training import make_envs
 
     return lambda: make_envs(cfg)  # type: ignore[arg-type]
