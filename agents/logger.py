@@ -319,9 +319,14 @@ class Progress:
 
     # -- drawing ---------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """On a terminal: routes sys.stdout, sys.stderr and the logging handlers writing to
-        them through the line (text goes above it) until ``close``."""
+    def start(self, time: float, step: float) -> None:
+        """Starts the line at ``step`` at ``time`` (the clock the rows' ``time`` is on), so
+        that the first row's SPS covers the run up to it: a run that ends within its first
+        log interval still shows how fast it went. On a terminal, also routes sys.stdout,
+        sys.stderr and the logging handlers writing to them through the line (text goes
+        above it) until ``close``."""
+        if not self._rows:
+            self._rows.append((time, step, 0.0))
         if not self.live or self._saved:
             return
         originals = {id(sys.stdout): sys.stdout, id(sys.stderr): sys.stderr}

@@ -693,7 +693,7 @@ class Learner:
         row: dict[str, Any] = {}
         ended = False  # trained to total_steps, or stopped: the actors may end too
         try:
-            progress.start()
+            progress.start(last["time"], self.steps)
             while self.steps < int(cfg.total_steps) and not stop.is_set():
                 if actor_errors:
                     raise actor_errors[0]

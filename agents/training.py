@@ -682,7 +682,7 @@ class _Rows:
         self._time, self._steps, self._env_steps = clock(), trainer.steps, trainer.env_steps
 
     def start(self) -> None:
-        self.progress.start()
+        self.progress.start(self._time, self._steps)
 
     def maybe_write(self) -> None:
         """Writes a row if ``log_interval`` has passed since the last one."""

@@ -300,6 +300,15 @@ def test_progress_line_before_and_between_updates(tmp_path):
     assert lines[-1].startswith("[peer 1] step 1,000/1,000 (100.0%)  SPS "), lines[-1]
     assert lines[-1].endswith("ETA 0:00"), lines[-1]
 
+    # A run that ends within its first log interval: its one row's SPS covers the run from
+    # where the line started.
+    out = io.StringIO()
+    quick = Progress(20000, stream=out)
+    quick.start(5.0, 0)
+    quick.update({"step": 20224, "time": 6.0, "env_sps": 20000.0})
+    quick.close()
+    assert "(100.0%)  SPS 20,224  " in out.getvalue(), out.getvalue()
+
 
 @pytest.mark.timeout(600)
 def test_ctrl_c_prints_a_summary_of_where_the_run_stopped(tmp_path):
