@@ -447,6 +447,7 @@ void UcxConnection::pumpLocked() {
     size_t size = 0;
     switch (state_) {
       case RecvState::kIdle:
+      case RecvState::kHeld:
         return;
       case RecvState::kPreamble:
         target = &preamble_;
@@ -510,6 +511,7 @@ bool UcxConnection::advanceLocked(size_t length) {
   try {
     switch (state_) {
       case RecvState::kIdle:
+      case RecvState::kHeld:
         return true;
       case RecvState::kPreamble: {
         if (preamble_ != kPreamble) {
@@ -584,7 +586,7 @@ bool UcxConnection::nextSegmentLocked() {
     return true;
   }
   deliverLocked();
-  state_ = RecvState::kHeader;
+  state_ = handshaken_ ? RecvState::kHeader : RecvState::kHeld;
   return !closed_;
 }
 
@@ -617,6 +619,7 @@ void UcxConnection::drain() {
       auto fn = onFrame_;
       lock.unlock();
       fn(std::move(f));
+      resumeAfterHeld();
       lock.lock();
       continue;
     }
@@ -634,6 +637,18 @@ void UcxConnection::drain() {
     break;
   }
   draining_ = false;
+}
+
+void UcxConnection::resumeAfterHeld() {
+  {
+    std::lock_guard<std::mutex> lock(rt_->mutex);
+    if (state_ != RecvState::kHeld || closed_) return;
+    state_ = RecvState::kHeader;
+    pumpLocked();
+  }
+  // What the receives completed at once queued (this connection's frames are
+  // handed up by the drain that called here).
+  rt_->runDeferred();
 }
 
 void UcxConnection::close(const Error& reason) {

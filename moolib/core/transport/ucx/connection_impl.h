@@ -129,7 +129,10 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
   void drain();
 
  private:
-  enum class RecvState { kPreamble, kIdle, kHeader, kFixed, kSegment };
+  // kHeld: a frame arrived before the handshake ended; the next header waits
+  // until the RPC layer has handled it, as that may end the handshake and so
+  // raise the limits the next header is checked against.
+  enum class RecvState { kPreamble, kIdle, kHeader, kFixed, kSegment, kHeld };
   // The user data of the UCX requests of one frame's sends.
   struct SendTag {
     UcxConnection* conn;
@@ -152,6 +155,8 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
   // (lock order: the runtime's mutex, then inboxMutex_).
   void markDirtyLocked();
   void maybeRetireLocked();
+  // Reads on after a frame held by kHeld was handed up; without the mutex.
+  void resumeAfterHeld();
   std::string statusString(ucs_status_t s) const;
 
   std::shared_ptr<UcxRuntime> rt_;
