@@ -47,6 +47,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 import moolib
 from moolib._cpus import task_cores
+from moolib.config_checks import resolve_device
 
 from . import checkpoint, run_config
 from .apex import epsilon_schedule
@@ -63,7 +64,6 @@ from .training import (
     learning_rate,
     make_envs,
     make_optimizer,
-    resolve_device,
 )
 
 log = logging.getLogger("moolib.agents")

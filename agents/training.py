@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import moolib
 from moolib._cpus import task_cores
+from moolib.config_checks import resolve_device
 
 from . import checkpoint
 from .logger import (
@@ -85,16 +86,6 @@ def torch_threads(cfg: DictConfig) -> int:
     if cfg.scaling.name == "local":  # the peers share this machine
         cores //= max(1, int(cfg.scaling.peers))
     return max(1, cores - int(cfg.agent.num_actor_cpus))
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` is CUDA when present, else CPU; anything else as torch reads it."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name}: CUDA is not available on this machine")
-    return device
 
 
 def env_options(cfg: DictConfig) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from moolib.config_checks import (
     check_int_at_least,
     check_number,
     one_line,
+    resolve_device,
 )
 
 # Importable from here too (moolib.launch.config.ConfigError, ...), where they lived first.
@@ -147,18 +148,8 @@ def validate(cfg: DictConfig) -> None:
         if cfg.scaling.array_parallelism is not None:
             _int_at_least(cfg, "scaling.array_parallelism")
     if cfg.device != "auto":
-        import torch
-
-        try:
-            device = torch.device(cfg.device)
-        except (RuntimeError, TypeError) as e:
-            raise ConfigError(
-                f"device must be auto, cpu, cuda or cuda:N; got {cfg.device!r}"
-            ) from e
         # On SLURM the peers run on other nodes: this one (a login node) may have no GPU.
-        local = cfg.scaling.name != "slurm"
-        if local and device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device={cfg.device}: CUDA is not available on this machine")
+        resolve_device(cfg.device, cuda_here=cfg.scaling.name != "slurm")
     _check_env(cfg)
 
 

@@ -7,6 +7,11 @@ failures through it, so neither package imports the other for them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
@@ -48,3 +53,21 @@ def check_flag(key: str, value: object) -> None:
     """Raises ConfigError unless ``value`` (the setting ``key``) is true or false."""
     if not isinstance(value, bool):
         raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+
+def resolve_device(value: object, *, cuda_here: bool = True) -> torch.device:
+    """The torch device the setting ``device`` names: ``auto`` is CUDA when this machine
+    has it, else CPU. Raises ConfigError for a value torch cannot read, and for CUDA on
+    a machine without it, unless ``cuda_here`` is False (a launcher whose runs go to
+    other machines: a SLURM login node may have no GPU, its jobs' nodes do)."""
+    import torch
+
+    if value == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(value)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {value!r}") from e
+    if cuda_here and device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={value}: CUDA is not available on this machine")
+    return device
