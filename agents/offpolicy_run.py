@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 import moolib
 from moolib._cpus import task_cores
-from moolib.config_checks import resolve_device
+from moolib.config_checks import env_options, resolve_device
 
 from . import checkpoint, run_config
 from .apex import epsilon_schedule
@@ -60,7 +60,6 @@ from .training import (
     GroupLostError,
     PeerInfo,
     env_detail,
-    env_options,
     learning_rate,
     make_envs,
     make_optimizer,
@@ -119,10 +118,10 @@ def num_actor_processes(cfg: DictConfig) -> int:
 
 
 def _typed(cfg: DictConfig) -> QConfig:
-    values = OmegaConf.to_container(cfg.agent, resolve=True)
-    assert isinstance(values, dict)
-    agent = agent_config(values)
-    assert isinstance(agent, QConfig)
+    """The run's typed agent settings; only the off-policy agents run here."""
+    agent = agent_config(cfg.agent)
+    if not isinstance(agent, QConfig):
+        raise TypeError(f"agent {agent.name} is not an off-policy agent")
     return agent
 
 
@@ -142,10 +141,16 @@ class ActorLoop:
     places its envs in the run's epsilon schedule."""
 
     def __init__(
-        self, cfg: DictConfig, rpc: moolib.Rpc, index: int, num_loops: int, seed: int | None
+        self,
+        cfg: DictConfig,
+        agent: QConfig,
+        rpc: moolib.Rpc,
+        index: int,
+        num_loops: int,
+        seed: int | None,
     ) -> None:
         self.cfg = cfg
-        self.agent = _typed(cfg)
+        self.agent = agent
         self.rpc = rpc
         self.index = index
         self.learner = learner_name(str(cfg.group))
@@ -291,7 +296,7 @@ def make_actor_loops(cfg: DictConfig, rpc: moolib.Rpc, first: int, count: int) -
     try:
         for index in range(first, first + count):
             loops.append(
-                ActorLoop(cfg, rpc, index, num_loops, None if seed is None else seed + index)
+                ActorLoop(cfg, agent, rpc, index, num_loops, None if seed is None else seed + index)
             )
     except BaseException:
         for loop in loops:

@@ -330,8 +330,16 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
 
 
 def agent_config(values: Mapping[str, Any]) -> AgentConfig:
-    """The typed, checked settings of the agent that ``values`` (a resolved
-    ``cfg.agent`` as plain Python) describe. Raises ConfigError naming the key."""
+    """The typed, checked settings of the agent that ``values`` describe: a run config's
+    ``cfg.agent`` (resolved here) or the same as plain Python. Made once per process and
+    handed on: the loops read its plain attributes, not the config. Raises ConfigError
+    naming the key, and for settings that are not a mapping."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(values, DictConfig):
+        values = OmegaConf.to_container(values, resolve=True)  # type: ignore[assignment]
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"agent must be a mapping of settings, got {values!r}")
     name = values.get("name")
     spec = get_agent(name)  # type: ignore[arg-type]
     return _build(spec.config, values, "agent")

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import moolib
 from moolib._cpus import task_cores
-from moolib.config_checks import resolve_device
+from moolib.config_checks import env_options, resolve_device
 
 from . import checkpoint
 from .logger import (
@@ -86,15 +86,6 @@ def torch_threads(cfg: DictConfig) -> int:
     if cfg.scaling.name == "local":  # the peers share this machine
         cores //= max(1, int(cfg.scaling.peers))
     return max(1, cores - int(cfg.agent.num_actor_cpus))
-
-
-def env_options(cfg: DictConfig) -> dict[str, Any]:
-    """The config's ``env.options`` as keyword arguments of its env."""
-    options = (
-        OmegaConf.to_container(cfg.env.options, resolve=True) if cfg.env.get("options") else {}
-    )
-    assert isinstance(options, dict)
-    return options
 
 
 def env_detail(cfg: DictConfig) -> str:
@@ -248,9 +239,7 @@ class Trainer:
         self.cfg = cfg
         # The agent's typed settings (plain attributes: the loop reads them every
         # step, and OmegaConf's attribute access is slow enough to show in profiles).
-        agent_values = OmegaConf.to_container(cfg.agent, resolve=True)
-        assert isinstance(agent_values, dict)
-        self.agent = agent_config(agent_values)
+        self.agent = agent_config(cfg.agent)
         self.peer = peer
         self.device = resolve_device(cfg.device)
         torch.set_num_threads(torch_threads(cfg))

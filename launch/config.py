@@ -19,6 +19,7 @@ from moolib.config_checks import (
     check_flag,
     check_int_at_least,
     check_number,
+    env_options,
     one_line,
     resolve_device,
 )
@@ -80,10 +81,7 @@ def validate(cfg: DictConfig) -> None:
     by its registered dataclass (``moolib.agents.registry``), the rest here."""
     from moolib.agents.registry import agent_config
 
-    agent = OmegaConf.to_container(cfg.agent, resolve=True)
-    if not isinstance(agent, dict):
-        raise ConfigError(f"agent must be a mapping of settings, got {agent!r}")
-    agent_config(agent)
+    agent_config(cfg.agent)
     for key in ("total_steps", "checkpoint_history", "scaling.peers"):
         _int_at_least(cfg, key)
     if cfg.scaling.name == "single" and cfg.scaling.peers != 1:
@@ -178,11 +176,7 @@ def _check_env(cfg: DictConfig) -> None:
         served = find_backend(backend)
         serves = served.serves if served is not None else "no env"
         raise ConfigError(f"env.backend={backend} serves {serves} only; {name} needs gymnasium")
-    options = (
-        OmegaConf.to_container(cfg.env.options, resolve=True) if cfg.env.get("options") else {}
-    )
-    assert isinstance(options, dict)
-    for key, value in options.items():
+    for key, value in env_options(cfg).items():
         try:
             spec.check_options({key: value}, backend)
         except (TypeError, ValueError) as e:

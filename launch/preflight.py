@@ -313,7 +313,7 @@ def replay_warmup_notes(job: Job) -> list[str]:
     from moolib.agents.registry import agent_config
 
     cfg = job.config
-    agent = agent_config(OmegaConf.to_container(cfg.agent, resolve=True))
+    agent = agent_config(cfg.agent)
     if not isinstance(agent, QConfig):
         return []
     per_item = agent.steps_per_item()

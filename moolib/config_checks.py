@@ -7,7 +7,7 @@ failures through it, so neither package imports the other for them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -71,3 +71,19 @@ def resolve_device(value: object, *, cuda_here: bool = True) -> torch.device:
     if cuda_here and device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={value}: CUDA is not available on this machine")
     return device
+
+
+def env_options(cfg: Any) -> dict[str, Any]:
+    """A run config's ``env.options`` as keyword arguments of its env (none when unset).
+    Raises ConfigError when they are not a mapping."""
+    from omegaconf import OmegaConf
+
+    options = cfg.env.get("options")
+    if options is None:
+        return {}
+    values = (
+        OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else options
+    )
+    if not isinstance(values, dict):
+        raise ConfigError(f"env.options must be a mapping of settings, got {values!r}")
+    return values
