@@ -215,6 +215,45 @@ def test_malformed_frames_over_ucx_close_only_that_connection(make_rpc):
     wait_for(lambda: server.debug_info()["unidentified_connections"] == 0, what="garbage dropped")
 
 
+def test_fuzzed_frames_over_ucx_leave_the_peer_up_and_answering(tmp_path):
+    """The wire fuzzer's payloads (tests/test_wire_fuzz.py), each over a fresh UCX
+    endpoint, at a peer in its own process while a well-behaved client calls it over
+    UCX. A bounded barrage: 150 endpoints, each given at most 0.3 s to be hung up on."""
+    import random
+
+    from helpers import fuzz_wire as fw
+    from test_wire_fuzz import RSS_LIMIT, GoodClient, connection_payload, seed
+
+    run_seed = seed()
+    rng = random.Random(run_seed)
+    server = fw.PeerProcess(tmp_path, env={"FUZZ_TRANSPORTS": "ucx"})
+    good = None
+    try:
+        ucx_address = next(a for a in server.info["listening"] if a.startswith("ucx://"))
+        good = GoodClient(server, transports=UCX).start()
+        sent: dict[str, int] = {}
+        hung_up: dict[str, int] = {}
+        for _ in range(150):
+            data, _, category = connection_payload(rng)
+            sent[category] = sent.get(category, 0) + 1
+            if moolib._core._ucx_send_raw(ucx_address, data, 0.3):
+                hung_up[category] = hung_up.get(category, 0) + 1
+            assert server.alive(), f"seed {run_seed}: the peer died\n{server.stderr()[-3000:]}"
+        assert server.rss_bytes() < RSS_LIMIT, f"seed {run_seed}: {server.rss_bytes()} bytes"
+        # The peer hangs up on what it can tell is bad; a payload cut short inside a
+        # frame leaves it waiting for the rest, as over TCP (about a third of them).
+        assert sum(hung_up.values()) >= sum(sent.values()) // 2, (run_seed, sent, hung_up)
+        wait_for(lambda: good.ok >= 20, what="the good client's calls")
+        good.stop()
+        assert not good.errors, (run_seed, good.errors[:5])
+        assert "ucx" in good.transports(), good.transports()
+        assert "the peer is not a moolib UCX endpoint" not in server.stderr()
+    finally:
+        if good is not None:
+            good.close()
+        server.stop()
+
+
 def test_a_large_frame_right_behind_the_handshake_is_read_with_the_limits_after_it(make_rpc):
     # The handshake's frames are held to 64 KiB; the frame behind them is checked against
     # the limits after the handshake, however soon it comes. Each fresh pair's first call

@@ -8,6 +8,8 @@ Run as ``python fuzz_peer.py``; configured through the environment:
   "rpc" (``Rpc.set_auth_key``, the default) or "global" (``moolib.set_auth_key``
   before the Rpc is created). ``MOOLIB_AUTH_KEY`` is honoured by the core itself.
 - ``FUZZ_LISTEN``: the address to listen on (default "127.0.0.1:0").
+- ``FUZZ_TRANSPORTS``: a comma-separated ``set_transports`` list (naming ucx makes the
+  peer listen on a ucx:// address beside its TCP one).
 
 It prints one JSON line to stdout: {"pid", "name", "tcp", "listening"}, then
 serves until its stdin closes (the test process went away) or it is killed.
@@ -32,6 +34,8 @@ def main() -> None:
     if key is not None and mode == "rpc":
         rpc.set_auth_key(key)
     rpc.set_name(os.environ.get("FUZZ_NAME", "fuzz-server"))
+    if os.environ.get("FUZZ_TRANSPORTS"):
+        rpc.set_transports(os.environ["FUZZ_TRANSPORTS"].split(","))
     marker = os.environ.get("FUZZ_MARKER")
 
     def echo(x):
