@@ -14,17 +14,20 @@ saying why (CI installs Debian's libucx0).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from helpers.util import (
     DEADLINE,
+    REPO,
     assert_same,
     child_env,
     connections,
@@ -413,15 +416,26 @@ print(peer["transport"], "|", peer["why"])
 """
 
 
-@pytest.mark.parametrize(
-    "hub_env, peer_env, expected",
-    [
-        ({"MOOLIB_UCX_ASSUME_RDMA": "1"}, {"MOOLIB_UCX_ASSUME_RDMA": "1"}, "ucx"),
-        ({"MOOLIB_UCX": "0"}, {"MOOLIB_UCX_ASSUME_RDMA": "1"}, "tcp"),
-    ],
-    ids=["both-have-ucx-rdma", "one-without-ucx"],
-)
-def test_two_hosts_pick_ucx_only_when_both_have_it(tmp_path, hub_env, peer_env, expected):
+HUB = """
+import sys, time, moolib
+rpc = moolib.Rpc(); rpc.set_name("hub"); rpc.set_auth_key("choice")
+if len(sys.argv) > 2:
+    rpc.set_transports(sys.argv[2].split(","))
+rpc.define("ping", lambda: "pong")
+rpc.define("echo", lambda x: x)
+rpc.define("checksum", lambda t: (t.numel(), float(t.double().sum())))
+rpc.define("fail", lambda: 1 / 0)
+rpc.define("sleep", time.sleep)
+print(rpc.listen(sys.argv[1]), flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def two_hosts(tmp_path, hub_env, hub_transports=None):
+    """A hub process on this host, listening on a veth address, and a network namespace
+    (another host, as far as the network goes) to run peers in: yields (namespace,
+    the hub's address, the hub's process)."""
     from test_rpc_netns import _add_namespace, _ip
 
     tag = os.getpid() % 200 + 20
@@ -438,24 +452,37 @@ def test_two_hosts_pick_ucx_only_when_both_have_it(tmp_path, hub_env, peer_env, 
         _ip("netns", "exec", ns, "ip", "addr", "add", f"{ns_ip}/24", "dev", ns_if)
         _ip("netns", "exec", ns, "ip", "link", "set", ns_if, "up")
         _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        # The hub: another process on this host (UCX reads its settings once
-        # per process), listening on the veth address.
+        # Another process on this host: UCX reads its settings once per process.
         hub_script = tmp_path / "hub.py"
-        hub_script.write_text(
-            "import sys, time, moolib\n"
-            "rpc = moolib.Rpc(); rpc.set_name('hub'); rpc.set_auth_key('choice')\n"
-            "rpc.define('ping', lambda: 'pong')\n"
-            "print(rpc.listen(sys.argv[1]), flush=True)\n"
-            "time.sleep(120)\n"
-        )
+        hub_script.write_text(HUB)
+        args = [f"{host_ip}:0", *([",".join(hub_transports)] if hub_transports else [])]
         hub = subprocess.Popen(
-            [sys.executable, str(hub_script), f"{host_ip}:0"],
+            [sys.executable, str(hub_script), *args],
             stdout=subprocess.PIPE,
             text=True,
             env=child_env(hub_env),
         )
         address = hub.stdout.readline().strip()
         assert address, "the hub did not start"
+        yield ns, address, hub
+    finally:
+        if hub is not None:
+            hub.kill()
+            hub.wait(timeout=30)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "hub_env, peer_env, expected",
+    [
+        ({"MOOLIB_UCX_ASSUME_RDMA": "1"}, {"MOOLIB_UCX_ASSUME_RDMA": "1"}, "ucx"),
+        ({"MOOLIB_UCX": "0"}, {"MOOLIB_UCX_ASSUME_RDMA": "1"}, "tcp"),
+    ],
+    ids=["both-have-ucx-rdma", "one-without-ucx"],
+)
+def test_two_hosts_pick_ucx_only_when_both_have_it(tmp_path, hub_env, peer_env, expected):
+    with two_hosts(tmp_path, hub_env) as (ns, address, _):
         script = tmp_path / "peer.py"
         script.write_text(CHOICE_PEER)
         out = subprocess.run(
@@ -465,16 +492,82 @@ def test_two_hosts_pick_ucx_only_when_both_have_it(tmp_path, hub_env, peer_env, 
             env=child_env(peer_env),
             timeout=3 * DEADLINE,
         )
-        assert out.returncode == 0, out.stdout + out.stderr
-        transport, why = (s.strip() for s in out.stdout.strip().splitlines()[-1].split("|", 1))
-        assert transport == expected, out.stdout
-        if expected == "ucx":
-            assert "RDMA" in why, why
-        else:
-            assert "ucx: the peer does not have it" in why, why
-    finally:
-        if hub is not None:
-            hub.kill()
-            hub.wait(timeout=30)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+    transport, why = (s.strip() for s in out.stdout.strip().splitlines()[-1].split("|", 1))
+    assert transport == expected, out.stdout
+    if expected == "ucx":
+        assert "RDMA" in why, why
+    else:
+        assert "ucx: the peer does not have it" in why, why
+
+
+CONTRACT_PEER = """
+import sys, time, moolib, torch
+from helpers.util import assert_same, sample_payload
+rpc = moolib.Rpc(); rpc.set_name("peer"); rpc.set_auth_key("choice")
+rpc.set_transports(["ucx"]); rpc.set_timeout(60)
+rpc.connect(sys.argv[1])
+payload = sample_payload()
+assert_same(payload, rpc.sync("hub", "echo", payload))
+big = torch.rand(16 << 20)  # 64 MiB
+assert rpc.sync("hub", "checksum", big) == (big.numel(), float(big.double().sum()))
+try:
+    rpc.sync("hub", "fail")
+    raise SystemExit("no error")
+except moolib.RpcError as e:
+    assert "ZeroDivisionError" in str(e), e
+peer = next(p for p in rpc.debug_info()["peers"] if p["name"] == "hub")
+in_flight = rpc.async_("hub", "sleep", 30)
+time.sleep(0.5)  # on its way: the hub is killed while it runs
+print("calls", peer["transport"], flush=True)
+sys.stdin.readline()  # the hub was killed
+try:
+    in_flight.result(timeout=120)
+    print("answered", flush=True)
+except moolib.RpcError as e:
+    print("error", type(e).__name__, flush=True)
+def links():
+    return [c["transport"] for p in rpc.debug_info()["peers"] if p["name"] == "hub"
+            for c in p["connections"]]
+deadline = time.time() + 60
+while "ucx" in links() and time.time() < deadline:
+    time.sleep(0.05)
+print("links", *links(), flush=True)
+"""
+
+
+def test_calls_large_tensors_errors_and_kill_9_over_ucx_between_two_hosts(tmp_path):
+    """The transport contract across a network (a veth pair into another namespace),
+    over UCX's TCP: UCX's shared memory would reach across namespaces of one machine."""
+    tls = {"UCX_TLS": "tcp"}
+    with two_hosts(tmp_path, tls, hub_transports=UCX) as (ns, address, hub):
+        script = tmp_path / "peer.py"
+        script.write_text(CONTRACT_PEER)
+        log_path = tmp_path / "peer.log"
+        env = child_env({**tls, "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{REPO}"})
+        with log_path.open("w") as log:
+            peer = subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, str(script), address],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
+            try:
+                first = peer.stdout.readline()
+                assert first.split() == ["calls", "ucx"], first + log_path.read_text()
+                hub.kill()
+                hub.wait(timeout=30)
+                peer.stdin.write("killed\n")
+                peer.stdin.flush()
+                # The dead hub is noticed: the call in flight fails on the lost link (it
+                # does not wait out its 60 s timeout), and the ucx link drops.
+                failed = peer.stdout.readline().split()
+                assert failed == ["error", "ConnectionLostError"], (failed, log_path.read_text())
+                links = peer.stdout.readline().split()
+                assert links[0] == "links" and "ucx" not in links, (links, log_path.read_text())
+                assert peer.wait(timeout=DEADLINE) == 0
+            finally:
+                peer.kill()
+                peer.wait(timeout=30)
