@@ -234,7 +234,8 @@ void Collective::start() {
                     true);
       }
       for (size_t b = 0; b != buffers_.size(); ++b) {
-        if (algo_[b] == kShmAlgo) copyParts(buffers_[b], own->data() + shmOffset_[b]);
+        if (algo_[b] == kShmAlgo)
+          copyParts(buffers_[b], own->region().mutableAt(shmOffset_[b], buffers_[b].bytes));
       }
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -294,7 +295,7 @@ std::pair<size_t, size_t> Collective::slice(size_t buffer, size_t member) const 
 
 void Collective::onShm(const CollectiveMessage& m) {
   if (m.phase == CollectiveMessage::kShmReady) {
-    std::shared_ptr<PeerRegion> region;
+    std::shared_ptr<const ShmRegion> region;
     try {
       MOO_ENFORCE(m.region.bytes >= shmBytes_, "its region is smaller than the data");
       region = regions_->map(m.region);
@@ -362,7 +363,7 @@ void Collective::setOnRetired(std::function<void()> fn) {
 }
 
 bool Collective::claimShmStep(bool& started, bool ready, std::shared_ptr<OwnRegion>& own,
-                              std::vector<std::shared_ptr<PeerRegion>>& peers) {
+                              std::vector<std::shared_ptr<const ShmRegion>>& peers) {
   if (finished_ || started || !ready) return false;
   started = true;
   // Copies: fail() may drop the op's references while the step runs.
@@ -373,7 +374,7 @@ bool Collective::claimShmStep(bool& started, bool ready, std::shared_ptr<OwnRegi
 
 void Collective::maybeShmReduce() {
   std::shared_ptr<OwnRegion> own;
-  std::vector<std::shared_ptr<PeerRegion>> peers;
+  std::vector<std::shared_ptr<const ShmRegion>> peers;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!claimShmStep(reduceStarted_, copiedIn_ && shmReady_ == n_ - 1, own, peers)) return;
@@ -390,9 +391,9 @@ void Collective::maybeShmReduce() {
     size_t step = kBlock / e * e;
     for (size_t at = 0; at < bytes; at += step) {
       size_t n = std::min(step, bytes - at);
-      uint8_t* dst = own->data() + offset + at;
+      uint8_t* dst = own->region().mutableAt(offset + at, n);
       for (size_t i = 0; i != n_; ++i) {
-        if (i != self_) sumInto(buffers_[b].dtype, dst, peers[i]->data() + offset + at, n / e);
+        if (i != self_) sumInto(buffers_[b].dtype, dst, peers[i]->at(offset + at, n), n / e);
       }
     }
   }
@@ -406,7 +407,7 @@ void Collective::maybeShmReduce() {
 
 void Collective::maybeShmGather() {
   std::shared_ptr<OwnRegion> own;
-  std::vector<std::shared_ptr<PeerRegion>> peers;
+  std::vector<std::shared_ptr<const ShmRegion>> peers;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!claimShmStep(gatherStarted_, reducedHere_ && shmReduced_ == n_ - 1, own, peers)) return;
@@ -416,9 +417,10 @@ void Collective::maybeShmGather() {
     size_t e = dtypeSize(buffers_[b].dtype);
     for (size_t i = 0; i != n_; ++i) {
       auto [begin, end] = slice(b, i);
+      size_t offset = shmOffset_[b] + begin * e, bytes = (end - begin) * e;
       const uint8_t* src =
-          (i == self_ ? own->data() : peers[i]->data()) + shmOffset_[b] + begin * e;
-      std::memcpy(buffers_[b].data + begin * e, src, (end - begin) * e);
+          i == self_ ? own->region().at(offset, bytes) : peers[i]->at(offset, bytes);
+      std::memcpy(buffers_[b].data + begin * e, src, bytes);
     }
   }
   {

@@ -155,7 +155,7 @@ class Collective : public std::enable_shared_from_this<Collective> {
   void sendShm(uint8_t phase, const RegionRef& region);
   // With mutex_ held: starts a shared-memory step once ready, at most once.
   bool claimShmStep(bool& started, bool ready, std::shared_ptr<OwnRegion>& own,
-                    std::vector<std::shared_ptr<PeerRegion>>& peers);
+                    std::vector<std::shared_ptr<const ShmRegion>>& peers);
   void maybeShmReduce();
   void maybeShmGather();
   std::pair<size_t, size_t> slice(size_t buffer, size_t member) const;  // element [begin, end)
@@ -195,7 +195,7 @@ class Collective : public std::enable_shared_from_this<Collective> {
   uint64_t shmLayout_ = 0;  // what every member must agree on
   bool hasShm_ = false;
   std::shared_ptr<OwnRegion> ownRegion_;
-  std::vector<std::shared_ptr<PeerRegion>> peerRegions_;
+  std::vector<std::shared_ptr<const ShmRegion>> peerRegions_;
   size_t shmReady_ = 0, shmReduced_ = 0, shmDone_ = 0;
   bool retired_ = false, failed_ = false;
   uint64_t deadlineTimer_ = 0;

@@ -1,11 +1,5 @@
 #include "transport/shm/connection_impl.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cstring>
 
 #include "logging.h"
@@ -23,10 +17,6 @@ size_t segmentCapacity(size_t n) {
   return c;
 }
 }  // namespace
-
-ShmConnection::Mapping::~Mapping() {
-  if (base) ::munmap(base, size);
-}
 
 ConnectionPtr ShmConnection::create(Fd fd) {
   return std::make_shared<ShmConnection>(std::move(fd), "shm", "shm");
@@ -47,33 +37,24 @@ bool ShmConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc,
   size_t best = pool_.size();
   for (size_t i = 0; i != pool_.size(); ++i) {
     auto& s = pool_[i];
-    if (s.busy || s.mapping->size < segment.size ||
-        s.mapping->size > 2 * segmentCapacity(segment.size))
+    if (s.busy || s.region->size() < segment.size ||
+        s.region->size() > 2 * segmentCapacity(segment.size))
       continue;
-    if (best == pool_.size() || s.mapping->size < pool_[best].mapping->size) best = i;
+    if (best == pool_.size() || s.region->size() < pool_[best].region->size()) best = i;
   }
   if (best == pool_.size()) {
     size_t capacity = segmentCapacity(segment.size);
     if (poolBytes_ + capacity > kMaxPoolBytes) return true;
-    Fd fd(::memfd_create("moolib-shm", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-    // Sealed against resizing: a receiver maps it and must never fault on a
-    // page the sender took away (SIGBUS).
-    if (!fd || ::ftruncate(fd.get(), off_t(capacity)) != 0 ||
-        ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-      MOO_LOG(kError, "shared memory segment of ", capacity, " bytes: ", errnoString(errno));
-      return true;
-    }
-    void* base =
-        ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
-    if (base == MAP_FAILED) {
-      MOO_LOG(kError, "mmap of a shared segment of ", capacity, " bytes: ", errnoString(errno));
-      return true;
-    }
     PoolSegment s;
-    s.fd = std::move(fd);
-    s.mapping = std::make_shared<Mapping>();
-    s.mapping->base = static_cast<uint8_t*>(base);
-    s.mapping->size = capacity;
+    try {
+      // Sealed: the receiver maps it and must never fault on a page the
+      // sender took away (SIGBUS).
+      s.region = std::make_shared<ShmRegion>(
+          ShmRegion::create("moolib-shm", capacity, ShmRegion::kSealed | ShmRegion::kPopulate));
+    } catch (const ShmError& e) {
+      MOO_LOG(kError, e.what());
+      return true;
+    }
     pool_.push_back(std::move(s));
     poolBytes_ += capacity;
   }
@@ -81,11 +62,11 @@ bool ShmConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc,
   s.busy = true;
   if (!s.announced) {
     s.announced = true;
-    fds.push_back(s.fd.get());
+    fds.push_back(s.region->fd());
   }
-  std::shared_ptr<Mapping> mapping = s.mapping;
+  std::shared_ptr<ShmRegion> region = s.region;
   lock.unlock();
-  std::memcpy(mapping->base, segment.data, segment.size);
+  std::memcpy(region->mutableAt(0, segment.size), segment.data, segment.size);
   desc = SegmentDesc{segment.size, uint32_t(SegmentKind::kShared), uint32_t(best), 0};
   return false;
 }
@@ -97,35 +78,27 @@ BufferPtr ShmConnection::decodeShared(const SegmentDesc& desc) {
       throw WireError(concat("shared segment ", desc.sharedId, " arrived without its memory"));
     Fd fd(receivedFds_.front());
     receivedFds_.pop_front();
-    int seals = ::fcntl(fd.get(), F_GET_SEALS);
-    if (seals < 0 || !(seals & F_SEAL_SHRINK))
-      throw WireError("received a shared segment that can shrink");
-    struct stat st;
-    if (::fstat(fd.get(), &st) != 0 || st.st_size <= 0)
-      throw WireError("cannot size a received shared segment");
-    size_t size = size_t(st.st_size);
-    if (size > kMaxPoolBytes || receivedBytes_ + size > kMaxPoolBytes) {
-      throw WireError(concat("peer shares more than ", kMaxPoolBytes, " bytes of segments"));
+    ShmRegion::MapOptions options;
+    options.requireSealed = true;
+    options.maxBytes = kMaxPoolBytes - receivedBytes_;
+    std::shared_ptr<ShmRegion> region;
+    try {
+      region = std::make_shared<ShmRegion>(ShmRegion::map(fd.get(), options));
+    } catch (const ShmError& e) {
+      throw WireError(concat("shared segment ", desc.sharedId, ": ", e.what()));
     }
-    // Not prefaulted: the sender's pages are resident already, and a sparse
-    // segment must not become resident here just by being announced.
-    void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-    if (base == MAP_FAILED)
-      throw WireError(concat("cannot map a received shared segment: ", errnoString(errno)));
-    auto m = std::make_shared<Mapping>();
-    m->base = static_cast<uint8_t*>(base);
-    m->size = size;
-    receivedBytes_ += size;
-    it = received_.emplace(desc.sharedId, std::move(m)).first;
+    receivedBytes_ += region->size();
+    it = received_.emplace(desc.sharedId, std::move(region)).first;
   }
-  std::shared_ptr<Mapping> m = it->second;
-  if (desc.offset > m->size || desc.length > m->size - desc.offset) {
+  std::shared_ptr<ShmRegion> region = it->second;
+  if (desc.offset > region->size() || desc.length > region->size() - desc.offset) {
     throw WireError(concat("shared segment reference [", desc.offset, ", +", desc.length,
-                           ") outside its ", m->size, "-byte segment"));
+                           ") outside its ", region->size(), "-byte segment"));
   }
+  uint8_t* data = region->mutableAt(desc.offset, desc.length);
   std::weak_ptr<StreamConnection> weak = shared_from_this();
   uint32_t id = desc.sharedId;
-  return std::make_shared<Buffer>(m->base + desc.offset, desc.length, [m, weak, id] {
+  return std::make_shared<Buffer>(data, desc.length, [region, weak, id] {
     if (auto conn = weak.lock()) {
       Writer w;
       w.u32(id);

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "shm_region.h"
 #include "transport/stream_connection.h"
 
 namespace moolib {
@@ -35,14 +36,10 @@ class ShmConnection : public StreamConnection {
   bool handleInternal(IncomingFrame& frame) override;
 
  private:
-  struct Mapping {
-    uint8_t* base = nullptr;
-    size_t size = 0;
-    ~Mapping();
-  };
   struct PoolSegment {
-    Fd fd;
-    std::shared_ptr<Mapping> mapping;
+    // Shared with the copies in flight: the pool may grow (and move its
+    // entries) while a segment is being filled.
+    std::shared_ptr<ShmRegion> region;
     bool busy = false;
     bool announced = false;
   };
@@ -51,7 +48,8 @@ class ShmConnection : public StreamConnection {
   std::vector<PoolSegment> pool_;  // index is the segment id
   size_t poolBytes_ = 0;
 
-  std::unordered_map<uint32_t, std::shared_ptr<Mapping>> received_;  // handling thread only
+  // Held by the buffers handed out over them too. Handling thread only.
+  std::unordered_map<uint32_t, std::shared_ptr<ShmRegion>> received_;
   size_t receivedBytes_ = 0;
 };
 

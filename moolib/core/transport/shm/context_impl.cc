@@ -1,9 +1,8 @@
 // The shared-memory transport: peers on the same host (same boot id and
 // network namespace) reach each other through an abstract Unix socket named
 // "shm://<name>" and exchange large segments through shared memory.
-#include <sys/mman.h>
-
 #include "host.h"
+#include "shm_region.h"
 #include "transport/shm/connection_impl.h"
 #include "transport/socket_listener.h"
 
@@ -60,10 +59,11 @@ class ShmContext : public Context {
 }  // namespace
 
 std::unique_ptr<Context> createShmContext(std::string& whyNot) {
-  // Viability: this kernel must support memfd.
-  Fd probe(::memfd_create("moolib-probe", MFD_CLOEXEC));
-  if (!probe) {
-    whyNot = concat("memfd_create: ", errnoString(errno));
+  // Viability: this kernel must let us make and map shared regions.
+  try {
+    ShmRegion::create("moolib-probe", 1);
+  } catch (const ShmError& e) {
+    whyNot = e.what();
     return nullptr;
   }
   return std::make_unique<ShmContext>();
