@@ -1062,6 +1062,7 @@ PYBIND11_MODULE(_core, m) {
       py::arg("grace") = 2.0);
   bindGroup(m);
   bindReplay(m);
+  bindShm(m);
   m.def("drain_releases", [] { DeferredReleases::instance().drain(); });
   m.def(
       "_is_plain", [](py::handle obj, int depth) { return isPlain(obj.ptr(), depth); },

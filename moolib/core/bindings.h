@@ -71,6 +71,9 @@ void bindGroup(py::module_& m);
 // bindings_replay.cc
 void bindReplay(py::module_& m);
 
+// bindings_shm.cc
+void bindShm(py::module_& m);
+
 }  // namespace moolib::binding
 
 namespace pybind11::detail {
