@@ -38,6 +38,7 @@ import numpy as np
 
 from . import nest
 from ._checks import check_seconds, check_served
+from ._core import ShmRegion
 from .errors import RemoteError, RpcError
 from .rpc import Rpc
 
@@ -98,22 +99,15 @@ class _Mapped:
     def attach(self, pid: int, fd: int, size: int, token: bytes) -> int | None:
         """Maps the client's segment; None where it is not this host's (or not
         the segment the client means: the token differs)."""
-        path = f"/proc/{int(pid)}/fd/{int(fd)}"
+        pid, fd, size = int(pid), int(fd), int(size)
+        if not (0 < pid < 1 << 32 and 0 <= fd < 1 << 31 and size > 0):
+            return None
         try:
             # Only the client's replay segments, never another file it holds.
-            if not os.readlink(path).startswith(f"/memfd:{_MEMFD_NAME}"):
-                return None
-            handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            region = ShmRegion.open_peer(pid, fd, _MEMFD_NAME, size, writable=True)
         except OSError:
             return None
-        try:
-            if os.fstat(handle).st_size < size:
-                return None
-            view = np.frombuffer(mmap.mmap(handle, size), dtype=np.uint8)
-        except (OSError, ValueError):
-            return None
-        finally:
-            os.close(handle)  # the mapping keeps the memory
+        view = np.frombuffer(region, dtype=np.uint8)  # keeps the mapping
         if view[: len(token)].tobytes() != token:
             return None
         now = time.monotonic()
@@ -279,20 +273,14 @@ class _Segment:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, size)
-            self.view = np.frombuffer(mmap.mmap(self.fd, size), dtype=np.uint8)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self.region = ShmRegion.create(_MEMFD_NAME, size)
+        self.view = np.frombuffer(self.region, dtype=np.uint8)
         self.token = os.urandom(16)
         self.ids: dict[int, int] = {}  # shard index -> the serving peer's id
-        self._closer = weakref.finalize(self, os.close, self.fd)
 
     def close(self) -> None:
         """Closes the fd (the memory lives while a mapping or view does)."""
-        self._closer()
+        self.region.close()
 
 
 class _Shard:
@@ -910,7 +898,9 @@ class ReplayClient:
         sid = segment.ids.get(shard.index)
         if sid is None:
             segment.view[: len(segment.token)] = np.frombuffer(segment.token, dtype=np.uint8)
-            sid = self._call(shard, "attach", os.getpid(), segment.fd, segment.size, segment.token)
+            sid = self._call(
+                shard, "attach", os.getpid(), segment.region.fd, segment.size, segment.token
+            )
             shard.shared = sid is not None
             if sid is not None:
                 segment.ids[shard.index] = sid

@@ -299,10 +299,10 @@ def test_inserts_go_through_shared_memory_and_are_checked_against_the_layout(mak
 
 
 def test_a_table_that_cannot_map_the_clients_memory_sends_samples_as_replies(make_rpc, monkeypatch):
-    def elsewhere(path, *args, **kwargs):
-        raise FileNotFoundError(path)  # as for a client on another host
+    def elsewhere(pid, fd, *args, **kwargs):
+        raise FileNotFoundError(f"/proc/{pid}/fd/{fd}")  # as for a client on another host
 
-    monkeypatch.setattr(moolib.replay_rpc.os, "readlink", elsewhere)
+    monkeypatch.setattr(moolib.replay_rpc.ShmRegion, "open_peer", staticmethod(elsewhere))
     replay, client = shm_pair(make_rpc)
     replay.insert(rows(0, 32))
     s = client.sample(8)
