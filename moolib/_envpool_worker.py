@@ -8,7 +8,6 @@ exits when the parent closes it (also when the parent dies).
 
 from __future__ import annotations
 
-import mmap
 import os
 import pickle
 import signal
@@ -21,6 +20,7 @@ import numpy as np
 
 from . import _envpool_shared as shared
 from . import _signals
+from ._core import ShmRegion
 
 
 def _action_spec(env: Any) -> tuple[str, tuple[int, ...]]:
@@ -196,11 +196,13 @@ class _Worker:
         self.obs_spec = shared.array_spec(shared.observation_arrays(self.pending_obs))
         self.action_spec = _action_spec(first_env.env)
         self.batches: list[dict] = []
-        self.region: mmap.mmap | None = None
+        self.region: ShmRegion | None = None
 
     def map(self, fd: int, placed: dict, size: int) -> None:
-        self.region = mmap.mmap(fd, size)
-        os.close(fd)
+        try:
+            self.region = ShmRegion.from_fd(fd, size)
+        finally:
+            os.close(fd)
         self.batches = [shared.views(self.region, placed, b) for b in range(self.num_batches)]
         self.obs_keys = frozenset(self.obs_spec)
         self.obs_fields = [

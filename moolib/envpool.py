@@ -14,8 +14,6 @@ already runs an Rpc's threads; the env factory reaches them through cloudpickle.
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import pickle
 import select
 import signal
@@ -31,6 +29,7 @@ import numpy as np
 
 from . import _envpool_shared as shared
 from . import _signals
+from ._core import ShmRegion
 
 __all__ = ["EnvPool", "EnvStepperFuture"]
 
@@ -225,16 +224,16 @@ class EnvPool:
         self.action_spec = action_spec
         placed, size = shared.layout(obs_spec, action_spec, self.batch_size, self.num_batches)
 
-        fd = os.memfd_create("moolib-envpool", os.MFD_CLOEXEC)
+        self._region = ShmRegion.create("moolib-envpool", size)
         try:
-            os.ftruncate(fd, size)
-            self._region = mmap.mmap(fd, size)
             message = pickle.dumps((placed, size))
             header = shared._HEADER.pack(shared.LAYOUT, -1, len(message))
             for sock in self._socks:
-                socket.send_fds(sock, [header + message], [fd])
+                socket.send_fds(sock, [header + message], [self._region.fd])
         finally:
-            os.close(fd)
+            # The workers map it from the fds they received; the memory lives
+            # while any mapping does.
+            self._region.close()
         for w in range(self.num_processes):
             self._expect(w, shared.READY)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import signal
@@ -271,6 +272,31 @@ def test_close_leaves_no_process_and_closed_pool_refuses():
     with pytest.raises(RuntimeError, match="EnvPool is closed"):
         pool.step(0, torch.zeros(3, dtype=torch.int64))
     pool.close()  # idempotent
+
+
+def envpool_memfds(pid: int) -> tuple[int, int]:
+    """How many fds of process ``pid``, and how many of its mappings, are of
+    moolib-envpool memfds."""
+    fds = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:moolib-envpool")
+        except OSError:
+            pass  # closed meanwhile
+    with open(f"/proc/{pid}/maps") as f:
+        maps = sum("/memfd:moolib-envpool" in line for line in f)
+    return fds, maps
+
+
+def test_the_region_is_mapped_by_the_pool_and_every_worker_and_no_one_keeps_its_fd():
+    before = set(os.listdir("/dev/shm"))
+    gc.collect()  # the regions of pools gone before
+    fds, maps = envpool_memfds(os.getpid())
+    with moolib.EnvPool(toy_envs.ToyEnv, 2, 4, 2) as pool:
+        pool.step(0, torch.zeros(4, dtype=torch.int64)).result()
+        assert envpool_memfds(os.getpid()) == (fds, maps + 1)
+        assert [envpool_memfds(pid) for pid in worker_pids(pool)] == [(0, 1)] * 2
+    assert set(os.listdir("/dev/shm")) == before
 
 
 def test_garbage_collected_pool_stops_its_workers():
