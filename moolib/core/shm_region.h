@@ -48,7 +48,7 @@ class ShmRegion {
     kNone = 0,
     // The size is sealed (F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL): a process
     // that maps the region can never fault on a page its owner took away
-    // (SIGBUS), so it may take the region from a peer it does not trust.
+    // (SIGBUS), so a receiver may map it even from a peer it does not trust.
     kSealed = 1,
     // Every page faulted in now, so the first writes do not pay for it.
     kPopulate = 2,
@@ -98,7 +98,6 @@ class ShmRegion {
   int fd() const { return fd_.get(); }
   size_t size() const { return size_; }
   bool writable() const { return access_ == Access::kReadWrite; }
-  explicit operator bool() const { return data_ != nullptr; }
 
   // [offset, offset + length) of the region; throws when it reaches outside,
   // or, for mutableAt, when the region is mapped read-only.
