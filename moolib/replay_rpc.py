@@ -273,7 +273,9 @@ class _Segment:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.region = ShmRegion.create(_MEMFD_NAME, size)
+        # Sealed: the serving peer maps it only so (ShmRegion.open_peer), as a region
+        # that could shrink under it would fault there.
+        self.region = ShmRegion.create(_MEMFD_NAME, size, sealed=True)
         self.view = np.frombuffer(self.region, dtype=np.uint8)
         self.token = os.urandom(16)
         self.ids: dict[int, int] = {}  # shard index -> the serving peer's id

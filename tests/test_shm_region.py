@@ -107,8 +107,8 @@ def test_refusals_name_their_reason():
         os.close(empty)
 
 
-def test_open_peer_maps_only_a_memfd_of_the_name_it_expects():
-    r = ShmRegion.create("moolib-test-peer", 8192)
+def test_open_peer_maps_only_a_sealed_memfd_of_the_name_it_expects():
+    r = ShmRegion.create("moolib-test-peer", 8192, sealed=True)
     np.frombuffer(r, dtype=np.uint8)[:3] = [5, 6, 7]
     pid = os.getpid()
     peer = ShmRegion.open_peer(pid, r.fd, "moolib-test-peer", 4096)
@@ -126,13 +126,17 @@ def test_open_peer_maps_only_a_memfd_of_the_name_it_expects():
         ShmRegion.open_peer(pid, f.fileno(), "moolib-test-peer", 1)
     with pytest.raises(OSError, match="is 8192 bytes, smaller than the 8193 announced"):
         ShmRegion.open_peer(pid, r.fd, "moolib-test-peer", 8193)
+    # One that its owner could shrink under the mapping (a fault here, SIGBUS): refused.
+    unsealed = ShmRegion.create("moolib-test-peer", 8192)
+    with pytest.raises(OSError, match=r"can shrink \(not sealed with F_SEAL_SHRINK\)"):
+        ShmRegion.open_peer(pid, unsealed.fd, "moolib-test-peer", 4096)
     # No such fd here (a pid of another host, a closed fd).
     with pytest.raises(FileNotFoundError, match=f"/proc/{pid}/fd/987654"):
         ShmRegion.open_peer(pid, 987654, "moolib-test-peer", 4096)
 
 
 def test_another_process_opens_a_region_through_proc_and_writes_into_it():
-    r = ShmRegion.create("moolib-test-child", 4096)
+    r = ShmRegion.create("moolib-test-child", 4096, sealed=True)
     child = textwrap.dedent(
         f"""
         import numpy as np

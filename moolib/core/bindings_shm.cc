@@ -70,7 +70,8 @@ void bindShm(py::module_& m) {
           py::arg("pid"), py::arg("fd"), py::arg("name"), py::arg("size"),
           py::arg("writable") = false,
           "Maps size bytes of the memfd that process pid holds as fd, through "
-          "/proc/<pid>/fd/<fd>: only a memfd named name, of at least size bytes. Raises OSError "
+          "/proc/<pid>/fd/<fd>: only a memfd named name, of at least size bytes, sealed against "
+          "shrinking (create(..., sealed=True)). Raises OSError "
           "naming the reason (FileNotFoundError: no such process or fd here, say on another "
           "host; PermissionError: another user's process).")
       .def_property_readonly("fd", &ShmRegion::fd,

@@ -139,6 +139,10 @@ ShmRegion ShmRegion::openPeer(uint32_t pid, int fd, const std::string& name, siz
   int mode = access == Access::kReadWrite ? O_RDWR : O_RDONLY;
   Fd file(::open(self.c_str(), mode | O_CLOEXEC));
   if (!file) fail(errno, "cannot open ", what, " (", path, ")");
+  int seals = ::fcntl(file.get(), F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+    throw ShmError(concat(what, " (", path, ") can shrink (not sealed with F_SEAL_SHRINK)"));
+  }
   struct stat st{};
   if (::fstat(file.get(), &st) != 0) fail(errno, "cannot size ", what);
   if (uint64_t(std::max<off_t>(st.st_size, 0)) < bytes) {
@@ -174,7 +178,7 @@ const std::string& localShmKey() {
 }
 
 OwnRegion::OwnRegion(size_t bytes)
-    : region_(ShmRegion::create(kCollectiveName, bytes)), id_(randomU64()) {}
+    : region_(ShmRegion::create(kCollectiveName, bytes, ShmRegion::kSealed)), id_(randomU64()) {}
 
 RegionRef OwnRegion::ref() const {
   return RegionRef{id_, uint32_t(::getpid()), uint32_t(region_.fd()), region_.size()};

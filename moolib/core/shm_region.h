@@ -88,7 +88,9 @@ class ShmRegion {
   // Maps bytes of a memfd that process pid holds as fd, through
   // /proc/<pid>/fd/<fd>; the region keeps only the mapping. Only a memfd
   // named name is opened, and it must hold at least bytes: a stale or
-  // forged (pid, fd), or another host's pid, never maps another file. Opening
+  // forged (pid, fd), or another host's pid, never maps another file. It
+  // must be sealed against shrinking (kSealed): a peer that could take pages
+  // away would crash this process (SIGBUS) where it reads them. Opening
   // needs the right to read the process's fds (same user, not made
   // undumpable). Throws ShmError.
   static ShmRegion openPeer(uint32_t pid, int fd, const std::string& name, size_t bytes,
