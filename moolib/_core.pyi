@@ -1,4 +1,4 @@
-"""Type stub of the C++ core (moolib/core/bindings.cc); the public API is moolib."""
+"""Type stub of the C++ core (moolib/core/python/); the public API is moolib."""
 
 from collections.abc import Callable
 from typing import Any

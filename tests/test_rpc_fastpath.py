@@ -87,7 +87,7 @@ PLAIN_CASES = [
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 3, 4])
 def test_the_c_plain_check_agrees_with_the_python_one(depth):
-    # bindings.cc's isPlain is the C copy of serialization._is_plain (the
+    # codec.cc's isPlain is the C copy of serialization._is_plain (the
     # fast path of calls made from C): a value one takes as plain and the
     # other not would be pickled differently depending on who sends it.
     from moolib import _core
