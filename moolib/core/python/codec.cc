@@ -10,19 +10,13 @@ Codec& codec() {
   return *c;
 }
 
-FastCodec& fastCodec() {
-  static auto* c = new FastCodec();  // leaked: lives as long as the interpreter
-  return *c;
-}
-
-void initFastCodec() {
-  FastCodec& f = fastCodec();
+void initCodec() {
+  Codec& c = codec();
   auto pickle = py::module_::import("pickle");
-  f.dumps = pickle.attr("dumps");
-  f.loads = pickle.attr("loads");
-  f.emptyCall = f.dumps(py::make_tuple(py::tuple(), py::dict()), 5).cast<std::string>();
-  f.noneValue = f.dumps(py::none(), 5).cast<std::string>();
-  f.handlersName = py::str("_handlers");
+  c.pickleDumps = pickle.attr("dumps");
+  c.pickleLoads = pickle.attr("loads");
+  c.emptyCall = c.pickleDumps(py::make_tuple(py::tuple(), py::dict()), 5).cast<std::string>();
+  c.noneValue = c.pickleDumps(py::none(), 5).cast<std::string>();
 }
 
 bool isPlain(PyObject* obj, int depth) {
@@ -53,30 +47,76 @@ bool isPlain(PyObject* obj, int depth) {
   return false;
 }
 
+std::vector<OutSegment> encodeCall(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (nargs == 0 && nkw == 0) {
+    std::vector<OutSegment> segs;
+    segs.push_back(constantSegment(codec().emptyCall));
+    return segs;
+  }
+  py::tuple callArgs(nargs);
+  for (Py_ssize_t i = 0; i != nargs; ++i) {
+    PyTuple_SET_ITEM(callArgs.ptr(), i, py::handle(args[i]).inc_ref().ptr());
+  }
+  py::dict callKwargs;
+  for (Py_ssize_t i = 0; i != nkw; ++i) {
+    if (PyDict_SetItem(callKwargs.ptr(), PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) != 0) {
+      throw py::error_already_set();
+    }
+  }
+  return encodeValue(py::make_tuple(callArgs, callKwargs));
+}
+
+Call decodeCall(const std::vector<BufferPtr>& segs) {
+  Call call;
+  if (segs.size() == 1 && segmentIs(*segs[0], codec().emptyCall)) {
+    call.args = py::tuple();
+    return call;
+  }
+  py::object decoded = decodeValue(segs);
+  py::tuple pair = py::reinterpret_steal<py::tuple>(PySequence_Tuple(decoded.ptr()));
+  if (!pair) throw py::error_already_set();
+  if (pair.size() != 2) {
+    PyErr_Format(PyExc_ValueError, "expected (args, kwargs), got %zd values",
+                 Py_ssize_t(pair.size()));
+    throw py::error_already_set();
+  }
+  call.args = py::reinterpret_steal<py::object>(PySequence_Tuple(pair[0].ptr()));
+  if (!call.args) throw py::error_already_set();
+  if (PyDict_CheckExact(pair[1].ptr())) {
+    if (PyDict_GET_SIZE(pair[1].ptr()) != 0) call.kwargs = pair[1];
+  } else {
+    call.kwargs = py::dict();
+    if (PyDict_Update(call.kwargs.ptr(), pair[1].ptr()) != 0) throw py::error_already_set();
+  }
+  return call;
+}
+
 std::vector<OutSegment> encodeValue(py::handle value) {
-  FastCodec& fc = fastCodec();
+  Codec& c = codec();
   std::vector<OutSegment> segs;
   if (value.is_none()) {
-    segs.push_back(constantSegment(fc.noneValue));
+    segs.push_back(constantSegment(c.noneValue));
   } else if (isPlain(value.ptr(), 3)) {
-    py::object data = callOrThrow(fc.dumps, value, py::int_(5));
+    py::object data = callOrThrow(c.pickleDumps, value, py::int_(5));
     char* p;
     Py_ssize_t n;
     PyBytes_AsStringAndSize(data.ptr(), &p, &n);
     segs.push_back(ownedSegment(std::string(p, size_t(n))));
   } else {
-    py::tuple encoded = callOrThrow(codec().dumps, value);
+    py::tuple encoded = callOrThrow(c.dumps, value);
     segs = exportSegments(encoded[0], encoded[1].cast<py::list>());
   }
   return segs;
 }
 
-py::object decodeSegments(const std::vector<BufferPtr>& segs) {
+py::object decodeValue(const std::vector<BufferPtr>& segs) {
+  Codec& c = codec();
   if (segs.empty()) return py::none();
-  if (segs.size() == 1 && segmentIs(*segs[0], fastCodec().noneValue)) return py::none();
+  if (segs.size() == 1 && segmentIs(*segs[0], c.noneValue)) return py::none();
   if (segs.size() == 1 && segs[0]->size() <= 65536) {
-    // No out-of-band buffers: what codec().loads would do, without its frame.
-    return callOrThrow(fastCodec().loads,
+    // No out-of-band buffers: what c.loads would do, without its frame.
+    return callOrThrow(c.pickleLoads,
                        py::bytes(reinterpret_cast<const char*>(segs[0]->data()), segs[0]->size()));
   }
   // The pickle stream is usually small: a bytes copy is cheaper than a
@@ -89,7 +129,7 @@ py::object decodeSegments(const std::vector<BufferPtr>& segs) {
   }
   py::list buffers(segs.size() - 1);
   for (size_t i = 1; i < segs.size(); ++i) buffers[i - 1] = py::cast(PyBuffer{segs[i]});
-  return callOrThrow(codec().loads, stream, buffers);
+  return callOrThrow(c.loads, stream, buffers);
 }
 
 std::string describeError(py::error_already_set& e) {
@@ -102,7 +142,7 @@ std::string describeError(py::error_already_set& e) {
   Py_XDECREF(type);
   Py_XDECREF(trace);
   try {
-    return callOrThrow(fastCodec().describe, exc).cast<std::string>();
+    return callOrThrow(codec().describe, exc).cast<std::string>();
   } catch (py::error_already_set& inner) {
     return inner.what();
   }
@@ -112,24 +152,20 @@ void bindCodec(py::module_& m) {
   m.def(
       "_is_plain", [](py::handle obj, int depth) { return isPlain(obj.ptr(), depth); },
       py::arg("obj"), py::arg("depth"),
-      "The C verdict of moolib.serialization._is_plain, exposed so tests can hold the two "
-      "together.");
-  m.def(
-      "set_dispatch",
-      [](py::object plainType, py::object describe) {
-        fastCodec().plainType = std::move(plainType);
-        fastCodec().describe = std::move(describe);
-      },
-      "Registers the type of plain function handlers (its fn attribute is called with the "
-      "call's arguments) and describe(exception) -> str, the error text of a failed call.");
+      "Whether obj is a small nest of scalars (at most depth levels of tuples, lists and "
+      "dicts with str keys, 16 items each): the codec pickles those with pickle alone.");
   m.def(
       "set_codec",
-      [](py::object dumps, py::object loads) {
-        codec().dumps = std::move(dumps);
-        codec().loads = std::move(loads);
+      [](py::object dumps, py::object loads, py::object describe) {
+        Codec& c = codec();
+        c.dumps = std::move(dumps);
+        c.loads = std::move(loads);
+        c.describe = std::move(describe);
       },
-      "Registers dumps(obj) -> (bytes, [buffers]) and loads(data, buffers) for calls made from "
-      "C++.");
+      py::arg("dumps"), py::arg("loads"), py::arg("describe"),
+      "Registers dumps(obj) -> (bytes, [buffers]) and loads(data, buffers), which encode and "
+      "decode what is not plain, and describe(exception) -> str, the error text of a call "
+      "that failed in Python.");
 }
 
 }  // namespace moolib::binding

@@ -1,11 +1,9 @@
-// How the core runs a function defined in Python (see dispatch.cc).
+// How the core serves a function defined in Python (see dispatch.cc).
 #pragma once
 
 #include <pybind11/pybind11.h>
 
-#include <memory>
 #include <string>
-#include <vector>
 
 #include "rpc.h"
 
@@ -13,18 +11,30 @@ namespace moolib::binding {
 
 namespace py = pybind11;
 
-// Calls handler(responder, segments) (GIL held). A handler may return
-// (data, buffers) instead of replying itself: the reply then goes out after
-// the arguments are released, so shared-memory segments are free for reuse
-// by the time the caller's next call needs one.
-void callHandler(py::handle handler, const std::shared_ptr<Responder>& responder,
-                 std::vector<BufferPtr>& args);
+// How a function is called and answers, told when it is defined
+// (moolib._core.Handler(fn, kind), kind its name here). The codec decodes
+// every request and encodes every reply, whatever the kind.
+enum class HandlerKind {
+  // "call": fn(*args, **kwargs) returns the result (Rpc.define).
+  kCall,
+  // "responder": fn(responder, args, kwargs) answers through
+  // responder.reply(result) or responder.error(text), then or later, from any
+  // thread (define_deferred, define_queue, a batched define).
+  kResponder,
+  // "encoded": fn(args, kwargs) returns the result already encoded,
+  // (data, buffers), as moolib.serialization.dumps makes it (a Publisher,
+  // which encodes a snapshot once for every fetch).
+  kEncoded,
+};
 
-// The core's handler of a function defined in Python: it finds the handler,
-// owner._handlers[name], through a weak reference to the moolib.Rpc object
-// that owns it, so that no strong reference to the handler hides in the core
-// (a handler referring back to its Rpc's owner makes a cycle that the garbage
-// collector sees whole).
-Rpc::Handler pythonDispatcher(py::handle ownerRef, const std::string& name);
+// The core's handler of name, served as handler (a moolib._core.Handler)
+// says. The moolib.Rpc that defines it owns the handler and the core holds a
+// weak reference only, so that no strong reference to the function hides in
+// the core: a function that refers back to its Rpc's owner makes a cycle the
+// garbage collector sees whole.
+Rpc::Handler pythonDispatcher(py::handle handler, const std::string& name);
+
+// Binds moolib._core.Handler.
+void bindHandler(py::module_& m);
 
 }  // namespace moolib::binding

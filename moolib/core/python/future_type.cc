@@ -101,7 +101,7 @@ PyObject* futureResult(PyObject* self, PyObject* const* args, Py_ssize_t nargs, 
     const FuturePtr& state = stateOf(self);
     if (!waitOrTimeout(state, seconds)) return nullptr;
     if (state->error()) return raiseError(state->error());
-    return decodeSegments(state->result()).release().ptr();
+    return decodeValue(state->result()).release().ptr();
   });
 }
 

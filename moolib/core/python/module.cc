@@ -10,6 +10,7 @@
 #include "host.h"
 #include "loop.h"
 #include "python/codec.h"
+#include "python/dispatch.h"
 #include "python/errors.h"
 #include "python/future_type.h"
 #include "python/gil.h"
@@ -24,10 +25,11 @@ using namespace moolib::binding;
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "moolib core: transports, framing and RPC (C++17). Use the moolib package instead.";
-  initFastCodec();
+  initCodec();
   bindBuffer(m);
   bindErrors(m);
   bindFuture(m);
+  bindHandler(m);
   bindRpc(m);
   bindLogging(m);
   m.def("set_max_threads", [](int n) { Loop::instance().setMaxThreads(n); });

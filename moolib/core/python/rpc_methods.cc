@@ -5,7 +5,6 @@
 #include "python/future_type.h"
 #include "python/gil.h"
 #include "python/module.h"
-#include "python/segments.h"
 
 namespace moolib::binding {
 
@@ -34,23 +33,7 @@ FuturePtr callFromArgs(const char* method, PyObject* self, PyObject* const* args
   const char* function = PyUnicode_AsUTF8AndSize(args[1], &functionSize);
   if (!function) throw py::error_already_set();
   PyRpc& rpc = py::cast<PyRpc&>(py::handle(self));
-  std::vector<OutSegment> segs;
-  Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-  if (nargs == 2 && nkw == 0) {
-    segs.push_back(constantSegment(fastCodec().emptyCall));
-  } else {
-    py::tuple callArgs(nargs - 2);
-    for (Py_ssize_t i = 2; i != nargs; ++i) {
-      PyTuple_SET_ITEM(callArgs.ptr(), i - 2, py::handle(args[i]).inc_ref().ptr());
-    }
-    py::dict callKwargs;
-    for (Py_ssize_t i = 0; i != nkw; ++i) {
-      if (PyDict_SetItem(callKwargs.ptr(), PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) != 0) {
-        throw py::error_already_set();
-      }
-    }
-    segs = encodeValue(py::make_tuple(callArgs, callKwargs));
-  }
+  std::vector<OutSegment> segs = encodeCall(args + 2, nargs - 2, kwnames);
   // The GIL stays held: a call never blocks (sockets are non-blocking) and no
   // core lock is ever held while waiting for the GIL (the core releases no
   // Python object itself: DeferredReleases), so this cannot deadlock, and it
@@ -76,7 +59,7 @@ PyObject* rpcSync(PyObject* self, PyObject* const* args, size_t nargsf, PyObject
     FuturePtr state = callFromArgs("sync", self, args, PyVectorcall_NARGS(nargsf), kwnames, true);
     futureWait(state, -1);
     if (state->error()) return raiseError(state->error());
-    return decodeSegments(state->result()).release().ptr();
+    return decodeValue(state->result()).release().ptr();
   });
 }
 

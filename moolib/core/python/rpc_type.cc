@@ -3,10 +3,10 @@
 #include <pybind11/stl.h>
 
 #include "logging.h"
+#include "python/codec.h"
 #include "python/dispatch.h"
 #include "python/gil.h"
 #include "python/module.h"
-#include "python/segments.h"
 
 namespace moolib::binding {
 
@@ -96,17 +96,31 @@ auto onRpc(R (Rpc::*method)(A...) const) {
 
 void bindRpc(py::module_& m) {
   py::class_<Responder, std::shared_ptr<Responder>>(m, "Responder")
-      .def("reply",
-           [](Responder& r, py::handle data, py::list buffers) {
-             auto segs = exportSegments(data, buffers);
-             GilRelease nogil;
-             r.reply(std::move(segs));
-           })
-      .def("error",
-           [](Responder& r, const std::string& message) {
-             GilRelease nogil;
-             r.error(message);
-           })
+      .def(
+          "reply",
+          [](Responder& r, py::handle value) {
+            std::vector<OutSegment> segs;
+            try {
+              segs = encodeValue(value);
+            } catch (py::error_already_set& e) {
+              std::string text = describeError(e);
+              GilRelease nogil;
+              r.error(text);
+              return;
+            }
+            GilRelease nogil;
+            r.reply(std::move(segs));
+          },
+          py::arg("value"),
+          "Answers the call with value, encoded as every reply is; a value that cannot be "
+          "encoded fails the call instead.")
+      .def(
+          "error",
+          [](Responder& r, const std::string& message) {
+            GilRelease nogil;
+            r.error(message);
+          },
+          py::arg("message"), "Fails the call with message.")
       .def_property_readonly("peer", &Responder::peer)
       .def_property_readonly("function", &Responder::function);
 
@@ -123,19 +137,12 @@ void bindRpc(py::module_& m) {
       .def("set_auth_key", onRpc(&Rpc::setAuthKey))
       .def(
           "_define_owned",
-          [](PyRpc& self, const std::string& name, py::handle ownerRef) {
-            self.rpc->define(name, pythonDispatcher(ownerRef, name));
+          [](PyRpc& self, const std::string& name, py::handle handler) {
+            self.rpc->define(name, pythonDispatcher(handler, name));
           },
-          "Defines name as owner._handlers[name] of the moolib.Rpc that ownerRef (a weak "
-          "reference) names.")
-      .def("define",
-           [](PyRpc& self, const std::string& name, py::function fn) {
-             auto held = holdObject(fn);
-             self.rpc->define(
-                 name, [held](std::shared_ptr<Responder> responder, std::vector<BufferPtr> args) {
-                   withPython([&] { callHandler(held.get(), responder, args); });
-                 });
-           })
+          py::arg("name"), py::arg("handler"),
+          "Defines name as handler (a Handler), which the caller keeps: the core holds a weak "
+          "reference to it.")
       .def("undefine", onRpc(&Rpc::undefine), py::call_guard<GilRelease>())
       .def("close", onRpc(&Rpc::close), py::call_guard<GilRelease>())
       .def("debug_info", [](PyRpc& self) {
