@@ -143,7 +143,7 @@ PyObject* futureAddDoneCallback(PyObject* self, PyObject* fn) {
 }
 
 PyMethodDef futureMethods[] = {
-    {"done", futureDone, METH_NOARGS, "Whether the call has completed."},
+    {"done", futureDone, METH_NOARGS, "done($self, /)\n--\n\nWhether the call has completed."},
     {"wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(futureWaitMethod)),
      METH_FASTCALL | METH_KEYWORDS,
      "wait(timeout=None)\n--\n\nWaits until the call completes; returns whether it did within "
@@ -159,11 +159,14 @@ PyMethodDef futureMethods[] = {
      "moolib.errors subclass of the failure), or "
      "None."},
     {"cancel", futureCancel, METH_NOARGS,
-     "Gives up on the call; returns False if it had already completed."},
-    {"cancelled", futureCancelled, METH_NOARGS, "Whether the call was cancelled."},
-    {"_segments", futureSegments, METH_NOARGS, "The raw segments of a successful result."},
+     "cancel($self, /)\n--\n\nGives up on the call; returns False if it had already completed."},
+    {"cancelled", futureCancelled, METH_NOARGS,
+     "cancelled($self, /)\n--\n\nWhether the call was cancelled."},
+    {"_segments", futureSegments, METH_NOARGS,
+     "_segments($self, /)\n--\n\nThe raw segments of a successful result."},
     {"add_done_callback", futureAddDoneCallback, METH_O,
-     "Calls fn(future) on a core thread once the call completes."},
+     "add_done_callback($self, fn, /)\n--\n\nCalls fn(future) on a core thread once the call "
+     "completes."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMemberDef futureMembers[] = {
