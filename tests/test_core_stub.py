@@ -129,6 +129,12 @@ def _check_signature(where: str, node: ast.FunctionDef, obj: object) -> None:
         assert ddefault == rdefault, f"{where}: the stub has {declared}, the core {runtime}"
 
 
+def _is_property(node: ast.stmt) -> bool:
+    return isinstance(node, ast.FunctionDef) and any(
+        isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list
+    )
+
+
 def _own_names(cls: type) -> set[str]:
     """The names a class of the core defines (not inherited), dunders left out
     unless the stub might declare them (__init__ and the like are checked
@@ -168,7 +174,7 @@ def test_classes_match_the_stub(name):
     for member, decl in members.items():
         assert hasattr(cls, member), f"{name}.{member} of the stub is not in the core"
         obj = inspect.getattr_static(cls, member)
-        if isinstance(decl, ast.AnnAssign):
+        if isinstance(decl, ast.AnnAssign) or _is_property(decl):
             assert not callable(obj), f"{name}.{member} is a method, the stub says an attribute"
             continue
         if isinstance(obj, staticmethod):
