@@ -37,9 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import errors
-from . import rpc as _rpc
 from ._checks import check_int, check_seconds, check_served
-from .serialization import loads
 
 __all__ = ["Publisher", "Subscriber"]
 
@@ -228,7 +226,7 @@ class Publisher:
         self._published = 0
         self._served = 0
         self._unchanged = 0
-        rpc._define(name, self._serve)
+        rpc._define(name, self._serve, "encoded")
         self._defined = True
 
     @property
@@ -294,18 +292,12 @@ class Publisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _serve(self, responder: Any, segments: list) -> tuple | None:
+    def _serve(self, args: tuple, kwargs: dict) -> tuple:
         # Runs on a core thread for every fetch; returns the prebuilt reply for
-        # the core to send.
-        try:
-            args, kwargs = loads(segments[0], segments[1:])
-            del segments[:]
-            have = kwargs.get("version", args[0] if args else -1)
-            if type(have) is not int:
-                raise TypeError(f"a fetch carries the subscriber's version (int), got {have!r}")
-        except BaseException as e:  # noqa: BLE001 - reported to the caller
-            responder.error(_rpc._describe(e))
-            return None
+        # the core to send (an exception is answered by the core).
+        have = kwargs.get("version", args[0] if args else -1)
+        if type(have) is not int:
+            raise TypeError(f"a fetch carries the subscriber's version (int), got {have!r}")
         snapshot = self._current
         if snapshot is None or snapshot.version <= have:
             with self._lock:

@@ -6,7 +6,6 @@ import asyncio
 import functools
 import threading
 import traceback
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,10 +49,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}\nRemote traceback:\n{tb}"
 
 
-def _decode(segments: list) -> Any:
-    return loads(segments[0], segments[1:])
-
-
 def _resolve(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
@@ -69,7 +64,7 @@ class _Reply:
 
     def __call__(self, result: Any) -> None:
         if len(self._responders) == 1 and not isinstance(self, _BatchReply):
-            _reply(self._responders[0], result)
+            self._responders[0].reply(result)
             return
         _reply_batch(self._responders, result)
 
@@ -85,15 +80,6 @@ class _BatchReply(_Reply):
     __slots__ = ()
 
 
-def _reply(responder: Any, result: Any) -> None:
-    try:
-        data, buffers = dumps(result)
-    except BaseException as e:  # noqa: BLE001 - any pickling failure goes to the caller
-        responder.error(_describe(e))
-        return
-    responder.reply(data, buffers)
-
-
 def _reply_batch(responders: list, result: Any) -> None:
     try:
         parts = nest.unstack(result, len(responders))
@@ -103,7 +89,7 @@ def _reply_batch(responders: list, result: Any) -> None:
             r.error(message)
         return
     for r, part in zip(responders, parts, strict=True):
-        _reply(r, part)
+        r.reply(part)
 
 
 def _stack_calls(calls: list[tuple[tuple, dict]], device: Any) -> tuple[tuple, dict]:
@@ -130,12 +116,7 @@ class _BatchedFunction:
         self._pending: list = []
         self._running = False
 
-    def __call__(self, responder: Any, segments: list) -> None:
-        try:
-            args, kwargs = _decode(segments)
-        except BaseException as e:  # noqa: BLE001
-            responder.error(_describe(e))
-            return
+    def __call__(self, responder: Any, args: tuple, kwargs: dict) -> None:
         with self._lock:
             self._pending.append((responder, (args, kwargs)))
             if self._running:
@@ -178,14 +159,9 @@ class Queue:
         self._items: list = []
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
-    def _put(self, responder: Any, segments: list) -> None:
-        try:
-            call = _decode(segments)
-        except BaseException as e:  # noqa: BLE001
-            responder.error(_describe(e))
-            return
+    def _put(self, responder: Any, args: tuple, kwargs: dict) -> None:
         with self._cv:
-            self._items.append((responder, call))
+            self._items.append((responder, (args, kwargs)))
             self._cv.notify()
             waiters, self._async_waiters = self._async_waiters, []
         for loop, waiter in waiters:
@@ -245,23 +221,9 @@ class Queue:
         return await self
 
 
-class _Plain:
-    """The handler of a function defined with Rpc.define (no batching): the core
-    decodes the call, runs ``fn(*args, **kwargs)`` and encodes its result itself
-    (as the codec would), and answers a failure with ``_describe`` of it."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-
-def _serve_deferred(fn: Callable, responder: Any, segments: list) -> None:
-    try:
-        args, kwargs = _decode(segments)
-        fn(_Reply([responder]), *args, **kwargs)
-    except BaseException as e:  # noqa: BLE001
-        responder.error(_describe(e))
+def _serve_deferred(fn: Callable, responder: Any, args: tuple, kwargs: dict) -> None:
+    # An exception is answered by the core, with _describe of it.
+    fn(_Reply([responder]), *args, **kwargs)
 
 
 _default_auth_key: str | None = None
@@ -276,8 +238,7 @@ def set_auth_key(key: str | None) -> None:
     _default_auth_key = key
 
 
-_core.set_codec(dumps, loads)
-_core.set_dispatch(_Plain, _describe)
+_core.set_codec(dumps, loads, _describe)
 
 
 def _check_callable(method: str, what: str, fn: object) -> None:
@@ -287,7 +248,7 @@ def _check_callable(method: str, what: str, fn: object) -> None:
 
 
 def _check_name(method: str, name: object) -> None:
-    # Else the core's binding names its internal function (_define_owned) and a weakref.
+    # Else the core's binding names its internal function (_define_owned).
     if not isinstance(name, str):
         raise TypeError(f"{method}: the function's name must be a str, got {type(name).__name__}")
 
@@ -314,23 +275,29 @@ class Rpc(_core.Rpc):
 
     def __init__(self) -> None:
         super().__init__()
-        # name -> what the core's dispatcher calls with (responder, segments).
-        self._handlers: dict[str, Callable] = {}
+        # name -> its _core.Handler: the function and how the core serves it.
+        self._handlers: dict[str, _core.Handler] = {}
         if _default_auth_key is not None:
             self.set_auth_key(_default_auth_key)
 
-    def _define(self, name: str, handler: Callable | _Plain, method: str = "define") -> None:
+    def _define(self, name: str, fn: Callable, kind: str, method: str = "define") -> None:
+        """Defines ``name`` as ``fn``, served as ``kind`` says (moolib._core.Handler):
+        "call": ``fn(*args, **kwargs)`` returns the result; "responder":
+        ``fn(responder, args, kwargs)`` answers through ``responder.reply(result)``
+        or ``responder.error(text)``, then or later; "encoded": ``fn(args,
+        kwargs)`` returns the result already encoded, ``(data, buffers)``."""
         _check_name(method, name)
-        # The core finds the handler through a weak reference to this object,
-        # which owns it: a handler that refers back to its Rpc's owner
+        # This object owns the handler and the core holds a weak reference to
+        # it: a function that refers back to its Rpc's owner
         # (``self.rpc.define("f", self.f)``) makes a cycle that the garbage
         # collector sees whole, since no strong reference to it hides in the core.
+        handler = _core.Handler(fn, kind)
         if name in self._handlers:
             # The core raises its usual error: the name is taken.
-            self._define_owned(name, weakref.ref(self))
+            self._define_owned(name, handler)
         self._handlers[name] = handler
         try:
-            self._define_owned(name, weakref.ref(self))
+            self._define_owned(name, handler)
         except BaseException:
             del self._handlers[name]
             raise
@@ -352,22 +319,22 @@ class Rpc(_core.Rpc):
         _check_callable("define", "fn", fn)
         batch_size = _check_batch_size(batch_size)
         if batch_size is None:
-            self._define(name, _Plain(fn))
+            self._define(name, fn, "call")
             return
-        self._define(name, _BatchedFunction(fn, batch_size, device))
+        self._define(name, _BatchedFunction(fn, batch_size, device), "responder")
 
     def define_deferred(self, name: str, fn: Callable) -> None:
         """Defines ``name`` as ``fn(callback, *args, **kwargs)``: the call returns
         when ``callback(result)`` is called (from any thread, any time later)."""
         _check_callable("define_deferred", "fn", fn)
-        self._define(name, functools.partial(_serve_deferred, fn), "define_deferred")
+        self._define(name, functools.partial(_serve_deferred, fn), "responder", "define_deferred")
 
     def define_queue(
         self, name: str, batch_size: int | None = None, dynamic_batching: bool = False
     ) -> Queue:
         """Defines ``name`` so that its calls arrive as items of the returned Queue."""
         queue = Queue(batch_size, dynamic_batching)
-        self._define(name, queue._put, "define_queue")
+        self._define(name, queue._put, "responder", "define_queue")
         return queue
 
     def async_callback(

@@ -176,23 +176,6 @@ class _Pickler(pickle.Pickler):
         )
 
 
-_SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
-
-
-def _is_plain(obj: Any, depth: int) -> bool:
-    """Whether obj is a small nest of scalars: nothing for reducer_override to do."""
-    t = type(obj)
-    if t in _SCALARS:
-        return True
-    if depth == 0:
-        return False
-    if (t is tuple or t is list) and len(obj) <= 16:
-        return all(_is_plain(x, depth - 1) for x in obj)
-    if t is dict and len(obj) <= 16:
-        return all(type(k) is str and _is_plain(v, depth - 1) for k, v in obj.items())
-    return False
-
-
 def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
     """Pickle ``obj`` with protocol 5, keeping large tensor/array memory out of band.
 
@@ -201,11 +184,12 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
     and arrays the buffers alias the original memory (no copy), so the objects
     must not be modified until the buffers have been sent. Buffers smaller
     than :data:`INBAND_THRESHOLD` bytes are written into the pickle stream.
+
+    The core's codec pickles the arguments and results of calls that are small
+    nests of scalars with ``pickle.dumps`` alone (moolib/core/python/codec.cc,
+    ``isPlain``, the one copy of that rule): the same bytes, without a Pickler
+    made per call. It calls this function for the rest.
     """
-    if _is_plain(obj, 3):
-        # Small calls dominate RPC traffic: the C pickler alone is ~8x faster
-        # than building a Pickler subclass, and plain scalars never need it.
-        return pickle.dumps(obj, 5), []
     buffers: list[memoryview] = []
     file = io.BytesIO()
     _Pickler(file, buffers).dump(obj)

@@ -67,37 +67,48 @@ class _Dict(dict):
 _Pair = collections.namedtuple("_Pair", "a b")
 
 
-# Values at and around every rule of the plain check: each scalar type, a
-# subclass of each container, the 16-item and depth-3 limits, dict keys.
+# Values at and around every rule of the plain check (codec.cc's isPlain,
+# _core._is_plain), with the least depth at which each is plain (None:
+# never): each scalar type, a subclass of each container, the 16-item and
+# depth limits, dict keys.
 # fmt: off
 PLAIN_CASES = [
-    None, True, 0, 2**200, 1.5, 3j, "s", b"b", _Text("x"), bytearray(b"b"),
-    (), [], {}, (1,) * 16, (1,) * 17, [1] * 16, [1] * 17,
-    {str(i): i for i in range(16)}, {str(i): i for i in range(17)},
-    {1: "a"}, {"a": {1: 2}}, {"a": [1, (2, {"k": 3})]},
-    [[[1]]], [[[[1]]]], [[[()]]], [[[[]]]], ((((1,),),),),
-    _List([1]), _Dict(a=1), [_List()], {"k": _Dict()}, {_Text("k"): 1},
-    _Pair(1, 2), [_Pair(1, 2)],
-    {1, 2}, frozenset(), fractions.Fraction(1, 3), object(), int, len,
-    torch.zeros(2), torch.tensor(1.0), np.float32(1.0), np.int64(2), np.zeros(3),
-    [1, "a", None, [b"x", {"y": 2.0}]], [torch.zeros(1)], {"t": np.ones(1)},
+    (None, 0), (True, 0), (0, 0), (2**200, 0), (1.5, 0), (3j, 0), ("s", 0), (b"b", 0),
+    (_Text("x"), None), (bytearray(b"b"), None),
+    ((), 1), ([], 1), ({}, 1), ((1,) * 16, 1), ((1,) * 17, None), ([1] * 16, 1), ([1] * 17, None),
+    ({str(i): i for i in range(16)}, 1), ({str(i): i for i in range(17)}, None),
+    ({1: "a"}, None), ({"a": {1: 2}}, None), ({"a": [1, (2, {"k": 3})]}, 4),
+    ([[[1]]], 3), ([[[[1]]]], 4), ([[[()]]], 4), ([[[[]]]], 4), (((((1,),),),), 4),
+    (_List([1]), None), (_Dict(a=1), None), ([_List()], None), ({"k": _Dict()}, None),
+    ({_Text("k"): 1}, None), (_Pair(1, 2), None), ([_Pair(1, 2)], None),
+    ({1, 2}, None), (frozenset(), None), (fractions.Fraction(1, 3), None), (object(), None),
+    (int, None), (len, None),
+    (torch.zeros(2), None), (torch.tensor(1.0), None), (np.float32(1.0), None),
+    (np.int64(2), None), (np.zeros(3), None),
+    ([1, "a", None, [b"x", {"y": 2.0}]], 3), ([torch.zeros(1)], None), ({"t": np.ones(1)}, None),
 ]
 # fmt: on
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 3, 4])
-def test_the_c_plain_check_agrees_with_the_python_one(depth):
-    # bindings.cc's isPlain is the C copy of serialization._is_plain (the
-    # fast path of calls made from C): a value one takes as plain and the
-    # other not would be pickled differently depending on who sends it.
+def test_the_plain_rule(depth):
+    # The rule exists once, in the core's codec: a value it takes as plain is
+    # pickled with pickle alone, anything else by moolib.serialization.
     from moolib import _core
-    from moolib.serialization import _is_plain
 
-    for value in PLAIN_CASES:
-        assert _core._is_plain(value, depth) == _is_plain(value, depth), (value, depth)
-    # The cases cover both verdicts at this depth.
-    verdicts = {_is_plain(value, depth) for value in PLAIN_CASES}
-    assert verdicts == {True, False}
+    for value, least in PLAIN_CASES:
+        assert _core._is_plain(value, depth) == (least is not None and depth >= least), (
+            value,
+            depth,
+        )
+
+
+def test_plain_values_encode_as_the_python_codec_does():
+    # A peer (or moolib.group) that pickles a plain value with
+    # moolib.serialization sends the bytes the core's codec sends.
+    for value, least in PLAIN_CASES:
+        if least is not None and least <= 3:
+            assert dumps(value) == (pickle.dumps(value, 5), []), value
 
 
 @pytest.fixture(params=TRANSPORTS, ids=lambda t: t[0])
@@ -133,6 +144,43 @@ def test_results_arrive_as_returned(make_rpc, name):
     value = CALLS[name][0]
     rpc.define("value", lambda: value)
     assert_same(value, rpc.sync("me", "value"))
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_every_handler_kind_decodes_and_encodes_alike(make_rpc, name):
+    # One codec decodes every request and encodes every reply, whichever
+    # kind of handler serves the call.
+    rpc = make_rpc("me", timeout=DEADLINE)
+    rpc.define("call", lambda *a, **kw: (a, kw))
+    rpc.define_deferred("deferred", lambda reply, *a, **kw: reply((a, kw)))
+    queue = rpc.define_queue("queue")
+    args, kwargs = CALLS[name]
+    expected = (args, kwargs)
+    assert_same(expected, rpc.sync("me", "call", *args, **kwargs))
+    assert_same(expected, rpc.sync("me", "deferred", *args, **kwargs))
+    future = rpc.async_("me", "queue", *args, **kwargs)
+    reply, got_args, got_kwargs = queue.get(timeout=DEADLINE)
+    assert_same(expected, (got_args, got_kwargs))
+    reply((got_args, got_kwargs))
+    assert_same(expected, future.result(timeout=DEADLINE))
+
+
+def test_handlers_are_told_their_kind(make_rpc):
+    from moolib import _core
+
+    handler = _core.Handler(len, "encoded")
+    assert handler.fn is len and handler.kind == "encoded"
+    with pytest.raises(ValueError, match="unknown kind 'plain'"):
+        _core.Handler(len, "plain")
+    with pytest.raises(TypeError, match="must be callable"):
+        _core.Handler(3, "call")
+    rpc = make_rpc("me", timeout=DEADLINE)
+    with pytest.raises(TypeError, match="Handler"):
+        rpc._define_owned("f", len)
+    # A result that cannot be encoded fails the call, whatever the kind.
+    rpc.define_deferred("deferred", lambda reply: reply(lambda: 0))
+    with pytest.raises(moolib.RpcError, match="Can't pickle|can't pickle|cannot pickle"):
+        rpc.sync("me", "deferred")
 
 
 def test_errors_carry_the_remote_exception_and_traceback(link):

@@ -1,9 +1,12 @@
 // The binding of the replay table; moolib/replay.py adds the Python API
 // (nests, dtypes and shapes, errors that name leaves, timeouts).
+#include "replay.h"
+
 #include <pybind11/stl.h>
 
-#include "bindings.h"
-#include "replay.h"
+#include "error.h"
+#include "python/gil.h"
+#include "python/segments.h"
 
 namespace moolib::binding {
 

@@ -1,10 +1,14 @@
 // The binding of Broker and Group; moolib/group.py and moolib/broker.py add
 // the Python-level API (nests, custom ops, the AllReduce handle).
+#include "group.h"
+
 #include <pybind11/stl.h>
 
-#include "bindings.h"
 #include "broker.h"
-#include "group.h"
+#include "python/future_type.h"
+#include "python/gil.h"
+#include "python/module.h"
+#include "python/segments.h"
 
 namespace moolib::binding {
 

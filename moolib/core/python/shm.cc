@@ -1,7 +1,7 @@
 // The binding of shared-memory regions (shm_region.h) for the Python users of
 // shared memory: the replay service's segments (moolib/replay_rpc.py) and
 // EnvPool's region (moolib/envpool.py, moolib/_envpool_worker.py).
-#include "bindings.h"
+#include "python/module.h"
 #include "shm_region.h"
 
 namespace moolib::binding {

@@ -2,10 +2,10 @@
 // class of each ErrorCode, which moolib/errors.py defines and registers here.
 // Every failure the core reports to Python goes through raiseError or
 // errorObject, so a code meets its class in this file only.
+#include "python/errors.h"
+
 #include <array>
 #include <utility>
-
-#include "bindings.h"
 
 namespace moolib::binding {
 
