@@ -8,6 +8,7 @@
 
 #include "python/codec.h"
 #include "python/gil.h"
+#include "python/module.h"
 #include "python/segments.h"
 
 namespace moolib::binding {
@@ -171,10 +172,7 @@ void bindHandler(py::module_& m) {
       {0, nullptr}};
   static PyType_Spec spec = {"moolib._core.Handler", int(sizeof(HandlerObject)), 0,
                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, slots};
-  PyObject* type = PyType_FromSpec(&spec);
-  if (!type) throw py::error_already_set();
-  gHandlerType = reinterpret_cast<PyTypeObject*>(type);
-  m.add_object("Handler", py::reinterpret_borrow<py::object>(type));  // the module keeps it
+  gHandlerType = addType(m, spec, "Handler");
 }
 
 }  // namespace moolib::binding

@@ -10,6 +10,7 @@
 #include "python/codec.h"
 #include "python/errors.h"
 #include "python/gil.h"
+#include "python/module.h"
 #include "python/segments.h"
 
 namespace moolib::binding {
@@ -208,10 +209,7 @@ void bindFuture(py::module_& m) {
       {0, nullptr}};
   static PyType_Spec spec = {"moolib._core.Future", int(sizeof(FutureObject)), 0,
                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, slots};
-  PyObject* type = PyType_FromSpec(&spec);
-  if (!type) throw py::error_already_set();
-  gFutureType = reinterpret_cast<PyTypeObject*>(type);
-  m.add_object("Future", py::reinterpret_borrow<py::object>(type));  // the module keeps it
+  gFutureType = addType(m, spec, "Future");
 }
 
 }  // namespace moolib::binding

@@ -23,6 +23,13 @@ using namespace pybind11::literals;
 using namespace moolib;
 using namespace moolib::binding;
 
+PyTypeObject* moolib::binding::addType(py::module_& m, PyType_Spec& spec, const char* name) {
+  PyObject* type = PyType_FromSpec(&spec);
+  if (!type) throw py::error_already_set();
+  m.add_object(name, py::reinterpret_borrow<py::object>(type));  // the module keeps it
+  return reinterpret_cast<PyTypeObject*>(type);
+}
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "moolib core: transports, framing and RPC (C++17). Use the moolib package instead.";
   initCodec();

@@ -20,6 +20,10 @@ struct PyRpc {
   std::shared_ptr<Rpc> rpc;
 };
 
+// module.cc: makes the type spec describes and adds it to m as name (the
+// module keeps it); throws the Python error when it cannot.
+PyTypeObject* addType(py::module_& m, PyType_Spec& spec, const char* name);
+
 // rpc_type.cc: Responder and Rpc.
 void bindRpc(py::module_& m);
 
