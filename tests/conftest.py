@@ -19,10 +19,27 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# The files that take minutes (SLURM jobs requeued, agents learning) start first: with
-# the README's ``-n 2 --dist loadfile``, the short files then fill in beside them
-# instead of one of them running alone at the end.
-LONG_FILES = ("test_offpolicy_learning.py", "test_slurm.py", "test_offpolicy_run.py")
+# The files that take minutes (agents learning, SLURM jobs requeued, wheels built),
+# longest first: with the README's ``-n 2 --dist loadfile``, each worker takes the
+# next file as it frees up, so the short files fill in beside the long ones instead
+# of one long file running alone at the end. Measured in `.ci/run` (its
+# ``--durations`` list); a file missing here only runs later, in name order.
+LONG_FILES = (
+    "test_r2d2_learning.py",
+    "test_offpolicy_learning.py",
+    "test_slurm.py",
+    "test_offpolicy_run.py",
+    "test_accumulator.py",
+    "test_run_life.py",
+    "test_checkpoints.py",
+    "test_packaging.py",
+    "test_run.py",
+    "test_publish.py",
+    "test_run_lifetime.py",
+    "test_run_clean.py",
+    "test_learning.py",
+    "test_run_output.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,7 +3,7 @@ restarted, resumes, and nothing left behind.
 
 Real processes (the launcher, a learner serving its replay over RPC, actor
 processes with their EnvPool workers), real Hydra composition, real envs. The
-learning tests are in ``test_offpolicy_learning.py``.
+learning tests are in ``test_offpolicy_learning.py`` and ``test_r2d2_learning.py``.
 """
 
 from __future__ import annotations
