@@ -158,9 +158,14 @@ class ActorCriticConfig(AgentConfig):
     virtual_batch_size: int  # unrolls summed over all peers before each optimizer step
     baseline_cost: float  # weight of the value loss
     entropy_cost: float  # weight of the entropy bonus
+    # thread: learning on a thread of its own beside the acting thread; inline: the
+    # acting thread learns between its steps; auto: inline on a CPU for the MLP and
+    # tiny networks, thread otherwise (moolib.agents.training.learner_mode).
+    learner: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.check_choice("learner", ("auto", "thread", "inline"))
         self.check_int("unroll_length")
         self.check_int("virtual_batch_size")
         self.check_number("baseline_cost", 0.0)

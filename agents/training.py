@@ -27,6 +27,7 @@ learning-rate schedule and ``total_steps``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import sys
@@ -53,6 +54,7 @@ from .logger import (
     guard_log_handlers,
     start_banner,
 )
+from .models import resolve_network
 from .policy_slots import PolicySlots
 from .registry import Runtime, agent_config, get_agent, set_default_runtime
 
@@ -72,6 +74,26 @@ _ACTOR_KEYS = ("action", "policy_logits", "baseline")
 
 class GroupLostError(RuntimeError):
     """The peer was out of its group (no broker, or not a member) for too long."""
+
+
+# Networks whose learner step is mostly Python (a few hundred small torch calls, each
+# holding the GIL): on a CPU, a learner thread would pass the GIL back and forth with
+# the acting thread at every call rather than compute beside it.
+_PYTHON_BOUND_NETWORKS = ("mlp", "tiny")
+
+
+def learner_mode(agent: Any, device: torch.device, observation_shape: tuple[int, ...]) -> str:
+    """Where the on-policy loop learns: ``thread`` (a learner thread beside the acting
+    thread) or ``inline`` (the acting thread learns between its steps), from
+    ``agent.learner``; ``auto`` is ``thread`` on CUDA and for networks whose learner
+    step is mostly compute, ``inline`` on a CPU for the MLP and tiny networks
+    (docs/architecture.md, section 6, has the figures)."""
+    if agent.learner != "auto":
+        return agent.learner
+    network = resolve_network(agent.network, observation_shape)
+    if device.type == "cpu" and network in _PYTHON_BOUND_NETWORKS:
+        return "inline"
+    return "thread"
 
 
 def torch_threads(cfg: DictConfig) -> int:
@@ -303,6 +325,9 @@ class Trainer:
         self._connected = False  # the learner's accumulator is in the group
         self._learner_done = threading.Event()
         self._learner_error: BaseException | None = None
+        self.learner = learner_mode(self.agent, self.device, tuple(obs_shape))
+        self._lost_group_timeout = float(cfg.lost_group_timeout)
+        self._checkpoint_interval = float(cfg.checkpoint_interval)
         # Where the acting thread's CUDA work (and the Batcher's copies) is queued.
         self._act_stream = (
             torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -434,7 +459,7 @@ class Trainer:
             step[k] = out[k][0]
         return step, core
 
-    def _learn(self, stats: dict) -> bool:
+    def _learn(self, stats: dict, wait: bool = True) -> bool:
         """Feeds a ready learner batch to the accumulator and applies summed gradients;
         returns whether there was anything to do."""
         acc = self.accumulator
@@ -443,7 +468,10 @@ class Trainer:
             try:
                 # Blocks, without the GIL, until the actors hand over a batch: a learner
                 # that polled would take the GIL from the acting thread at every poll.
-                item = self.batcher.get(timeout=0.05)
+                if wait:
+                    item = self.batcher.get(timeout=0.05)
+                else:
+                    item = None if self.batcher.empty() else self.batcher.get()
             except TimeoutError:
                 item = None
             if item is not None:
@@ -496,44 +524,12 @@ class Trainer:
         """The learner thread: learns until ``total_steps`` or ``halt``; writes the log
         rows and periodic checkpoints. An exception ends it and is kept in
         ``self._learner_error`` for the acting thread to raise."""
-        cfg = self.cfg
         stream = torch.cuda.Stream(self.device) if self._act_stream is not None else None
-        last_checkpoint = time.monotonic()
-        last_in_group = time.monotonic()
-        lost_group_timeout = float(cfg.lost_group_timeout)
+        times = _LearnerTimes()
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 while self.steps < self.total_steps and not halt.is_set():
-                    acc = self.accumulator
-                    acc.update()
-                    if acc.group.active():
-                        last_in_group = time.monotonic()
-                    elif time.monotonic() - last_in_group > lost_group_timeout:
-                        # Acting with nobody to learn with wastes the machine.
-                        raise GroupLostError(
-                            f"peer {self.peer.rank} has been out of its group for "
-                            f"{lost_group_timeout:g} s (lost_group_timeout): the broker at "
-                            f"{self.peer.broker} is gone or unreachable; stopping"
-                        )
-                    if acc.wants_state():
-                        acc.set_state(self._state())
-                    if acc.has_new_state():
-                        self._load(acc.state())
-                        self.policy.publish(self.model, acc.model_version())
-                    self._connected = acc.connected()
-                    worked = self._connected and self._learn(rows.stats)
-                    rows.maybe_write()
-                    if (
-                        time.monotonic() - last_checkpoint >= cfg.checkpoint_interval
-                        and acc.is_leader()
-                    ):
-                        self.elapsed = rows.clock()
-                        self._save()
-                        last_checkpoint = time.monotonic()
-                    if not worked and not (self._connected and acc.wants_gradients()):
-                        # Waiting for the group's sum of gradients (or to join the group).
-                        if not acc.wait_gradients(0.05):
-                            time.sleep(0.001)
+                    self._learner_step(rows, times, wait=True)
                 if stream is not None:
                     stream.synchronize()
         except BaseException as e:
@@ -542,6 +538,37 @@ class Trainer:
             self._learner_done.set()
             with self._room:
                 self._room.notify_all()
+
+    def _learner_step(self, rows: _Rows, times: _LearnerTimes, wait: bool) -> None:
+        """One turn of the learner: the group, a learner batch if one is ready (with
+        ``wait``, waits a little for one), a log row and a checkpoint when due."""
+        acc = self.accumulator
+        acc.update()
+        if acc.group.active():
+            times.in_group = time.monotonic()
+        elif time.monotonic() - times.in_group > self._lost_group_timeout:
+            # Acting with nobody to learn with wastes the machine.
+            raise GroupLostError(
+                f"peer {self.peer.rank} has been out of its group for "
+                f"{self._lost_group_timeout:g} s (lost_group_timeout): the broker at "
+                f"{self.peer.broker} is gone or unreachable; stopping"
+            )
+        if acc.wants_state():
+            acc.set_state(self._state())
+        if acc.has_new_state():
+            self._load(acc.state())
+            self.policy.publish(self.model, acc.model_version())
+        self._connected = acc.connected()
+        worked = self._connected and self._learn(rows.stats, wait)
+        rows.maybe_write()
+        if time.monotonic() - times.checkpoint >= self._checkpoint_interval and acc.is_leader():
+            self.elapsed = rows.clock()
+            self._save()
+            times.checkpoint = time.monotonic()
+        if wait and not worked and not (self._connected and acc.wants_gradients()):
+            # Waiting for the group's sum of gradients (or to join the group).
+            if not acc.wait_gradients(0.05):
+                time.sleep(0.001)
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         """Trains until ``total_steps`` (or ``stop`` is set); returns the last log row.
@@ -574,8 +601,15 @@ class Trainer:
             futures = [self.envs.step(b, noop) for b in range(nb)]
             rows.start()
             sys.setswitchinterval(_SWITCH_INTERVAL)
-            learner.start()
+            inline = self.learner == "inline"
+            times = _LearnerTimes()
+            if not inline:
+                learner.start()
             while not stop.is_set() and not self._learner_done.is_set():
+                if inline:
+                    if self.steps >= self.total_steps:
+                        break
+                    self._learner_step(rows, times, wait=False)
                 env_out = futures[b].result()
                 done = env_out["done"]
                 if bool(done.any()):
@@ -601,12 +635,21 @@ class Trainer:
                 if full is not None:
                     # Unrolls the learner cannot take (not in the group yet) are
                     # dropped; when it is behind, the actors wait for it.
+                    # Inline, the learner catches up here (the same wait, spent learning).
+                    while (
+                        inline
+                        and self._connected
+                        and self.backlog + agent.actor_batch_size > self.max_backlog
+                        and not stop.is_set()
+                    ):
+                        self._learner_step(rows, times, wait=True)
                     if self._connected and self._wait_for_room(stop):
                         self.batcher.cat(full)
                     unrolls[b].roll()
                 b = (b + 1) % nb
             halt.set()
-            learner.join()
+            if not inline:
+                learner.join()
             if self._learner_error is not None:
                 raise self._learner_error
             self.elapsed = rows.final()
@@ -634,6 +677,14 @@ class Trainer:
                 self._room.wait(0.1)
             self.backlog += width
         return True
+
+
+@dataclass
+class _LearnerTimes:
+    """When the learner last saved a checkpoint, and last saw its group active."""
+
+    checkpoint: float = dataclasses.field(default_factory=time.monotonic)
+    in_group: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class _Rows:

@@ -1,12 +1,15 @@
 """The on-policy loop's two threads (docs/architecture.md, section 6): the actors act on
-``PolicySlots`` while the learner thread learns and publishes.
+``PolicySlots`` while the learner thread learns and publishes; or one thread, the
+acting thread learning between its steps (``agent.learner=inline``).
 
 - the slots: an acting thread never sees a torn or older model while a learner thread
   publishes as fast as it can;
-- a run stopped by SIGTERM writes a checkpoint that resumes, and its actors' model
-  version moves forward, never ahead of the learner's;
-- an exception in the learner thread ends the run with its traceback and a non-zero
-  exit, with every env worker gone (it never hangs with the actors stepping).
+- a run stopped by SIGTERM (learning on a thread or inline) writes a checkpoint
+  that resumes, and its actors' model version moves forward, never ahead of the
+  learner's;
+- an exception in the learner (its thread, or inline) ends the run with its
+  traceback and a non-zero exit, with every env worker gone (it never hangs with
+  the actors stepping).
 
 Ctrl-C and SLURM's preemption take the same path as SIGTERM (the stop event):
 tests/test_run.py (Ctrl-C of two local peers) and tests/test_slurm.py (a preempted
@@ -37,9 +40,15 @@ from helpers.run_util import (
     wait_for,
 )
 from moolib.agents.policy_slots import PolicySlots
+from moolib.agents.registry import agent_config
+from moolib.agents.training import learner_mode
+
+from moolib.config_checks import ConfigError
 
 HELPERS = Path(__file__).parent / "helpers"
 CARTPOLE = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=0.5", "torch_threads=1"]
+# Where the loop learns (agent.learner): on its own thread, or in the acting thread.
+LEARNERS = ["thread", "inline"]
 
 
 DEVICES = [
@@ -100,9 +109,18 @@ def _checkpoint(path: Path) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_sigterm_stops_with_a_checkpoint_that_resumes_and_actor_versions_move_forward(tmp_path):
+@pytest.mark.parametrize("learner", LEARNERS)
+def test_sigterm_stops_with_a_checkpoint_that_resumes_and_actor_versions_move_forward(
+    tmp_path, learner
+):
     savedir = tmp_path / "run"
-    args = [*CARTPOLE, "total_steps=100000000", "checkpoint_interval=100000", f"savedir={savedir}"]
+    args = [
+        *CARTPOLE,
+        f"agent.learner={learner}",
+        "total_steps=100000000",
+        "checkpoint_interval=100000",
+        f"savedir={savedir}",
+    ]
     r = Run(args, tmp_path, tmp_path / "first.out")
     try:
         wait_for(
@@ -144,7 +162,8 @@ def test_sigterm_stops_with_a_checkpoint_that_resumes_and_actor_versions_move_fo
 
 
 @pytest.mark.timeout(300)
-def test_an_exception_in_the_learner_thread_ends_the_run_with_its_traceback(tmp_path):
+@pytest.mark.parametrize("learner", LEARNERS)
+def test_an_exception_in_the_learner_ends_the_run_with_its_traceback(tmp_path, learner):
     savedir = tmp_path / "run"
     log = tmp_path / "out.log"
     with open(log, "wb") as out:
@@ -153,6 +172,7 @@ def test_an_exception_in_the_learner_thread_ends_the_run_with_its_traceback(tmp_
                 sys.executable,
                 str(HELPERS / "failing_learner.py"),
                 *CARTPOLE,
+                f"agent.learner={learner}",
                 "total_steps=100000000",
                 f"savedir={savedir}",
             ],
@@ -174,6 +194,33 @@ def test_an_exception_in_the_learner_thread_ends_the_run_with_its_traceback(tmp_
     assert code not in (0, None), text[-3000:]
     assert "Traceback" in text, text[-3000:]
     assert "RuntimeError: injected learner failure at model version 3" in text, text[-3000:]
-    # The traceback reaches into the learner thread, where it was raised.
-    assert "_learner_loop" in text and "_failing" in text, text[-3000:]
+    # The traceback reaches into the learner (its thread's loop, or the acting
+    # thread's turns of it), where it was raised.
+    where = "_learner_loop" if learner == "thread" else "in run"
+    assert where in text and "_learner_step" in text and "_failing" in text, text[-3000:]
     assert not alive(proc.pid)
+
+
+def _agent(**settings):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["agent=vtrace", "env=cartpole"])
+    return agent_config({**cfg.agent, **settings})
+
+
+def test_auto_learns_inline_on_a_cpu_for_python_bound_networks_and_on_a_thread_otherwise():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    vector, frames = (4,), (4, 84, 84)
+    auto = _agent()
+    assert auto.learner == "auto"
+    assert learner_mode(auto, cpu, vector) == "inline"  # auto: the MLP
+    assert learner_mode(_agent(network="tiny"), cpu, frames) == "inline"
+    assert learner_mode(auto, cpu, frames) == "thread"  # auto: the deep IMPALA network
+    assert learner_mode(_agent(network="minatar"), cpu, (4, 10, 10)) == "thread"
+    assert learner_mode(auto, cuda, vector) == "thread"
+    # Set, it is kept whatever the network and device.
+    assert learner_mode(_agent(learner="thread"), cpu, vector) == "thread"
+    assert learner_mode(_agent(learner="inline"), cuda, frames) == "inline"
+    with pytest.raises(ConfigError, match=r"agent.learner"):
+        _agent(learner="process")

@@ -1,5 +1,5 @@
-"""``moolib-run ARGS`` whose learner thread raises at its third update (a learner bug,
-or a CUDA error): for tests/test_learner_thread.py."""
+"""``moolib-run ARGS`` whose learner (on its thread or inline) raises at its third
+update (a learner bug, or a CUDA error): for tests/test_learner_thread.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from moolib.launch.run import main
 _learn = training.Trainer._learn
 
 
-def _failing(self: training.Trainer, stats: dict) -> bool:
+def _failing(self: training.Trainer, stats: dict, wait: bool = True) -> bool:
     if self.accumulator.model_version() >= 3:
         raise RuntimeError("injected learner failure at model version 3")
-    return _learn(self, stats)
+    return _learn(self, stats, wait)
 
 
 if __name__ == "__main__":
