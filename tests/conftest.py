@@ -20,7 +20,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 
 # The files that take minutes (agents learning, SLURM jobs requeued, wheels built),
-# longest first: with the README's ``-n 2 --dist loadfile``, each worker takes the
+# longest first: with the README's ``-n 3 --dist loadfile``, each worker takes the
 # next file as it frees up, so the short files fill in beside the long ones instead
 # of one long file running alone at the end. Measured in `.ci/run` (its
 # ``--durations`` list); a file missing here only runs later, in name order.
