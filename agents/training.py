@@ -27,12 +27,13 @@ learning-rate schedule and ``total_steps``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import logging
 import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -460,18 +461,16 @@ class Trainer:
         return step, core
 
     def _learn(self, stats: dict, wait: bool = True) -> bool:
-        """Feeds a ready learner batch to the accumulator and applies summed gradients;
-        returns whether there was anything to do."""
+        """Feeds a ready learner batch to the accumulator (with ``wait``, waiting a
+        little for one) and applies summed gradients; returns whether there was
+        anything to do."""
         acc = self.accumulator
         worked = False
         if acc.wants_gradients():
             try:
                 # Blocks, without the GIL, until the actors hand over a batch: a learner
                 # that polled would take the GIL from the acting thread at every poll.
-                if wait:
-                    item = self.batcher.get(timeout=0.05)
-                else:
-                    item = None if self.batcher.empty() else self.batcher.get()
+                item = self.batcher.get(timeout=0.05 if wait else 0)
             except TimeoutError:
                 item = None
             if item is not None:
@@ -525,11 +524,10 @@ class Trainer:
         rows and periodic checkpoints. An exception ends it and is kept in
         ``self._learner_error`` for the acting thread to raise."""
         stream = torch.cuda.Stream(self.device) if self._act_stream is not None else None
-        times = _LearnerTimes()
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 while self.steps < self.total_steps and not halt.is_set():
-                    self._learner_step(rows, times, wait=True)
+                    self._learner_step(rows, wait=True)
                 if stream is not None:
                     stream.synchronize()
         except BaseException as e:
@@ -539,14 +537,15 @@ class Trainer:
             with self._room:
                 self._room.notify_all()
 
-    def _learner_step(self, rows: _Rows, times: _LearnerTimes, wait: bool) -> None:
+    def _learner_step(self, rows: _Rows, wait: bool) -> None:
         """One turn of the learner: the group, a learner batch if one is ready (with
-        ``wait``, waits a little for one), a log row and a checkpoint when due."""
+        ``wait``, waits a little for one), a log row and a checkpoint when due. Sets
+        ``_learner_done`` at ``total_steps``."""
         acc = self.accumulator
         acc.update()
         if acc.group.active():
-            times.in_group = time.monotonic()
-        elif time.monotonic() - times.in_group > self._lost_group_timeout:
+            self._in_group_time = time.monotonic()
+        elif time.monotonic() - self._in_group_time > self._lost_group_timeout:
             # Acting with nobody to learn with wastes the machine.
             raise GroupLostError(
                 f"peer {self.peer.rank} has been out of its group for "
@@ -561,11 +560,16 @@ class Trainer:
         self._connected = acc.connected()
         worked = self._connected and self._learn(rows.stats, wait)
         rows.maybe_write()
-        if time.monotonic() - times.checkpoint >= self._checkpoint_interval and acc.is_leader():
+        if (
+            time.monotonic() - self._checkpoint_time >= self._checkpoint_interval
+            and acc.is_leader()
+        ):
             self.elapsed = rows.clock()
             self._save()
-            times.checkpoint = time.monotonic()
-        if wait and not worked and not (self._connected and acc.wants_gradients()):
+            self._checkpoint_time = time.monotonic()
+        if self.steps >= self.total_steps:
+            self._learner_done.set()
+        elif wait and not worked and not (self._connected and acc.wants_gradients()):
             # Waiting for the group's sum of gradients (or to join the group).
             if not acc.wait_gradients(0.05):
                 time.sleep(0.001)
@@ -601,15 +605,18 @@ class Trainer:
             futures = [self.envs.step(b, noop) for b in range(nb)]
             rows.start()
             sys.setswitchinterval(_SWITCH_INTERVAL)
+            # The learner's clocks: of its checkpoints, and of its group last seen active.
+            self._checkpoint_time = self._in_group_time = time.monotonic()
             inline = self.learner == "inline"
-            times = _LearnerTimes()
-            if not inline:
+            if inline:
+                # While the actors wait for room, the acting thread learns.
+                learn: Callable[[], None] | None = functools.partial(
+                    self._learner_step, rows, wait=True
+                )
+            else:
+                learn = None
                 learner.start()
             while not stop.is_set() and not self._learner_done.is_set():
-                if inline:
-                    if self.steps >= self.total_steps:
-                        break
-                    self._learner_step(rows, times, wait=False)
                 env_out = futures[b].result()
                 done = env_out["done"]
                 if bool(done.any()):
@@ -635,18 +642,12 @@ class Trainer:
                 if full is not None:
                     # Unrolls the learner cannot take (not in the group yet) are
                     # dropped; when it is behind, the actors wait for it.
-                    # Inline, the learner catches up here (the same wait, spent learning).
-                    while (
-                        inline
-                        and self._connected
-                        and self.backlog + agent.actor_batch_size > self.max_backlog
-                        and not stop.is_set()
-                    ):
-                        self._learner_step(rows, times, wait=True)
-                    if self._connected and self._wait_for_room(stop):
+                    if self._connected and self._wait_for_room(stop, learn):
                         self.batcher.cat(full)
                     unrolls[b].roll()
                 b = (b + 1) % nb
+                if inline:
+                    self._learner_step(rows, wait=False)
             halt.set()
             if not inline:
                 learner.join()
@@ -666,25 +667,23 @@ class Trainer:
             self.accumulator.close()
         return rows.last
 
-    def _wait_for_room(self, stop: threading.Event) -> bool:
+    def _wait_for_room(
+        self, stop: threading.Event, learn: Callable[[], None] | None = None
+    ) -> bool:
         """Waits until the learner's backlog has room for an unroll (or the run ends:
-        then False), and counts the unroll in."""
+        then False), and counts the unroll in. With ``learn`` (inline learning) the
+        wait is spent in turns of the learner instead."""
         width = self.agent.actor_batch_size
-        with self._room:
+        with self._room:  # reentrant: a learner turn takes it too
             while self.backlog + width > self.max_backlog:
                 if stop.is_set() or self._learner_done.is_set():
                     return False
-                self._room.wait(0.1)
+                if learn is not None:
+                    learn()
+                else:
+                    self._room.wait(0.1)
             self.backlog += width
         return True
-
-
-@dataclass
-class _LearnerTimes:
-    """When the learner last saved a checkpoint, and last saw its group active."""
-
-    checkpoint: float = dataclasses.field(default_factory=time.monotonic)
-    in_group: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class _Rows:
