@@ -3,6 +3,7 @@
 #include <structmember.h>
 
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <vector>
 
@@ -26,6 +27,7 @@ struct HandlerObject {
 PyTypeObject* gHandlerType = nullptr;
 
 constexpr const char* kKindNames[] = {"call", "responder", "encoded"};
+constexpr int kKinds = int(std::size(kKindNames));
 
 HandlerObject* asHandler(PyObject* o) { return reinterpret_cast<HandlerObject*>(o); }
 
@@ -42,8 +44,8 @@ PyObject* handlerNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     return nullptr;
   }
   int kind = 0;
-  while (kind != 3 && std::strcmp(kindName, kKindNames[kind]) != 0) ++kind;
-  if (kind == 3) {
+  while (kind != kKinds && std::strcmp(kindName, kKindNames[kind]) != 0) ++kind;
+  if (kind == kKinds) {
     PyErr_Format(PyExc_ValueError,
                  "Handler: unknown kind '%s' (expected 'call', 'responder' or 'encoded')",
                  kindName);
