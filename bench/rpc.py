@@ -14,8 +14,10 @@ for the ucx transport over UCX's own TCP and over its shared memory (UCX_TLS
 set per client process), beside ucx_perftest (ucx-utils) on the same UCX
 transport: stream_lat (a busy-polling ping-pong of UCP stream messages; its
 round trip, twice the one-way latency ucx_perftest prints) and
-stream_bw of 64 MiB messages, the limits of an RPC over UCP streams. --no-ucx
-leaves them out.
+stream_bw of 64 MiB messages, the limits of an RPC over UCP streams. Both with
+endpoints that report a dead peer (ucx_perftest -e), as moolib's do; for UCX's
+shared memory that takes UCX_MM_ERROR_HANDLING=y, which both sides get. The
+table names the lanes UCX chose for moolib's link. --no-ucx leaves them out.
 
 With --baseline, a second moolib (today's main, say) is measured beside this
 one in the same run, rounds interleaved, and the table gains its figures and
@@ -175,6 +177,12 @@ def client() -> None:
             bandwidth(rpc)
         ready = {"ready": moolib.__file__, "original": is_original(moolib)}
         ready["ucx"] = ucx_available(moolib)
+        if "ucx" in rpcs:
+            # What UCX carries the calls over (transport/device of each lane).
+            peer = next(p for p in rpcs["ucx"].debug_info()["peers"] if p["name"] == "bench-server")
+            ready["lanes"] = next(
+                c["lanes"] for c in peer["connections"] if c["transport"] == "ucx"
+            )
         print(json.dumps(ready), flush=True)
         for line in sys.stdin:
             name, _, arg = line.strip().partition(" ")
@@ -210,6 +218,7 @@ class Client:
         self.module = ready["ready"]
         self.original = ready.get("original", False)
         self.ucx = ready.get("ucx", False)
+        self.lanes = ready.get("lanes", "")
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -362,11 +371,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ucx_perftest(tls: str, test: str, args: list[str]) -> float:
-    """One ucx_perftest run (server and client processes) over UCX_TLS=tls: the
+def ucx_perftest(settings: dict, test: str, args: list[str]) -> float:
+    """One ucx_perftest run (server and client processes) with UCX's settings as
+    moolib's client has them, and endpoints with error handling as moolib's: the
     round trip in seconds (stream_lat: twice its one-way latency) or the bandwidth
     in GB/s (stream_bw)."""
-    env = dict(os.environ, UCX_TLS=tls)
+    env = dict(os.environ, **settings)
     port = str(free_port())
     server = subprocess.Popen(
         ["ucx_perftest", "-p", port], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -374,7 +384,7 @@ def ucx_perftest(tls: str, test: str, args: list[str]) -> float:
     try:
         for _ in range(50):  # the server needs a moment to listen
             out = subprocess.run(
-                ["ucx_perftest", "127.0.0.1", "-p", port, "-t", test, *args],
+                ["ucx_perftest", "127.0.0.1", "-p", port, "-e", "-t", test, *args],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -391,7 +401,7 @@ def ucx_perftest(tls: str, test: str, args: list[str]) -> float:
                     return 2 * cols[3] * 1e-6
                 return cols[5] * 1.048576e-3
             time.sleep(0.1)
-        raise RuntimeError(f"ucx_perftest {test} over {tls}: {out.stdout}{out.stderr}")
+        raise RuntimeError(f"ucx_perftest {test} with {settings}: {out.stdout}{out.stderr}")
     finally:
         server.kill()
         server.wait(timeout=30)
@@ -399,8 +409,13 @@ def ucx_perftest(tls: str, test: str, args: list[str]) -> float:
 
 # UCX's transports measured: its TCP, and its shared memory ("sm": posix, sysv,
 # cma; with tcp, which UCX's client-server connection manager needs to connect).
-# ucx_perftest runs with the same UCX_TLS.
-UCX_TLS = {"ucx-tcp": "tcp", "ucx-shm": "sm,tcp"}
+# moolib's endpoints ask UCX to report a dead peer, which UCX 1.13's shared memory
+# offers only with UCX_MM_ERROR_HANDLING=y (without it, UCX sends over its TCP).
+# ucx_perftest runs with the same settings, and with error handling (-e) too.
+UCX_ENV = {
+    "ucx-tcp": {"UCX_TLS": "tcp"},
+    "ucx-shm": {"UCX_TLS": "sm,tcp", "UCX_MM_ERROR_HANDLING": "y"},
+}
 
 
 def memcpy_rate(src: np.ndarray, dst: np.ndarray) -> float:
@@ -442,8 +457,8 @@ def main() -> None:
     ucx = not args.no_ucx and clients["moolib"].ucx
     perftest = ucx and shutil.which("ucx_perftest") is not None
     if ucx:
-        for who, tls in UCX_TLS.items():
-            env = dict(os.environ, UCX_TLS=tls, MOOLIB_BENCH_TRANSPORTS="ucx")
+        for who, settings in UCX_ENV.items():
+            env = dict(os.environ, **settings, MOOLIB_BENCH_TRANSPORTS="ucx")
             clients[who] = Client(sys.executable, env)
     src = np.random.rand(MIB64 // 8)
     dst = np.empty_like(src)
@@ -458,20 +473,20 @@ def main() -> None:
         "bulk_tcp": raw["tcp"].bulk,
         "bulk_unix": raw["unix"].bulk,
     }
-    for who, tls in UCX_TLS.items() if ucx else ():
+    for who, settings in UCX_ENV.items() if ucx else ():
         c = clients[who]
         measures[f"{who}:rtt"] = lambda c=c: c.measure("rtt_ucx", n)
         measures[f"{who}:async"] = lambda c=c: c.measure("async_ucx", na)
         measures[f"{who}:bw"] = lambda c=c: c.measure("bw_ucx")
         if perftest:
-            measures[f"{who}:perf_lat"] = lambda tls=tls: ucx_perftest(
-                tls, "stream_lat", ["-n", str(n)]
+            measures[f"{who}:perf_lat"] = lambda settings=settings: ucx_perftest(
+                settings, "stream_lat", ["-n", str(n)]
             )
-            measures[f"{who}:perf_bw"] = lambda tls=tls: ucx_perftest(
-                tls, "stream_bw", ["-s", str(MIB64), "-n", "20"]
+            measures[f"{who}:perf_bw"] = lambda settings=settings: ucx_perftest(
+                settings, "stream_bw", ["-s", str(MIB64), "-n", "20"]
             )
     for who, c in clients.items():
-        if who in UCX_TLS:
+        if who in UCX_ENV:
             continue
         for t in ("shm", "tcp"):
             measures[f"{who}:rtt_{t}"] = lambda c=c, t=t: c.measure(f"rtt_{t}", n)
@@ -509,7 +524,7 @@ def main() -> None:
         f"rounds, load average {os.getloadavg()[0]:.2f} at the end)"
     )
     for who, c in clients.items():
-        if who in UCX_TLS:
+        if who in UCX_ENV:
             continue
         if c.original:
             print(
@@ -550,7 +565,7 @@ def main() -> None:
         print(f"(no ucx rows: {why})")
         return
     print(f"{'ucx transport':<32}{'moolib':>12}{'ucx_perftest':>36}{'ratio':>7}")
-    for who in UCX_TLS:
+    for who in UCX_ENV:
         perf_lat = m.get(f"{who}:perf_lat")
         perf_bw = m.get(f"{who}:perf_bw")
         for label, key, scale, ref_name, ref in [
@@ -563,6 +578,8 @@ def main() -> None:
             ref_text = f"{ref_name} {ref:,.1f}" if ref is not None else ""
             ratio = f"{value / ref:.2f}" if ref else ""
             print(f"{label:<32}{value:>12,.1f}{ref_text:>36}{ratio:>7}")
+    for who in UCX_ENV:
+        print(f"({who}: moolib's UCX lanes {clients[who].lanes}; settings {UCX_ENV[who]})")
     if not perftest:
         print("(no ucx_perftest on PATH: install ucx-utils for the limits)")
 

@@ -361,17 +361,33 @@ for n in (0, 10, 1 << 16, 1 << 22):
     t = torch.rand(n)
     assert torch.equal(client.sync("server", "echo", t), t)
 peer = next(p for p in client.debug_info()["peers"] if p["name"] == "server")
-print(peer["transport"])
+link = next(c for c in peer["connections"] if c["transport"] == "ucx")
+print(peer["transport"], link["lanes"])
 """
 
 
 # UCX connects client to server through its TCP connection manager, so its
-# shared memory comes with tcp in UCX_TLS; UCX then moves the data over shm.
-@pytest.mark.parametrize("tls", ["tcp", "sm,tcp"], ids=["ucx-tcp", "ucx-shm"])
-def test_calls_over_ucx_tcp_and_shared_memory(tmp_path, tls):
-    out = run_script(OVER_UCX_TLS, tmp_path, env={"UCX_TLS": tls})
+# shared memory comes with tcp in UCX_TLS. moolib's endpoints ask UCX to report a
+# dead peer, which UCX 1.13's shared memory offers only with UCX_MM_ERROR_HANDLING=y:
+# without it the bytes go over UCX's TCP (docs/library.md, "UCX").
+@pytest.mark.parametrize(
+    "env, shared_memory",
+    [
+        ({"UCX_TLS": "tcp"}, False),
+        ({"UCX_TLS": "sm,tcp", "UCX_MM_ERROR_HANDLING": "y"}, True),
+        ({"UCX_TLS": "sm,tcp"}, False),
+    ],
+    ids=["ucx-tcp", "ucx-shm", "ucx-shm-without-error-handling"],
+)
+def test_calls_over_ucx_tcp_and_shared_memory(tmp_path, env, shared_memory):
+    out = run_script(OVER_UCX_TLS, tmp_path, env=env)
     assert out.returncode == 0, out.stdout
-    assert out.stdout.strip().splitlines()[-1] == "ucx", out.stdout
+    transport, lanes = out.stdout.strip().splitlines()[-1].split()
+    assert transport == "ucx", out.stdout
+    # debug_info() names the transport/device of each lane UCX chose for the link
+    # ("tcp/lo", "sysv/memory", ...).
+    over_memory = [lane for lane in lanes.split(",") if "/memory" in lane]
+    assert bool(over_memory) == shared_memory, lanes
 
 
 # ---------------------------------------------------------------------------
@@ -435,7 +451,12 @@ time.sleep(120)
 def two_hosts(tmp_path, hub_env, hub_transports=None):
     """A hub process on this host, listening on a veth address, and a network namespace
     (another host, as far as the network goes) to run peers in: yields (namespace,
-    the hub's address, the hub's process)."""
+    the hub's address, the hub's process, the peers' UCX settings).
+
+    Each side names its own interface to UCX (UCX_NET_DEVICES), as on a cluster:
+    otherwise UCX offers the peer every interface of the hub's host, the veths of
+    other tests' namespaces too, and a dial of one unreachable from here stalls the
+    endpoint's wire-up (the link then never forms)."""
     from test_rpc_netns import _add_namespace, _ip
 
     tag = os.getpid() % 200 + 20
@@ -460,11 +481,11 @@ def two_hosts(tmp_path, hub_env, hub_transports=None):
             [sys.executable, str(hub_script), *args],
             stdout=subprocess.PIPE,
             text=True,
-            env=child_env(hub_env),
+            env=child_env({**hub_env, "UCX_NET_DEVICES": host_if}),
         )
         address = hub.stdout.readline().strip()
         assert address, "the hub did not start"
-        yield ns, address, hub
+        yield ns, address, hub, {"UCX_NET_DEVICES": ns_if}
     finally:
         if hub is not None:
             hub.kill()
@@ -482,14 +503,14 @@ def two_hosts(tmp_path, hub_env, hub_transports=None):
     ids=["both-have-ucx-rdma", "one-without-ucx"],
 )
 def test_two_hosts_pick_ucx_only_when_both_have_it(tmp_path, hub_env, peer_env, expected):
-    with two_hosts(tmp_path, hub_env) as (ns, address, _):
+    with two_hosts(tmp_path, hub_env) as (ns, address, _, devices):
         script = tmp_path / "peer.py"
         script.write_text(CHOICE_PEER)
         out = subprocess.run(
             ["ip", "netns", "exec", ns, sys.executable, str(script), "peer", address],
             capture_output=True,
             text=True,
-            env=child_env(peer_env),
+            env=child_env({**peer_env, **devices}),
             timeout=3 * DEADLINE,
         )
     assert out.returncode == 0, out.stdout + out.stderr
@@ -540,11 +561,12 @@ def test_calls_large_tensors_errors_and_kill_9_over_ucx_between_two_hosts(tmp_pa
     """The transport contract across a network (a veth pair into another namespace),
     over UCX's TCP: UCX's shared memory would reach across namespaces of one machine."""
     tls = {"UCX_TLS": "tcp"}
-    with two_hosts(tmp_path, tls, hub_transports=UCX) as (ns, address, hub):
+    with two_hosts(tmp_path, tls, hub_transports=UCX) as (ns, address, hub, devices):
         script = tmp_path / "peer.py"
         script.write_text(CONTRACT_PEER)
         log_path = tmp_path / "peer.log"
-        env = child_env({**tls, "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{REPO}"})
+        path = f"{Path(__file__).parent}{os.pathsep}{REPO}"
+        env = child_env({**tls, **devices, "PYTHONPATH": path})
         with log_path.open("w") as log:
             peer = subprocess.Popen(
                 ["ip", "netns", "exec", ns, sys.executable, str(script), address],

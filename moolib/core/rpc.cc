@@ -569,9 +569,9 @@ DebugInfo Rpc::debugInfo() {
   for (auto& [name, p] : peers_) {
     PeerInfo pi{name, p.host == hostIdentity(), p.addresses, {}, p.queued.size(), "", "", ""};
     for (auto& l : p.links) {
-      pi.connections.push_back(
-          ConnectionInfo{l->conn->transport(), l->conn->localAddress(), l->conn->remoteAddress(),
-                         l->outgoing, l->conn->bytesSent(), l->conn->bytesReceived(), l->why});
+      pi.connections.push_back(ConnectionInfo{
+          l->conn->transport(), l->conn->localAddress(), l->conn->remoteAddress(), l->outgoing,
+          l->conn->bytesSent(), l->conn->bytesReceived(), l->why, l->conn->lanes()});
     }
     if (auto best = bestLinkLocked(p)) pi.transport = best->conn->transport();
     TransportChoice choice =

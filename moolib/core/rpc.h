@@ -60,7 +60,8 @@ struct ConnectionInfo {
   std::string transport, local, remote;
   bool outgoing;
   uint64_t bytesSent, bytesReceived;
-  std::string why;  // why this link was made
+  std::string why;    // why this link was made
+  std::string lanes;  // Connection::lanes()
 };
 struct PeerInfo {
   std::string name;

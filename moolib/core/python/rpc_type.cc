@@ -18,7 +18,7 @@ namespace {
 py::dict toPython(const ConnectionInfo& c) {
   return py::dict("transport"_a = c.transport, "local"_a = c.local, "remote"_a = c.remote,
                   "outgoing"_a = c.outgoing, "bytes_sent"_a = c.bytesSent,
-                  "bytes_received"_a = c.bytesReceived, "why"_a = c.why);
+                  "bytes_received"_a = c.bytesReceived, "why"_a = c.why, "lanes"_a = c.lanes);
 }
 
 py::dict toPython(const PeerInfo& p) {

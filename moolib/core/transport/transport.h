@@ -41,6 +41,9 @@ class Connection {
   virtual std::string remoteAddress() const = 0;
   virtual uint64_t bytesSent() const = 0;
   virtual uint64_t bytesReceived() const = 0;
+  // What carries the bytes beneath this transport, where that is chosen
+  // below it (UCX: its endpoint's lanes); empty otherwise.
+  virtual std::string lanes() const { return ""; }
   // Lets the calling thread handle this connection's I/O itself until done()
   // or the deadline, so that a reply wakes the thread waiting for it. Returns
   // false at once if another thread is handling the connection.

@@ -3,12 +3,16 @@
 #if MOOLIB_UCX_HEADERS
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/epoll.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "logging.h"
+#include "spin.h"
 #include "transport/stream_connection.h"
 
 namespace moolib {
@@ -20,8 +24,6 @@ constexpr uint8_t kPreamble = 0x4d;  // 'M': the accepting side is wired up
 // than two for them.
 constexpr size_t kCopyBelow = 16 << 10;
 constexpr auto kPollInterval = std::chrono::milliseconds(1);
-// How long a thread waiting for a reply polls UCX before it sleeps.
-constexpr auto kServeSpin = std::chrono::microseconds(20);
 
 }  // namespace
 
@@ -190,14 +192,30 @@ void UcxRuntime::onEvents(uint32_t events) {
 }
 
 void UcxRuntime::serve(const std::function<bool()>& done, TimePoint deadline) {
+  // Null when spinning is off (MOOLIB_SPIN_US=0): each wait sleeps at once.
+  SpinPolicy* spinPolicy = SpinPolicy::budget().count() > 0 ? &SpinPolicy::current() : nullptr;
+  Waiter& waiter = currentWaiter();
   while (!done() && Clock::now() < deadline) {
-    // Poll UCX for a little while: a quick reply then costs no wake-up.
-    TimePoint spinUntil = std::min(deadline, Clock::now() + kServeSpin);
+    // Poll UCX for as long as the thread's spin policy says: a quick reply
+    // then costs no wake-up.
+    TimePoint start = Clock::now();
+    TimePoint spinUntil = std::min(
+        deadline, start + (spinPolicy ? spinPolicy->begin() : std::chrono::nanoseconds(0)));
+    bool mayYield = spinPolicy && spinPolicy->mayYield();
     bool progressed = false;
-    do {
-      std::lock_guard<std::mutex> lock(mutex);
-      progressed = api.ucp_worker_progress(worker) != 0;
-    } while (!progressed && Clock::now() < spinUntil);
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        progressed = api.ucp_worker_progress(worker) != 0;
+      }
+      TimePoint now = Clock::now();
+      if (progressed || now >= spinUntil) break;
+      if (mayYield) {
+        // Yields give the core to whoever waits for it (SpinPolicy::kLostCore).
+        sched_yield();
+        mayYield = spinPolicy->yielded(Clock::now() - now);
+      }
+    }
     {
       // Progressed to the end and armed again, whatever happened: the loop's
       // worker sleeps on the event fd too, and must be woken by what comes.
@@ -205,14 +223,16 @@ void UcxRuntime::serve(const std::function<bool()>& done, TimePoint deadline) {
       progressLocked();
     }
     runDeferred();
-    if (progressed || done()) continue;
-    // Sleep on the event fd; a loop worker may take the event and hand the
-    // reply up itself: the future then wakes this thread's waiter.
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    Waiter& waiter = currentWaiter();
-    pollfd p[2] = {{efd_, POLLIN, 0}, {waiter.fd(), POLLIN, 0}};
-    ::poll(p, 2, int(std::clamp<int64_t>(left.count() + 1, 0, 100)));
-    if (p[1].revents) waiter.clear();
+    bool event = progressed || done();
+    if (!event) {
+      // Sleep on the event fd; a loop worker may take the event and hand the
+      // reply up itself: the future then wakes this thread's waiter.
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      pollfd p[2] = {{efd_, POLLIN, 0}, {waiter.fd(), POLLIN, 0}};
+      event = ::poll(p, 2, int(std::clamp<int64_t>(left.count() + 1, 0, 100))) > 0;
+      if (p[1].revents) waiter.clear();
+    }
+    if (spinPolicy) spinPolicy->end(Clock::now() - start, progressed, event);
   }
 }
 
@@ -290,9 +310,15 @@ void UcxConnection::dialLocked(ucp_ep_h ep, Context::ConnectFn done) {
   pumpLocked();
 }
 
-void UcxConnection::acceptLocked(ucp_ep_h ep) {
+void UcxConnection::acceptLocked(ucp_ep_h ep, Task wired) {
   ep_ = ep;
   rt_->live.insert(shared_from_this());
+  // Handed up only once the preamble has left: until the dialer has
+  // confirmed the connection, UCX queues sends, and UCX 1.13 replays them
+  // over the final lanes with the message protocol picked for the first
+  // ones: a frame of 93-128 bytes then fails on its shared memory ("Invalid
+  // am_short length"). The preamble, 1 byte, fits any.
+  acceptDone_ = std::move(wired);
   static const uint8_t preamble = kPreamble;
   SendOp& op = sends_[0];
   op.tag = SendTag{this, 0};
@@ -310,7 +336,45 @@ void UcxConnection::acceptLocked(ucp_ep_h ep) {
     rt_->ensurePollingLocked();
   } else {
     sends_.erase(0);
+    wiredLocked();
   }
+}
+
+void UcxConnection::wiredLocked() {
+  if (!acceptDone_ || closed_) return;
+  readLanesLocked();
+  rt_->deferred.push_back(std::move(acceptDone_));
+  acceptDone_ = nullptr;
+}
+
+void UcxConnection::readLanesLocked() {
+  // ucp_ep_print_info writes lines such as
+  //   "#   lane[1]:  2:sysv/memory.0 md[1]  -> md[1]/sysv/sysdev[255] am am_bw#0"
+  // the transport/device of each lane (the connection manager's lane has none).
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* out = ::open_memstream(&text, &size);
+  if (!out) return;
+  rt_->api.ucp_ep_print_info(ep_, out);
+  ::fclose(out);
+  std::string all(text, size);
+  ::free(text);
+  std::string lanes;
+  for (size_t at = all.find("lane["); at != std::string::npos; at = all.find("lane[", at + 1)) {
+    size_t end = all.find('\n', at);
+    std::string line = all.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    size_t colon = line.find(": ");
+    if (colon == std::string::npos) continue;
+    size_t start = line.find_first_not_of(' ', colon + 1);
+    size_t stop = start == std::string::npos ? start : line.find(' ', start);
+    if (start == std::string::npos) continue;
+    std::string item = line.substr(start, stop == std::string::npos ? stop : stop - start);
+    size_t index = item.find(':');  // "2:sysv/memory.0": the resource's index first
+    if (index == std::string::npos || item.find('/') == std::string::npos) continue;
+    item = item.substr(index + 1);
+    if (lanes.find(item) == std::string::npos) lanes += (lanes.empty() ? "" : ",") + item;
+  }
+  lanes_ = lanes;
 }
 
 void UcxConnection::start(FrameFn onFrame, CloseFn onClose) {
@@ -437,6 +501,8 @@ void UcxConnection::onSendDone(void* request, ucs_status_t status, uint64_t op) 
   }
   if (status != UCS_OK && status != UCS_ERR_CANCELED) {
     failLocked(concat("UCX send failed: ", statusString(status)));
+  } else if (op == 0) {
+    wiredLocked();
   }
   maybeRetireLocked();
 }
@@ -520,6 +586,7 @@ bool UcxConnection::advanceLocked(size_t length) {
         }
         state_ = RecvState::kIdle;
         if (connectDone_) {
+          readLanesLocked();
           if (connectTimer_) Loop::instance().cancelTimer(connectTimer_);
           connectTimer_ = 0;
           auto done = std::move(connectDone_);
@@ -675,6 +742,9 @@ void UcxConnection::closeLocked(const Error& reason, bool force) {
     connectDone_ = nullptr;
     rt_->deferred.push_back([done, reason] { done(reason, nullptr); });
   }
+  // Never handed up; dropped outside the mutex (it holds this connection).
+  if (acceptDone_) rt_->deferred.push_back([drop = std::move(acceptDone_)] {});
+  acceptDone_ = nullptr;
   {
     std::lock_guard<std::mutex> lock(inboxMutex_);
     closeQueued_ = true;

@@ -107,6 +107,7 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
   std::string remoteAddress() const override { return remote_; }
   uint64_t bytesSent() const override { return bytesSent_.load(); }
   uint64_t bytesReceived() const override { return bytesReceived_.load(); }
+  std::string lanes() const override { return lanes_; }
   // The waiting thread progresses UCX itself, so that a reply wakes the
   // thread that waits for it.
   bool serveWhile(const std::function<bool()>& done, TimePoint deadline,
@@ -115,8 +116,9 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
   // Runtime side; mutex held.
   // A dialed endpoint: waits for the preamble, then calls done (deferred).
   void dialLocked(ucp_ep_h ep, Context::ConnectFn done);
-  // An accepted endpoint: sends the preamble.
-  void acceptLocked(ucp_ep_h ep);
+  // An accepted endpoint: sends the preamble, and calls wired (deferred)
+  // once it has left: see acceptLocked.
+  void acceptLocked(ucp_ep_h ep, Task wired);
   void failLocked(const std::string& why);
   void setConnectTimer(uint64_t id) { connectTimer_ = id; }
   std::string statusText(ucs_status_t s) const;
@@ -155,6 +157,11 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
   // (lock order: the runtime's mutex, then inboxMutex_).
   void markDirtyLocked();
   void maybeRetireLocked();
+  // Reads the endpoint's lanes from UCX (for lanes()); before the connection
+  // is handed up, never after.
+  void readLanesLocked();
+  // The accepted side's preamble has left: hands the connection up.
+  void wiredLocked();
   // Reads on after a frame held by kHeld was handed up; without the mutex.
   void resumeAfterHeld();
   std::string statusString(ucs_status_t s) const;
@@ -167,6 +174,8 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
   std::atomic<uint64_t> bytesSent_{0}, bytesReceived_{0};
   bool started_ = false;
   Context::ConnectFn connectDone_;  // while dialing
+  Task acceptDone_;                 // while the accepted side's preamble waits
+  std::string lanes_;
   uint64_t connectTimer_ = 0;
 
   // Sends in flight: id -> what they keep alive (op 0: the preamble).

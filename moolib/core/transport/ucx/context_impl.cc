@@ -221,9 +221,8 @@ void UcxListener::onConnRequest(ucp_conn_request_h request) {
             rt_->api.ucs_status_string(st));
     return;
   }
-  conn->acceptLocked(ep);
   auto onAccept = onAccept_;
-  rt_->deferred.push_back([onAccept, conn] { onAccept(conn); });
+  conn->acceptLocked(ep, [onAccept, conn] { onAccept(conn); });
 }
 
 std::unique_ptr<Context> createUcxContext(std::string& whyNot);

@@ -42,6 +42,7 @@ struct UcxApi {
   X(ucp_conn_request_query) \
   X(ucp_ep_create) \
   X(ucp_ep_close_nbx) \
+  X(ucp_ep_print_info) \
   X(ucp_stream_send_nbx) \
   X(ucp_stream_recv_nbx) \
   X(ucp_request_free) \
