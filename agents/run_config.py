@@ -71,9 +71,11 @@ def env_name_error(name: str, follows: str, key: str = "game") -> ConfigError:
 
 @dataclass(frozen=True)
 class EnvConfig:
-    """``env``: the environment (``conf/env/*.yaml``). Checked by ``RunConfig``, whose
-    error order (agent, then run, then env) the messages keep."""
+    """``env``: the environment (``conf/env/*.yaml``). ``RunConfig`` runs its ``check``
+    last of its own, where moolib-run always checked the env: after the run's keys."""
 
+    # game and id come first, keyword-only, so that config.yaml lists them before the
+    # name that follows them, as conf/env does.
     # The game of a family whose config serves many (atari, minatar); None: no such key.
     game: str | None = dataclasses.field(default=None, kw_only=True)
     # A gymnasium env's id, or module:function (env=gym); None: no such key.
