@@ -13,7 +13,10 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from .run_config import RunConfig
 
 # Columns of logs.tsv, in order. A resumed run appends to the same file.
 COLUMNS = (
@@ -447,10 +450,18 @@ def _stream_handlers() -> list[logging.StreamHandler]:
 
 
 def start_banner(
-    cfg: Any, *, rank: int, device: Any, savedir: Path, broker: str, env_detail: str = ""
+    cfg: RunConfig,
+    *,
+    rank: int,
+    device: Any,
+    savedir: Path,
+    broker: str,
+    env_detail: str = "",
+    peers: int | None = None,
 ) -> str:
-    """The block a peer prints when it starts: agent, env, device, peers, savedir, broker."""
-    peers = int(cfg.scaling.peers)
+    """The block a peer prints when it starts: agent, env, device, peers, savedir, broker.
+    ``peers``: how many it says the run has (default: ``scaling.peers``)."""
+    peers = cfg.scaling.peers if peers is None else peers
     who = f", peer {rank} of {peers}" if peers > 1 else ""
     env = f"{cfg.env.name}{f' ({env_detail})' if env_detail else ''}"
     device_text = str(device)
@@ -458,7 +469,7 @@ def start_banner(
         import torch
 
         device_text += f" ({torch.cuda.get_device_name(device)})"
-    origin = "given by broker=" if cfg.get("broker") else "started by moolib-run"
+    origin = "given by broker=" if cfg.broker else "started by moolib-run"
     lines = [
         f"moolib-run: {cfg.agent.name} on {env}{who}",
         f"  device   {device_text}",
@@ -466,7 +477,7 @@ def start_banner(
         f"group {cfg.group}",
         f"  broker   {broker} ({origin})",
         f"  savedir  {savedir}",
-        f"  steps    {int(cfg.total_steps):,}; a log row every {cfg.log_interval:g} s, "
+        f"  steps    {cfg.total_steps:,}; a log row every {cfg.log_interval:g} s, "
         f"a checkpoint every {cfg.checkpoint_interval:g} s",
     ]
     return "\n".join(lines)
@@ -505,18 +516,16 @@ class Wandb:
         self.run_id = self.run.id
 
     @classmethod
-    def for_run(cls, cfg: Any, name: str, logdir: Path, run_id: str | None) -> Wandb | None:
+    def for_run(cls, cfg: RunConfig, name: str, logdir: Path, run_id: str | None) -> Wandb | None:
         """The wandb run of a process of moolib-run's run ``cfg`` (None when ``cfg.wandb`` is
         off): in the run's project and group, named ``name``, continuing ``run_id``."""
         if not cfg.wandb.enabled:
             return None
-        from omegaconf import OmegaConf
-
         return cls(
             project=cfg.wandb.project,
             group=cfg.group,
             name=name,
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=cfg.to_dict(),
             savedir=logdir,
             run_id=run_id,
             mode=cfg.wandb.mode,

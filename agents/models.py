@@ -471,7 +471,7 @@ def create_model(
 
 def make_actor_critic(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
     """The network of an actor-critic agent's settings ``cfg`` (its ``network``,
-    ``use_lstm`` and ``hidden_size``; an ``AgentConfig`` or a config node)."""
+    ``use_lstm`` and ``hidden_size``: an ``AgentConfig``)."""
     return create_model(
         obs_shape,
         num_actions,

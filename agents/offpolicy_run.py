@@ -43,11 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, open_dict
 
 import moolib
 from moolib._cpus import task_cores
-from moolib.config_checks import env_options, resolve_device
 
 from . import checkpoint, run_config
 from .apex import epsilon_schedule
@@ -55,7 +53,8 @@ from .host_results import HostResults
 from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
 from .offpolicy import epsilon_greedy, importance_weights
 from .qlearning import QConfig, make_acting, make_qnet
-from .registry import Runtime, agent_config, get_agent
+from .registry import Runtime, get_agent
+from .run_config import LocalScalingConfig, RunConfig
 from .training import (
     GroupLostError,
     PeerInfo,
@@ -109,26 +108,26 @@ def learner_name(group: str) -> str:
     return f"moolib-run/{group}/learner"
 
 
-def num_actor_processes(cfg: DictConfig) -> int:
+def num_actor_processes(cfg: RunConfig) -> int:
     """Actor processes of the run: ``scaling.actors`` beside the learner, or none when the
     actors are threads of the learner's process (``scaling=single``)."""
-    if cfg.scaling.name == "single":
+    if not isinstance(cfg.scaling, LocalScalingConfig):
         return 0
-    return int(cfg.scaling.actors)
+    return cfg.scaling.actors
 
 
-def _typed(cfg: DictConfig) -> QConfig:
-    """The run's typed agent settings; only the off-policy agents run here."""
-    agent = agent_config(cfg.agent)
+def _typed(cfg: RunConfig) -> QConfig:
+    """The run's agent settings; only the off-policy agents run here."""
+    agent = cfg.agent
     if not isinstance(agent, QConfig):
         raise TypeError(f"agent {agent.name} is not an off-policy agent")
     return agent
 
 
-def _env_factory(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
+def _env_factory(cfg: RunConfig) -> tuple[Any, tuple[int, ...], int]:
     from moolib.envs import env_factory
 
-    return env_factory(cfg.env.name, env_options(cfg))
+    return env_factory(cfg.env.name, cfg.env.option_values())
 
 
 # -- actors ------------------------------------------------------------------------------------
@@ -142,7 +141,7 @@ class ActorLoop:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: RunConfig,
         agent: QConfig,
         rpc: moolib.Rpc,
         index: int,
@@ -285,13 +284,13 @@ class ActorLoop:
             self.envs.close()
 
 
-def make_actor_loops(cfg: DictConfig, rpc: moolib.Rpc, first: int, count: int) -> list[ActorLoop]:
+def make_actor_loops(cfg: RunConfig, rpc: moolib.Rpc, first: int, count: int) -> list[ActorLoop]:
     """``count`` actor loops (global indices ``first..first+count-1``), their env
     workers started from this thread (so they inherit its signal mask: a SLURM
     job blocks USR2 there, which is for its main process only)."""
     agent = _typed(cfg)
     num_loops = max(1, num_actor_processes(cfg)) * agent.actor_loops
-    seed = None if cfg.seed is None else int(cfg.seed)
+    seed = cfg.seed
     loops: list[ActorLoop] = []
     try:
         for index in range(first, first + count):
@@ -330,7 +329,7 @@ def run_actor_loops(loops: list[ActorLoop], stop: threading.Event) -> list[BaseE
 class Actor:
     """An actor process of ``scaling=local``/``slurm``: ``actor_loops`` loops sharing one Rpc."""
 
-    def __init__(self, cfg: DictConfig, index: int, broker: str) -> None:
+    def __init__(self, cfg: RunConfig, index: int, broker: str) -> None:
         self.cfg = cfg
         self.index = index
         count = _typed(cfg).actor_loops
@@ -435,18 +434,18 @@ def _episode_columns(episodes: list) -> dict[str, Any]:
 class Learner:
     """The learner of an off-policy run (see the module doc)."""
 
-    def __init__(self, cfg: DictConfig, peer: PeerInfo) -> None:
+    def __init__(self, cfg: RunConfig, peer: PeerInfo) -> None:
         self.cfg = cfg
         self.peer = peer
         self.agent = _typed(cfg)
         agent = self.agent
-        self.device = resolve_device(cfg.device)
+        self.device = cfg.torch_device()
         # The new priorities and published weights of a step, read one step later on
         # a GPU so that the host never waits for the step it just queued.
         self.host = HostResults(self.device)
         self.loss_fn = get_agent(agent.name).compute_loss
         if cfg.seed is not None:
-            torch.manual_seed(int(cfg.seed))
+            torch.manual_seed(cfg.seed)
         cores = task_cores()
         if cfg.torch_threads != "auto":
             threads = int(cfg.torch_threads)
@@ -456,11 +455,9 @@ class Learner:
         else:
             threads = max(1, cores // 2)
         torch.set_num_threads(threads)
-        shown = copy.deepcopy(cfg)
-        with open_dict(shown):
-            shown.scaling.peers = 1  # the learner; the actors are on the next line
         self.banner = start_banner(
-            shown,
+            cfg,
+            peers=1,  # the learner; the actors are on the next line
             rank=peer.rank,
             device=self.device,
             savedir=peer.savedir,
@@ -497,7 +494,7 @@ class Learner:
                 min_size=agent.min_replay_size,
                 samples_per_insert=agent.samples_per_insert or None,
                 dedup=agent.replay_dedup(obs_shape),
-                seed=None if cfg.seed is None else int(cfg.seed),
+                seed=cfg.seed,
             )
         self.reports = _Reports()
         self.rpc = moolib.Rpc()
@@ -847,13 +844,13 @@ class OffPolicyRuntime(Runtime):
     processes = "actors"
 
     @classmethod
-    def logdir(cls, savedir: Path, rank: int, cfg: Any) -> Path:
+    def logdir(cls, savedir: Path, rank: int, cfg: RunConfig) -> Path:
         """The learner logs into the savedir, actor process ``i`` (rank i + 1) into
         ``actor<i>/``."""
         return savedir if rank == 0 else actor_logdir(savedir, rank - 1)
 
     @classmethod
-    def make_runner(cls, cfg: Any, rank: int, broker: str) -> Learner | Actor:
+    def make_runner(cls, cfg: RunConfig, rank: int, broker: str) -> Learner | Actor:
         """Rank 0 is the learner, ranks 1.. the actor processes (actor ``rank - 1``)."""
         if rank == 0:
             savedir = Path(cfg.savedir)

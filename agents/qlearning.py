@@ -206,13 +206,10 @@ def make_recurrent_qnet(cfg: Any, obs_shape: Sequence[int], num_actions: int) ->
     )
 
 
-def make_qnet(cfg: QConfig | Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+def make_qnet(cfg: QConfig, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
     """The agent's Q-network, as its spec builds it: the one definition the learner
-    and every actor build.
-
-    ``cfg`` needs ``name``, ``network`` and ``hidden_size`` (a ``QConfig``, or a
-    config node with those keys)."""
-    return get_agent(str(cfg.name)).make_network(cfg, obs_shape, num_actions)
+    and every actor build."""
+    return get_agent(cfg.name).make_network(cfg, obs_shape, num_actions)
 
 
 def _clip(rewards: torch.Tensor, clip: float) -> torch.Tensor:

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 from moolib.config_checks import (
     ConfigError,
+    build_config,
     check_choice,
     check_flag,
     check_int_at_least,
@@ -197,7 +198,8 @@ class Runtime:
 
     @classmethod
     def logdir(cls, savedir: Path, rank: int, cfg: Any) -> Path:
-        """Where process ``rank`` of the run ``cfg`` describes writes its logs."""
+        """Where process ``rank`` of the run ``cfg`` (a ``RunConfig``) describes writes
+        its logs."""
         raise NotImplementedError
 
     @classmethod
@@ -302,49 +304,23 @@ def runtime_of_agent(name: str) -> type[Runtime]:
 
 
 def runtime_of(cfg: Any) -> type[Runtime]:
-    """The runtime that trains the run ``cfg`` (a moolib-run config) describes."""
-    return runtime_of_agent(str(cfg.agent.name))
-
-
-def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
-    retired = getattr(cls, "retired_keys", frozenset())
-    values = {k: v for k, v in values.items() if k not in retired}
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ConfigError(
-            f"unknown key {prefix}.{unknown[0]} ({cls.__name__} has no such setting; "
-            f"it has {', '.join(fields)})"
-        )
-    missing = [
-        k
-        for k, f in fields.items()
-        if k not in values
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ConfigError(f"{prefix}.{missing[0]} is missing ({cls.__name__} needs it)")
-    kwargs = dict(values)
-    if "optimizer" in fields:
-        optimizer = values["optimizer"]
-        if not isinstance(optimizer, Mapping):
-            raise ConfigError(f"{prefix}.optimizer must be a mapping, got {optimizer!r}")
-        kwargs["optimizer"] = _build(OptimizerConfig, optimizer, f"{prefix}.optimizer")
-    return cls(**kwargs)
+    """The runtime that trains the run ``cfg`` (a ``RunConfig``: this module is below
+    ``moolib.agents.run_config``, which imports it) describes."""
+    return runtime_of_agent(cfg.agent.name)
 
 
 def agent_config(values: Mapping[str, Any]) -> AgentConfig:
-    """The typed, checked settings of the agent that ``values`` describe: a run config's
-    ``cfg.agent`` (resolved here) or the same as plain Python. Made once per process and
-    handed on: the loops read its plain attributes, not the config. Raises ConfigError
-    naming the key, and for settings that are not a mapping."""
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(values, DictConfig):
-        values = OmegaConf.to_container(values, resolve=True)  # type: ignore[assignment]
+    """The typed, checked settings of the agent that ``values`` (a run config's ``agent``
+    keys, as plain Python) describe; the ``agent`` of a ``RunConfig``
+    (``moolib.agents.run_config``), which builds it. Raises ConfigError naming the key,
+    and for settings that are not a mapping."""
     if not isinstance(values, Mapping):
         raise ConfigError(f"agent must be a mapping of settings, got {values!r}")
     name = values.get("name")
     spec = get_agent(name)  # type: ignore[arg-type]
-    return _build(spec.config, values, "agent")
+    return build_config(
+        spec.config,
+        values,
+        "agent",
+        optimizer=lambda v: build_config(OptimizerConfig, v, "agent.optimizer"),
+    )

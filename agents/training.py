@@ -39,11 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 import moolib
 from moolib._cpus import task_cores
-from moolib.config_checks import env_options, resolve_device
 
 from . import checkpoint
 from .logger import (
@@ -57,7 +55,8 @@ from .logger import (
 )
 from .models import resolve_network
 from .policy_slots import PolicySlots
-from .registry import Runtime, agent_config, get_agent, set_default_runtime
+from .registry import Runtime, get_agent, set_default_runtime
+from .run_config import RunConfig
 
 log = logging.getLogger("moolib.agents")
 
@@ -97,7 +96,7 @@ def learner_mode(agent: Any, device: torch.device, observation_shape: tuple[int,
     return "thread"
 
 
-def torch_threads(cfg: DictConfig) -> int:
+def torch_threads(cfg: RunConfig) -> int:
     """Torch's intra-op threads for one peer: ``cfg.torch_threads``, or with ``auto``
     the cores this peer may use (its share of the machine, or its SLURM task's
     CPUs) less one per env worker process, at least 1. Torch's default of a
@@ -107,11 +106,11 @@ def torch_threads(cfg: DictConfig) -> int:
         return int(cfg.torch_threads)
     cores = task_cores()
     if cfg.scaling.name == "local":  # the peers share this machine
-        cores //= max(1, int(cfg.scaling.peers))
-    return max(1, cores - int(cfg.agent.num_actor_cpus))
+        cores //= max(1, cfg.scaling.peers)
+    return max(1, cores - cfg.agent.num_actor_cpus)
 
 
-def env_detail(cfg: DictConfig) -> str:
+def env_detail(cfg: RunConfig) -> str:
     """What steps the env, for the start banner: ALE's version, say, which moolib-run prints
     there once instead of ALE's own banner in every env process."""
     from importlib import metadata
@@ -119,8 +118,8 @@ def env_detail(cfg: DictConfig) -> str:
     from moolib.envs import find_env_spec
     from moolib.envs.registry import find_backend
 
-    backend = find_backend(str(cfg.env.backend))
-    spec = find_env_spec(str(cfg.env.name))
+    backend = find_backend(cfg.env.backend)
+    spec = find_env_spec(cfg.env.name)
     if backend is not None:
         distribution, shown = backend.library
     elif spec is not None and spec.library is not None:
@@ -134,7 +133,7 @@ def env_detail(cfg: DictConfig) -> str:
     return f"{shown} {version}"
 
 
-def make_envs(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
+def make_envs(cfg: RunConfig) -> tuple[Any, tuple[int, ...], int]:
     """The actors' env pool, the observation shape and the number of actions."""
     from moolib.envs import actor_pool
 
@@ -142,7 +141,7 @@ def make_envs(cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
     return actor_pool(
         cfg.env.name,
         cfg.env.backend,
-        env_options(cfg),
+        cfg.env.option_values(),
         batch_size=agent.actor_batch_size,
         num_batches=agent.num_actor_batches,
         num_workers=agent.num_actor_cpus,
@@ -243,12 +242,12 @@ class OnPolicyRuntime(Runtime):
     processes = "peers"
 
     @classmethod
-    def logdir(cls, savedir: Path, rank: int, cfg: Any) -> Path:
+    def logdir(cls, savedir: Path, rank: int, cfg: RunConfig) -> Path:
         """A lone peer logs into the savedir; each of several into ``peer<rank>/``."""
         return savedir if cfg.scaling.peers == 1 else savedir / f"peer{rank}"
 
     @classmethod
-    def make_runner(cls, cfg: Any, rank: int, broker: str) -> Trainer:
+    def make_runner(cls, cfg: RunConfig, rank: int, broker: str) -> Trainer:
         """The Trainer of peer ``rank``."""
         savedir = Path(cfg.savedir)
         peer = PeerInfo(rank, savedir, cls.logdir(savedir, rank, cfg), broker)
@@ -258,13 +257,11 @@ class OnPolicyRuntime(Runtime):
 class Trainer:
     """One peer's training loop (see the module doc)."""
 
-    def __init__(self, cfg: DictConfig, peer: PeerInfo) -> None:
+    def __init__(self, cfg: RunConfig, peer: PeerInfo) -> None:
         self.cfg = cfg
-        # The agent's typed settings (plain attributes: the loop reads them every
-        # step, and OmegaConf's attribute access is slow enough to show in profiles).
-        self.agent = agent_config(cfg.agent)
+        self.agent = cfg.agent
         self.peer = peer
-        self.device = resolve_device(cfg.device)
+        self.device = cfg.torch_device()
         torch.set_num_threads(torch_threads(cfg))
         self.banner = start_banner(
             cfg,
@@ -276,7 +273,7 @@ class Trainer:
         )
         print(self.banner, flush=True)
         if cfg.seed is not None:
-            torch.manual_seed(int(cfg.seed) + peer.rank)
+            torch.manual_seed(cfg.seed + peer.rank)
         self.spec = get_agent(self.agent.name)
         self.loss_fn = self.spec.compute_loss
 

@@ -80,6 +80,7 @@ from pathlib import Path
 import torch
 from moolib.agents import impala
 from moolib.agents.models import create_model
+from moolib.agents.run_config import RunConfig
 
 ORIGINAL_MOOLIB_VTRACE_BREAKOUT_CPU_SPS = 63.0
 
@@ -352,18 +353,18 @@ def run_sps(
 APEX_OVERRIDES = ["agent=apex", "env=breakout", "scaling=single"]
 
 
-def _config(overrides: list[str]) -> object:
-    """moolib-run's composed and checked config for ``overrides`` (for the limits' pools)."""
+def _config(overrides: list[str]) -> RunConfig:
+    """moolib-run's composed, checked and typed config for ``overrides`` (for the limits'
+    pools)."""
     from hydra import compose, initialize_config_module
     from moolib.launch import config as config_lib
 
     with initialize_config_module(config_module="moolib.conf", version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    config_lib.validate(cfg)
-    return cfg
+    return config_lib.validate(cfg)
 
 
-def _apex_config(loops: int, batch: int, replay: int) -> object:
+def _apex_config(loops: int, batch: int, replay: int) -> RunConfig:
     """The composed and checked config the Ape-X runs use (for the limits' pools)."""
     return _config(_apex_overrides(loops, batch, replay))
 
@@ -452,15 +453,15 @@ def apex_run(
     return result
 
 
-def _pool_maker(cfg: object) -> object:
+def _pool_maker(cfg: RunConfig) -> object:
     """What builds the env pool moolib-run builds for ``cfg`` (on-policy peers and
     off-policy actor loops alike): ``agents/training.py``'s ``make_envs``."""
     from moolib.agents.training import make_envs
 
-    return lambda: make_envs(cfg)  # type: ignore[arg-type]
+    return lambda: make_envs(cfg)
 
 
-def envpool_limit(cfg: object, seconds: float, loops: int = 1) -> float:
+def envpool_limit(cfg: RunConfig, seconds: float, loops: int = 1) -> float:
     """Env steps/s of the pools moolib-run builds for ``cfg`` (same env and options,
     batches, worker processes), ``loops`` of them (as many Ape-X actor loops build),
     each stepped double-buffered with random actions and nothing else, by a thread
@@ -468,7 +469,7 @@ def envpool_limit(cfg: object, seconds: float, loops: int = 1) -> float:
     import threading
 
     make = _pool_maker(cfg)
-    agent = cfg.agent  # type: ignore[attr-defined]
+    agent = cfg.agent
     nb, bs = int(agent.num_actor_batches), int(agent.actor_batch_size)
     made: list = []
     counts = [0] * loops

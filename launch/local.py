@@ -10,14 +10,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING, Any
 
 import moolib
 from moolib import _signals
 
 from .peer import train
+
+if TYPE_CHECKING:
+    from moolib.agents.run_config import RunConfig
 
 
 class EmbeddedBroker:
@@ -40,7 +41,7 @@ class EmbeddedBroker:
         self.broker.close()
 
 
-def run_single(cfg: DictConfig, stop: threading.Event) -> None:
+def run_single(cfg: RunConfig, stop: threading.Event) -> None:
     """``scaling=single``: the run's one peer (an off-policy run's learner, with its actors
     as threads) in this process, beside a broker of its own unless ``cfg.broker`` names
     one. What the point opened (Rpcs, groups, the broker, env workers) is closed when it
@@ -121,7 +122,7 @@ def _start_peer(
         )
 
 
-def run_offpolicy(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
+def run_offpolicy(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
     """An off-policy run on this machine: a learner process (rank 0, serving the replay)
     and ``scaling.actors`` actor processes (ranks 1..). An actor that dies while the
     learner runs (killed, crashed) is started again and rejoins; the run ends with the
@@ -145,7 +146,7 @@ def run_offpolicy(cfg: DictConfig, config_path: Path, stop: threading.Event) -> 
 
     try:
         learner = _start_peer(config_path, 0, address, parent_r)
-        for index in range(int(cfg.scaling.actors)):
+        for index in range(cfg.scaling.actors):
             actors[index] = start_actor(index)
         signalled = False
         while learner.poll() is None:
@@ -180,7 +181,7 @@ def run_offpolicy(cfg: DictConfig, config_path: Path, stop: threading.Event) -> 
     return 1 if code else 0
 
 
-def run(cfg: DictConfig, config_path: Path, stop: threading.Event) -> int:
+def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
     """Starts the peers (and a broker unless ``cfg.broker`` names one); waits for
     them. ``stop`` (Ctrl-C/SIGTERM) is passed on to every peer. Returns 0 when
     every peer finished cleanly."""

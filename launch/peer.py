@@ -18,11 +18,14 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moolib import _signals
 
 from . import config as config_lib
+
+if TYPE_CHECKING:
+    from moolib.agents.run_config import RunConfig
 
 # Seconds a peer whose launcher is gone has to finish its step and checkpoint.
 ORPHAN_GRACE = 20.0
@@ -85,7 +88,7 @@ def stop_with_parent(fd: int, stop: threading.Event, rank: int) -> None:
     threading.Thread(target=watch, name="moolib-parent-watch", daemon=True).start()
 
 
-def make_trainer(cfg: Any, rank: int, broker: str) -> Any:
+def make_trainer(cfg: RunConfig, rank: int, broker: str) -> Any:
     """The Trainer of peer ``rank`` of the experiment described by ``cfg``; for an
     off-policy agent, its learner (rank 0) or one of its actor processes."""
     from moolib.agents.registry import runtime_of
@@ -93,7 +96,7 @@ def make_trainer(cfg: Any, rank: int, broker: str) -> Any:
     return runtime_of(cfg).make_runner(cfg, rank, broker)
 
 
-def train(cfg: Any, rank: int, broker: str, stop: threading.Event) -> dict:
+def train(cfg: RunConfig, rank: int, broker: str, stop: threading.Event) -> dict:
     """Runs one peer of the experiment described by ``cfg`` until done or stopped;
     exits with ``EXIT_GROUP_LOST`` when the peer lost its group for good, with 2
     when the group's peers have different models, and with 1 when the run's final

@@ -32,13 +32,14 @@ from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException, MissingConfigException
+from moolib.agents.run_config import SlurmScalingConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from . import config as config_lib
 from . import resume as resume_lib
 from . import savedir_lock
-from .config import ConfigError, one_line
+from .config import ConfigError, RunConfig, one_line
 from .resume import Resume
 
 CONF_DIR = Path(next(iter(moolib.conf.__path__)))
@@ -279,46 +280,44 @@ def plan(
     return Job(lines, resume.config, savedir, resume, state, extra)
 
 
-def notes(job: Job) -> list[str]:
-    """What moolib-run says before the run starts about settings that do not stop it."""
-    return unused_scaling_keys(job) + replay_warmup_notes(job)
+def notes(job: Job, cfg: RunConfig) -> list[str]:
+    """What moolib-run says before the run starts about settings that do not stop it
+    (``cfg``: the job's checked config)."""
+    return unused_scaling_keys(job, cfg) + replay_warmup_notes(job, cfg)
 
 
-def unused_scaling_keys(job: Job) -> list[str]:
+def unused_scaling_keys(job: Job, cfg: RunConfig) -> list[str]:
     """Notes on a process count the command line sets that this run's agent does not
     read: ``scaling.actors`` with an on-policy agent, ``scaling.peers`` with an off-policy
     one. Notes, not errors: a sweep over agents may set both."""
     from moolib.agents.registry import agent_names, runtime_of, runtime_of_agent
 
-    cfg = job.config
     runtime = runtime_of(cfg)
     offpolicy = runtime.has_learner()
     unused, used = ("peers", "actors") if offpolicy else ("actors", "peers")
     given = {o.key_or_group for o in parse_overrides(job.lines)}
-    if f"scaling.{unused}" not in given or used not in cfg.scaling:
+    if f"scaling.{unused}" not in given or not hasattr(cfg.scaling, used):
         return []
     runs = "actor processes beside its learner" if offpolicy else "peers"
     readers = " and ".join(n for n in agent_names() if runtime_of_agent(n).processes == unused)
     return [
         f"scaling.{unused} is not used by agent={cfg.agent.name}, which runs "
-        f"scaling.{used}={cfg.scaling[used]} {runs} (scaling.{unused} is for {readers})"
+        f"scaling.{used}={getattr(cfg.scaling, used)} {runs} (scaling.{unused} is for {readers})"
     ]
 
 
-def replay_warmup_notes(job: Job) -> list[str]:
+def replay_warmup_notes(job: Job, cfg: RunConfig) -> list[str]:
     """A note when an off-policy run ends before its learner starts: the steps it has
     left do not fill the replay to ``agent.min_replay_size``. A note, not an error: a
     short run that only tests the plumbing is a fair thing to ask for."""
     from moolib.agents.qlearning import QConfig
-    from moolib.agents.registry import agent_config
 
-    cfg = job.config
-    agent = agent_config(cfg.agent)
+    agent = cfg.agent
     if not isinstance(agent, QConfig):
         return []
     per_item = agent.steps_per_item()
     warmup = agent.min_replay_size * per_item
-    total = int(cfg.total_steps)
+    total = cfg.total_steps
     resumed = job.resume.step if job.resume is not None and job.resume.step else 0
     # A checkpoint without the replay (save_replay=false) starts it empty again.
     left = total - resumed if not agent.save_replay else total
@@ -386,14 +385,11 @@ def _quiet_ale() -> None:
 _env_probes: dict[str, tuple[tuple[int, ...], int]] = {}
 
 
-def probe_env(cfg: DictConfig) -> tuple[tuple[int, ...], int]:
+def probe_env(cfg: RunConfig) -> tuple[tuple[int, ...], int]:
     """Makes the config's env once (the names of its options checked against its
     family's schema first, their values by the env); returns its observation shape and
     number of actions. Raises ConfigError naming the key."""
-    options = (
-        OmegaConf.to_container(cfg.env.options, resolve=True) if cfg.env.get("options") else {}
-    )
-    assert isinstance(options, dict)
+    options = cfg.env.option_values()
     key = json.dumps([cfg.env.name, cfg.env.backend, options], sort_keys=True, default=str)
     if key in _env_probes:
         return _env_probes[key]
@@ -432,7 +428,7 @@ def probe_env(cfg: DictConfig) -> tuple[tuple[int, ...], int]:
 _brokers_seen: set[str] = set()
 
 
-def check_broker(cfg: DictConfig) -> None:
+def check_broker(cfg: RunConfig) -> None:
     """With ``broker=host:port``: returns once that broker answers, or raises
     ConfigError after ``group_timeout`` seconds (``scaling.broker_timeout`` on SLURM)."""
     address = cfg.broker
@@ -440,8 +436,9 @@ def check_broker(cfg: DictConfig) -> None:
         return
     from .local import check_broker as probe
 
-    slurm = cfg.scaling.name == "slurm"
-    timeout = float(cfg.scaling.broker_timeout if slurm else cfg.group_timeout)
+    scaling = cfg.scaling
+    slurm = isinstance(scaling, SlurmScalingConfig)
+    timeout = float(scaling.broker_timeout if slurm else cfg.group_timeout)
     try:
         probe(str(address), timeout)
     except TimeoutError as e:
@@ -474,12 +471,12 @@ def check_env_name(job: Job) -> None:
         raise config_lib.env_name_error(str(job.config.env.name), str(env.name), keys[0])
 
 
-def check_network(cfg: DictConfig, shape: tuple[int, ...]) -> None:
+def check_network(cfg: RunConfig, shape: tuple[int, ...]) -> None:
     """``agent.network`` takes the env's observations (of ``shape``): the convolutional
     networks need images, large enough for their convolutions."""
     from moolib.agents.models import observations_unfit, resolve_network
 
-    network = resolve_network(str(cfg.agent.network), shape)
+    network = resolve_network(cfg.agent.network, shape)
     unfit = observations_unfit(network, shape)
     if unfit:
         raise ConfigError(
@@ -489,22 +486,23 @@ def check_network(cfg: DictConfig, shape: tuple[int, ...]) -> None:
         )
 
 
-def check_fits(job: Job) -> None:
-    """The env can be made with its options, the network takes its observations, and
-    (on resume) the model loads the savedir's checkpoint."""
+def check_fits(job: Job, cfg: RunConfig) -> None:
+    """The env of ``cfg`` (the job's checked config) can be made with its options, the
+    network takes its observations, and (on resume) the model loads the savedir's
+    checkpoint."""
     check_env_name(job)
-    shape, actions = probe_env(job.config)
-    check_network(job.config, shape)
+    shape, actions = probe_env(cfg)
+    check_network(cfg, shape)
     if job.resume is not None and job.state is not None:
-        resume_lib.check_model_fits(job.resume, job.state, shape, actions)
+        resume_lib.check_model_fits(job.resume, cfg.agent, job.state, shape, actions)
 
 
-def check_can_start(job: Job) -> None:
-    """The checks that look at the machine around the run: its savedir (writable, no
-    other run in it), its broker."""
+def check_can_start(job: Job, cfg: RunConfig) -> None:
+    """The checks that look at the machine around the run of ``cfg`` (the job's checked
+    config): its savedir (writable, no other run in it), its broker."""
     check_savedir(job.savedir)
     savedir_lock.check_free(job.savedir)
-    check_broker(job.config)
+    check_broker(cfg)
 
 
 def config_for_display(job: Job) -> str:

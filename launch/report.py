@@ -157,23 +157,25 @@ def _logs_written_since(savedir: Path, started: float) -> bool:
 def _print_summary(started: float, exit_code: int) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
+    from moolib.agents import run_config
+    from moolib.agents.run_config import SlurmScalingConfig
 
     hydra_cfg = HydraConfig.get()
     savedir = Path(hydra_cfg.runtime.output_dir)
     try:
-        cfg = OmegaConf.load(savedir / "config.yaml")
-    except (OSError, ValueError):
+        cfg = run_config.load(savedir / run_config.CONFIG_FILE)
+    except (OSError, ValueError):  # ConfigError too
         return
     # A run that did not train now (a config error, a finished run, SLURM jobs just
     # submitted) has nothing to sum up.
-    if cfg.scaling.name == "slurm" and not cfg.scaling.get("wait", False):
+    if isinstance(cfg.scaling, SlurmScalingConfig) and not cfg.scaling.wait:
         return
     if not _logs_written_since(savedir, started):
         return
     sweep_dir = None
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = Path(hydra_cfg.sweep.dir)
-    text = summary(savedir, int(cfg.total_steps), exit_code=exit_code, sweep_dir=sweep_dir)
+    text = summary(savedir, cfg.total_steps, exit_code=exit_code, sweep_dir=sweep_dir)
     if text:
         sys.stdout.flush()
         print(text, flush=True)

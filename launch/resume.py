@@ -15,12 +15,15 @@ import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.override_parser.types import Override, OverrideType
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from .config import CONFIG_FILE, ConfigError, one_line
+
+if TYPE_CHECKING:
+    from moolib.agents.registry import AgentConfig
 
 RESUMES_FILE = "resumes.yaml"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -340,15 +343,15 @@ def checkpoint_state(savedir: Path) -> tuple[dict, str | None] | None:
 
 
 def check_model_fits(
-    resume: Resume, state: dict, obs_shape: tuple[int, ...], num_actions: int
+    resume: Resume, agent: AgentConfig, state: dict, obs_shape: tuple[int, ...], num_actions: int
 ) -> None:
-    """Raises ConfigError when the model this config builds cannot load the checkpoint
-    (another network, width, LSTM, observation shape or number of actions)."""
+    """Raises ConfigError when the model that ``agent`` (the resume's checked settings)
+    builds cannot load the checkpoint (another network, width, LSTM, observation shape
+    or number of actions)."""
     from moolib.agents.models import resolve_network
     from moolib.agents.registry import get_agent
 
-    agent = resume.config.agent
-    model = get_agent(str(agent.name)).make_network(agent, obs_shape, num_actions)
+    model = get_agent(agent.name).make_network(agent, obs_shape, num_actions)
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     held = {k: tuple(v.shape) for k, v in state["model"].items()}
     if wanted == held:

@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from . import config as config_lib
 from . import local, preflight, report, savedir_lock
 from . import resume as resume_lib
-from .config import ConfigError
+from .config import ConfigError, RunConfig
 from .peer import stop_on_signals
 
 log = logging.getLogger("moolib.launch")
@@ -90,14 +90,13 @@ def _run(cfg: DictConfig) -> int:
         if job.resume is not None and job.resume.finished:
             print(job.resume.finished_message(), flush=True)
             return 0
+        final = config_lib.prepare(job.config, savedir)
         if not _checked:
-            config_lib.validate(job.config)
-            preflight.check_fits(job)
-            preflight.check_can_start(job)
+            preflight.check_fits(job, final)
+            preflight.check_can_start(job, final)
         elif job.resume is not None:
             # A savedir the pre-flight could not name (an interpolated savedir=).
-            preflight.check_fits(job)
-        final = config_lib.prepare(job.config, savedir)
+            preflight.check_fits(job, final)
         lock = savedir_lock.SavedirLock.acquire(savedir)
     except ConfigError as e:
         _fail(str(e))
@@ -115,10 +114,10 @@ def _interrupt_preflight(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _start(job: preflight.Job, final: DictConfig, savedir: Path) -> int:
+def _start(job: preflight.Job, final: RunConfig, savedir: Path) -> int:
     """Runs a planned, checked job in its savedir (held): prints what it resumes,
     saves the config and trains in its scaling mode."""
-    for note in preflight.notes(job):
+    for note in preflight.notes(job, final):
         print(f"moolib-run: note: {note}", flush=True)
     if job.resume is not None:
         print(job.resume.describe(), flush=True)
@@ -183,15 +182,17 @@ def _preflight(args: argparse.Namespace) -> int | None:
                 print(preflight.config_for_display(planned[0]), end="")
                 return 0
             return None  # Hydra prints it
+        checked = []
         for job in planned:
-            config_lib.validate(job.config)
-            preflight.check_fits(job)
+            cfg = config_lib.validate(job.config)
+            preflight.check_fits(job, cfg)
+            checked.append(cfg)
         if not multirun and planned[0].resume is not None and planned[0].resume.finished:
             print(planned[0].resume.finished_message(), flush=True)
             return 0
-        for job in planned:
+        for job, cfg in zip(planned, checked, strict=True):
             if job.resume is None or not job.resume.finished:
-                preflight.check_can_start(job)
+                preflight.check_can_start(job, cfg)
     _checked = True
     return None
 

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import submitit
-from omegaconf import DictConfig, OmegaConf
+from moolib.agents.run_config import RunConfig, SlurmScalingConfig
 
 from .jobs import ACTIVE_STATES, cancel_jobs, job_states, raise_if_stuck
 from .local import check_broker
@@ -66,7 +66,7 @@ from .slurm_files import (
     record_jobs,
     write_auth_key,
 )
-from .slurm_jobs import BrokerJob, PeerJob, peers_per_job
+from .slurm_jobs import BrokerJob, PeerJob
 
 # Seconds a broker job may run before its log (written by its node into the
 # savedir) must be visible to the launcher; if not, the savedir is not shared.
@@ -86,8 +86,14 @@ def _requeue_on_failure(executor: submitit.SlurmExecutor, folder: Path, max_fail
     )
 
 
-def _executor(cfg: DictConfig, folder: Path) -> submitit.SlurmExecutor:
-    s = cfg.scaling
+def _scaling(cfg: RunConfig) -> SlurmScalingConfig:
+    """The run's SLURM settings (a run comes here with scaling=slurm)."""
+    assert isinstance(cfg.scaling, SlurmScalingConfig), cfg.scaling
+    return cfg.scaling
+
+
+def _executor(cfg: RunConfig, folder: Path) -> submitit.SlurmExecutor:
+    s = _scaling(cfg)
     executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=1000)
     params: dict[str, Any] = {
         "time": int(s.time),
@@ -101,10 +107,10 @@ def _executor(cfg: DictConfig, folder: Path) -> submitit.SlurmExecutor:
     # slurm_requeue after a failure, by SLURM after a node failure.
     extra: dict[str, Any] = {"requeue": True}
     for key in ("partition", "gpus_per_task", "mem", "constraint", "account", "qos"):
-        value = s.get(key)
+        value = getattr(s, key)
         if value is not None:
             params[key] = value
-    extra.update(OmegaConf.to_container(s.additional_parameters, resolve=True) or {})
+    extra.update(s.additional_parameters or {})
     params["additional_parameters"] = extra
     executor.update_parameters(**params)
     _requeue_on_failure(executor, folder, int(s.max_failures))
@@ -198,7 +204,7 @@ class Launched:
     broker_job: submitit.Job | None  # None with broker=host:port
 
 
-def launch(cfg: DictConfig, config_path: Path, stop: threading.Event) -> Launched:
+def launch(cfg: RunConfig, config_path: Path, stop: threading.Event) -> Launched:
     """Submits the experiment's jobs and records them in jobs.json.
 
     All or nothing: when a submission fails (sbatch refuses a job array, say) or
@@ -227,7 +233,7 @@ def _submit(what: str, submit: Any, *args: Any) -> Any:
 
 
 def _submit_all(
-    cfg: DictConfig, config_path: Path, stop: threading.Event, submitted: list[submitit.Job]
+    cfg: RunConfig, config_path: Path, stop: threading.Event, submitted: list[submitit.Job]
 ) -> Launched:
     from moolib.agents.registry import runtime_of
 
@@ -236,7 +242,7 @@ def _submit_all(
     savedir = Path(cfg.savedir).resolve()
     folder = savedir / SLURM_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    s = cfg.scaling
+    s = _scaling(cfg)
     token = secrets.token_hex(6)
     entry: dict[str, Any] = {
         "launch": token,
@@ -283,7 +289,7 @@ def _submit_all(
         entry["broker"]["address"] = address
 
     broker_arg = cfg.broker or None
-    per_job = peers_per_job(cfg)
+    per_job = s.peers_per_job
     said = f"moolib-run: broker at {address}" + (
         f" (job {broker_job.job_id})" if broker_job else ""
     )
@@ -335,7 +341,7 @@ def _submit_all(
 
 
 def _submit_array(
-    cfg: DictConfig,
+    cfg: RunConfig,
     folder: Path,
     config_path: Path,
     token: str,
@@ -344,16 +350,16 @@ def _submit_array(
     **params: Any,
 ) -> list[submitit.Job]:
     """Submits ``scaling.<what>`` peers (``peers``, or an off-policy run's ``actors``,
-    ranks 1..) as one job array, ``peers_per_job`` of them per job."""
-    s = cfg.scaling
-    count = int(s[what])
+    ranks 1..) as one job array, ``scaling.peers_per_job`` of them per job."""
+    s = _scaling(cfg)
+    count = getattr(s, what)
     executor = _executor(cfg, folder)
     executor.update_parameters(
         job_name=cfg.name if what == "peers" else f"{cfg.name}-actor",
         array_parallelism=int(s.array_parallelism or count),
         **params,
     )
-    indices = list(range(count // peers_per_job(cfg)))
+    indices = list(range(count // s.peers_per_job))
     first_rank = 0 if what == "peers" else 1
     n = len(indices)
     return _submit(

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import submitit
-from omegaconf import DictConfig
 
 from . import slurm_requeue
 from .slurm_files import (
@@ -194,11 +193,6 @@ class PeerJob(_RequeueableJob):
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
         return {k: v for k, v in row.items() if isinstance(v, (int, float, str))}
-
-
-def peers_per_job(cfg: DictConfig) -> int:
-    """Peers (actor processes, for an off-policy run) in one job of the array: one per task."""
-    return int(cfg.scaling.nodes) * int(cfg.scaling.tasks_per_node)
 
 
 def _follow_broker_file(

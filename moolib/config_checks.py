@@ -7,10 +7,11 @@ failures through it, so neither package imports the other for them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    import torch
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -55,35 +56,41 @@ def check_flag(key: str, value: object) -> None:
         raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
-def resolve_device(value: object, *, cuda_here: bool = True) -> torch.device:
-    """The torch device the setting ``device`` names: ``auto`` is CUDA when this machine
-    has it, else CPU. Raises ConfigError for a value torch cannot read, and for CUDA on
-    a machine without it, unless ``cuda_here`` is False (a launcher whose runs go to
-    other machines: a SLURM login node may have no GPU, its jobs' nodes do)."""
-    import torch
+def build_config(
+    cls: type[T], values: Mapping[str, Any], prefix: str, **nested: Callable[[Any], Any]
+) -> T:
+    """The dataclass ``cls`` made from the settings ``values`` (the keys under ``prefix``,
+    e.g. ``agent``; ``""`` at the top), its checks run by its ``__post_init__``. Raises
+    ConfigError for a key it has no field for (its ``retired_keys``, if any, are dropped
+    unchecked), for a missing one without a default, and for a field named in
+    ``nested`` whose value is not a mapping; ``nested[name]`` builds that field from
+    its mapping (a config of its own)."""
 
-    if value == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(value)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {value!r}") from e
-    if cuda_here and device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={value}: CUDA is not available on this machine")
-    return device
+    def key(name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
 
-
-def env_options(cfg: Any) -> dict[str, Any]:
-    """A run config's ``env.options`` as keyword arguments of its env (none when unset).
-    Raises ConfigError when they are not a mapping."""
-    from omegaconf import OmegaConf
-
-    options = cfg.env.get("options")
-    if options is None:
-        return {}
-    values = (
-        OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else options
-    )
-    if not isinstance(values, dict):
-        raise ConfigError(f"env.options must be a mapping of settings, got {values!r}")
-    return values
+    retired = getattr(cls, "retired_keys", frozenset())
+    values = {k: v for k, v in values.items() if k not in retired}
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {key(unknown[0])} ({cls.__name__} has no such setting; "
+            f"it has {', '.join(fields)})"
+        )
+    missing = [
+        k
+        for k, f in fields.items()
+        if k not in values
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{key(missing[0])} is missing ({cls.__name__} needs it)")
+    kwargs = dict(values)
+    for name, build in nested.items():
+        if name in values:
+            if not isinstance(values[name], Mapping):
+                raise ConfigError(f"{key(name)} must be a mapping, got {values[name]!r}")
+            kwargs[name] = build(values[name])
+    return cls(**kwargs)

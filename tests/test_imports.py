@@ -176,7 +176,7 @@ def test_the_graph_sees_the_imports():
     graph = import_graph()
     assert "moolib.replay_rpc" in graph["moolib.replay"]
     assert "moolib.agents.registry" in graph["moolib.agents.qlearning"]  # relative import
-    assert "moolib.agents.registry" in graph["moolib.launch.config"]  # inside a function
+    assert "moolib.envs.registry" in graph["moolib.agents.run_config"]  # inside a function
     assert "moolib.envs" in graph["moolib.agents.offpolicy_run"]
     assert "moolib._core" in graph["moolib.rpc"]  # compiled
     assert package_of("moolib.envs.atari") == "moolib.envs"

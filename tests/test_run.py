@@ -524,7 +524,7 @@ def test_auto_torch_threads_follow_the_cores_a_peer_may_use(
     if slurm_cpus:
         monkeypatch.setenv("SLURM_CPUS_PER_TASK", slurm_cpus)
     cfg = compose_config("agent=a2c", "env=cartpole", "agent.num_actor_cpus=1", *overrides)
-    assert training.torch_threads(cfg) == expected
+    assert training.torch_threads(config_lib.validate(cfg)) == expected
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
