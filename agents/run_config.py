@@ -30,10 +30,10 @@ from moolib.config_checks import (
     one_line,
 )
 
-from .registry import AgentConfig, agent_config, runtime_of_agent
-
 if TYPE_CHECKING:
     import torch
+
+    from .registry import AgentConfig
 
 CONFIG_FILE = "config.yaml"
 
@@ -233,6 +233,10 @@ class RunConfig:
         if not isinstance(values, Mapping):
             raise ConfigError(f"a run config must be a mapping of settings, got {values!r}")
         # The agent first, as the checks always went: its errors come before the rest.
+        # The registry (and torch, through the agents' networks) only once a config is
+        # built: moolib-run --cfg job and --help start without them.
+        from .registry import agent_config
+
         agent = agent_config(values.get("agent"))  # type: ignore[arg-type]
         scaling = values.get("scaling")
         name = scaling.get("name") if isinstance(scaling, Mapping) else None
@@ -265,6 +269,8 @@ class RunConfig:
     def processes(self) -> str:
         """The scaling key counting the run's processes: ``peers``, or ``actors`` beside
         a learner (the agent's runtime decides)."""
+        from .registry import runtime_of_agent
+
         return runtime_of_agent(self.agent.name).processes
 
     def __post_init__(self) -> None:
