@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 
 #include "logging.h"
 #include "spin.h"
@@ -357,22 +358,20 @@ void UcxConnection::readLanesLocked() {
   if (!out) return;
   rt_->api.ucp_ep_print_info(ep_, out);
   ::fclose(out);
-  std::string all(text, size);
+  std::istringstream all(std::string(text, size));
   ::free(text);
-  std::string lanes;
-  for (size_t at = all.find("lane["); at != std::string::npos; at = all.find("lane[", at + 1)) {
-    size_t end = all.find('\n', at);
-    std::string line = all.substr(at, end == std::string::npos ? std::string::npos : end - at);
-    size_t colon = line.find(": ");
-    if (colon == std::string::npos) continue;
-    size_t start = line.find_first_not_of(' ', colon + 1);
-    size_t stop = start == std::string::npos ? start : line.find(' ', start);
-    if (start == std::string::npos) continue;
-    std::string item = line.substr(start, stop == std::string::npos ? stop : stop - start);
+  std::string lanes, line;
+  while (std::getline(all, line)) {
+    size_t colon = line.find("]: ");  // "lane[1]: " then the lane's resource
+    if (line.find("lane[") == std::string::npos || colon == std::string::npos) continue;
+    std::string item;
+    std::istringstream(line.substr(colon + 3)) >> item;
     size_t index = item.find(':');  // "2:sysv/memory.0": the resource's index first
     if (index == std::string::npos || item.find('/') == std::string::npos) continue;
     item = item.substr(index + 1);
-    if (lanes.find(item) == std::string::npos) lanes += (lanes.empty() ? "" : ",") + item;
+    if (("," + lanes + ",").find("," + item + ",") == std::string::npos) {
+      lanes += (lanes.empty() ? "" : ",") + item;
+    }
   }
   lanes_ = lanes;
 }
