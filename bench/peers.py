@@ -4,7 +4,7 @@
                           [--torchrl-python PATH] [--sb3-python PATH]
                           [--rounds 3] [--warmup 20] [--seconds 30] [--envs 8] [--procs 2]
                           [--seeds 3] [--score-cap 240] [--score-task minatar]
-                          [--only throughput|score]
+                          [--only throughput|score] [--results runs.jsonl]
     python bench/peers.py --check [--... -python PATH]
 
 Installs nothing: each peer runs in its own virtual environment, whose Python is
@@ -30,6 +30,8 @@ Two figures per library, each on the same machine in the same call:
   until the mean return of the last 100 finished episodes reaches 10 (CartPole:
   475), wall-clock from the process's start and env steps, ``--seeds`` seeds
   each, runs capped at ``--score-cap`` seconds; seeds interleave like rounds.
+  ``--results FILE`` keeps each finished run (one JSON line) and takes the runs
+  already there instead of running them again: hours of runs resume after a stop.
 
 moolib's side is moolib-run (V-trace) with bench/train.py's helpers: its
 throughput is its actors' env steps/s from its logs.tsv (as ``run_sps`` reads
@@ -305,23 +307,39 @@ def throughput_table(rows: list[tuple[Row, list[float]]], limits: list[float]) -
     return "\n".join(lines)
 
 
+def _median_to_target(runs: list[dict], key: str) -> float | None:
+    """The median over all runs of ``key`` at the target (of an even number, the higher
+    middle one), a run that did not reach it counting as more than any that did; None
+    when that median run did not reach it."""
+    values = [r[key] if r.get("reached") else float("inf") for r in runs]
+    if not values:
+        return None
+    median = statistics.median_high(values)
+    return None if median == float("inf") else median
+
+
 def score_table(rows: list[tuple[Row, list[dict]]], task: str, cap: float) -> str:
     """The time-to-score table (markdown): per row the runs that reached the target
-    within the cap, the median wall-clock seconds and env steps of those, and the
-    best score any run reached."""
+    within the cap, the median wall-clock seconds and env steps to the target over all
+    runs (a run that did not reach it counting as longer than any that did: ``> cap``
+    when the median run did not), and the median and the highest of the runs' best
+    scores."""
     lines = [
         f"| library | algorithm | task | target | reached (cap {cap:.0f} s) | median seconds "
-        "| median env steps | best score |",
-        "|---|---|---|---|---|---|---|---|",
+        "| median env steps | median best score | best score |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row, runs in rows:
         ok = [r for r in runs if r.get("reached")]
         best = [r["best_score"] for r in runs if r.get("best_score") is not None]
+        seconds = _median_to_target(runs, "seconds")
+        late = f"> {cap:.0f}" if runs and seconds is None else "-"
         lines.append(
             f"| {row.lib} | {row.algo} | {task} | {SCORE_TARGETS[task]:g} | "
             f"{len(ok)}/{len(runs)} | "
-            f"{_fmt(statistics.median(r['seconds'] for r in ok) if ok else None)} | "
-            f"{_fmt(statistics.median(r['steps'] for r in ok) if ok else None)} | "
+            f"{_fmt(seconds) if seconds is not None else late} | "
+            f"{_fmt(_median_to_target(runs, 'steps'))} | "
+            f"{_fmt(statistics.median(best) if best else None, 2)} | "
             f"{_fmt(max(best) if best else None, 2)} |"
         )
     return "\n".join(lines)
@@ -425,13 +443,43 @@ def throughput(args: argparse.Namespace, rows: list[Row], task: str) -> str:
     return throughput_table([(r, values[r]) for r in rows], limits)
 
 
+def _run_key(args: argparse.Namespace, row: Row, seed: int) -> str:
+    """What makes two score runs the same run, for ``--results``."""
+    return json.dumps(
+        [args.score_task, args.score_cap, args.envs, args.procs, seed, row.lib, row.algo]
+    )
+
+
+def _load_results(path: Path | None) -> dict[str, dict]:
+    """The runs a ``--results`` file already holds, by their key; a line cut short (the
+    bench killed while writing it) is skipped."""
+    done: dict[str, dict] = {}
+    if path is None or not path.exists():
+        return done
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[entry["key"]] = entry["result"]
+    return done
+
+
 def scores(args: argparse.Namespace, rows: list[Row]) -> str:
-    """Runs every row once per seed, interleaved; prints each run and returns the table."""
+    """Runs every row once per seed, interleaved; prints each run and returns the table.
+    With ``--results``, each run is appended there as it ends and runs already there
+    are taken from it instead of run again, so a long comparison resumes."""
     task = args.score_task
+    results = Path(args.results) if args.results else None
+    done = _load_results(results)
     runs: dict[Row, list[dict]] = {r: [] for r in rows}
     for seed in range(args.seeds):
         for row in rows:
-            if row.lib == "moolib":
+            key = _run_key(args, row, seed)
+            source = f" (from {results})" if key in done else ""
+            if key in done:
+                res = done[key]
+            elif row.lib == "moolib":
                 res = moolib_score(task, args.envs, args.procs, seed, args.score_cap)
             else:
                 res = run_peer(
@@ -458,11 +506,14 @@ def scores(args: argparse.Namespace, rows: list[Row]) -> str:
             if "error" in res and "steps" not in res:
                 print(f"  seed {seed} {row.lib} {row.algo}: FAILED\n{res['error']}")
                 continue
+            if results is not None and not source:
+                with results.open("a") as f:
+                    f.write(json.dumps({"key": key, "result": res}) + "\n")
             runs[row].append(res)
             print(
                 f"  seed {seed} {row.lib} {row.algo}: reached={res.get('reached')} "
                 f"seconds={res.get('seconds', 0):.0f} steps={res.get('steps', 0):,} "
-                f"score={res.get('score')} best={res.get('best_score')}",
+                f"score={res.get('score')} best={res.get('best_score')}{source}",
                 flush=True,
             )
     return score_table([(r, runs[r]) for r in rows], task, args.score_cap)
@@ -510,6 +561,11 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--score-task", choices=tuple(SCORE_TARGETS), default="minatar")
     p.add_argument("--score-cap", type=float, default=240.0, help="seconds per run at most")
+    p.add_argument(
+        "--results",
+        default=None,
+        help="a file each score run is appended to; runs already in it are not run again",
+    )
     args = p.parse_args()
     print(
         f"{platform.node()}: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "

@@ -63,10 +63,49 @@ def test_tables_parse_back(peers: ModuleType) -> None:
         {"reached": True, "seconds": 50.0, "steps": 1000, "best_score": 11.0},
         {"reached": False, "seconds": 99.0, "steps": 5000, "best_score": 6.5},
     ]
-    scored = peers.parse_table(peers.score_table([(moolib, runs)], "minatar", 99.0))
+    scored = peers.parse_table(
+        peers.score_table([(moolib, runs), (sb3, runs[1:]), (peers.ROWS[1], [])], "minatar", 99.0)
+    )
     assert scored[0]["reached (cap 99 s)"] == "1/2"
-    assert scored[0]["median seconds"] == "50"
+    # Of two runs, one short of the target: the higher middle one did not reach it.
+    assert scored[0]["median seconds"] == "> 99"
+    assert scored[0]["median best score"] == "8.75"
     assert scored[0]["best score"] == "11.00"
+    assert scored[1]["reached (cap 99 s)"] == "0/1"
+    assert scored[1]["median seconds"] == "> 99"
+    assert scored[1]["median env steps"] == "-"
+    assert scored[2]["median seconds"] == "-"
+    three = peers.parse_table(peers.score_table([(moolib, [*runs, runs[0]])], "minatar", 99.0))
+    assert three[0]["median seconds"] == "50" and three[0]["median env steps"] == "1,000"
+
+
+def test_score_runs_resume_from_the_results_file(peers: ModuleType, tmp_path, monkeypatch) -> None:
+    ran: list[int] = []
+
+    def fake_moolib_score(task: str, envs: int, procs: int, seed: int, cap: float) -> dict:
+        ran.append(seed)
+        return {"reached": seed == 1, "seconds": 10.0 + seed, "steps": 100, "best_score": 9.5}
+
+    monkeypatch.setattr(peers, "moolib_score", fake_moolib_score)
+    results = tmp_path / "runs.jsonl"
+    args = peers.argparse.Namespace(
+        score_task="minatar", score_cap=30.0, envs=8, procs=2, seeds=2, results=str(results)
+    )
+    moolib = peers.ROWS[0]
+    first = peers.scores(args, [moolib])
+    assert ran == [0, 1]
+    assert len(results.read_text().splitlines()) == 2
+    # A line cut short by a kill is skipped; both runs are taken from the file.
+    with results.open("a") as f:
+        f.write('{"key": "[\\"minatar\\", 30.0')
+    assert peers.scores(args, [moolib]) == first and ran == [0, 1]
+    # A third seed runs only that seed; another cap is another run.
+    args.seeds = 3
+    peers.scores(args, [moolib])
+    assert ran == [0, 1, 2]
+    args.score_cap = 60.0
+    peers.scores(args, [moolib])
+    assert ran == [0, 1, 2, 0, 1, 2]
 
 
 def test_moolib_rolling_score_takes_the_last_hundred_episodes(peers: ModuleType) -> None:
