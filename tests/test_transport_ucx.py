@@ -129,6 +129,19 @@ def test_many_concurrent_calls_from_threads(pair):
     assert not errors, errors
 
 
+def test_a_handler_that_calls_back_over_ucx_while_requests_keep_coming(pair):
+    # The server's worker that runs a request keeps serving UCX for the next
+    # one (its sticky worker); a handler run there that waits over UCX itself
+    # (a call back to the client) takes UCX from it and hands it back.
+    client, server = pair
+    client.define("square", lambda x: x * x)
+    server.define("square_via_client", lambda x: server.sync("client", "square", x) + 1)
+    for i in range(200):
+        assert client.sync("server", "square_via_client", i) == i * i + 1
+    futures = [client.async_("server", "square_via_client", i) for i in range(200)]
+    assert [f.result(timeout=DEADLINE) for f in futures] == [i * i + 1 for i in range(200)]
+
+
 def test_idle_ucx_link_sends_keepalives_and_stays_usable(pair):
     client, server = pair
     server.define("ping", lambda: "pong")

@@ -174,73 +174,164 @@ std::shared_ptr<UcxRuntime> UcxRuntime::get(std::string& whyNot) {
   return rt;
 }
 
-void UcxRuntime::progressLocked() {
+bool UcxRuntime::progressLocked() {
+  bool progressed = false;
   for (;;) {
-    while (api.ucp_worker_progress(worker) != 0) {
-    }
+    while (api.ucp_worker_progress(worker) != 0) progressed = true;
     ucs_status_t st = api.ucp_worker_arm(worker);
-    if (st != UCS_ERR_BUSY) break;
+    if (st != UCS_ERR_BUSY) return progressed;
+  }
+}
+
+bool UcxRuntime::settle() {
+  bool progressed = false;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      progressed |= progressLocked();
+      if (deferred.empty() && dirty.empty()) return progressed;
+    }
+    runDeferred();
   }
 }
 
 void UcxRuntime::onEvents(uint32_t events) {
   {
     std::lock_guard<std::mutex> lock(mutex);
-    progressLocked();
+    // The event disarmed the fd (EPOLLONESHOT). The owner, if any,
+    // progresses, and re-arms the fd when it lets go.
+    armed_ = false;
+    if (owned_) return;
   }
-  Loop::instance().rearm(efd_, token_, EPOLLIN);
-  runDeferred();
+  letGo();
 }
 
-void UcxRuntime::serve(const std::function<bool()>& done, TimePoint deadline) {
+void UcxRuntime::letGo() {
+  settle();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!owned_ && !armed_) {
+    armed_ = true;
+    Loop::instance().rearm(efd_, token_, EPOLLIN);
+  }
+}
+
+bool UcxRuntime::tryOwnLocked() {
+  if (owned_) return false;
+  owned_ = true;
+  if (armed_) {
+    armed_ = false;
+    Loop::instance().rearm(efd_, token_, 0);
+  }
+  return true;
+}
+
+bool UcxRuntime::claim() {
+  std::lock_guard<std::mutex> lock(mutex);
+  // A request run inline by the owner waits over UCX: it takes the worker,
+  // and the owner gets it back with claim() when the request is done.
+  if (lent_ && lender_ == std::this_thread::get_id()) {
+    lent_ = false;
+    return true;
+  }
+  return tryOwnLocked();
+}
+
+void UcxRuntime::unown() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    owned_ = false;
+  }
+  letGo();
+}
+
+void UcxRuntime::takeBack() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!lent_) return;
+    lent_ = false;
+    owned_ = false;
+  }
+  letGo();
+}
+
+bool UcxRuntime::waitOnce(const std::function<bool()>& done, TimePoint deadline) {
   // Null when spinning is off (MOOLIB_SPIN_US=0): each wait sleeps at once.
   SpinPolicy* spinPolicy = SpinPolicy::budget().count() > 0 ? &SpinPolicy::current() : nullptr;
   Waiter& waiter = currentWaiter();
-  while (!done() && Clock::now() < deadline) {
-    // Poll UCX for as long as the thread's spin policy says: a quick reply
-    // then costs no wake-up.
-    TimePoint start = Clock::now();
-    TimePoint spinUntil = std::min(
-        deadline, start + (spinPolicy ? spinPolicy->begin() : std::chrono::nanoseconds(0)));
-    bool mayYield = spinPolicy && spinPolicy->mayYield();
-    bool progressed = false;
-    for (;;) {
-      {
-        std::lock_guard<std::mutex> lock(mutex);
-        progressed = api.ucp_worker_progress(worker) != 0;
-      }
-      TimePoint now = Clock::now();
-      if (progressed || now >= spinUntil) break;
-      if (mayYield) {
-        // Yields give the core to whoever waits for it (SpinPolicy::kLostCore).
-        sched_yield();
-        mayYield = spinPolicy->yielded(Clock::now() - now);
-      }
-    }
+  // Poll UCX for as long as the thread's spin policy says: a quick reply then
+  // costs no wake-up.
+  TimePoint start = Clock::now();
+  TimePoint spinUntil =
+      std::min(deadline, start + (spinPolicy ? spinPolicy->begin() : std::chrono::nanoseconds(0)));
+  bool mayYield = spinPolicy && spinPolicy->mayYield();
+  bool progressed = false;
+  for (;;) {
     {
-      // Progressed to the end and armed again, whatever happened: the loop's
-      // worker sleeps on the event fd too, and must be woken by what comes.
       std::lock_guard<std::mutex> lock(mutex);
-      progressLocked();
+      progressed = api.ucp_worker_progress(worker) != 0;
     }
-    runDeferred();
-    bool event = progressed || done();
-    if (!event) {
-      // Sleep on the event fd; a loop worker may take the event and hand the
-      // reply up itself: the future then wakes this thread's waiter.
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      pollfd p[2] = {{efd_, POLLIN, 0}, {waiter.fd(), POLLIN, 0}};
-      event = ::poll(p, 2, int(std::clamp<int64_t>(left.count() + 1, 0, 100))) > 0;
-      if (p[1].revents) waiter.clear();
+    TimePoint now = Clock::now();
+    if (progressed || now >= spinUntil) break;
+    if (mayYield) {
+      // Yields give the core to whoever waits for it (SpinPolicy::kLostCore).
+      sched_yield();
+      mayYield = spinPolicy->yielded(Clock::now() - now);
     }
-    if (spinPolicy) spinPolicy->end(Clock::now() - start, progressed, event);
   }
+  // Progressed to the end and armed again, whatever happened: the owner
+  // sleeps on the event fd, and must be woken by what comes. What that
+  // progress brought (a request handed up to run inline, say) is served first.
+  if (settle()) progressed = true;
+  bool event = progressed || done();
+  if (!event) {
+    // Sleep on the event fd and the thread's waiter (another thread may
+    // complete what this one waits for, or want the loop's workers).
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    pollfd p[2] = {{efd_, POLLIN, 0}, {waiter.fd(), POLLIN, 0}};
+    event = ::poll(p, 2, int(std::clamp<int64_t>(left.count() + 1, 0, 100))) > 0;
+    if (p[1].revents) waiter.clear();
+  }
+  if (spinPolicy) spinPolicy->end(Clock::now() - start, progressed, event);
+  return progressed;
+}
+
+void UcxRuntime::serve(const std::function<bool()>& done, TimePoint deadline) {
+  while (!done() && Clock::now() < deadline) waitOnce(done, deadline);
+}
+
+bool UcxRuntime::serveSticky(TimePoint deadline) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!tryOwnLocked()) return false;
+  }
+  Loop& loop = Loop::instance();
+  std::function<bool()> stop = [&loop] { return loop.stickyShouldStop(); };
+  bool active = false;
+  while (!stop() && Clock::now() < deadline) {
+    if (waitOnce(stop, deadline)) active = true;
+    if (!Loop::hasInlineTasks()) continue;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      lent_ = true;
+      lender_ = std::this_thread::get_id();
+    }
+    loop.runInlineTasks(shared_from_this());
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      // Taken back (a request blocked or ran long), or by a request that
+      // waited over UCX and has let go: served on only if it is free again.
+      if (!std::exchange(lent_, false) && !tryOwnLocked()) return true;
+    }
+  }
+  unown();
+  return active;
 }
 
 bool UcxConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline,
                                bool claimed) {
-  if (closed_) return false;
-  rt_->serve(done, deadline);
+  if (!claimed && (closed_ || !rt_->claim())) return false;
+  rt_->serve([&] { return done() || closed_.load(); }, deadline);
+  rt_->unown();
   return true;
 }
 

@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "loop.h"
@@ -52,6 +53,12 @@ struct UcxProbe {
 
 // The process's UCP context and worker, and their progress on the loop;
 // started on first use (a UCX listener or dial).
+//
+// One thread at a time may own the worker's progress, as a stream
+// connection's fd is owned (docs/architecture.md, "UCX"): a caller waiting
+// for a reply, or the loop worker that just handed requests up (the sticky
+// worker). Its event fd is then out of the loop's epoll set, so what arrives
+// wakes only the owner, which progresses UCX itself.
 class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRuntime> {
  public:
   // The runtime of this process (made on first use); nullptr with the reason.
@@ -59,16 +66,32 @@ class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRunt
   UcxRuntime(const UcxApi& api, ucp_context_h context, ucp_worker_h worker, int efd);
 
   void onEvents(uint32_t events) override;
-  // Progresses the worker until idle (mutex held by the caller).
-  void progressLocked();
+  // Serves the worker by itself while requests keep coming (Loop::workerMain),
+  // running them inline; false at once if another thread owns it.
+  bool serveSticky(TimePoint deadline) override;
+  // The inline requests ran long or blocked: the loop serves UCX again.
+  void takeBack() override;
+  // Progresses the worker until idle and arms it (mutex held by the caller);
+  // whether anything progressed.
+  bool progressLocked();
   // Runs what callbacks recorded: tasks, then frames of the connections that
   // got any. Call without the mutex after anything that may have called back.
   void runDeferred();
+  // Progresses and runs what that recorded until nothing is left, leaving the
+  // worker armed for a wait on its event fd: a UCX call made after
+  // ucp_worker_arm (a reply sent by a frame handed up) may take an event the
+  // fd would have announced. Without the mutex; whether anything progressed.
+  bool settle();
   // Progresses now and then while sends are in flight, in case UCX wants
   // progress the event fd does not announce.
   void ensurePollingLocked();
-  // Progresses on this thread until done() or the deadline: polls UCX for a
-  // few microseconds, then sleeps on its event fd.
+  // Takes the worker's progress from the loop; false if another thread has
+  // it. A thread whose inline requests were lent it takes it back.
+  bool claim();
+  // Hands the progress back to the loop.
+  void unown();
+  // The owner progresses on this thread until done() or the deadline: polls
+  // UCX for as long as its spin policy says, then sleeps on the event fd.
   void serve(const std::function<bool()>& done, TimePoint deadline);
 
   const UcxApi& api;
@@ -85,8 +108,21 @@ class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRunt
   bool polling = false;
 
  private:
+  bool tryOwnLocked();
+  // Progresses what came meanwhile and hands the event fd back to the loop,
+  // unless a thread owns the worker again; after owned_ was cleared.
+  void letGo();
+  // One wait of the owner; true if UCX progressed.
+  bool waitOnce(const std::function<bool()>& done, TimePoint deadline);
+
   int efd_;
   uint64_t token_ = 0;
+  bool owned_ = false;  // a thread progresses the worker itself
+  bool armed_ = true;   // the event fd is armed in the loop's epoll set
+  // The owner lent the worker to the requests it runs inline (serveSticky);
+  // one of them that waits over UCX takes it (claim).
+  bool lent_ = false;
+  std::thread::id lender_;
 };
 
 class UcxConnection : public Connection, public std::enable_shared_from_this<UcxConnection> {
@@ -109,9 +145,11 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
   uint64_t bytesReceived() const override { return bytesReceived_.load(); }
   std::string lanes() const override { return lanes_; }
   // The waiting thread progresses UCX itself, so that a reply wakes the
-  // thread that waits for it.
+  // thread that waits for it (unless another thread owns the progress).
   bool serveWhile(const std::function<bool()>& done, TimePoint deadline,
                   bool claimed = false) override;
+  bool claim() override { return !closed_ && rt_->claim(); }
+  void unclaim() override { rt_->unown(); }
 
   // Runtime side; mutex held.
   // A dialed endpoint: waits for the preamble, then calls done (deferred).
