@@ -122,7 +122,16 @@ def moolib_overrides(task: str, envs: int, procs: int) -> list[str]:
             *shape,
         ]
     if task == "minatar":
-        return ["agent=vtrace", "env=minatar-breakout", *shape]
+        # The tuning file's learner batch is half an actor batch (16 of 32 envs);
+        # kept so with fewer envs (conf/tuning/vtrace_minatar.yaml says why).
+        learn = max(1, envs // 4)
+        return [
+            "agent=vtrace",
+            "env=minatar-breakout",
+            *shape,
+            f"agent.batch_size={learn}",
+            f"agent.virtual_batch_size={learn}",
+        ]
     if task == "cartpole":
         return ["agent=vtrace", "env=cartpole", *shape]
     raise ValueError(f"unknown task {task!r}")
