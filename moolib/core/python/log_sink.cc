@@ -81,9 +81,11 @@ class PythonLogSink {
 }  // namespace
 
 void bindLogging(py::module_& m) {
-  m.def("set_log_level", [](int level) { setLogLevel(LogLevel(std::max(0, std::min(level, 4)))); });
+  m.def(
+      "set_log_level", [](int level) { setLogLevel(LogLevel(std::max(0, std::min(level, 4)))); },
+      py::arg("level"));
   m.def("get_log_level", [] { return int(logLevel()); });
-  m.def("set_log_sink", [](py::object fn) { PythonLogSink::instance().set(fn); });
+  m.def("set_log_sink", [](py::object fn) { PythonLogSink::instance().set(fn); }, py::arg("fn"));
 }
 
 }  // namespace moolib::binding

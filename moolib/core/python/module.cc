@@ -39,7 +39,9 @@ PYBIND11_MODULE(_core, m) {
   bindHandler(m);
   bindRpc(m);
   bindLogging(m);
-  m.def("set_max_threads", [](int n) { Loop::instance().setMaxThreads(n); });
+  m.def(
+      "set_max_threads", [](int n) { Loop::instance().setMaxThreads(n); }, py::arg("n"),
+      "Pool threads that run I/O and called functions (MOOLIB_MAX_THREADS).");
   m.def("get_max_threads", [] { return Loop::instance().maxThreads(); });
   // Diagnostics of the spin before blocking waits (spin.h), for this process.
   m.def("_spin_stats", [] {

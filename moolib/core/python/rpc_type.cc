@@ -127,14 +127,21 @@ void bindRpc(py::module_& m) {
   py::class_<PyRpc> rpcClass(m, "Rpc", "The C++ peer; moolib.Rpc adds the Python-level API.");
   bindRpcCalls(rpcClass);
   rpcClass.def(py::init(&createRpc))
-      .def("set_name", onRpc(&Rpc::setName))
+      .def("set_name", onRpc(&Rpc::setName), py::arg("name"),
+           "Names this peer (unique in its group of peers); before listen or connect.")
       .def("get_name", onRpc(&Rpc::name))
-      .def("listen", onRpc(&Rpc::listen), py::call_guard<GilRelease>())
-      .def("connect", onRpc(&Rpc::connect), py::call_guard<GilRelease>())
-      .def("set_timeout", onRpc(&Rpc::setTimeout))
+      .def("listen", onRpc(&Rpc::listen), py::call_guard<GilRelease>(), py::arg("address"),
+           "Listens on address (host:port, port 0 for any; ucx://host:port for UCX); "
+           "returns the address bound.")
+      .def("connect", onRpc(&Rpc::connect), py::call_guard<GilRelease>(), py::arg("address"),
+           "Connects to the peer at address, and again whenever the link drops.")
+      .def("set_timeout", onRpc(&Rpc::setTimeout), py::arg("seconds"),
+           "Seconds a call may take before it fails with RpcTimeoutError (default 10).")
       .def("get_timeout", onRpc(&Rpc::timeout))
-      .def("set_transports", onRpc(&Rpc::setTransports))
-      .def("set_auth_key", onRpc(&Rpc::setAuthKey))
+      .def("set_transports", onRpc(&Rpc::setTransports), py::arg("transports"),
+           "Restricts links to these transports (of shm, tcp, ucx), in any order.")
+      .def("set_auth_key", onRpc(&Rpc::setAuthKey), py::arg("key"),
+           "Peers must share this key to link (docs/library.md, \"Security\").")
       .def(
           "_define_owned",
           [](PyRpc& self, const std::string& name, py::handle handler) {
@@ -143,7 +150,7 @@ void bindRpc(py::module_& m) {
           py::arg("name"), py::arg("handler"),
           "Defines name as handler (a Handler), which the caller keeps: the core holds a weak "
           "reference to it.")
-      .def("undefine", onRpc(&Rpc::undefine), py::call_guard<GilRelease>())
+      .def("undefine", onRpc(&Rpc::undefine), py::call_guard<GilRelease>(), py::arg("name"))
       .def("close", onRpc(&Rpc::close), py::call_guard<GilRelease>())
       .def("debug_info", [](PyRpc& self) {
         DebugInfo info;
