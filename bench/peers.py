@@ -576,6 +576,9 @@ def main() -> None:
         help="a file each score run is appended to; runs already in it are not run again",
     )
     args = p.parse_args()
+    # Killed (kill, a job's end), it stops as on Ctrl-C: each runner's process
+    # group and moolib-run are stopped on the way out, not left stepping.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(
         f"{platform.node()}: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
         f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}",
