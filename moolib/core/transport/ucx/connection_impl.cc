@@ -25,6 +25,14 @@ constexpr uint8_t kPreamble = 0x4d;  // 'M': the accepting side is wired up
 // than two for them.
 constexpr size_t kCopyBelow = 16 << 10;
 constexpr auto kPollInterval = std::chrono::milliseconds(1);
+// A segment this large coming in over UCX's TCP is polled for, not slept on:
+// each wake-up on the event fd brings in about a socket buffer's worth, and
+// waking costs about as much as reading it
+// (docs/decisions/ucx-bulk-polling.md). The poll stops once nothing came for
+// kBulkQuiet (the sender stalled). Not over shared memory, where the poller
+// takes the core the copy needs.
+constexpr size_t kBulkBytes = size_t(1) << 20;
+constexpr auto kBulkQuiet = std::chrono::milliseconds(2);
 
 }  // namespace
 
@@ -196,14 +204,42 @@ bool UcxRuntime::settle() {
 }
 
 void UcxRuntime::onEvents(uint32_t events) {
+  bool bulk;
   {
     std::lock_guard<std::mutex> lock(mutex);
     // The event disarmed the fd (EPOLLONESHOT). The owner, if any,
     // progresses, and re-arms the fd when it lets go.
     armed_ = false;
     if (owned_) return;
+    bulk = bulkReceives > 0;
+    owned_ = bulk;
+  }
+  if (bulk) {
+    pollBulk();
+    std::lock_guard<std::mutex> lock(mutex);
+    owned_ = false;
   }
   letGo();
+}
+
+bool UcxRuntime::pollBulk() {
+  bool any = false;
+  TimePoint last = Clock::now();
+  for (;;) {
+    bool progressed;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      progressed = api.ucp_worker_progress(worker) != 0;
+      if (bulkReceives == 0) return any || progressed;
+    }
+    TimePoint now = Clock::now();
+    if (progressed) {
+      any = true;
+      last = now;
+    } else if (now - last >= kBulkQuiet) {
+      return any;
+    }
+  }
 }
 
 void UcxRuntime::letGo() {
@@ -278,11 +314,35 @@ bool UcxRuntime::waitOnce(const std::function<bool()>& done, TimePoint deadline)
       mayYield = spinPolicy->yielded(Clock::now() - now);
     }
   }
-  // Progressed to the end and armed again, whatever happened: the owner
-  // sleeps on the event fd, and must be woken by what comes. What that
-  // progress brought (a request handed up to run inline, say) is served first.
-  if (settle()) progressed = true;
+  if (progressed) {
+    // Something came: handed up without arming the worker, since this thread
+    // polls again before it sleeps (an arm costs system calls).
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      while (api.ucp_worker_progress(worker) != 0) {
+      }
+    }
+    runDeferred();
+    if (spinPolicy) spinPolicy->end(Clock::now() - start, true, true);
+    return true;
+  }
+  // Progressed to the end and armed, as the owner sleeps on the event fd and
+  // must be woken by what comes. What that progress brought (a request handed
+  // up to run inline, say) is served first.
+  progressed = settle();
   bool event = progressed || done();
+  bool bulk;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    bulk = bulkReceives > 0;
+  }
+  if (!event && bulk) {
+    // Not a wait the spin policy weighs: a transfer under way.
+    TimePoint spun = Clock::now();
+    progressed = pollBulk();
+    if (spinPolicy) spinPolicy->end(spun - start, false, true);
+    return progressed;
+  }
   if (!event) {
     // Sleep on the event fd and the thread's waiter (another thread may
     // complete what this one waits for, or want the loop's workers).
@@ -465,6 +525,20 @@ void UcxConnection::readLanesLocked() {
     }
   }
   lanes_ = lanes;
+  tcpOnly_ = !lanes.empty();
+  std::istringstream each(lanes);
+  std::string lane;
+  while (std::getline(each, lane, ',')) tcpOnly_ = tcpOnly_ && lane.rfind("tcp/", 0) == 0;
+}
+
+void UcxConnection::bulkLocked(bool on) {
+  if (on == bulk_) return;
+  bulk_ = on;
+  if (on) {
+    ++rt_->bulkReceives;
+  } else {
+    --rt_->bulkReceives;
+  }
 }
 
 void UcxConnection::start(FrameFn onFrame, CloseFn onClose) {
@@ -740,8 +814,10 @@ bool UcxConnection::nextSegmentLocked() {
   }
   if (segmentIndex_ < frame_.segments.size()) {
     state_ = RecvState::kSegment;
+    bulkLocked(tcpOnly_ && frame_.segments[segmentIndex_]->size() >= kBulkBytes);
     return true;
   }
+  bulkLocked(false);
   deliverLocked();
   state_ = handshaken_ ? RecvState::kHeader : RecvState::kHeld;
   return !closed_;
@@ -824,6 +900,7 @@ void UcxConnection::failLocked(const std::string& why) {
 
 void UcxConnection::closeLocked(const Error& reason, bool force) {
   if (closed_.exchange(true)) return;
+  bulkLocked(false);
   if (connectDone_) {
     // Still dialing: the dial fails.
     if (connectTimer_) Loop::instance().cancelTimer(connectTimer_);

@@ -106,6 +106,8 @@ class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRunt
   std::set<std::shared_ptr<UcxListener>> listeners;
   size_t sendsInFlight = 0;
   bool polling = false;
+  // Connections over UCX's TCP alone receiving a large segment (bulkLocked).
+  size_t bulkReceives = 0;
 
  private:
   bool tryOwnLocked();
@@ -114,6 +116,9 @@ class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRunt
   void letGo();
   // One wait of the owner; true if UCX progressed.
   bool waitOnce(const std::function<bool()>& done, TimePoint deadline);
+  // The owner polls while a large segment comes in over UCX's TCP (see
+  // kBulkQuiet); whether anything progressed.
+  bool pollBulk();
 
   int efd_;
   uint64_t token_ = 0;
@@ -198,6 +203,9 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
   // Reads the endpoint's lanes from UCX (for lanes()); before the connection
   // is handed up, never after.
   void readLanesLocked();
+  // Counts this connection in the runtime's bulkReceives while it receives a
+  // large segment over TCP lanes alone (on), or no longer (off).
+  void bulkLocked(bool on);
   // The accepted side's preamble has left: hands the connection up.
   void wiredLocked();
   // Reads on after a frame held by kHeld was handed up; without the mutex.
@@ -214,6 +222,8 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
   Context::ConnectFn connectDone_;  // while dialing
   Task acceptDone_;                 // while the accepted side's preamble waits
   std::string lanes_;
+  bool tcpOnly_ = false;  // every lane is UCX's TCP
+  bool bulk_ = false;     // counted in the runtime's bulkReceives
   uint64_t connectTimer_ = 0;
 
   // Sends in flight: id -> what they keep alive (op 0: the preamble).
