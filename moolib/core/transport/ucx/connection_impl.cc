@@ -264,7 +264,7 @@ bool UcxRuntime::tryOwnLocked() {
 bool UcxRuntime::claim() {
   std::lock_guard<std::mutex> lock(mutex);
   // A request run inline by the owner waits over UCX: it takes the worker,
-  // and the owner gets it back with claim() when the request is done.
+  // and serveSticky owns it again (if free) when the request is done.
   if (lent_ && lender_ == std::this_thread::get_id()) {
     lent_ = false;
     return true;
