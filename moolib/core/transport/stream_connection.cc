@@ -29,9 +29,6 @@ constexpr size_t kDirectReadMin = 32 << 10;
 // socket wakes its reader only once this much waits (SO_RCVLOWAT).
 constexpr int kLowWater = 256 << 10;
 constexpr int kMaxFdsPerMessage = 64;
-constexpr auto kBurstGap = std::chrono::microseconds(10);
-constexpr auto kBurstDelay = std::chrono::microseconds(50);
-constexpr size_t kBurstFrames = 64;
 }  // namespace
 
 StreamConnection::StreamConnection(Fd fd, std::string local, std::string remote)
@@ -110,21 +107,15 @@ void StreamConnection::send(OutgoingFrame&& frame) {
   if (closed_) return;
   writeQueue_.push_back(std::move(item));
   if (corked) return;
-  // A thread issuing a burst of calls (sends microseconds apart) gets them
-  // coalesced: held back until a batch is full, the thread waits for a
-  // reply (FutureState::wait flushes), or a short timer fires. A lone send
-  // goes out at once.
-  TimePoint now = Clock::now();
-  bool burst = now - lastSend_ < kBurstGap && !Loop::onWorkerThread();
-  lastSend_ = now;
+  bool now = burst_.writeNow(writeQueue_.size());
   if (wantWrite_) return;  // the socket is full; EPOLLOUT will flush
-  if ((writeQueue_.size() == 1 && !burst) || writeQueue_.size() >= kBurstFrames) {
+  if (now) {
     flushLocked();
     return;
   }
   if (!flushTimer_) {
     std::weak_ptr<StreamConnection> weak = shared_from_this();
-    flushTimer_ = Loop::instance().addTimer(now + kBurstDelay, [weak] {
+    flushTimer_ = Loop::instance().addTimer(Clock::now() + SendBurst::kDelay, [weak] {
       if (auto self = weak.lock()) {
         std::lock_guard<std::mutex> lock(self->writeMutex_);
         self->flushTimer_ = 0;

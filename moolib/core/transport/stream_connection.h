@@ -14,6 +14,7 @@
 
 #include "loop.h"
 #include "socket.h"
+#include "transport/burst.h"
 #include "transport/transport.h"
 
 namespace moolib {
@@ -121,7 +122,7 @@ class StreamConnection : public Connection,
   std::mutex writeMutex_;
   std::deque<WriteItem> writeQueue_;
   std::atomic<bool> wantWrite_{false};
-  TimePoint lastSend_{};
+  SendBurst burst_;
   uint64_t flushTimer_ = 0;  // pending flush of a coalesced burst
 
   // Who handles the fd: the loop (armed_ in epoll, or handling_ now) or a

@@ -389,6 +389,7 @@ bool UcxRuntime::serveSticky(TimePoint deadline) {
 
 bool UcxConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline,
                                bool claimed) {
+  flush();  // the call this thread waits for may be in a held-back burst
   if (!claimed && (closed_ || !rt_->claim())) return false;
   rt_->serve([&] { return done() || closed_.load(); }, deadline);
   rt_->unown();
@@ -474,17 +475,9 @@ void UcxConnection::acceptLocked(ucp_ep_h ep, Task wired) {
   static const uint8_t preamble = kPreamble;
   SendOp& op = sends_[0];
   op.tag = SendTag{this, 0};
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.send = &UcxConnection::sendCallback;
-  p.user_data = &op.tag;
-  ucs_status_ptr_t r = rt_->api.ucp_stream_send_nbx(ep_, &preamble, 1, &p);
-  if (UCS_PTR_IS_ERR(r)) {
+  if (!postLocked(op, &preamble, 1)) {
     sends_.erase(0);
-    failLocked(concat("sending the preamble: ", statusString(UCS_PTR_STATUS(r))));
-  } else if (r) {
-    op.pending++;
-    rt_->sendsInFlight++;
+  } else if (op.pending) {
     rt_->ensurePollingLocked();
   } else {
     sends_.erase(0);
@@ -561,7 +554,7 @@ void UcxConnection::start(FrameFn onFrame, CloseFn onClose) {
 
 void UcxConnection::send(OutgoingFrame&& frame) {
   if (closed_) return;
-  SendOp op;
+  QueuedFrame q;
   FrameHeader h{kFrameMagic,
                 kWireVersion,
                 uint8_t(frame.type),
@@ -571,55 +564,96 @@ void UcxConnection::send(OutgoingFrame&& frame) {
                 0};
   size_t copied = 0;
   for (auto& s : frame.segments) copied += s.size < kCopyBelow ? s.size : 0;
-  op.head.reserve(sizeof(h) + frame.segments.size() * sizeof(SegmentDesc) + frame.meta.size() +
-                  copied);
-  op.head.append(reinterpret_cast<const char*>(&h), sizeof(h));
+  q.head.reserve(sizeof(h) + frame.segments.size() * sizeof(SegmentDesc) + frame.meta.size() +
+                 copied);
+  q.head.append(reinterpret_cast<const char*>(&h), sizeof(h));
   for (auto& s : frame.segments) {
     SegmentDesc d{s.size, uint32_t(SegmentKind::kInline), 0, 0};
-    op.head.append(reinterpret_cast<const char*>(&d), sizeof(d));
+    q.head.append(reinterpret_cast<const char*>(&d), sizeof(d));
   }
-  op.head.append(frame.meta);
+  q.head.append(frame.meta);
   // Segments in order: the small ones copied behind the head until the first
   // large one; from there each goes out as its own send (the stream keeps
   // the order), the small ones after it too.
   size_t i = 0;
   for (; i != frame.segments.size() && frame.segments[i].size < kCopyBelow; ++i) {
-    op.head.append(reinterpret_cast<const char*>(frame.segments[i].data), frame.segments[i].size);
+    q.head.append(reinterpret_cast<const char*>(frame.segments[i].data), frame.segments[i].size);
   }
   for (; i != frame.segments.size(); ++i) {
-    if (frame.segments[i].size) op.segments.push_back(std::move(frame.segments[i]));
+    if (frame.segments[i].size) q.segments.push_back(std::move(frame.segments[i]));
   }
-  uint64_t total = op.head.size();
-  for (auto& s : op.segments) total += s.size;
+  uint64_t total = q.head.size();
+  for (auto& s : q.segments) total += s.size;
 
+  // Only replies are corked: a request a function sends must not wait for
+  // the rest of its batch.
+  bool corked = frame.type == FrameType::kResponse &&
+                corkIfBatching(std::static_pointer_cast<Corkable>(shared_from_this()));
+  SendOp finished;  // dropped after the lock, outside the mutex
   std::unique_lock<std::mutex> lock(rt_->mutex);
   if (closed_ || !ep_) return;
+  bytesSent_ += total;
+  queue_.push_back(std::move(q));
+  if (corked) return;
+  if (burst_.writeNow(queue_.size())) {
+    bool ok = flushLocked(finished);
+    lock.unlock();
+    if (!ok) rt_->runDeferred();
+    return;
+  }
+  if (!flushTimer_) {
+    std::weak_ptr<UcxConnection> weak = shared_from_this();
+    flushTimer_ = Loop::instance().addTimer(Clock::now() + SendBurst::kDelay, [weak] {
+      if (auto self = weak.lock()) self->flush();
+    });
+  }
+}
+
+void UcxConnection::flush() {
+  SendOp finished;
+  bool ok;
+  {
+    std::lock_guard<std::mutex> lock(rt_->mutex);
+    flushTimer_ = 0;  // a pending timer finds the queue empty
+    ok = flushLocked(finished);
+  }
+  if (!ok) rt_->runDeferred();
+}
+
+bool UcxConnection::flushLocked(SendOp& finished) {
+  if (queue_.empty() || closed_ || !ep_) return true;
   uint64_t id = nextSend_++;
   // A map node: its address (the requests' user data) is stable.
-  SendOp& stored = sends_[id] = std::move(op);
-  stored.tag = SendTag{this, id};
-  auto post = [&](const void* data, size_t size) {
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    p.cb.send = &UcxConnection::sendCallback;
-    p.user_data = &stored.tag;
-    ucs_status_ptr_t r = rt_->api.ucp_stream_send_nbx(ep_, data, size, &p);
-    if (UCS_PTR_IS_ERR(r)) {
-      failLocked(concat("UCX send: ", statusString(UCS_PTR_STATUS(r))));
-      return false;
+  SendOp& op = sends_[id];
+  op.tag = SendTag{this, id};
+  // The heads of consecutive frames are joined into one send, up to a frame
+  // with large segments, which go out from the caller's memory after it.
+  // Reserved: a head's bytes stay put once posted.
+  op.heads.reserve(queue_.size());
+  std::vector<QueuedFrame> queued;
+  queued.swap(queue_);
+  bool ok = true;
+  for (size_t k = 0; ok && k != queued.size(); ++k) {
+    QueuedFrame& q = queued[k];
+    if (op.heads.empty() || op.heads.back().empty()) {
+      if (op.heads.empty()) op.heads.emplace_back();
+      op.heads.back() = std::move(q.head);  // a lone frame: no copy
+    } else {
+      op.heads.back().append(q.head);
     }
-    if (r) {
-      stored.pending++;
-      rt_->sendsInFlight++;
+    if (q.segments.empty() && k + 1 != queued.size()) continue;
+    std::string& head = op.heads.back();
+    ok = postLocked(op, head.data(), head.size());
+    for (size_t j = 0; ok && j != q.segments.size(); ++j) {
+      ok = postLocked(op, q.segments[j].data, q.segments[j].size);
     }
-    return true;
-  };
-  bool ok = post(stored.head.data(), stored.head.size());
-  for (size_t k = 0; ok && k != stored.segments.size(); ++k) {
-    ok = post(stored.segments[k].data, stored.segments[k].size);
+    if (k + 1 != queued.size()) op.heads.emplace_back();
   }
-  bytesSent_ += total;
-  SendOp finished;
+  // Kept alive until the sends are done, and after a failure dropped with op
+  // (outside the mutex).
+  for (auto& q : queued) {
+    for (auto& seg : q.segments) op.segments.push_back(std::move(seg));
+  }
   auto it = sends_.find(id);  // a failure above may have cleared them all
   if (it != sends_.end() && it->second.pending == 0) {
     finished = std::move(it->second);
@@ -627,28 +661,37 @@ void UcxConnection::send(OutgoingFrame&& frame) {
   } else if (it != sends_.end()) {
     rt_->ensurePollingLocked();
   }
-  lock.unlock();
-  // finished (and what it kept alive) is dropped here, outside the mutex.
-  if (!ok) rt_->runDeferred();
+  return ok;
 }
 
-void UcxConnection::sendRaw(std::string bytes) {
-  std::unique_lock<std::mutex> lock(rt_->mutex);
-  if (closed_ || !ep_) return;
-  uint64_t id = nextSend_++;
-  SendOp& op = sends_[id];
-  op.tag = SendTag{this, id};
-  op.head = std::move(bytes);
+bool UcxConnection::postLocked(SendOp& op, const void* data, size_t size) {
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &UcxConnection::sendCallback;
   p.user_data = &op.tag;
-  ucs_status_ptr_t r = rt_->api.ucp_stream_send_nbx(ep_, op.head.data(), op.head.size(), &p);
-  if (UCS_PTR_IS_PTR(r)) {
+  ucs_status_ptr_t r = rt_->api.ucp_stream_send_nbx(ep_, data, size, &p);
+  if (UCS_PTR_IS_ERR(r)) {
+    failLocked(concat("UCX send: ", statusString(UCS_PTR_STATUS(r))));
+    return false;
+  }
+  if (r) {
     op.pending++;
     rt_->sendsInFlight++;
+  }
+  return true;
+}
+
+void UcxConnection::sendRaw(std::string bytes) {
+  SendOp finished;
+  std::lock_guard<std::mutex> lock(rt_->mutex);
+  if (!flushLocked(finished) || closed_ || !ep_) return;
+  uint64_t id = nextSend_++;
+  SendOp& op = sends_[id];
+  op.tag = SendTag{this, id};
+  op.heads.push_back(std::move(bytes));
+  if (postLocked(op, op.heads.back().data(), op.heads.back().size()) && op.pending) {
     rt_->ensurePollingLocked();
-  } else {
+  } else if (sends_.count(id)) {
     sends_.erase(id);
   }
 }
@@ -899,6 +942,16 @@ void UcxConnection::failLocked(const std::string& why) {
 }
 
 void UcxConnection::closeLocked(const Error& reason, bool force) {
+  // A graceful close sends what a burst held back first; a failed
+  // connection drops it (outside the mutex: it may keep tensors alive).
+  SendOp finished;
+  if (!force && !closed_) flushLocked(finished);
+  if (!queue_.empty() || !finished.segments.empty()) {
+    auto drop = std::make_shared<std::pair<std::vector<QueuedFrame>, SendOp>>(std::move(queue_),
+                                                                              std::move(finished));
+    queue_.clear();
+    rt_->deferred.push_back([drop] {});
+  }
   if (closed_.exchange(true)) return;
   bulkLocked(false);
   if (connectDone_) {

@@ -6,7 +6,9 @@
 // up). Then frames exactly as the stream transports write them (wire.h), all
 // segments inline. A frame goes out as its head (header, descriptors,
 // metadata and any small segments copied behind them) followed by each large
-// segment sent from the caller's memory without a copy; the receiver reads
+// segment sent from the caller's memory without a copy. Frames queued
+// together (a corked batch of replies, a burst of calls: SendBurst) go out
+// with their heads joined into one send. The receiver reads
 // the head, then every segment straight into the buffer it hands up. UCX
 // moves the bytes over whatever it chose (RDMA, its shared memory, TCP;
 // UCX_TLS and UCX_NET_DEVICES select), registering memory as it needs.
@@ -33,6 +35,7 @@
 
 #include "loop.h"
 #include "socket.h"
+#include "transport/burst.h"
 #include "transport/transport.h"
 
 namespace moolib {
@@ -130,7 +133,9 @@ class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRunt
   std::thread::id lender_;
 };
 
-class UcxConnection : public Connection, public std::enable_shared_from_this<UcxConnection> {
+class UcxConnection : public Connection,
+                      public Corkable,
+                      public std::enable_shared_from_this<UcxConnection> {
  public:
   UcxConnection(std::shared_ptr<UcxRuntime> runtime, std::string local, std::string remote);
   ~UcxConnection() override;
@@ -139,7 +144,8 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
   void send(OutgoingFrame&& frame) override;
   // Sends bytes as they are (tests of the receiver's checks).
   void sendRaw(std::string bytes);
-  void flush() override {}
+  void flush() override;
+  void uncork() override { flush(); }
   void close(const Error& reason) override;
   void setHandshaken() override { handshaken_ = true; }
   bool closed() const override { return closed_.load(); }
@@ -183,14 +189,27 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
     UcxConnection* conn;
     uint64_t op;
   };
+  // One flush of the queue: the sends it posted, and what they send from.
   struct SendOp {
     SendTag tag{};
-    std::string head;
+    std::vector<std::string> heads;
     std::vector<OutSegment> segments;
     int pending = 0;
   };
+  // A frame sent but not yet posted to UCX: its head (header, descriptors,
+  // metadata, small segments) and its large segments.
+  struct QueuedFrame {
+    std::string head;
+    std::vector<OutSegment> segments;
+  };
 
   void closeLocked(const Error& reason, bool force);
+  // Posts the queued frames to UCX; what has already left (nothing to keep
+  // alive) goes to finished, to be dropped outside the mutex. False if a
+  // send failed (the connection closed; runDeferred hands that up).
+  bool flushLocked(SendOp& finished);
+  // Posts one send of op's; false (and fails the connection) on an error.
+  bool postLocked(SendOp& op, const void* data, size_t size);
   void pumpLocked();
   // Consumes length received bytes of the current step; false once failed.
   bool advanceLocked(size_t length);
@@ -228,6 +247,9 @@ class UcxConnection : public Connection, public std::enable_shared_from_this<Ucx
 
   // Sends in flight: id -> what they keep alive (op 0: the preamble).
   std::map<uint64_t, SendOp> sends_;
+  std::vector<QueuedFrame> queue_;  // sent, held back to coalesce (SendBurst)
+  SendBurst burst_;
+  uint64_t flushTimer_ = 0;  // pending flush of a held-back burst
   uint64_t nextSend_ = 1;
   bool closing_ = false;  // ucp_ep_close_nbx in flight
   bool recvPending_ = false;
