@@ -315,13 +315,9 @@ bool UcxRuntime::waitOnce(const std::function<bool()>& done, TimePoint deadline)
     }
   }
   if (progressed) {
-    // Something came: handed up without arming the worker, since this thread
-    // polls again before it sleeps (an arm costs system calls).
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      while (api.ucp_worker_progress(worker) != 0) {
-      }
-    }
+    // Something came: handed up at once, without progressing until idle or
+    // arming the worker, since this thread polls again before it sleeps
+    // (each progress over UCX's TCP is an epoll_wait, an arm several calls).
     runDeferred();
     if (spinPolicy) spinPolicy->end(Clock::now() - start, true, true);
     return true;
