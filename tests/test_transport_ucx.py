@@ -138,7 +138,7 @@ def test_a_burst_of_tiny_and_large_calls_arrives_whole_over_ucx(pair):
     sizes = [1, 1 << 20, 3, 1 << 16, 5, 100, 1 << 14, 7, (1 << 20) + 3, 9] * 20
     args = [torch.arange(n, dtype=torch.int32) + k for k, n in enumerate(sizes)]
     futures = [client.async_("server", "echo", a) for a in args]
-    for a, f in zip(args, futures):
+    for a, f in zip(args, futures, strict=True):
         assert torch.equal(f.result(timeout=DEADLINE), a)
     # The replies of requests a worker ran together went out corked, too.
     futures = [client.async_("server", "echo", k) for k in range(2000)]
