@@ -5,6 +5,7 @@
 #include "logging.h"
 #include "rpc_state.h"
 #include "socket.h"
+#include "transport/burst.h"
 
 namespace moolib {
 
@@ -330,6 +331,7 @@ FuturePtr Rpc::call(const std::string& peer, const std::string& function,
   pending.incarnation = p.incarnation;
   lock.unlock();
   future->setServe(link->conn, waitNext && link->conn->claim());
+  SendBurst::WaitsNext urgent(waitNext);
   sendRequest(link, id, function, std::move(segments));
   return future;
 }
