@@ -339,6 +339,7 @@ bool UcxRuntime::waitOnce(const std::function<bool()>& done, TimePoint deadline)
     if (spinPolicy) spinPolicy->end(spun - start, false, true);
     return progressed;
   }
+  bool woke = false;
   if (!event) {
     // Sleep on the event fd and the thread's waiter (another thread may
     // complete what this one waits for, or want the loop's workers).
@@ -346,9 +347,19 @@ bool UcxRuntime::waitOnce(const std::function<bool()>& done, TimePoint deadline)
     pollfd p[2] = {{efd_, POLLIN, 0}, {waiter.fd(), POLLIN, 0}};
     event = ::poll(p, 2, int(std::clamp<int64_t>(left.count() + 1, 0, 100))) > 0;
     if (p[1].revents) waiter.clear();
+    if (p[0].revents) {
+      // Progressed within this wait, so that the spin policy weighs the
+      // wake-up with what it brought (one wait, not a blocked one and then
+      // a spin that hits at once).
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        woke = api.ucp_worker_progress(worker) != 0;
+      }
+      if (woke) runDeferred();
+    }
   }
   if (spinPolicy) spinPolicy->end(Clock::now() - start, progressed, event);
-  return progressed;
+  return progressed || woke;
 }
 
 void UcxRuntime::serve(const std::function<bool()>& done, TimePoint deadline) {
