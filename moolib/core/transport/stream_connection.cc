@@ -107,9 +107,9 @@ void StreamConnection::send(OutgoingFrame&& frame) {
   if (closed_) return;
   writeQueue_.push_back(std::move(item));
   if (corked) return;
-  bool now = burst_.writeNow(writeQueue_.size());
+  bool writeNow = burst_.writeNow(writeQueue_.size());
   if (wantWrite_) return;  // the socket is full; EPOLLOUT will flush
-  if (now) {
+  if (writeNow) {
     flushLocked();
     return;
   }

@@ -635,32 +635,36 @@ bool UcxConnection::flushLocked(SendOp& finished) {
   op.tag = SendTag{this, id};
   // The heads of consecutive frames are joined into one send, up to a frame
   // with large segments, which go out from the caller's memory after it.
-  // Reserved: a head's bytes stay put once posted.
-  op.heads.reserve(queue_.size());
+  // Reserved (a frame at most opens one head): a head's bytes stay put once
+  // posted. Taken out of queue_ first, as a failed post closes the
+  // connection, which empties it.
   std::vector<QueuedFrame> queued;
   queued.swap(queue_);
+  op.heads.reserve(queued.size());
+  op.heads.emplace_back();
   bool ok = true;
   for (size_t k = 0; ok && k != queued.size(); ++k) {
     QueuedFrame& q = queued[k];
-    if (op.heads.empty() || op.heads.back().empty()) {
-      if (op.heads.empty()) op.heads.emplace_back();
-      op.heads.back() = std::move(q.head);  // a lone frame: no copy
-    } else {
-      op.heads.back().append(q.head);
-    }
-    if (q.segments.empty() && k + 1 != queued.size()) continue;
     std::string& head = op.heads.back();
+    if (head.empty()) {
+      head = std::move(q.head);  // a lone frame: no copy
+    } else {
+      head.append(q.head);
+    }
+    bool last = k + 1 == queued.size();
+    if (q.segments.empty() && !last) continue;
     ok = postLocked(op, head.data(), head.size());
     for (size_t j = 0; ok && j != q.segments.size(); ++j) {
       ok = postLocked(op, q.segments[j].data, q.segments[j].size);
     }
-    if (k + 1 != queued.size()) op.heads.emplace_back();
+    if (!last) op.heads.emplace_back();
   }
   // Kept alive until the sends are done, and after a failure dropped with op
   // (outside the mutex).
-  for (auto& q : queued) {
-    for (auto& seg : q.segments) op.segments.push_back(std::move(seg));
-  }
+  takeSegments(queued, op.segments);
+  // The queue's storage is kept for the next sends.
+  queued.clear();
+  if (queue_.empty()) queue_.swap(queued);
   auto it = sends_.find(id);  // a failure above may have cleared them all
   if (it != sends_.end() && it->second.pending == 0) {
     finished = std::move(it->second);
@@ -669,6 +673,12 @@ bool UcxConnection::flushLocked(SendOp& finished) {
     rt_->ensurePollingLocked();
   }
   return ok;
+}
+
+void UcxConnection::takeSegments(std::vector<QueuedFrame>& from, std::vector<OutSegment>& to) {
+  for (auto& q : from) {
+    for (auto& seg : q.segments) to.push_back(std::move(seg));
+  }
 }
 
 bool UcxConnection::postLocked(SendOp& op, const void* data, size_t size) {
@@ -949,16 +959,17 @@ void UcxConnection::failLocked(const std::string& why) {
 }
 
 void UcxConnection::closeLocked(const Error& reason, bool force) {
+  if (closed_) return;
   // A graceful close sends what a burst held back first; a failed
   // connection drops it (outside the mutex: it may keep tensors alive).
   SendOp finished;
-  if (!force && !closed_) flushLocked(finished);
-  if (!queue_.empty() || !finished.segments.empty()) {
-    auto drop = std::make_shared<std::pair<std::vector<QueuedFrame>, SendOp>>(std::move(queue_),
-                                                                              std::move(finished));
-    queue_.clear();
-    rt_->deferred.push_back([drop] {});
+  if (!force) flushLocked(finished);
+  takeSegments(queue_, finished.segments);
+  queue_.clear();
+  if (!finished.segments.empty()) {
+    rt_->deferred.push_back([drop = std::make_shared<SendOp>(std::move(finished))] {});
   }
+  // A failed flush closed the connection already.
   if (closed_.exchange(true)) return;
   bulkLocked(false);
   if (connectDone_) {

@@ -210,6 +210,8 @@ class UcxConnection : public Connection,
   bool flushLocked(SendOp& finished);
   // Posts one send of op's; false (and fails the connection) on an error.
   bool postLocked(SendOp& op, const void* data, size_t size);
+  // Moves the large segments of frames into to (what keeps them alive).
+  static void takeSegments(std::vector<QueuedFrame>& from, std::vector<OutSegment>& to);
   void pumpLocked();
   // Consumes length received bytes of the current step; false once failed.
   bool advanceLocked(size_t length);
