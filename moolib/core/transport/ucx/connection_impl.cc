@@ -191,6 +191,11 @@ bool UcxRuntime::progressLocked() {
   }
 }
 
+bool UcxRuntime::progressOnce() {
+  std::lock_guard<std::mutex> lock(mutex);
+  return api.ucp_worker_progress(worker) != 0;
+}
+
 bool UcxRuntime::settle() {
   bool progressed = false;
   for (;;) {
@@ -302,10 +307,7 @@ bool UcxRuntime::waitOnce(const std::function<bool()>& done, TimePoint deadline)
   bool mayYield = spinPolicy && spinPolicy->mayYield();
   bool progressed = false;
   for (;;) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      progressed = api.ucp_worker_progress(worker) != 0;
-    }
+    progressed = progressOnce();
     TimePoint now = Clock::now();
     if (progressed || now >= spinUntil) break;
     if (mayYield) {
@@ -351,10 +353,7 @@ bool UcxRuntime::waitOnce(const std::function<bool()>& done, TimePoint deadline)
       // Progressed within this wait, so that the spin policy weighs the
       // wake-up with what it brought (one wait, not a blocked one and then
       // a spin that hits at once).
-      {
-        std::lock_guard<std::mutex> lock(mutex);
-        woke = api.ucp_worker_progress(worker) != 0;
-      }
+      woke = progressOnce();
       if (woke) runDeferred();
     }
   }

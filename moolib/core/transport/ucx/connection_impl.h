@@ -77,6 +77,9 @@ class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRunt
   // Progresses the worker until idle and arms it (mutex held by the caller);
   // whether anything progressed.
   bool progressLocked();
+  // One progress of the worker (takes the mutex), without arming it; whether
+  // anything progressed. What it brought is handed up by runDeferred.
+  bool progressOnce();
   // Runs what callbacks recorded: tasks, then frames of the connections that
   // got any. Call without the mutex after anything that may have called back.
   void runDeferred();
