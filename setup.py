@@ -14,6 +14,11 @@ sources = sorted(glob.glob("moolib/core/**/*.cc", recursive=True))
 
 extra_compile_args = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"]
 extra_link_args = []
+# UCX is optional at build time and at run time (libucp is loaded with dlopen).
+# MOOLIB_UCX=0 builds as if UCX's headers were absent, as on a machine without
+# libucx-dev; tests/test_build_without_ucx.py builds that way.
+if os.environ.get("MOOLIB_UCX", "1").strip().lower() in ("0", "off", "false", "no"):
+    extra_compile_args += ["-DMOOLIB_WITHOUT_UCX"]
 if os.environ.get("MOOLIB_DEBUG"):
     extra_compile_args += ["-O0", "-g", "-fno-omit-frame-pointer"]
 sanitizer = os.environ.get("MOOLIB_SANITIZE")  # e.g. "address" or "thread"

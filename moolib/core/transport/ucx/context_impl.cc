@@ -12,6 +12,7 @@
 
 #include "host.h"
 #include "logging.h"
+#include "transport/transport.h"
 #include "transport/ucx/connection_impl.h"
 
 namespace moolib {
@@ -285,7 +286,11 @@ std::unique_ptr<Context> createUcxContext(std::string& whyNot) {
 #else
 
 std::unique_ptr<Context> createUcxContext(std::string& whyNot) {
+#if defined(MOOLIB_WITHOUT_UCX)
+  whyNot = "moolib was built with MOOLIB_UCX=0 (rebuild without it, with libucx-dev installed)";
+#else
   whyNot = "moolib was built without UCX's headers (install libucx-dev and rebuild)";
+#endif
   return nullptr;
 }
 

@@ -1,10 +1,12 @@
 // The UCX functions the ucx transport uses, looked up at run time (dlopen of
 // libucp.so.0): the extension never links UCX, so it loads and every other
 // transport works where UCX is not installed. Compiled against UCX's headers
-// when the build finds them; without them, the transport says so.
+// when the build finds them, unless the build says MOOLIB_WITHOUT_UCX
+// (setup.py's MOOLIB_UCX=0); without them, the transport says why it is off.
 #pragma once
 
-#if __has_include(<ucp/api/ucp.h>) && __has_include(<uct/api/uct.h>)
+#if !defined(MOOLIB_WITHOUT_UCX) && __has_include(<ucp/api/ucp.h>) && \
+    __has_include(<uct/api/uct.h>)
 #define MOOLIB_UCX_HEADERS 1
 #include <ucp/api/ucp.h>
 #include <uct/api/uct.h>
