@@ -537,6 +537,46 @@ def test_peer_joining_mid_training_gets_the_state(cluster):
     assert_consistent(everyone)
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_peers_started_together_hold_the_leaders_model(cluster, transport):
+    """docs/library.md's loop in two processes started together, whose models
+    start from different seeds: they meet in the group's first membership (the
+    broker's join window), the one that does not lead loads the leader's state
+    before it offers gradients, and both end at model version 10 with the same
+    weights, bit for bit (issue 51: each used to train alone from its own
+    weights, without a word)."""
+    broker = cluster.start_broker()
+    peers, outs = [], []
+    try:
+        for seed in (1, 2):
+            out = cluster.tmp_path / f"docs-loop-{seed}.json"
+            args = ["--broker", broker.address, "--seed", str(seed), "--transport", transport]
+            proc = subprocess.Popen(
+                [sys.executable, str(HELPERS / "docs_acc_loop.py"), *args, "--out", str(out)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=child_env(),
+                cwd=str(REPO),
+                text=True,
+            )
+            peers.append(proc)
+            outs.append(out)
+        for proc in peers:
+            assert proc.stdout.readline().strip() == "ready"
+        for proc in peers:  # go, together
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        for proc in peers:
+            assert proc.wait(timeout=DEADLINE) == 0
+    finally:
+        for proc in peers:
+            stop_process(proc)
+    first, second = (json.loads(out.read_text()) for out in outs)
+    assert first["initial"] != second["initial"]
+    assert sorted(first["events"] + second["events"]) == ["loaded", "sent"], (first, second)
+    assert first["final"] == second["final"]
+
+
 @pytest.mark.parametrize("order", sorted(acc_trainer.ORDERS))
 def test_every_call_order_trains_through_a_late_join_and_a_killed_leader(cluster, order):
     """The loop's calls in docs/library.md's order, in the original example's

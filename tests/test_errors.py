@@ -292,6 +292,107 @@ def test_all_reduce_past_the_collective_timeout_raises_rpc_timeout_error(make_rp
     assert "err-t1" in str(e)
 
 
+# A member that all-reduces "big" rounds with whoever is there, until killed.
+REDUCING_MEMBER = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import moolib
+
+    name, broker, group, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    rpc = moolib.Rpc()
+    rpc.set_name(name)
+    if sys.argv[5]:
+        rpc.set_transports(sys.argv[5].split(","))
+    rpc.connect(broker)
+    g = moolib.Group(rpc, group)
+    g.set_timeout(2)
+    while True:
+        g.update()
+        if not (g.active() and len(g.members()) == 3):
+            time.sleep(0.01)
+            continue
+        h = g.all_reduce("big", np.ones(size))
+        while not h.done():
+            g.update()
+            time.sleep(0.001)
+    """
+)
+
+
+@pytest.mark.parametrize("transports", [["shm", "tcp"], ["tcp"]], ids=["shm", "tcp"])
+def test_a_member_killed_during_an_all_reduce_raises_membership_changed_error(
+    make_rpc, local_broker, tmp_path, transports
+):
+    """A member killed with SIGKILL while the others' all-reduce runs: whether
+    they hear of it from the broker or from their links to it closing (reading
+    from its shared memory socket, sending to it), the others' all-reduce fails
+    with MembershipChangedError, every time (it was a ConnectionLostError in
+    about one run of eight: issue 51)."""
+    size = 1 << 21  # 16 MiB of float64: a round takes a while, the kill lands in it
+    survivors = []
+    for i in range(2):
+        rpc = make_rpc(f"err-k{i}", timeout=DEADLINE)
+        if transports:
+            rpc.set_transports(transports)
+        rpc.connect(local_broker.address)
+        g = moolib.Group(rpc, "err-killed")
+        g.set_timeout(2)
+        survivors.append(g)
+    settle(survivors)
+    script = tmp_path / "reducing_member.py"
+    script.write_text(REDUCING_MEMBER)
+    failures = []
+    for round_ in range(8):
+        victim = subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                f"err-victim{round_}",
+                local_broker.address,
+                "err-killed",
+                str(size),
+                ",".join(transports or []),
+            ],
+            stdin=subprocess.DEVNULL,
+            env=child_env(),
+            cwd=str(REPO),
+        )
+        try:
+            wait_for(
+                lambda: (
+                    all([g.update() or True for g in survivors])
+                    and all(len(g.members()) == 3 for g in survivors)
+                    and len({g.sync_id() for g in survivors}) == 1
+                ),
+                what="the victim in the group",
+            )
+            # A round with the victim in it, then one it is killed in.
+            warm = [g.all_reduce("big", np.ones(size)) for g in survivors]
+            _wait_done(survivors, warm)
+            if any(h.exception() for h in warm):  # the group changed meanwhile: try again
+                continue
+            handles = [g.all_reduce("big", np.ones(size)) for g in survivors]
+            victim.kill()
+            victim.wait(timeout=DEADLINE)
+            _wait_done(survivors, handles)
+            for h in handles:
+                e = h.exception()
+                if e is not None:
+                    assert_kind(e, errors.MembershipChangedError)
+                    failures.append(str(e))
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait(timeout=DEADLINE)
+        settle(survivors)
+    assert failures, "no all-reduce was in flight when a member was killed"
+    settle(survivors)  # the group goes on
+    results = [g.all_reduce("after", np.ones(4)) for g in survivors]
+    _wait_done(survivors, results)
+    assert [r.result().tolist() for r in results] == [[2.0] * 4] * 2
+
+
 # A member whose memory the others may not map: it makes itself non-dumpable,
 # so that a process of its user without CAP_SYS_PTRACE cannot open its
 # descriptors under /proc (as across sandboxes). Run as root, both members

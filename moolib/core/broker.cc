@@ -71,7 +71,11 @@ struct Broker::State {
   };
   struct Group {
     std::vector<Member> members;  // kept ordered by (sortOrder, joinSeq)
-    uint64_t syncId = 0;
+    uint64_t syncId = 0;          // 0 while the group forms
+    // The end of a new group's join window: until then its members are
+    // told of no membership, so that peers started together meet in the
+    // first one rather than one training alone before the others are listed.
+    TimePoint formedAt;
   };
 
   std::mutex mutex;
@@ -117,6 +121,11 @@ struct Broker::State {
     } else if (it == g.members.end()) {
       MOO_ENFORCE(g.members.size() < kMaxMembers, "group '", q.group, "' is full");
       MOO_LOG(kInfo, "broker: '", peer, "' joined group '", q.group, "'");
+      if (g.members.empty() && g.syncId == 0) {
+        g.formedAt =
+            now + std::chrono::duration_cast<Clock::duration>(
+                      std::chrono::duration<double>(pingIntervalSeconds(q.timeoutSeconds)));
+      }
       g.members.push_back({peer, q.sortOrder, nextJoinSeq++, now, q.timeoutSeconds, q.shmKey});
       changed = true;
     } else {
@@ -128,17 +137,21 @@ struct Broker::State {
         changed = true;
       }
     }
+    BrokerReply reply;
+    if (g.members.empty()) {
+      groups.erase(q.group);
+      return reply;
+    }
+    if (g.syncId == 0 && now < g.formedAt) return reply;  // still forming: no membership yet
     if (changed || g.syncId == 0) {
       order(g);
       g.syncId = randomU64();
     }
-    BrokerReply reply;
     reply.syncId = g.syncId;
     for (auto& m : g.members) {
       reply.members.push_back(m.name);
       reply.shmKeys.push_back(m.shmKey);
     }
-    if (g.members.empty()) groups.erase(q.group);
     return reply;
   }
 };
@@ -176,7 +189,9 @@ void Broker::update() {
   std::lock_guard<std::mutex> lock(state_->mutex);
   auto now = Clock::now();
   for (auto it = state_->groups.begin(); it != state_->groups.end();) {
-    if (State::expire(it->first, it->second, now)) it->second.syncId = randomU64();
+    if (State::expire(it->first, it->second, now) && it->second.syncId != 0) {
+      it->second.syncId = randomU64();
+    }
     if (it->second.members.empty()) {
       it = state_->groups.erase(it);
     } else {
@@ -189,6 +204,7 @@ std::map<std::string, BrokerReply> Broker::groups() {
   std::lock_guard<std::mutex> lock(state_->mutex);
   std::map<std::string, BrokerReply> out;
   for (auto& [name, g] : state_->groups) {
+    if (g.syncId == 0) continue;  // forming: no membership yet
     auto& r = out[name];
     r.syncId = g.syncId;
     for (auto& m : g.members) {

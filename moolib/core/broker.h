@@ -7,6 +7,7 @@
 // of one sync id see the same list.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <string>
@@ -15,6 +16,14 @@
 #include "rpc.h"
 
 namespace moolib {
+
+// How often a member with group timeout ``timeoutSeconds`` pings its broker.
+// A new group's first membership also waits this long after its first member
+// arrives (the join window, see Broker::State::handle), so that peers started
+// together form it together.
+inline double pingIntervalSeconds(double timeoutSeconds) {
+  return std::clamp(timeoutSeconds / 8, 0.02, 1.0);
+}
 
 // The broker's function, and its messages (segment 0 of a call and its reply).
 constexpr const char* kBrokerFunction = "__moolib_broker";

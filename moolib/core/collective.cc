@@ -444,8 +444,13 @@ void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> 
     auto self = weak.lock();
     if (!self) return;
     if (error) {
-      return self->fail(Error(error.code(), concat(self->describe(), " failed: member '", peer,
-                                                   "' did not take its data: ", error.what())),
+      // A member whose links all closed (its process died, or it closed its
+      // Rpc) has left the group, even before the broker says so: the same
+      // kind of failure as when the broker's word comes first.
+      auto code =
+          error.code() == ErrorCode::kConnectionLost ? ErrorCode::kMembershipChanged : error.code();
+      return self->fail(Error(code, concat(self->describe(), " failed: member '", peer,
+                                           "' did not take its data: ", error.what())),
                         true);
     }
     {

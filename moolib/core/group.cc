@@ -13,6 +13,8 @@ namespace {
 constexpr const char* kGroupFunctionPrefix = "__moolib_group/";
 // Messages held for collectives not started here yet (other members ahead).
 constexpr size_t kMaxEarly = 1 << 16;
+// How often a member pings while its new group forms (see pingIntervalLocked).
+constexpr double kFormingPingSeconds = 0.02;
 
 FuturePtr failedFuture(Error error) {
   auto f = std::make_shared<FutureState>();
@@ -60,7 +62,12 @@ void Group::start() {
                });
 }
 
-double Group::pingIntervalLocked() const { return std::clamp(timeoutSeconds_ / 8, 0.02, 1.0); }
+double Group::pingIntervalLocked() const {
+  // While the broker's join window holds this member back (in contact, not
+  // yet listed), ping often: the window closes at the first ping after it.
+  double interval = pingIntervalSeconds(timeoutSeconds_);
+  return inContact_ && members_.empty() ? std::min(interval, kFormingPingSeconds) : interval;
+}
 
 double Group::collectiveTimeoutLocked() const {
   return collectiveTimeoutSeconds_ > 0 ? collectiveTimeoutSeconds_
