@@ -84,10 +84,9 @@ class EnvConfig:
     backend: str  # what steps it: gymnasium (moolib.EnvPool) or a family's own (envpool)
     # Keyword options of the env (free-form: checked by its family's options schema).
     options: Mapping[str, Any] | None
-    # At every start and resume each env first takes a random number of random
-    # actions, uniform in [0, decorrelate_steps), before its batch's experience reaches
-    # the learner (agents/decorrelate.py); 0: none. A config.yaml written before the
-    # setting existed has none.
+    # At every start and resume each env's first reset also takes a random number of
+    # random actions, uniform in [0, decorrelate_steps) (moolib.envs.decorrelate); 0:
+    # none. A config.yaml written before the setting existed has none.
     decorrelate_steps: int = dataclasses.field(default=0, kw_only=True)
 
     def check(self) -> None:
