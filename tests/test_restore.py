@@ -7,7 +7,8 @@ restored policy gives the outputs the saved model gives, and the same as the
 trainer that wrote it; its optimizer holds the same state, on the parameters'
 device, so the next update is the one the first trainer would have made. On
 CPU, and on CUDA where a device is present (a resumed GPU run once played like
-an untrained policy; docs/architecture.md, section 6).
+an untrained policy; docs/architecture.md, section 6). A restored trainer's envs
+do not play in step (env.decorrelate_steps).
 """
 
 from __future__ import annotations
