@@ -84,10 +84,16 @@ class EnvConfig:
     backend: str  # what steps it: gymnasium (moolib.EnvPool) or a family's own (envpool)
     # Keyword options of the env (free-form: checked by its family's options schema).
     options: Mapping[str, Any] | None
+    # At every start and resume each env's first reset also takes a random number of
+    # random actions, uniform in [0, decorrelate_steps) (moolib.envs.decorrelate); 0:
+    # none. A config.yaml written before the setting existed has none.
+    decorrelate_steps: int = dataclasses.field(default=0, kw_only=True)
 
     def check(self) -> None:
         """Raises ConfigError unless the name, game and backend agree with the env
-        registry and the options pass the checks of the family's options schema."""
+        registry, the options pass the checks of the family's options schema and
+        ``decorrelate_steps`` is an integer >= 0."""
+        check_int_at_least("env.decorrelate_steps", self.decorrelate_steps, 0)
         from moolib.envs.registry import (
             DEFAULT_BACKEND,
             find_backend,

@@ -134,7 +134,9 @@ def env_detail(cfg: RunConfig) -> str:
 
 
 def make_envs(cfg: RunConfig) -> tuple[Any, tuple[int, ...], int]:
-    """The actors' env pool, the observation shape and the number of actions."""
+    """The actors' env pool, the observation shape and the number of actions. Its envs
+    are made afresh at every start and resume, and decorrelated then
+    (``env.decorrelate_steps``)."""
     from moolib.envs import actor_pool
 
     agent = cfg.agent
@@ -145,6 +147,7 @@ def make_envs(cfg: RunConfig) -> tuple[Any, tuple[int, ...], int]:
         batch_size=agent.actor_batch_size,
         num_batches=agent.num_actor_batches,
         num_workers=agent.num_actor_cpus,
+        decorrelate_steps=cfg.env.decorrelate_steps,
     )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .create import create_batched, create_env, create_env_quietly
+from .decorrelate import make_decorrelated
 from .registry import DEFAULT_BACKEND
 
 
@@ -32,10 +33,14 @@ def actor_pool(
     batch_size: int,
     num_batches: int,
     num_workers: int,
+    decorrelate_steps: int = 0,
 ) -> tuple[Any, tuple[int, ...], int]:
     """``num_batches`` batches of ``batch_size`` envs of ``name`` stepped on ``backend``
     by ``num_workers`` worker processes (threads of a backend of the family's own), with
-    the observation shape and number of actions."""
+    the observation shape and number of actions. With ``decorrelate_steps``, each env
+    of moolib.EnvPool takes a random number of random actions, uniform in
+    ``[0, decorrelate_steps)``, at its first reset (``moolib.envs.decorrelate``); a
+    backend of the family's own steps its envs in its own code and ignores it."""
     if backend != DEFAULT_BACKEND:
         pool = create_batched(
             name, backend, batch_size, num_batches, num_threads=num_workers, **options
@@ -44,6 +49,8 @@ def actor_pool(
     import moolib
 
     factory, shape, num_actions = env_factory(name, options)
+    if decorrelate_steps > 0:
+        factory = functools.partial(make_decorrelated, factory, decorrelate_steps)
     return moolib.EnvPool(factory, num_workers, batch_size, num_batches), shape, num_actions
 
 

@@ -636,3 +636,24 @@ def test_envpool_rejects_non_atari(pools):
         envs.create_envpool("pong", 0, 1)
     with pytest.raises(ValueError, match="num_batches"):
         envs.create_envpool("pong", 1, 0)
+
+
+def test_a_decorrelated_env_starts_after_its_random_steps_once():
+    """env.decorrelate_steps: the first reset takes the env's drawn number of random
+    actions (uniform below the bound); later resets are the env's own."""
+    from helpers.toy_envs import LineEnv
+    from moolib.envs.decorrelate import DecorrelatedStart
+
+    drawn = set()
+    for seed in range(20):
+        env = DecorrelatedStart(LineEnv(), 50, np.random.default_rng(seed))
+        assert 0 <= env.start_steps < 50
+        drawn.add(env.start_steps)
+        obs, _ = env.reset()
+        assert obs[1] == env.start_steps  # LineEnv counts its steps since the reset
+        env.step(1)
+        obs, _ = env.reset()
+        assert obs.tolist() == [0.0, 0.0]
+    assert len(drawn) > 5
+    with pytest.raises(ValueError, match="decorrelate_steps"):
+        DecorrelatedStart(LineEnv(), 0)

@@ -7,7 +7,8 @@ restored policy gives the outputs the saved model gives, and the same as the
 trainer that wrote it; its optimizer holds the same state, on the parameters'
 device, so the next update is the one the first trainer would have made. On
 CPU, and on CUDA where a device is present (a resumed GPU run once played like
-an untrained policy; docs/architecture.md, section 6).
+an untrained policy; docs/architecture.md, section 6). A restored trainer's envs
+do not play in step (env.decorrelate_steps).
 """
 
 from __future__ import annotations
@@ -169,3 +170,65 @@ def test_a_trainer_that_cannot_restore_leaves_nothing_running(
     assert len(closed) == 1
     with pytest.raises(RuntimeError):
         pools[0].step(0, torch.zeros(2, dtype=torch.int64))
+
+
+# A deterministic env (a walk on a line that every reset starts at 0) under a
+# deterministic policy: V-trace with 2 actor batches of 4 envs.
+LINE = [
+    "agent=vtrace",
+    "env=gym",
+    "env.id=helpers.toy_envs:LineEnv",
+    "agent.actor_batch_size=4",
+    "agent.num_actor_batches=2",
+    "agent.num_actor_cpus=1",
+    "agent.batch_size=2",
+    "agent.unroll_length=6",
+    "agent.virtual_batch_size=2",
+    "agent.hidden_size=16",
+    "torch_threads=1",
+    "seed=1",
+    "device=cpu",
+]
+
+
+@pytest.mark.parametrize("decorrelate_steps", [0, 10_000])
+def test_a_restored_trainer_decorrelates_its_envs(compose_config, tmp_path, decorrelate_steps):
+    """After a restore, the envs' first unrolls that reach the learner are not copies of
+    each other (docs/toolkit.md, "Decorrelating the envs"), even with an env and a
+    policy that leave nothing to chance; without decorrelation they are. (Two of the 8
+    envs draw the same number of random steps with probability 0.3%, and then walk to
+    the same place with probability about 1%.)"""
+    overrides = [*LINE, f"env.decorrelate_steps={decorrelate_steps}"]
+    cfg = config_lib.prepare(compose_config(*overrides, "total_steps=12"), tmp_path)
+    broker = EmbeddedBroker()
+    try:
+        peer = PeerInfo(rank=0, savedir=tmp_path, logdir=tmp_path, broker=broker.address)
+        Trainer(cfg, peer).run()
+        # The policy the checkpoint holds always stays put (action 1).
+        state = checkpoint.load_latest(tmp_path).state
+        state["model"]["policy.weight"].zero_()
+        state["model"]["policy.bias"].copy_(torch.tensor([-50.0, 50.0, -50.0]))
+        checkpoint.save(tmp_path, state, state["steps"], history=0)
+        # Two more updates, of the first unrolls after the restore.
+        cfg = config_lib.prepare(compose_config(*overrides, "total_steps=36"), tmp_path)
+        second = Trainer(cfg, peer)
+        assert second.steps == 12
+        unrolls: list[torch.Tensor] = []
+        cat = second.batcher.cat
+
+        def recorded(nest: dict) -> None:
+            unrolls.append(nest["batch"]["state"].clone())
+            cat(nest)
+
+        second.batcher.cat = recorded
+        second.run()
+    finally:
+        broker.close()
+    assert second.steps == 36
+    # The first unroll of each actor batch: [steps, 8 envs, (position, steps)].
+    first = torch.cat(unrolls[:2], dim=1)
+    envs = {tuple(first[:, e].flatten().tolist()) for e in range(first.shape[1])}
+    if decorrelate_steps:
+        assert len(envs) == 8, first
+    else:
+        assert len(envs) == 1, first

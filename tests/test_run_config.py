@@ -118,6 +118,19 @@ def test_a_scaling_or_env_error_keeps_its_message(compose_config):
         )
     with pytest.raises(ConfigError, match=r"^env.options.noop_max=-1: ValueError: noop_max"):
         config_lib.validate(compose_config("env=breakout", "env.options.noop_max=-1"))
+    negative = r"^env.decorrelate_steps must be an integer >= 0, got -1$"
+    with pytest.raises(ConfigError, match=negative):
+        config_lib.validate(compose_config("env=breakout", "env.decorrelate_steps=-1"))
+
+
+def test_a_saved_config_from_before_env_decorrelation_resumes_without_it(compose_config, tmp_path):
+    """A savedir's config.yaml written before env.decorrelate_steps existed loads, with
+    none (the command line of a resume brings the current default)."""
+    final = config_lib.prepare(compose_config("agent=a2c", "env=cartpole"), tmp_path)
+    assert final.env.decorrelate_steps == 100
+    values = final.to_dict()
+    del values["env"]["decorrelate_steps"]
+    assert RunConfig.from_dict(values).env.decorrelate_steps == 0
 
 
 def test_a_saved_config_with_an_unknown_or_missing_key_is_refused(compose_config, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+import gymnasium
 import numpy as np
 from gymnasium import spaces
 
@@ -192,3 +193,30 @@ class MisbehavingEnv:
             return self._obs(), 1.0, False, False, {}
         obs = self._obs() if self.bad_obs is self._UNSET else self.bad_obs
         return obs, self.bad_reward, False, False, {}
+
+
+class LineEnv(gymnasium.Env):
+    """A deterministic walk on a line (gymnasium, for moolib-run as
+    ``env=gym env.id=helpers.toy_envs:LineEnv``): every reset starts at 0, each action
+    moves by ``action - 1``, the observation is ``(position, steps)``; an episode ends
+    1,000 away from 0 or after 100,000 steps. Under a policy that always takes the same
+    action, every env plays the same episode in step."""
+
+    observation_space = spaces.Box(-1e6, 1e6, (2,), np.float32)
+    action_space = spaces.Discrete(3)
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.t = 0
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.position, self.t], dtype=np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple:
+        self.position = self.t = 0
+        return self._obs(), {}
+
+    def step(self, action: int) -> tuple:
+        self.position += int(action) - 1
+        self.t += 1
+        return self._obs(), 0.0, abs(self.position) >= 1000, self.t >= 100_000, {}
