@@ -482,6 +482,7 @@ void Rpc::expireCalls(TimePoint now) {
       } else {
         why = concat("no link to peer '", c.peer, "'");
       }
+      if (!c.sent) why += failingDialersLocked(now);
       // A peer not reached while links this Rpc dialed were refused at
       // authentication is most likely behind one of them. A refusal shortly
       // before the call counts: connect() is often called right before it.
