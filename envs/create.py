@@ -44,20 +44,21 @@ def create_env(name: str, **options: Any) -> gymnasium.Env:
     bound in a factory, as in ``partial(create_env, "pong", seed=1)``, gives
     every env made by it the same seed). Raises ValueError naming close
     matches for an unknown name, TypeError for an unknown option.
+
+    The family's library is told first to keep its informational messages to
+    itself in this process (the family's ``prepare``): ALE would print its
+    banner ("A.L.E: Arcade Learning Environment ...") once in every process
+    that makes an Atari env, which is every env worker of a pool. Its warnings
+    and errors still print.
     """
-    return env_spec(name).make(name, **options)
-
-
-def create_env_quietly(name: str, **options: Any) -> gymnasium.Env:
-    """``create_env``, with the family's library told to keep its informational messages
-    to itself in this process first: ALE prints its banner ("A.L.E: Arcade Learning
-    Environment ...") once in every process that makes an Atari env, which is every env
-    worker of a run. Its warnings and errors still print. Picklable as
-    ``functools.partial(create_env_quietly, name, ...)``."""
-    spec = find_env_spec(name)
-    if spec is not None and spec.prepare is not None:
+    spec = env_spec(name)
+    if spec.prepare is not None:
         spec.prepare()
-    return create_env(name, **options)
+    return spec.make(name, **options)
+
+
+# The name of earlier versions, when only this one quieted the family's library.
+create_env_quietly = create_env
 
 
 def batched_backend(name: str, backend: str, caller: str) -> Backend:

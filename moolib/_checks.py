@@ -24,13 +24,24 @@ def check_int(what: str, value: Any, low: int | None = None) -> int:
     raise TypeError(f"{what} must be an int, got {type(value).__name__}")
 
 
-def check_seconds(what: str, value: Any) -> float:
-    """``value`` as a positive float of seconds, or TypeError / ValueError naming ``what``."""
+# The core's timeouts are below this (about 115 days): it turns a timeout
+# into a deadline in nanoseconds, which a far longer (or infinite) one
+# would overflow.
+MAX_TIMEOUT = 1e7
+
+
+def check_seconds(
+    what: str, value: Any, *, zero: bool = False, below: float = float("inf")
+) -> float:
+    """``value`` as a float of seconds, positive (or 0 with ``zero``) and below
+    ``below`` (finite where given), or TypeError / ValueError naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__}")
     seconds = float(value)
-    if not seconds > 0:  # NaN too
-        raise ValueError(f"{what} must be positive, got {seconds:g}")
+    if not (seconds >= 0 if zero else seconds > 0):  # NaN too
+        raise ValueError(f"{what} must be {'>= 0' if zero else 'positive'}, got {seconds:g}")
+    if seconds >= below:
+        raise ValueError(f"{what} must be below {below:g} s, got {seconds:g}")
     return seconds
 
 

@@ -178,7 +178,6 @@ class _Worker:
     def __init__(self, sock: socket.socket, setup: dict) -> None:
         self.sock = sock
         self.lo, self.hi = setup["slice"]
-        self.name = f"worker {setup['worker']}"
         self.num_batches = setup["num_batches"]
         self.count_nonfinite = setup["nonfinite_rewards"] == "count"
         # Non-finite rewards counted since the last STEPPED message, and the
@@ -260,17 +259,20 @@ class _Worker:
             self.nonfinite_first = f"env {i} of batch {b} returned reward {r!r}"
         self.nonfinite += 1
 
-    def step(self, b: int) -> list[str]:
-        """Steps batch b's envs in this worker's slice; returns a message for
-        each env that raised or returned what cannot be stored (each such env
-        is reset at its next step; the others have taken their step)."""
+    def step(self, b: int) -> list[tuple[list[int], str]]:
+        """Steps batch b's envs in this worker's slice; returns what went wrong
+        for the envs that raised or returned what cannot be stored (each such
+        env is reset at its next step; the others have taken their step): each
+        distinct failure once, with the envs that had it."""
         arrays = self.batches[b]
         reward, done = arrays["reward"], arrays["done"]
         ep_return, ep_length = arrays["episode_return"], arrays["episode_length"]
         actions = arrays["action"]
         first = self.first[b]
         scalar_action = actions.ndim == 1
-        failures: list[str] = []
+        # What went wrong -> the envs it happened to: a bad action for the
+        # whole batch fails every env the same way, and is told once.
+        failures: dict[str, list[int]] = {}
         high = _F32_MAX
         for j, env in enumerate(self.envs[b]):
             i = self.lo + j
@@ -305,14 +307,12 @@ class _Worker:
                 done[i] = d
             except Refused as e:
                 env.needs_reset = True
-                failures.append(f"{self.name}, env {i} of batch {b}: {e}")
+                failures.setdefault(f": {e}", []).append(i)
             except BaseException:  # noqa: BLE001 - an env's exception belongs to the caller
                 env.needs_reset = True
-                failures.append(
-                    f"{self.name}, env {i} of batch {b} raised:\n{traceback.format_exc()}"
-                )
+                failures.setdefault(f" raised:\n{traceback.format_exc()}", []).append(i)
         self.first[b] = False
-        return failures
+        return [(envs, text) for text, envs in failures.items()]
 
 
 def _serve(sock: socket.socket) -> None:
@@ -345,9 +345,12 @@ def _serve(sock: socket.socket) -> None:
         try:
             failures = worker.step(b)
         except BaseException:  # noqa: BLE001 - the caller reports it
-            failures = [f"{worker.name}: stepping batch {b} failed:\n{traceback.format_exc()}"]
+            failures = [([], f" failed while stepping:\n{traceback.format_exc()}")]
         if failures:
-            shared.send(sock, shared.FAILED, b, shared.clip_text("\n".join(failures)))
+            clipped = [
+                (envs, shared.clip_text(text).decode("utf-8", "replace")) for envs, text in failures
+            ]
+            shared.send(sock, shared.FAILED, b, pickle.dumps(clipped))
         elif worker.nonfinite:
             note = shared.NONFINITE.pack(worker.nonfinite) + worker.nonfinite_first.encode()
             worker.nonfinite = 0

@@ -71,6 +71,36 @@ def _stop_workers(procs: list[subprocess.Popen], socks: list[socket.socket]) -> 
             proc.wait()
 
 
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    parts: list[str] = []
+    start = prev = numbers[0]
+    for n in [*numbers[1:], None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ", ".join(parts)
+
+
+def _report(b: int, errors: list[tuple[int, list[int], str]]) -> str:
+    """The failures of a step of batch ``b`` (worker, its envs, what happened),
+    each distinct one once, naming every env (and worker) it happened to."""
+    where: dict[str, list[tuple[int, list[int]]]] = {}
+    for w, envs, text in errors:
+        where.setdefault(text, []).append((w, envs))
+    lines = []
+    for text, places in where.items():
+        who = "; ".join(
+            f"worker {w}" + (f", env{'s' * (len(envs) > 1)} {_ranges(envs)}" if envs else "")
+            for w, envs in places
+        )
+        lines.append(f"{who} of batch {b}{text}")
+    return "\n".join(lines)
+
+
 class EnvStepperFuture:
     """The pending result of ``EnvPool.step``: ``result()`` waits for it."""
 
@@ -323,7 +353,7 @@ class EnvPool:
         """Reads one answer from worker w."""
         kind, b, payload = self._receive(w)
         if kind == shared.FAILED:
-            self._errors[b].append(payload.decode("utf-8", "replace"))
+            self._errors[b].extend((w, envs, text) for envs, text in pickle.loads(payload))
         elif kind == shared.STEPPED and payload:
             (count,) = shared.NONFINITE.unpack_from(payload)
             if not self.nonfinite_reward_count:
@@ -370,7 +400,7 @@ class EnvPool:
         if errors:
             raise RuntimeError(
                 f"EnvPool: stepping batch {b} failed for the envs below (each is reset at its "
-                "next step; the batch's other envs took their step):\n" + "\n".join(errors)
+                "next step; the batch's other envs took their step):\n" + _report(b, errors)
             )
         return dict(self._results[b])
 

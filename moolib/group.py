@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _core, nest
+from ._checks import MAX_TIMEOUT, check_seconds
 from .rpc import Rpc, _check_callable, _resolve
 from .serialization import dumps, loads
 
@@ -223,6 +224,26 @@ class Group(_core.Group):
     def __init__(self, rpc: Rpc, name: str) -> None:
         super().__init__(rpc, name)
         self.rpc = rpc
+
+    def set_timeout(self, seconds: float) -> None:
+        """A member that has not called ``update()`` (or not reached the broker) this
+        long leaves (default 10 s): positive and below 1e7; else a ValueError."""
+        super().set_timeout(
+            check_seconds("the group timeout (Group.set_timeout)", seconds, below=MAX_TIMEOUT)
+        )
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        """An all-reduce not complete after this long fails on every member, naming
+        the members it waits for; 0 (the default): max(60 s, 2 x the group
+        timeout). Below 1e7; a negative or NaN value is a ValueError."""
+        super().set_collective_timeout(
+            check_seconds(
+                "the collective timeout (Group.set_collective_timeout)",
+                seconds,
+                zero=True,
+                below=MAX_TIMEOUT,
+            )
+        )
 
     @contextlib.contextmanager
     def keepalive(self) -> Iterator[None]:

@@ -490,7 +490,8 @@ class ReplayClient:
         batches travel at the same time (then the oldest is waited for), and
         they may enter the table in any order among themselves. An in-flight
         batch that fails raises its error from this client's next ``insert``
-        (before that call sends its own batch) or ``flush``, once the other
+        (after that call has sent its own batch, or with ``block`` inserted
+        it: its keys are then not returned) or ``flush``, once the other
         batches in flight have been answered; every other batch goes in
         once. Through shared memory (a shard on this host) the batch is
         copied before this returns, and its tensors may be reused at once;
@@ -499,8 +500,20 @@ class ReplayClient:
         ``flush()`` before dropping the client, or errors of the last
         batches go unseen.
         """
-        # Errors of batches in flight come first, and room for this one.
-        self._reap(wait=not block, keep=self._max_inflight - 1)
+        # Room for this batch, and the errors of batches in flight. An earlier
+        # batch's error never costs this one: it is raised once this batch
+        # is sent (or in, with ``block``), so a caller who catches it and
+        # goes on loses no good batch. Should this batch fail too, its own
+        # error is raised, the earlier one chained to it.
+        try:
+            self._reap(wait=not block, keep=self._max_inflight - 1)
+        except Exception:
+            self._insert_one(items, priorities, block)
+            raise
+        return self._insert_one(items, priorities, block)
+
+    def _insert_one(self, items: Any, priorities: Any, block: bool) -> Any:
+        """Sends the batch to the next shard; with ``block`` waits for its keys."""
         with self._lock:
             live = self._live() or self._shards
             shard = live[self._next_insert % len(live)]

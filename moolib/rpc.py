@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _core, nest
-from ._checks import check_int
+from ._checks import MAX_TIMEOUT, check_int, check_seconds
 from .errors import RpcError
 from .serialization import dumps, loads
 
@@ -279,6 +279,13 @@ class Rpc(_core.Rpc):
         self._handlers: dict[str, _core.Handler] = {}
         if _default_auth_key is not None:
             self.set_auth_key(_default_auth_key)
+
+    def set_timeout(self, seconds: float) -> None:
+        """Seconds a call may take before it fails with ``RpcTimeoutError`` (default
+        10): positive and below 1e7; anything else is a ValueError."""
+        super().set_timeout(
+            check_seconds("the call timeout (Rpc.set_timeout)", seconds, below=MAX_TIMEOUT)
+        )
 
     def _define(self, name: str, fn: Callable, kind: str, method: str = "define") -> None:
         """Defines ``name`` as ``fn``, served as ``kind`` says (moolib._core.Handler):

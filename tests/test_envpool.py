@@ -200,6 +200,20 @@ def test_env_exception_reaches_the_caller_with_its_traceback():
         assert pool.step(0, torch.ones(4, dtype=torch.int64)).result()["t"].tolist()[2] == 1
 
 
+def test_a_bad_action_for_every_env_is_one_error_naming_the_envs():
+    with moolib.EnvPool(toy_envs.FailingEnv, 2, 6, 1) as pool:
+        pool.step(0, torch.zeros(6, dtype=torch.int64)).result()
+        with pytest.raises(RuntimeError) as info:
+            pool.step(0, torch.tensor([6, 6, 6, 1, 6, 6])).result()
+        text = str(info.value)
+        # One traceback, naming the envs that raised it (env 3 stepped).
+        assert text.count("Traceback") == 1 and text.count("KeyError: 'the toy") == 1, text
+        assert "worker 0, envs 0-2; worker 1, envs 4-5 of batch 0 raised:" in text, text
+        assert pool.step(0, torch.ones(6, dtype=torch.int64)).result()["done"].tolist() == [
+            True, True, True, False, True, True
+        ]  # fmt: skip
+
+
 def test_factory_exception_is_reported_at_construction():
     with pytest.raises(RuntimeError, match=r"(?s)creating the envs failed.*cannot create the toy"):
         moolib.EnvPool(toy_envs.broken_factory, 2, 2, 1)
@@ -546,7 +560,7 @@ def test_unstorable_step_raises_naming_the_env_and_the_pool_goes_on(
             pool.step(0, torch.tensor([0, 1, 1, 0])).result()
         text = str(info.value)
         for env, worker in ((1, 0), (2, 1)):
-            assert f"worker {worker}, env {env} of batch 0" in text, text
+            assert f"worker {worker}, env {env}" in text, text
         for name in names:
             assert name in text, f"{name!r} not in {text}"
         assert "env 0 " not in text and "env 3 " not in text, text

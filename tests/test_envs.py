@@ -175,6 +175,23 @@ def test_factory_in_moolib_envpool():
             assert out["state"].shape == (2, 4, 84, 84)
 
 
+def test_create_env_keeps_the_ale_banner_to_itself():
+    """No "A.L.E: Arcade Learning Environment" banner from a library user's envs,
+    in this process or in an EnvPool's workers (a fresh process: ALE prints it
+    once per process)."""
+    code = (
+        "import functools, torch, moolib; from moolib.envs import create_env; "
+        "create_env('breakout').reset(); "
+        "pool = moolib.EnvPool(functools.partial(create_env, 'breakout'), 2, 2, 1); "
+        "pool.step(0, torch.zeros(2, dtype=torch.int64)).result(); pool.close(); print('DONE')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert "DONE" in out.stdout
+    assert "A.L.E" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
 def test_import_does_not_import_envpool_or_torch():
     code = (
         "import sys, moolib.envs; "

@@ -110,6 +110,22 @@ def test_a_peer_never_found_raises_rpc_timeout_error(client):
     assert "was not found" in str(e)
 
 
+def test_a_peer_behind_a_refused_address_names_the_address(make_rpc, capfd):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there now
+    rpc = make_rpc("err-lonely", timeout=2)
+    rpc.connect(address)
+    e = raised(rpc.sync, "server", "f")
+    assert_kind(e, errors.RpcTimeoutError)
+    text = str(e)
+    assert "peer 'server' was not found" in text and address in text, text
+    assert "refused" in text.lower(), text
+    # The log says so by then too, not only once the dialer gave up for long.
+    err = capfd.readouterr().err
+    assert address in err and "refused" in err.lower(), err
+
+
 def test_a_local_wait_giving_up_is_a_plain_timeout_error(client, server):
     future = client.async_(server.get_name(), "block")
     with pytest.raises(TimeoutError) as info:

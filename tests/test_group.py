@@ -183,9 +183,13 @@ def test_group_api_without_broker(make_rpc):
     assert g.get_timeout() == 10
     g.set_timeout(2.5)
     assert g.get_timeout() == 2.5
-    for bad in (0, -1, float("nan")):
-        with pytest.raises(Exception, match="timeout"):
+    for bad in (0, -1, float("nan"), float("inf"), 1e7):
+        with pytest.raises(ValueError, match=r"group timeout \(Group.set_timeout\)"):
             g.set_timeout(bad)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="collective timeout"):
+            g.set_collective_timeout(bad)
+    g.set_collective_timeout(0)  # the default: derived from the group timeout
     assert g.get_timeout() == 2.5
     with pytest.raises(Exception, match="broker name"):
         g.set_broker_name("")

@@ -129,8 +129,11 @@ def test_argument_validation(make_rpc):
         rpc.set_transports(["carrier-pigeon"])
     with pytest.raises(RuntimeError):
         rpc.set_transports([])
-    with pytest.raises(RuntimeError):
-        rpc.set_timeout(0)
+    for bad in (0, -1, float("nan"), float("inf"), 1e7):
+        with pytest.raises(ValueError, match=r"call timeout \(Rpc.set_timeout\)"):
+            rpc.set_timeout(bad)
+    with pytest.raises(TypeError, match="number of seconds"):
+        rpc.set_timeout("3")
     with pytest.raises(ValueError):
         moolib.set_log_level("loud")
     rpc.set_timeout(3.5)
@@ -894,3 +897,16 @@ def test_first_large_shm_call_right_after_connect():
                 server.close()
     finally:
         moolib.set_max_threads(original)
+
+
+def test_an_empty_peer_or_function_name_is_refused_at_once(make_rpc):
+    # No peer or function has an empty name: the call is refused, not left to
+    # wait out its timeout.
+    rpc = make_rpc("v", timeout=5)
+    for call in (rpc.sync, rpc.async_):
+        with pytest.raises(ValueError, match=r"peer's name must be 1 to 1024 characters, got 0"):
+            call("", "f")
+        with pytest.raises(ValueError, match=r"function's name must be 1 to 1024 characters"):
+            call("v", "")
+        with pytest.raises(ValueError, match=r"peer's name .* got 1025"):
+            call("p" * 1025, "f")

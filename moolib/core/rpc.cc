@@ -231,7 +231,10 @@ void Rpc::connect(const std::string& address) {
 }
 
 void Rpc::setTimeout(double seconds) {
-  MOO_ENFORCE(seconds > 0, "timeout must be positive, got ", seconds);
+  // Below 1e7 s: a deadline is kept in nanoseconds, which a far longer (or
+  // infinite) timeout would overflow. moolib.Rpc refuses others first.
+  MOO_ENFORCE(seconds > 0 && seconds < 1e7, "timeout must be positive and below 1e7 s, got ",
+              seconds);
   std::lock_guard<std::mutex> lock(mutex_);
   timeoutSeconds_ = seconds;
 }
@@ -479,6 +482,7 @@ void Rpc::expireCalls(TimePoint now) {
       } else {
         why = concat("no link to peer '", c.peer, "'");
       }
+      if (!c.sent) why += failingDialersLocked(now);
       // A peer not reached while links this Rpc dialed were refused at
       // authentication is most likely behind one of them. A refusal shortly
       // before the call counts: connect() is often called right before it.

@@ -147,6 +147,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
     TimePoint nextAttempt;
     TimePoint failingSince;  // of the current run of failures
     bool warned = false;     // that run was logged
+    std::string lastError;   // of that run: named by calls that find no peer
   };
 
   void checkUsable() const;
@@ -195,6 +196,11 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void startDiscoveryLocked(Peer& peer);
   void dial(const std::string& address, const std::string& forPeer, const std::string& why);
   void dialFromDialer(const std::string& address);
+  // Logs that d's connect() keeps failing (once per run of failures).
+  void warnDialerLocked(Dialer& d, TimePoint now);
+  // "; connect("ADDR") fails: ERROR" for the connect() addresses failing
+  // now (logged too, if not yet), for a call that found no peer; else "".
+  std::string failingDialersLocked(TimePoint now);
   void tick();
   std::shared_ptr<Link> bestLinkLocked(const Peer& peer) const;
   std::vector<std::string> advertisedLocked() const;

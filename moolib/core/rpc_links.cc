@@ -749,6 +749,7 @@ void Rpc::dialFromDialer(const std::string& address) {
       if (it != self->dialers_.end()) {
         it->second.failures = 0;
         it->second.warned = false;
+        it->second.lastError.clear();
       }
     }
     if (error) {
@@ -761,14 +762,12 @@ void Rpc::dialFromDialer(const std::string& address) {
       d.active = false;
       d.failures = std::min(d.failures + 1, 5);
       d.nextAttempt = now + std::chrono::milliseconds(100 << (d.failures - 1));
+      d.lastError = error.what();
       // Peers often start before what they connect to, so early failures are
-      // normal; one that lasts is most likely a wrong address or a dead peer,
-      // and calls would only say "peer not found".
+      // normal; one that lasts is most likely a wrong address or a dead peer.
+      // (A call that finds no peer meanwhile says so at once: expireCalls.)
       if (!d.warned && now - d.failingSince >= kDialWarnAfter) {
-        d.warned = true;
-        MOO_LOG(kError, "connect(\"", address, "\"): no link after ",
-                std::chrono::duration_cast<std::chrono::seconds>(now - d.failingSince).count(),
-                " s, still trying; last error: ", error.what());
+        self->warnDialerLocked(d, now);
       } else {
         MOO_LOG(kVerbose, "connect to ", address, " failed (will retry): ", error.what());
       }
@@ -776,6 +775,31 @@ void Rpc::dialFromDialer(const std::string& address) {
     }
     self->adopt(std::move(conn), true, address);
   });
+}
+
+void Rpc::warnDialerLocked(Dialer& d, TimePoint now) {
+  d.warned = true;
+  MOO_LOG(
+      kError, "connect(\"", d.address, "\"): no link after ",
+      std::chrono::duration_cast<std::chrono::milliseconds>(now - d.failingSince).count() / 1000.0,
+      " s, still trying; last error: ", d.lastError);
+}
+
+std::string Rpc::failingDialersLocked(TimePoint now) {
+  // Each one is likely the peer a call waited for: a wrong address, or a
+  // peer not started. A few are named; the log has them all.
+  constexpr int kNamed = 3;
+  std::string text;
+  int named = 0;
+  for (auto& [address, d] : dialers_) {
+    if (!d.failures) continue;
+    if (named++ < kNamed) {
+      text += concat("; connect(\"", address, "\") fails: ", d.lastError);
+    }
+    if (!d.warned) warnDialerLocked(d, now);
+  }
+  if (named > kNamed) text += concat(" (and ", named - kNamed, " more connect() addresses)");
+  return text;
 }
 
 void Rpc::tick() {

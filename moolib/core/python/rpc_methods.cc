@@ -32,6 +32,16 @@ FuturePtr callFromArgs(const char* method, PyObject* self, PyObject* const* args
   if (!peer) throw py::error_already_set();
   const char* function = PyUnicode_AsUTF8AndSize(args[1], &functionSize);
   if (!function) throw py::error_already_set();
+  // No peer or function has such a name (set_name and define take 1 to 1024
+  // characters): the call would only wait out its timeout.
+  for (int i : {0, 1}) {
+    Py_ssize_t size = i == 0 ? peerSize : functionSize;
+    if (size == 0 || size > 1024) {
+      PyErr_Format(PyExc_ValueError, "%s(): the %s's name must be 1 to 1024 characters, got %zd",
+                   method, i == 0 ? "peer" : "function", size);
+      throw py::error_already_set();
+    }
+  }
   PyRpc& rpc = py::cast<PyRpc&>(py::handle(self));
   std::vector<OutSegment> segs = encodeCall(args + 2, nargs - 2, kwnames);
   // The GIL stays held: a call never blocks (sockets are non-blocking) and no
