@@ -6,8 +6,8 @@ import os
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
-# The core is a dozen translation units; compiling them in parallel keeps a
-# build on a 2-core machine to about a minute.
+# The core is a dozen translation units, compiled in parallel (the README's
+# Install says how long an install takes on 2 cores).
 ParallelCompile("MOOLIB_BUILD_JOBS", default=0).install()
 
 sources = sorted(glob.glob("moolib/core/**/*.cc", recursive=True))
