@@ -6,8 +6,8 @@ import os
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
-# The core is a dozen translation units; compiling them in parallel keeps a
-# build on a 2-core machine to about a minute.
+# The core is a dozen translation units, compiled in parallel (the README's
+# Install says how long an install takes on 2 cores).
 ParallelCompile("MOOLIB_BUILD_JOBS", default=0).install()
 
 sources = sorted(glob.glob("moolib/core/**/*.cc", recursive=True))
@@ -61,17 +61,21 @@ setup(
         "ale-py>=0.9",
         # gymnasium's AtariPreprocessing resizes frames with OpenCV.
         "opencv-python-headless",
-        # MinAtar's games (env=minatar-breakout, ...); 1.0.15 works with numpy 2.
-        "minatar>=1.0.15",
         "hydra-core>=1.3",
-        "wandb",
         "rich",
         "matplotlib",
         "plotext>=6",
         # scaling=slurm submits its jobs through submitit.
         "submitit>=1.5",
     ],
+    # What only some runs need; each is imported through moolib._extras, which names
+    # the extra when it is missing (moolib-run refuses such a run before it starts).
     extras_require={
+        # MinAtar's games (env=minatar-breakout, ...); 1.0.15 works with numpy 2. It
+        # requires pandas, scipy and seaborn, which nothing else here needs.
+        "minatar": ["minatar>=1.0.15"],
+        # wandb.enabled=true.
+        "wandb": ["wandb"],
         # The envpool library's C++ Atari: a second environment backend.
         "envpool": ["envpool"],
         # The build requirements too: tests/test_packaging.py builds a wheel
@@ -81,6 +85,8 @@ setup(
             "pytest-timeout",
             "pytest-xdist",
             "ruff",
+            "minatar>=1.0.15",
+            "wandb",
             "envpool",
             "setuptools>=64",
             "wheel",

@@ -13,7 +13,10 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, TextIO
+
+from moolib._extras import import_extra
 
 if TYPE_CHECKING:
     from .run_config import RunConfig
@@ -498,8 +501,7 @@ class Wandb:
         run_id: str | None,
         mode: str | None,
     ) -> None:
-        import wandb
-
+        wandb = import_wandb()
         if mode in (None, "auto"):
             mode = "online" if _wandb_logged_in() else "offline"
         self.run = wandb.init(
@@ -541,6 +543,11 @@ class Wandb:
 
 def _is_nan(v: float) -> bool:
     return isinstance(v, float) and math.isnan(v)
+
+
+def import_wandb() -> ModuleType:
+    """The wandb module, or MissingExtraError naming the extra (``moolib[wandb]``)."""
+    return import_extra("wandb", "wandb", "wandb.enabled=true")
 
 
 def _wandb_logged_in() -> bool:

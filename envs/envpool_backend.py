@@ -17,6 +17,7 @@ import numpy as np
 from ale_py.registration import rom_id_to_name
 
 from moolib._cpus import task_cores
+from moolib._extras import import_extra
 
 from .atari import (
     ATARI_GAMES,
@@ -41,14 +42,7 @@ _MAX_SEED = 2**31 - 1
 
 def import_envpool() -> ModuleType:
     """The envpool module, or an ImportError that names the extra to install."""
-    try:
-        import envpool
-    except ImportError as e:
-        raise ImportError(
-            "The envpool backend needs the envpool library, which is not installed: "
-            "pip install 'moolib[envpool]' (or pip install envpool)"
-        ) from e
-    return envpool
+    return import_extra("envpool", "envpool", "env.backend=envpool")
 
 
 @functools.cache

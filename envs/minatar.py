@@ -16,6 +16,8 @@ adapts its interface:
   (Freeway ends itself after 2,500 steps; ``max_episode_steps`` truncates).
 
 One MinAtar step is one frame: the paper's frame budgets are env steps here.
+The ``minatar`` package is a pip extra (``pip install "moolib[minatar]"``): it
+brings pandas, scipy and seaborn, which nothing else needs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any, SupportsFloat
 import gymnasium
 import numpy as np
 from gymnasium.wrappers import TimeLimit
+
+from moolib._extras import import_extra
 
 from .options import check_flag
 from .registry import EnvOption
@@ -90,7 +94,7 @@ class MinAtarEnv(gymnasium.Env):
         minimal_action_set: bool = False,
         seed: int | None = None,
     ) -> None:
-        from minatar import Environment
+        Environment = import_extra("minatar", "minatar", "MinAtar's games").Environment
 
         if game not in MINATAR_GAMES:
             raise ValueError(f"unknown MinAtar game {game!r}; known: {', '.join(MINATAR_GAMES)}")

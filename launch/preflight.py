@@ -10,8 +10,8 @@ point of a ``-m`` sweep) is composed with Hydra's compose API and planned:
 - the values pass ``config.validate``;
 - the savedir can be written and no other run is in it (``savedir_lock.py``),
   the env can be made with its options, ``agent.network`` takes its
-  observations, the model fits the savedir's checkpoint, and ``broker=``
-  answers (bounded wait).
+  observations, the model fits the savedir's checkpoint, ``broker=``
+  answers (bounded wait), and the pip extras the run uses are installed.
 
 The task function plans its job again (cheap, without the probes): the
 pre-flight only decides whether the run may start.
@@ -35,6 +35,8 @@ from hydra.errors import HydraException, MissingConfigException
 from moolib.agents.run_config import SlurmScalingConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
+
+from moolib._extras import MissingExtraError
 
 from . import config as config_lib
 from . import resume as resume_lib
@@ -409,6 +411,8 @@ def probe_env(cfg: RunConfig) -> tuple[tuple[int, ...], int]:
     _quiet_ale()
     try:
         found = probe(str(cfg.env.name), backend, options)
+    except MissingExtraError as e:
+        raise ConfigError(f"env={cfg.env.name}: {e}") from e
     except Exception as e:  # noqa: BLE001 - whatever the env refuses is the user's to fix
         unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(e))
         if isinstance(e, TypeError) and unexpected:
@@ -497,9 +501,22 @@ def check_fits(job: Job, cfg: RunConfig) -> None:
         resume_lib.check_model_fits(job.resume, cfg.agent, job.state, shape, actions)
 
 
+def check_extras(cfg: RunConfig) -> None:
+    """The optional packages the run of ``cfg`` uses are installed (the env's are
+    checked by making it)."""
+    if cfg.wandb.enabled:
+        from moolib.agents.logger import import_wandb
+
+        try:
+            import_wandb()
+        except MissingExtraError as e:
+            raise ConfigError(str(e)) from e
+
+
 def check_can_start(job: Job, cfg: RunConfig) -> None:
     """The checks that look at the machine around the run of ``cfg`` (the job's checked
-    config): its savedir (writable, no other run in it), its broker."""
+    config): the packages it needs, its savedir (writable, no other run in it), its broker."""
+    check_extras(cfg)
     check_savedir(job.savedir)
     savedir_lock.check_free(job.savedir)
     check_broker(cfg)

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -502,6 +503,47 @@ def test_bad_values_exit_2_naming_the_key(tmp_path, overrides, messages):
         assert m in out, out
     assert "Traceback" not in out, out
     assert not savedir.exists()  # nothing started, nothing made
+
+
+@pytest.mark.parametrize(
+    "missing, overrides, message",
+    [
+        (
+            "minatar",
+            ["env=minatar-breakout"],
+            "env=minatar-breakout: the minatar package (for MinAtar's games) is not installed: "
+            'pip install "moolib[minatar]"',
+        ),
+        (
+            "wandb",
+            ["env=cartpole", "wandb.enabled=true"],
+            "the wandb package (for wandb.enabled=true) is not installed: "
+            'pip install "moolib[wandb]"',
+        ),
+    ],
+    ids=["minatar", "wandb"],
+)
+def test_a_missing_extra_exits_2_naming_it(tmp_path, missing, overrides, message):
+    # The launcher itself, in a Python where the extra's package cannot be imported
+    # (as when it is not installed): pip's extras keep the default install light.
+    savedir = tmp_path / "err"
+    launcher = (
+        f"import runpy, sys; sys.modules[{missing!r}] = None; "
+        "sys.argv[0] = 'moolib-run'; runpy.run_module('moolib.launch.run', run_name='__main__')"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", launcher, "agent=a2c", *overrides, f"savedir={savedir}"],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert f"moolib-run: error: {message}" in out, out
+    assert "Traceback" not in out, out
+    assert not savedir.exists()
 
 
 @pytest.mark.parametrize(
