@@ -39,6 +39,15 @@ def served(make_rpc, transports, **table):
     return rpc, replay
 
 
+def client_of(make_rpc, rpc, shared_memory: bool) -> moolib.ReplayClient:
+    """A client peer's ReplayClient of the table ``rpc`` serves."""
+    client_rpc = make_rpc("client", timeout=30)
+    client_rpc.connect(rpc.address)
+    return moolib.ReplayClient(
+        client_rpc, ("server", "table"), timeout=30, shared_memory=shared_memory
+    )
+
+
 @pytest.mark.parametrize("pipelined", [False, True], ids=["waited", "pipelined"])
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 def test_inserting_processes_lose_and_duplicate_nothing(transport, pipelined, tmp_path, make_rpc):
@@ -413,11 +422,7 @@ def test_a_refused_pipelined_insert_loses_no_other_batch(shared_memory, make_rpc
     # the error comes from (it depends on when the refusal's reply arrives:
     # repeated to meet each case).
     rpc, replay = served(make_rpc, None)
-    client_rpc = make_rpc("client", timeout=30)
-    client_rpc.connect(rpc.address)
-    client = moolib.ReplayClient(
-        client_rpc, ("server", "table"), timeout=30, shared_memory=shared_memory
-    )
+    client = client_of(make_rpc, rpc, shared_memory)
     client.insert(rows(0, 3))  # the table's layout
     start = 3
     for round in range(25):
@@ -493,11 +498,7 @@ def test_a_client_of_a_loaded_table_keeps_the_items_key_order(shared_memory, tmp
     table.save(tmp_path / "r")
     rpc = make_rpc("server", listen=True, timeout=30)
     moolib.Replay.load(tmp_path / "r").serve(rpc, "table")
-    client_rpc = make_rpc("client", timeout=30)
-    client_rpc.connect(rpc.address)
-    client = moolib.ReplayClient(
-        client_rpc, ("server", "table"), timeout=30, shared_memory=shared_memory
-    )
+    client = client_of(make_rpc, rpc, shared_memory)
     for _ in range(3):  # the first sample learns the layout, the next ones use it
         assert list(client.sample(2).items) == ["b", "a"]
     client.insert({"b": torch.zeros(1), "a": torch.ones(1)})
@@ -507,11 +508,7 @@ def test_a_client_of_a_loaded_table_keeps_the_items_key_order(shared_memory, tmp
 @SHARED_MEMORY
 def test_a_refused_call_raises_its_error_and_the_shard_stays_in_use(shared_memory, make_rpc):
     rpc, replay = served(make_rpc, None)
-    client_rpc = make_rpc("client", timeout=30)
-    client_rpc.connect(rpc.address)
-    client = moolib.ReplayClient(
-        client_rpc, ("server", "table"), timeout=30, shared_memory=shared_memory
-    )
+    client = client_of(make_rpc, rpc, shared_memory)
     keys = client.insert(rows(0, 8))
     assert client.sample(4).size == 8
     nan = torch.tensor([1.0, float("nan"), 1.0, 1.0])
