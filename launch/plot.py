@@ -49,6 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import output
+
 __all__ = [
     "DEFAULT_METRIC",
     "LOG_FILE",
@@ -931,6 +933,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``moolib-plot``; returns the exit code (2 on bad input, with the reason)."""
+    output.quiet_when_closed()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
