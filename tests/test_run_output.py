@@ -209,6 +209,9 @@ def test_terminal_banner_progress_log_lines_and_summary(tmp_path):
     assert logged, text[-3000:]
     for line in logged:
         assert not PROGRESS.search(line) and "ETA" not in line, line
+        # In the peers' format, not Hydra's ([2026-12-01 ...][moolib.agents][INFO] - ...).
+        assert line.startswith("[peer 0] checkpoint at step "), line
+    assert not re.search(r"^\[\d{4}-\d\d-\d\d ", text, re.M), text[-3000:]
     assert "SPS 0 " not in raw
 
     # At the end: steps, time, final mean return, savedir and how to plot it.
