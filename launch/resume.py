@@ -343,8 +343,8 @@ def checkpoint_state(savedir: Path) -> tuple[dict, str | None] | None:
             # Resuming from step 0 would append a second run to the logs of the first.
             raise ConfigError(
                 f"savedir={savedir} has no checkpoint ({CHECKPOINT_FILE} and checkpoints/ "
-                f"are gone) for the {steps:,} steps its logs.tsv logged: to start over, give "
-                f"a new savedir, or delete {savedir}"
+                f"are missing) for the {steps:,} steps its logs.tsv logged: to start over, "
+                f"give a new savedir, or delete {savedir}"
             )
         return None
     note = checkpoint.describe_fallback(loaded) if loaded.skipped else None
