@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from hydra.core.override_parser.types import Override, OverrideType
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from . import savedir_lock
 from .config import CONFIG_FILE, ConfigError, one_line
 
 if TYPE_CHECKING:
@@ -340,6 +341,9 @@ def checkpoint_state(savedir: Path) -> tuple[dict, str | None] | None:
     if loaded is None:
         steps = logged_steps(Path(savedir))
         if steps:
+            # A run still training there may not have written its first checkpoint yet:
+            # that the savedir is in use is the error then.
+            savedir_lock.check_free(Path(savedir))
             # Resuming from step 0 would append a second run to the logs of the first.
             raise ConfigError(
                 f"savedir={savedir} has no checkpoint ({CHECKPOINT_FILE} and checkpoints/ "
