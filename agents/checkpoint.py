@@ -89,7 +89,7 @@ def write_failure(savedir: Path, step: int, error: OSError, final: bool) -> str:
         f"the savedir's latest checkpoint is at step {on_disk['steps']:,}, where a resume "
         "would go on"
         if on_disk
-        else "the savedir holds no checkpoint: a resume would start over"
+        else "the savedir holds no checkpoint: a resume is refused (start over in a new savedir)"
     )
     return f"the final checkpoint (step {step:,}) could not be written to {where}: {reason}; {kept}"
 

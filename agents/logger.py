@@ -239,6 +239,10 @@ class Progress:
 
     # Log rows the SPS and ETA average over.
     WINDOW = 4
+    # What a terminal too narrow for the whole line leaves out, in this order: the loss,
+    # then the total steps (the percentage and the ETA say how far), the SPS, the return,
+    # the note. The step, its percentage and the ETA always show.
+    FIT_DROPS = ("loss", "total", "rate", "return", "note")
 
     def __init__(
         self,
@@ -272,9 +276,9 @@ class Progress:
 
     # -- what the line says ---------------------------------------------------------------
 
-    def _line(self, row: dict[str, Any], note: str = "") -> str:
-        """The line for one log row, which joins the window that the SPS is taken over;
-        ``note`` goes before the ETA."""
+    def _parts(self, row: dict[str, Any], note: str = "") -> dict[str, str]:
+        """The parts of the line for one log row (see ``_render``), which joins the window
+        that the SPS is taken over; ``note`` goes before the ETA."""
         step = float(row["step"])
         now = _finite(row.get("time"))
         if self._first_step is None:
@@ -288,27 +292,39 @@ class Progress:
         learned_sps, env_sps = self._rates(row)
         done = step >= self.total_steps
         percent = 100.0 if done else 100.0 * step / max(1, self.total_steps)
-        text = f"{self.prefix}step {int(step):,}/{self.total_steps:,} ({percent:.1f}%)  "
         if learned_sps > 0 or done:
-            text += f"SPS {learned_sps:,.0f}  "
+            rate = f"SPS {learned_sps:,.0f}"
         else:
             # Nothing learned over the window: say what the actors do instead of "SPS 0".
             state = "warming up" if step == self._first_step else "learner waiting"
-            text += f"{state}: acting {env_sps:,.0f} env steps/s  "
+            rate = f"{state}: acting {env_sps:,.0f} env steps/s"
         loss = _finite(row.get("total_loss"))
         if loss is not None:
             self._loss = loss
-        ret_text = "-" if self._return is None else f"{self._return:.2f}"
-        text += f"return {ret_text}  loss {_short(self._loss)}  "
-        if note:
-            text += f"{note}  "
         if done:
             eta = 0.0
         elif learned_sps > 0:
             eta = (self.total_steps - step) / learned_sps
         else:
             eta = math.inf
-        return text + f"ETA {_duration(eta)}"
+        return {
+            "step": f"step {int(step):,}",
+            "total": f"/{self.total_steps:,}",
+            "percent": f" ({percent:.1f}%)",
+            "rate": rate,
+            "return": f"return {'-' if self._return is None else f'{self._return:.2f}'}",
+            "loss": f"loss {_short(self._loss)}",
+            "note": note,
+            "eta": f"ETA {_duration(eta)}",
+        }
+
+    def _render(self, parts: dict[str, str], dropped: tuple[str, ...] = ()) -> str:
+        """The line of ``parts`` without those ``dropped``."""
+        step = parts["step"] + ("" if "total" in dropped else parts["total"]) + parts["percent"]
+        shown = [
+            parts[k] for k in ("rate", "return", "loss", "note") if parts[k] and k not in dropped
+        ]
+        return self.prefix + "  ".join([step, *shown, parts["eta"]])
 
     def _since_last(self, now: float) -> float:
         return max(0.0, now - self._rows[-1][0]) if self._rows else 0.0
@@ -349,11 +365,12 @@ class Progress:
 
     def update(self, row: dict[str, Any], note: str = "") -> None:
         """Shows the numbers of one log row, and ``note`` (what the peer waits for, say)."""
-        text = self._line(row, note)
+        parts = self._parts(row, note)
+        text = self._render(parts)
         self._record(text)
         with self._lock:
             if self.live:
-                self._text = self._fit(text)
+                self._text = self._fit(parts)
                 if self._pending:
                     # Someone left a line unfinished: start the progress line below it.
                     self.stream.write("\n")
@@ -410,13 +427,24 @@ class Progress:
         else:
             self._log_failing.succeeded()
 
-    def _fit(self, text: str) -> str:
-        """The line cut to the terminal's width: a wrapped line could not be redrawn."""
+    def _fit(self, parts: dict[str, str]) -> str:
+        """The line of ``parts`` within the terminal's width (a wrapped line could not be
+        redrawn): the parts that matter least are left out first (``FIT_DROPS``), and only
+        a line still too wide is cut. A terminal of width 0 (a pseudo-terminal whose size
+        was never set) sets no limit."""
+        text = self._render(parts)
         try:
             columns = os.get_terminal_size(self.stream.fileno()).columns
         except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
             return text
-        return text if len(text) < columns else text[: max(1, columns - 2)] + "…"
+        if columns <= 0:
+            return text
+        # The last column stays free: a line that fills it wraps on some terminals.
+        for n in range(len(self.FIT_DROPS) + 1):
+            text = self._render(parts, self.FIT_DROPS[:n])
+            if len(text) < columns:
+                return text
+        return text[: max(1, columns - 2)] + "…"
 
     def _erase(self) -> None:
         if self._shown:

@@ -181,6 +181,31 @@ def run_offpolicy(cfg: RunConfig, config_path: Path, stop: threading.Event) -> i
     return 1 if code else 0
 
 
+def final_checkpoint_line(savedir: Path, peer_logs: dict[Path, int]) -> str | None:
+    """The line in which a peer that logs to a file (``peer_logs``: each file and where
+    this run's output in it starts) said that it wrote the savedir's checkpoint as it is
+    now: the final one, which the leader writes and which peer 0's terminal, when peer 0
+    did not lead, only says it did not write. None when none of them wrote it."""
+    from moolib.agents import checkpoint
+
+    try:
+        step = checkpoint.verify(savedir / checkpoint.LATEST)["steps"]
+    except (OSError, checkpoint.CheckpointError):
+        return None
+    said = f"] checkpoint at step {step}: "
+    for path, start in peer_logs.items():
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        lines = [line for line in text.splitlines() if said in line]
+        if lines:
+            return lines[-1]
+    return None
+
+
 def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
     """Starts the peers (and a broker unless ``cfg.broker`` names one); waits for
     them. ``stop`` (Ctrl-C/SIGTERM) is passed on to every peer. Returns 0 when
@@ -199,12 +224,16 @@ def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
     # this process ends, however (kill -9 included), no peer acts on alone.
     parent_r, parent_w = os.pipe()
     interrupted = False
+    # Where each peer logging to a file (not this terminal) starts writing in it.
+    peer_logs: dict[Path, int] = {}
     try:
         for rank in range(cfg.scaling.peers):
             logdir = runtime.logdir(savedir, rank, cfg)
             logdir.mkdir(parents=True, exist_ok=True)
             # Peer 0 draws the progress line here; the others log to files.
             out = None if rank == 0 else open(logdir / "stdout.log", "ab")  # noqa: SIM115
+            if out:
+                peer_logs[logdir / "stdout.log"] = out.tell()
             procs.append(_start_peer(config_path, rank, address, parent_r, out))
             if out:
                 out.close()
@@ -225,6 +254,9 @@ def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
         if broker:
             broker.close()
         os.close(parent_w)
+    line = final_checkpoint_line(savedir, peer_logs)
+    if line:
+        print(line, flush=True)
     failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
     for rank, code in failed:
         print(f"moolib-run: peer {rank} exited with code {code}", file=sys.stderr)

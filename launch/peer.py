@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from moolib import _signals
 
 from . import config as config_lib
+from . import output
 
 if TYPE_CHECKING:
     from moolib.agents.run_config import RunConfig
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "--parent-fd", type=int, default=None, help="read end of a pipe the launcher holds open"
     )
     args = parser.parse_args(argv)
+    output.quiet_when_closed()
     logging.basicConfig(level=logging.INFO, format=f"[peer {args.rank}] %(message)s")
     cfg = config_lib.load(args.config)
     stop = stop_on_signals()

@@ -49,6 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import output
+
 __all__ = [
     "DEFAULT_METRIC",
     "LOG_FILE",
@@ -67,6 +69,7 @@ __all__ = [
     "override_labels",
     "parse_number",
     "read_table",
+    "resumed_changes",
     "render_terminal",
     "resolve_log_path",
     "run_labels",
@@ -310,10 +313,19 @@ def _flatten(tree: object, prefix: str = "") -> dict[str, str]:
     return {prefix[:-1]: str(tree)}
 
 
-def override_labels(settings: Sequence[dict[str, str]]) -> list[str] | None:
+# A setting a resume changed: (the step from which the new value applied, old, new).
+Change = tuple[int, str, str]
+
+
+def override_labels(
+    settings: Sequence[dict[str, str]], changes: Sequence[dict[str, list[Change]]] | None = None
+) -> list[str] | None:
     """Labels for runs from their settings (``{key: value}``): the keys whose values differ
     between the runs, as ``key=value`` joined by ``", "``, each key shortened to its last
-    component unless another differing key ends the same. None when nothing differs."""
+    component unless another differing key ends the same. None when nothing differs.
+    ``changes`` (per run, by key): a key whose value a resume changed reads as its first
+    value and each later one with the step it took over at
+    (``learning_rate=0.003 (0.005 from step 1,024)``)."""
     keys: list[str] = []
     for run in settings:
         keys.extend(k for k in run if k not in keys)
@@ -322,10 +334,36 @@ def override_labels(settings: Sequence[dict[str, str]]) -> list[str] | None:
         return None
     last = [k.rsplit(".", 1)[-1] for k in varying]
     short = {k: (s if last.count(s) == 1 else k) for k, s in zip(varying, last, strict=True)}
+    runs_changes = changes or [{} for _ in settings]
+
+    def shown(run: dict[str, str], changed: dict[str, list[Change]], k: str) -> str:
+        history = changed.get(k)
+        if not history:
+            return f"{short[k]}={run[k]}"
+        later = "; ".join(f"{new} from step {step:,}" for step, _, new in history)
+        return f"{short[k]}={history[0][1]} ({later})"
+
     return [
-        ", ".join(f"{short[k]}={run[k]}" for k in varying if k in run) or "(defaults)"
-        for run in settings
+        ", ".join(shown(run, changed, k) for k in varying if k in run) or "(defaults)"
+        for run, changed in zip(settings, runs_changes, strict=True)
     ]
+
+
+def resumed_changes(point: Path) -> dict[str, list[Change]]:
+    """The settings that resumes of the run in ``point`` changed after it had trained
+    (from its ``resumes.yaml``), by key, in the order they happened."""
+    entries = _load_yaml(point / "resumes.yaml")
+    out: dict[str, list[Change]] = {}
+    for entry in entries if isinstance(entries, list) else []:
+        if not isinstance(entry, dict) or not isinstance(entry.get("changed"), dict):
+            continue
+        step = entry.get("step")
+        if not isinstance(step, int) or step <= 0:
+            continue  # no step was trained with the old value
+        for key, change in entry["changed"].items():
+            if isinstance(change, dict) and {"from", "to"} <= set(change):
+                out.setdefault(str(key), []).append((step, str(change["from"]), str(change["to"])))
+    return out
 
 
 def _load_yaml(path: Path) -> object:
@@ -342,15 +380,17 @@ def sweep_labels(points: Sequence[Path]) -> list[str] | None:
 
     Each point's ``.hydra/overrides.yaml`` (written by Hydra) is read; when a point lacks it,
     the points' ``config.yaml`` files are compared instead (``savedir`` and ``group`` aside).
-    None when neither tells the points apart.
+    A value that a resume of the point changed is shown with the one it replaced and the
+    step it changed at (``resumes.yaml``). None when nothing tells the points apart.
     """
+    changes = [resumed_changes(p) for p in points]
     overrides = [_load_yaml(p / ".hydra" / "overrides.yaml") for p in points]
     if all(isinstance(o, list) for o in overrides):
         settings = [dict(_split_override(str(line)) for line in o) for o in overrides]
         for run in settings:
             for key in _RUN_SPECIFIC_KEYS:
                 run.pop(key, None)
-        labels = override_labels(settings)
+        labels = override_labels(settings, changes)
         if labels is not None:
             return labels
     configs = [_load_yaml(p / "config.yaml") for p in points]
@@ -359,7 +399,7 @@ def sweep_labels(points: Sequence[Path]) -> list[str] | None:
         for run in settings:
             for key in _RUN_SPECIFIC_KEYS:
                 run.pop(key, None)
-        return override_labels(settings)
+        return override_labels(settings, changes)
     return None
 
 
@@ -931,6 +971,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``moolib-plot``; returns the exit code (2 on bad input, with the reason)."""
+    output.quiet_when_closed()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -8,7 +8,8 @@ point of a ``-m`` sweep) is composed with Hydra's compose API and planned:
   ``+key`` that nothing reads is refused too, with the nearest known key);
 - a savedir that holds a ``config.yaml`` is resumed from it (``resume.py``);
 - the values pass ``config.validate``;
-- the savedir can be written and no other run is in it (``savedir_lock.py``),
+- SLURM's commands are there (``scaling=slurm``), the savedir can be written and
+  no other run is in it (``savedir_lock.py``),
   the env can be made with its options, ``agent.network`` takes its
   observations, the model fits the savedir's checkpoint, ``broker=``
   answers (bounded wait), and the pip extras the run uses are installed.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,15 +377,6 @@ def check_not_a_sweep(savedir: Path, multirun: bool) -> None:
             )
 
 
-def _quiet_ale() -> None:
-    """No ALE banner on the launcher's terminal for its probe (errors still show)."""
-    try:
-        import ale_py
-    except ImportError:
-        return
-    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
-
-
 _env_probes: dict[str, tuple[tuple[int, ...], int]] = {}
 
 
@@ -408,7 +401,6 @@ def probe_env(cfg: RunConfig) -> tuple[tuple[int, ...], int]:
         raise resume_lib.unknown_key_error(
             f"env.options.{unknown[0]}", known, f" ({cfg.env.name} has no such option)"
         )
-    _quiet_ale()
     try:
         found = probe(str(cfg.env.name), backend, options)
     except MissingExtraError as e:
@@ -513,10 +505,30 @@ def check_extras(cfg: RunConfig) -> None:
             raise ConfigError(str(e)) from e
 
 
+# The SLURM commands a launch needs first: submitit's executor refuses to start without
+# srun, and sbatch submits the jobs.
+SLURM_COMMANDS = ("sbatch", "srun")
+
+
+def check_slurm(cfg: RunConfig) -> None:
+    """With ``scaling=slurm``: SLURM's commands are on this machine's PATH."""
+    if not isinstance(cfg.scaling, SlurmScalingConfig):
+        return
+    missing = [name for name in SLURM_COMMANDS if shutil.which(name) is None]
+    if missing:
+        raise ConfigError(
+            f"scaling=slurm: no SLURM on this machine ({' and '.join(missing)} not found on "
+            "PATH); launch from a machine of the cluster (a login node), or train here with "
+            "scaling=single or scaling=local"
+        )
+
+
 def check_can_start(job: Job, cfg: RunConfig) -> None:
     """The checks that look at the machine around the run of ``cfg`` (the job's checked
-    config): the packages it needs, its savedir (writable, no other run in it), its broker."""
+    config): the packages it needs, SLURM's commands (``scaling=slurm``), its savedir
+    (writable, no other run in it), its broker."""
     check_extras(cfg)
+    check_slurm(cfg)
     check_savedir(job.savedir)
     savedir_lock.check_free(job.savedir)
     check_broker(cfg)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from hydra.core.override_parser.types import Override, OverrideType
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from . import savedir_lock
 from .config import CONFIG_FILE, ConfigError, one_line
 
 if TYPE_CHECKING:
@@ -327,7 +328,8 @@ def checkpoint_state(savedir: Path) -> tuple[dict, str | None] | None:
     """The savedir's newest intact checkpoint (digest checked: ``checkpoint.pt``, else
     the newest intact one in ``checkpoints/``) and, when it is a fallback, one line
     saying which files were passed over and which is used. None without a
-    checkpoint; ConfigError when none is intact (nothing is written then)."""
+    checkpoint; ConfigError when none is intact, or when there is none but the logs
+    went past step 0 (nothing is written then)."""
     from moolib.agents import checkpoint
 
     try:
@@ -337,9 +339,28 @@ def checkpoint_state(savedir: Path) -> tuple[dict, str | None] | None:
             f"savedir={savedir}: {e}; restore one from a backup or give a new savedir"
         ) from e
     if loaded is None:
+        steps = logged_steps(Path(savedir))
+        if steps:
+            # A run still training there may not have written its first checkpoint yet:
+            # that the savedir is in use is the error then.
+            savedir_lock.check_free(Path(savedir))
+            # Resuming from step 0 would append a second run to the logs of the first.
+            raise ConfigError(
+                f"savedir={savedir} has no checkpoint ({CHECKPOINT_FILE} and checkpoints/ "
+                f"are missing) for the {steps:,} steps its logs.tsv logged: to start over, "
+                f"give a new savedir, or delete {savedir}"
+            )
         return None
     note = checkpoint.describe_fallback(loaded) if loaded.skipped else None
     return loaded.state, note
+
+
+def logged_steps(savedir: Path) -> int:
+    """The furthest step the logs of the run in ``savedir`` reached (0 without logs)."""
+    from . import report
+
+    totals = report.read_totals(savedir)
+    return totals.steps if totals is not None else 0
 
 
 def check_model_fits(

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import config as config_lib
-from . import local, preflight, report, savedir_lock
+from . import local, output, preflight, report, savedir_lock
 from . import resume as resume_lib
 from .config import ConfigError, RunConfig
 from .peer import stop_on_signals
@@ -199,6 +199,7 @@ def _preflight(args: argparse.Namespace) -> int | None:
 
 def main() -> None:
     """Console entry point: checks the command line, then lets Hydra run it."""
+    output.quiet_when_closed()
     for resolver, fn in (("or_default", _or_default), ("folder_name", _folder_name)):
         if not OmegaConf.has_resolver(resolver):
             OmegaConf.register_new_resolver(resolver, fn)

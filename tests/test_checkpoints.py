@@ -27,6 +27,7 @@ from helpers.run_util import (
     Run,
     check_ok,
     cmdline,
+    read_logs,
     run,
     session_pids,
     snapshot,
@@ -113,6 +114,27 @@ def test_damaged_checkpoint_is_named_and_the_newest_intact_one_is_used(tmp_path)
     assert r.returncode == 2 and "Traceback" not in out, out[-5000:]
     assert len(lines) == 1 and lines[0].startswith("moolib-run: error: "), out[-5000:]
     assert "no intact checkpoint" in lines[0] and str(latest) in lines[0], lines
+    assert snapshot(savedir) == before
+
+
+@pytest.mark.timeout(600)
+def test_a_savedir_whose_checkpoints_are_all_gone_is_refused(tmp_path):
+    """Its logs went on from step 0 again, appended to the old ones: refused as a damaged
+    one is, naming what is missing and how to start over."""
+    savedir = tmp_path / "run"
+    check_ok(run([*QUICK, "total_steps=2000", f"savedir={savedir}"], tmp_path))
+    (savedir / "checkpoint.pt").unlink()
+    for p in (savedir / "checkpoints").glob("*.pt"):
+        p.unlink()
+    logged = int(read_logs(savedir / "logs.tsv")[1][-1]["step"])
+    before = snapshot(savedir)
+    r = run([f"savedir={savedir}", "total_steps=4000"], tmp_path)
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    assert r.returncode == 2 and "Traceback" not in r.stdout, r.stdout[-5000:]
+    assert len(lines) == 1 and lines[0].startswith("moolib-run: error: "), r.stdout[-5000:]
+    assert f"savedir={savedir} has no checkpoint" in lines[0], lines
+    assert f"for the {logged:,} steps its logs.tsv logged" in lines[0], lines
+    assert "give a new savedir, or delete" in lines[0], lines
     assert snapshot(savedir) == before
 
 

@@ -270,6 +270,11 @@ def test_ctrl_c_stops_local_run_cleanly(tmp_path):
     _, rows1 = read_logs(savedir / "peer1" / "logs.tsv")
     assert ckpt["steps"] > 0
     assert ckpt["steps"] in (int(rows0[-1]["step"]), int(rows1[-1]["step"]))
+    # The terminal (peer 0's output) says which peer wrote it, peer 1 too: its own line
+    # goes to its file. Which one leads is the group's choice, either may.
+    wrote = f"] checkpoint at step {ckpt['steps']}: {savedir / 'checkpoint.pt'}"
+    writer = 1 if f"[peer 1{wrote}" in peer1_log else 0
+    assert re.search(rf"^\[peer {writer}{re.escape(wrote)}$", out, re.M), out[-5000:]
     assert not list(savedir.glob(".checkpoint.pt.*"))
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from helpers.run_util import QUICK, check_ok, run, run_quick, snapshot
+from helpers.run_util import QUICK, check_ok, run, run_cmd, run_env, run_quick, snapshot
 from moolib.launch import config as config_lib
 from moolib.launch import local
 
@@ -90,6 +92,28 @@ def test_a_resume_with_a_network_that_cannot_take_the_observations_is_refused(tm
     assert "agent.network=impala_deep" in line and "env=cartpole" in line, line
     assert "shape (4,)" in line, line
     assert snapshot(savedir) == before  # nothing written, nothing recorded as resumed
+
+
+# -- scaling=slurm where there is no SLURM ---------------------------------------------------
+
+
+def test_scaling_slurm_without_slurm_is_refused_before_anything_is_written(tmp_path):
+    """It used to fail in submitit (``Could not detect "srun"``, exit 1) after the savedir
+    was made, which the next run, without scaling=slurm, then resumed and failed alike."""
+    # This interpreter's folder only: no srun or sbatch, even where a test cluster runs.
+    env = run_env({"PATH": str(Path(sys.executable).parent)})
+    result = subprocess.run(
+        run_cmd("agent=a2c", "env=cartpole", "scaling=slurm", "total_steps=100"),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = one_error_line(result)
+    assert "scaling=slurm: no SLURM on this machine" in line, line
+    assert "sbatch and srun not found on PATH" in line, line
+    assert list(tmp_path.iterdir()) == []  # no outputs/ folder, nothing to resume
 
 
 # -- every point of a sweep releases what it opened -------------------------------------------

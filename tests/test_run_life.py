@@ -28,7 +28,7 @@ from helpers.run_util import (
     snapshot,
     wait_for,
 )
-from moolib.launch import savedir_lock
+from moolib.launch import plot, savedir_lock
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -170,15 +170,24 @@ def test_sweep_points_resume_with_their_own_config(tmp_path):
             tmp_path,
         )
     )
-    # Every point resumes its own a2c/cartpole config (not the default vtrace/breakout).
+    first_steps = checkpoint_steps(sweep / "1")
+    # Every point resumes its own a2c/cartpole config (not the default vtrace/breakout);
+    # point 1 with a new learning rate.
+    lrs = "agent.optimizer.learning_rate=1e-3,5e-3"
     out = check_ok(run(["-m", f"savedir={sweep}", lrs, "total_steps=2000"], tmp_path))
-    for k, lr in [(0, 1e-3), (1, 3e-3)]:
+    for k, lr in [(0, 1e-3), (1, 5e-3)]:
         point = sweep / str(k)
         assert f"resuming {point}" in out, out
         cfg = load_yaml(point / "config.yaml")
         assert cfg["agent"]["name"] == "a2c" and cfg["agent"]["hidden_size"] == 32
         assert cfg["agent"]["optimizer"]["learning_rate"] == lr and cfg["total_steps"] == 2000
         assert checkpoint_steps(point) >= 2000
+    # moolib-plot names both rates of point 1, and the step where the new one took over.
+    labels = [r.label for r in plot.find_runs(sweep).runs]
+    assert labels == [
+        "learning_rate=0.001",
+        f"learning_rate=0.003 (0.005 from step {first_steps:,})",
+    ], labels
     # Finished points say so and are left alone.
     before = training_files(sweep)
     out = check_ok(run(["-m", f"savedir={sweep}", lrs], tmp_path))

@@ -10,7 +10,9 @@ and the one-line errors of runs with nothing to plot.
 from __future__ import annotations
 
 import io
+import os
 import re
+import select
 import shlex
 import subprocess
 from pathlib import Path
@@ -19,11 +21,14 @@ import matplotlib.image
 import moolib.conf
 import pytest
 from helpers.run_util import (
+    RUN_TIMEOUT,
     Run,
     check_ok,
+    kill_session,
     plot_cmd,
     read_logs,
     run,
+    run_cmd,
     run_env,
     run_in_terminal,
     run_quick,
@@ -204,6 +209,9 @@ def test_terminal_banner_progress_log_lines_and_summary(tmp_path):
     assert logged, text[-3000:]
     for line in logged:
         assert not PROGRESS.search(line) and "ETA" not in line, line
+        # In the peers' format, not Hydra's ([2026-12-01 ...][moolib.agents][INFO] - ...).
+        assert line.startswith("[peer 0] checkpoint at step "), line
+    assert not re.search(r"^\[\d{4}-\d\d-\d\d ", text, re.M), text[-3000:]
     assert "SPS 0 " not in raw
 
     # At the end: steps, time, final mean return, savedir and how to plot it.
@@ -308,6 +316,118 @@ def test_progress_line_before_and_between_updates(tmp_path):
     quick.update({"step": 20224, "time": 6.0, "env_sps": 20000.0})
     quick.close()
     assert "(100.0%)  SPS 20,224  " in out.getvalue(), out.getvalue()
+
+
+def drawn_on_terminal(columns: int, rows: list[dict], log: Path) -> str:
+    """The progress line as last drawn on a pseudo-terminal ``columns`` wide (0: a size
+    that was never set) after ``rows``."""
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    with os.fdopen(slave, "w") as stream:
+        progress = Progress(50_000_000, prefix="[peer 0] ", stream=stream, log_path=log)
+        assert progress.live
+        progress.start(0.0, 0)
+        for row in rows:
+            progress.update(row)
+        progress.close()
+    raw = b""
+    while select.select([master], [], [], 0.1)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        raw += chunk
+    os.close(master)
+    drawn = [t for t in raw.decode().replace("\n", "\r").split("\r") if t.strip()]
+    return drawn[-1]
+
+
+def test_progress_line_fits_the_terminal_with_what_matters_first(tmp_path):
+    rows = [
+        {"step": 10_000_000, "time": 600.0, "total_loss": 658.8, "mean_episode_return": 196.33},
+        {"step": 12_345_678, "time": 700.0, "total_loss": 658.8},
+    ]
+    full = (
+        "[peer 0] step 12,345,678/50,000,000 (24.7%)  SPS 17,637  return 196.33  loss 658.8  "
+        "ETA 35:35"
+    )
+    # 80 columns: the loss and the total give way; the step, SPS, return and ETA stay.
+    line = drawn_on_terminal(80, rows, tmp_path / "a.log")
+    assert len(line) < 80, line
+    assert re.fullmatch(
+        r"\[peer 0\] step 12,345,678 \(24\.7%\)  SPS 17,637  return 196\.33  ETA 35:35",
+        line,
+    ), line
+    # Narrower still: the SPS, then the return go, and the ETA stays to the last.
+    line = drawn_on_terminal(50, rows, tmp_path / "b.log")
+    assert len(line) < 50 and line.startswith("[peer 0] step 12,345,678 (24.7%)  "), line
+    assert "ETA " in line and "SPS" not in line, line
+    # Width 0 (a pseudo-terminal whose size was never set) sets no limit.
+    line = drawn_on_terminal(0, rows, tmp_path / "c.log")
+    assert line == full, line
+    # The record in progress.log is always whole.
+    kept = (tmp_path / "a.log").read_text().splitlines()[-1]
+    assert kept.endswith("  " + full), kept
+
+
+@pytest.mark.timeout(600)
+def test_a_closed_stdout_ends_the_output_quietly_and_training_goes_on(tmp_path):
+    """``moolib-run ... | head -2``: the reader takes two lines and is gone. The run used
+    to end in a BrokenPipeError traceback, exit 1."""
+    savedir = tmp_path / "piped"
+    with open(tmp_path / "stderr.log", "wb") as err:
+        proc = subprocess.Popen(
+            run_cmd(*CARTPOLE, "total_steps=20000", f"savedir={savedir}"),
+            cwd=tmp_path,
+            env=run_env(),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,
+        )
+        try:
+            first = [proc.stdout.readline() for _ in range(2)]
+            proc.stdout.close()
+            code = proc.wait(timeout=RUN_TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            kill_session(proc.pid)
+    errors = (tmp_path / "stderr.log").read_text(errors="replace")
+    assert first[0].startswith(b"moolib-run: a2c on cartpole"), first
+    assert code == 0, errors[-5000:]
+    assert "Traceback" not in errors and "BrokenPipe" not in errors, errors[-5000:]
+    # It trained to the end after its reader was gone: logs, checkpoint, progress record.
+    _, rows = read_logs(savedir / "logs.tsv")
+    assert rows[-1]["step"] >= 20000, rows[-1]
+    assert "checkpoint.pt" in {p.name for p in savedir.iterdir()}
+    kept = [line for line in (savedir / "progress.log").read_text().splitlines()]
+    assert any("(100.0%)" in line for line in kept), kept[-5:]
+
+
+def test_moolib_plot_on_a_closed_stdout_ends_quietly(tmp_path):
+    """``moolib-plot DIR --list | head -3``, its reader gone before it writes."""
+    (tmp_path / "logs.tsv").write_text("step\tmean_episode_return\tepisodes\n10\t1.5\t2\n")
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run(
+            plot_cmd(str(tmp_path), "--list"),
+            env=run_env(),
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "", r.stderr
 
 
 @pytest.mark.timeout(600)
