@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from . import catalog  # noqa: F401 - registers the families moolib ships
 from .atari import ATARI_GAMES
-from .create import create_batched, create_env, create_env_quietly, create_envpool, env_spec
+from .create import create_batched, create_env, create_envpool, env_spec
 from .envpool_backend import EnvpoolAtari, EnvpoolFuture
 from .minatar import MINATAR_ENVS
 from .pools import actor_pool, env_factory, probe_env
@@ -54,7 +54,6 @@ __all__ = [
     "actor_pool",
     "create_batched",
     "create_env",
-    "create_env_quietly",
     "create_envpool",
     "env_factory",
     "env_spec",

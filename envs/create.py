@@ -57,10 +57,6 @@ def create_env(name: str, **options: Any) -> gymnasium.Env:
     return spec.make(name, **options)
 
 
-# The name of earlier versions, when only this one quieted the family's library.
-create_env_quietly = create_env
-
-
 def batched_backend(name: str, backend: str, caller: str) -> Backend:
     """The backend ``backend`` of the family of ``name``. Raises ValueError for an
     unknown name, or a family the backend does not serve (``caller`` says who asked)."""

@@ -7,7 +7,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .create import create_batched, create_env, create_env_quietly
+from .create import create_batched, create_env
 from .decorrelate import make_decorrelated
 from .registry import DEFAULT_BACKEND
 
@@ -17,7 +17,7 @@ def env_factory(
 ) -> tuple[Callable[[], Any], tuple[int, ...], int]:
     """A picklable factory of the env ``name`` with ``options`` (quiet in each worker
     process), with the observation shape and number of actions of one env it made."""
-    factory = functools.partial(create_env_quietly, name, **options)
+    factory = functools.partial(create_env, name, **options)
     probe = factory()
     try:
         return factory, tuple(probe.observation_space.shape), int(probe.action_space.n)

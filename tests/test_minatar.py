@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from moolib.agents import models
-from moolib.envs import create_env, create_env_quietly, create_envpool, list_envs
+from moolib.envs import create_env, create_envpool, list_envs
 from moolib.envs.minatar import MINATAR_GAMES, MinAtarEnv
 from moolib.launch import config as config_lib
 from moolib.launch.config import ConfigError
@@ -56,7 +56,7 @@ def test_each_game_composes_and_steps_through_envpool(compose_config, game):
     assert options["sticky_action_prob"] == 0.1  # the paper's
     assert options["minimal_action_set"] is False  # the paper's 6 actions
 
-    factory = functools.partial(create_env_quietly, cfg.env.name, **options)
+    factory = functools.partial(create_env, cfg.env.name, **options)
     probe = factory()
     assert probe.unwrapped.sticky_action_prob == 0.1  # what minatar.Environment applies
     assert probe.action_space.n == 6

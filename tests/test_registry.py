@@ -148,7 +148,7 @@ def test_every_agent_builds_and_takes_a_learner_step(compose_config, agent, tmp_
 
 
 def test_every_env_option_composes_and_steps(compose_config):
-    from moolib.envs import ATARI_GAMES, create_env_quietly
+    from moolib.envs import ATARI_GAMES, create_env
     from moolib.envs.minatar import MINATAR_GAMES
 
     options = moolib.conf.group_options("env")
@@ -164,13 +164,13 @@ def test_every_env_option_composes_and_steps(compose_config):
         assert name == defaults.get(option, option)
         env_options = OmegaConf.to_container(cfg.env.options, resolve=True)
         try:
-            env = create_env_quietly(name, **env_options)
+            env = create_env(name, **env_options)
         except ValueError as e:
             # A few ROMs (backgammon) have no NOOP action for the no-op starts; with
             # env.options.noop_max=0 they build (moolib-run's pre-flight names the key).
             assert "NOOP" in str(e), (option, e)
             needs_noop_max_0.append(option)
-            env = create_env_quietly(name, **{**env_options, "noop_max": 0})
+            env = create_env(name, **{**env_options, "noop_max": 0})
         try:
             env.reset(seed=0)
             _, reward, terminated, truncated, _ = env.step(0)
