@@ -137,9 +137,15 @@ def make_envs(cfg: RunConfig) -> tuple[Any, tuple[int, ...], int]:
     """The actors' env pool, the observation shape and the number of actions. Its envs
     are made afresh at every start and resume, and decorrelated then
     (``env.decorrelate_steps``)."""
-    from moolib.envs import actor_pool
+    from moolib.envs import DEFAULT_BACKEND, actor_pool
 
     agent = cfg.agent
+    if cfg.env.decorrelate_steps and cfg.env.backend != DEFAULT_BACKEND:
+        log.info(
+            "env.backend=%s steps its envs in its own code: they start without "
+            "env.decorrelate_steps' random actions",
+            cfg.env.backend,
+        )
     return actor_pool(
         cfg.env.name,
         cfg.env.backend,
