@@ -17,7 +17,7 @@ import pytest
 import torch
 from moolib.agents import checkpoint
 from moolib.agents.models import create_model, resolve_network
-from moolib.agents.training import PeerInfo, Trainer
+from moolib.agents.training import PeerInfo, Trainer, make_envs
 from moolib.launch import config as config_lib
 from moolib.launch.local import EmbeddedBroker
 
@@ -232,3 +232,19 @@ def test_a_restored_trainer_decorrelates_its_envs(compose_config, tmp_path, deco
         assert len(envs) == 8, first
     else:
         assert len(envs) == 1, first
+
+
+@pytest.mark.parametrize(
+    "env", [["env=cartpole"], ["env=breakout", "env.backend=envpool"]], ids=["gymnasium", "envpool"]
+)
+def test_a_backend_that_cannot_decorrelate_says_so(compose_config, tmp_path, caplog, env):
+    """The envpool backend steps its envs in its own code: its run says that they start
+    without env.decorrelate_steps' random actions, rather than ignoring the setting."""
+    small = ["agent.actor_batch_size=2", "agent.num_actor_batches=1", "agent.num_actor_cpus=1"]
+    overrides = [*env, *small, "env.decorrelate_steps=100", "device=cpu"]
+    cfg = config_lib.prepare(compose_config(*overrides), tmp_path)
+    with caplog.at_level("INFO", logger="moolib.agents"):
+        envs, _, _ = make_envs(cfg)
+    envs.close()
+    said = [r.getMessage() for r in caplog.records if "decorrelate_steps" in r.getMessage()]
+    assert len(said) == ("env.backend=envpool" in env), said
