@@ -121,10 +121,13 @@ struct Broker::State {
     } else if (it == g.members.end()) {
       MOO_ENFORCE(g.members.size() < kMaxMembers, "group '", q.group, "' is full");
       MOO_LOG(kInfo, "broker: '", peer, "' joined group '", q.group, "'");
-      if (g.members.empty() && g.syncId == 0) {
-        g.formedAt =
-            now + std::chrono::duration_cast<Clock::duration>(
-                      std::chrono::duration<double>(pingIntervalSeconds(q.timeoutSeconds)));
+      if (g.syncId == 0) {
+        // The window is the shortest ping interval of the members forming the
+        // group: one with a short timeout (which leaves when its program does
+        // not call update() for that long) is not kept waiting for a longer one.
+        auto end = now + std::chrono::duration_cast<Clock::duration>(
+                             std::chrono::duration<double>(pingIntervalSeconds(q.timeoutSeconds)));
+        if (g.members.empty() || end < g.formedAt) g.formedAt = end;
       }
       g.members.push_back({peer, q.sortOrder, nextJoinSeq++, now, q.timeoutSeconds, q.shmKey});
       changed = true;

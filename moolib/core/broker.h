@@ -19,8 +19,9 @@ namespace moolib {
 
 // How often a member with group timeout ``timeoutSeconds`` pings its broker.
 // A new group's first membership also waits this long after its first member
-// arrives (the join window, see Broker::State::handle), so that peers started
-// together form it together.
+// arrives, or less if a member with a shorter interval comes meanwhile (the
+// join window, see Broker::State::handle), so that peers started together
+// form it together.
 inline double pingIntervalSeconds(double timeoutSeconds) {
   return std::clamp(timeoutSeconds / 8, 0.02, 1.0);
 }
