@@ -24,6 +24,7 @@ import difflib
 import json
 import re
 import shutil
+import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -510,8 +511,14 @@ def check_extras(cfg: RunConfig) -> None:
 SLURM_COMMANDS = ("sbatch", "srun")
 
 
+# How long SLURM's controller may take to answer ``sinfo`` (a busy one is slow).
+SLURM_ANSWER_SECONDS = 30.0
+
+
 def check_slurm(cfg: RunConfig) -> None:
-    """With ``scaling=slurm``: SLURM's commands are on this machine's PATH."""
+    """With ``scaling=slurm``: SLURM's commands are on this machine's PATH, and its
+    controller answers (``sinfo``, where installed): SLURM's client packages without a
+    cluster configured would otherwise fail in sbatch, after the savedir is made."""
     if not isinstance(cfg.scaling, SlurmScalingConfig):
         return
     missing = [name for name in SLURM_COMMANDS if shutil.which(name) is None]
@@ -520,6 +527,26 @@ def check_slurm(cfg: RunConfig) -> None:
             f"scaling=slurm: no SLURM on this machine ({' and '.join(missing)} not found on "
             "PATH); launch from a machine of the cluster (a login node), or train here with "
             "scaling=single or scaling=local"
+        )
+    if shutil.which("sinfo") is None:
+        return
+    try:
+        answer = subprocess.run(
+            ["sinfo", "--noheader", "--format=%P"],
+            capture_output=True,
+            text=True,
+            timeout=SLURM_ANSWER_SECONDS,
+        )
+    except subprocess.TimeoutExpired:
+        said, failed = f"no answer in {SLURM_ANSWER_SECONDS:.0f} s", True
+    else:
+        lines = (answer.stderr or answer.stdout).strip().splitlines()
+        said, failed = (lines[-1] if lines else f"exit {answer.returncode}"), answer.returncode != 0
+    if failed:
+        raise ConfigError(
+            f"scaling=slurm: SLURM does not answer on this machine (sinfo: {said}); check "
+            "that its controller runs and SLURM_CONF or /etc/slurm names it, or train here "
+            "with scaling=single or scaling=local"
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -114,6 +115,31 @@ def test_scaling_slurm_without_slurm_is_refused_before_anything_is_written(tmp_p
     assert "scaling=slurm: no SLURM on this machine" in line, line
     assert "sbatch and srun not found on PATH" in line, line
     assert list(tmp_path.iterdir()) == []  # no outputs/ folder, nothing to resume
+
+
+def test_scaling_slurm_whose_controller_does_not_answer_is_refused_before_anything_is_written(
+    tmp_path,
+):
+    """SLURM's client commands installed, but no cluster configured (as on this machine
+    once scripts/slurm-test-cluster.sh has installed them): sbatch used to fail after the
+    savedir was made."""
+    if not all(shutil.which(c) for c in ("sbatch", "srun", "sinfo")):
+        pytest.skip("SLURM's commands are not installed (scripts/slurm-test-cluster.sh start)")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "slurm.conf").touch()  # a cluster configured nowhere: sinfo fails at once
+    env = run_env({"SLURM_CONF": str(tmp_path / "slurm.conf")})
+    result = subprocess.run(
+        run_cmd("agent=a2c", "env=cartpole", "scaling=slurm", "total_steps=100"),
+        cwd=tmp_path / "run",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    line = one_error_line(result)
+    assert "scaling=slurm: SLURM does not answer on this machine (sinfo: " in line, line
+    assert "Unable to process configuration file" in line, line
+    assert list((tmp_path / "run").iterdir()) == []  # no outputs/ folder, nothing to resume
 
 
 # -- every point of a sweep releases what it opened -------------------------------------------
