@@ -145,30 +145,13 @@ def _finite(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-class _AboveProgress(io.TextIOBase):
-    """Stands in for sys.stdout/sys.stderr (and the logging handlers writing to them) while a
-    progress line is drawn: text written through it first erases the line, which is drawn
-    again under the text once the text ends its line -- log lines never glue onto it."""
+class StreamStandIn(io.TextIOBase):
+    """A text stream that stands in for ``stream`` (sys.stdout, say): what a subclass does
+    not write itself, it asks of ``stream``."""
 
-    def __init__(self, progress: Progress, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO) -> None:
         super().__init__()
-        self._progress = progress
         self._stream = stream
-
-    def write(self, text: str) -> int:
-        if not text:
-            return 0
-        with self._progress._lock:
-            self._progress._erase()
-            n = self._stream.write(text)
-            self._stream.flush()
-            self._progress._pending = not text.endswith("\n")
-            if not self._progress._pending:
-                self._progress._draw()
-        return n
-
-    def flush(self) -> None:
-        self._stream.flush()
 
     def writable(self) -> bool:
         return True
@@ -185,6 +168,31 @@ class _AboveProgress(io.TextIOBase):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+class _AboveProgress(StreamStandIn):
+    """Stands in for sys.stdout/sys.stderr (and the logging handlers writing to them) while a
+    progress line is drawn: text written through it first erases the line, which is drawn
+    again under the text once the text ends its line -- log lines never glue onto it."""
+
+    def __init__(self, progress: Progress, stream: TextIO) -> None:
+        super().__init__(stream)
+        self._progress = progress
+
+    def write(self, text: str) -> int:
+        if not text:
+            return 0
+        with self._progress._lock:
+            self._progress._erase()
+            n = self._stream.write(text)
+            self._stream.flush()
+            self._progress._pending = not text.endswith("\n")
+            if not self._progress._pending:
+                self._progress._draw()
+        return n
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 def guard_log_handlers() -> None:

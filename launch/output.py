@@ -10,21 +10,17 @@ run goes on writing its logs, checkpoints and exit status as before.
 
 from __future__ import annotations
 
-import io
 import os
 import sys
-from typing import Any, TextIO
+
+from moolib.agents.logger import StreamStandIn
 
 __all__ = ["quiet_when_closed"]
 
 
-class _QuietWhenClosed(io.TextIOBase):
+class _QuietWhenClosed(StreamStandIn):
     """Stands in for sys.stdout: writes through to it until its reader is gone, then
     sends what is written to /dev/null."""
-
-    def __init__(self, stream: TextIO) -> None:
-        super().__init__()
-        self._stream = stream
 
     def write(self, text: str) -> int:
         try:
@@ -47,22 +43,6 @@ class _QuietWhenClosed(io.TextIOBase):
             os.dup2(devnull, self._stream.fileno())
         finally:
             os.close(devnull)
-
-    def writable(self) -> bool:
-        return True
-
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return self._stream.encoding
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
 
 
 def quiet_when_closed() -> None:
