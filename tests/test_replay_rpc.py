@@ -7,6 +7,7 @@ insertion order, so a test can count every item that arrived.
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -379,18 +380,10 @@ def test_a_pipelined_insert_that_fails_is_raised_and_the_others_go_in_once(trans
     client = moolib.ReplayClient(client_rpc, ("server", "table"), timeout=30, max_inflight=3)
     assert client.insert(rows(0, 8), block=False) is None  # learns the layout (waits)
     nan = torch.tensor([1.0, float("nan"), 1.0, 1.0])
-    sent, raised = [], []
-    for b in range(1, 9):
-        # Batch 4 is refused by the table: its priority 1 is NaN. Its error
-        # comes from a later insert (once that one sent its own batch) or flush().
-        try:
-            client.insert(rows(8 * b, 4), nan if b == 4 else torch.ones(4), block=False)
-        except moolib.ReplayError as e:
-            raised.append(str(e))
-    try:
-        client.flush()
-    except moolib.ReplayError as e:
-        raised.append(str(e))
+    # Batch 4 is refused by the table: its priority 1 is NaN. Its error
+    # comes from a later insert (once that one sent its own batch) or flush().
+    batches = [(rows(8 * b, 4), nan if b == 4 else torch.ones(4)) for b in range(1, 9)]
+    raised = insert_pipelined(client, batches)
     assert len(raised) == 1 and "priority at batch index 1 is nan" in raised[0]
     client.flush()  # raised once
     k = sorted(all_items(replay)["k"].tolist())
@@ -415,6 +408,20 @@ def test_a_pipelined_insert_that_fails_is_raised_and_the_others_go_in_once(trans
     assert k == sorted(sent + [i for b in (200, 400, 600) for i in range(b, b + 4)])
 
 
+def insert_pipelined(client: moolib.ReplayClient, batches: list) -> list[str]:
+    """Inserts each (items, priorities) without waiting, then flushes: the errors raised."""
+    raised = []
+    for call in [
+        *(functools.partial(client.insert, items, p, block=False) for items, p in batches),
+        client.flush,
+    ]:
+        try:
+            call()
+        except moolib.ReplayError as e:
+            raised.append(str(e))
+    return raised
+
+
 @SHARED_MEMORY
 def test_a_refused_pipelined_insert_loses_no_other_batch(shared_memory, make_rpc):
     # Ten pipelined batches of 3 rows, the 6th of another dtype: one error,
@@ -426,19 +433,9 @@ def test_a_refused_pipelined_insert_loses_no_other_batch(shared_memory, make_rpc
     client.insert(rows(0, 3))  # the table's layout
     start = 3
     for round in range(25):
-        raised = []
-        for b in range(10):
-            batch = rows(start + 3 * b, 3)
-            if b == 5:
-                batch["x"] = batch["x"].double()
-            try:
-                client.insert(batch, block=False)
-            except moolib.ReplayError as e:
-                raised.append(str(e))
-        try:
-            client.flush()
-        except moolib.ReplayError as e:
-            raised.append(str(e))
+        batches = [(rows(start + 3 * b, 3), None) for b in range(10)]
+        batches[5][0]["x"] = batches[5][0]["x"].double()
+        raised = insert_pipelined(client, batches)
         assert len(raised) == 1 and "leaf x has dtype torch.float64" in raised[0], raised
         k = sorted(all_items(replay)["k"].tolist())
         good = [start + 3 * b + i for b in range(10) if b != 5 for i in range(3)]

@@ -98,23 +98,28 @@ def test_a_resume_with_a_network_that_cannot_take_the_observations_is_refused(tm
 # -- scaling=slurm where there is no SLURM ---------------------------------------------------
 
 
+def slurm_run_refusal(cwd: Path, env: dict[str, str]) -> str:
+    """The one error line of a scaling=slurm run refused in ``cwd``, which it left empty."""
+    result = subprocess.run(
+        run_cmd("agent=a2c", "env=cartpole", "scaling=slurm", "total_steps=100"),
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    line = one_error_line(result)
+    assert list(cwd.iterdir()) == [], line  # no outputs/ folder, nothing to resume
+    return line
+
+
 def test_scaling_slurm_without_slurm_is_refused_before_anything_is_written(tmp_path):
     """It used to fail in submitit (``Could not detect "srun"``, exit 1) after the savedir
     was made, which the next run, without scaling=slurm, then resumed and failed alike."""
     # This interpreter's folder only: no srun or sbatch, even where a test cluster runs.
-    env = run_env({"PATH": str(Path(sys.executable).parent)})
-    result = subprocess.run(
-        run_cmd("agent=a2c", "env=cartpole", "scaling=slurm", "total_steps=100"),
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    line = one_error_line(result)
+    line = slurm_run_refusal(tmp_path, run_env({"PATH": str(Path(sys.executable).parent)}))
     assert "scaling=slurm: no SLURM on this machine" in line, line
     assert "sbatch and srun not found on PATH" in line, line
-    assert list(tmp_path.iterdir()) == []  # no outputs/ folder, nothing to resume
 
 
 def test_scaling_slurm_whose_controller_does_not_answer_is_refused_before_anything_is_written(
@@ -126,20 +131,11 @@ def test_scaling_slurm_whose_controller_does_not_answer_is_refused_before_anythi
     if not all(shutil.which(c) for c in ("sbatch", "srun", "sinfo")):
         pytest.skip("SLURM's commands are not installed (scripts/slurm-test-cluster.sh start)")
     (tmp_path / "run").mkdir()
-    (tmp_path / "slurm.conf").touch()  # a cluster configured nowhere: sinfo fails at once
-    env = run_env({"SLURM_CONF": str(tmp_path / "slurm.conf")})
-    result = subprocess.run(
-        run_cmd("agent=a2c", "env=cartpole", "scaling=slurm", "total_steps=100"),
-        cwd=tmp_path / "run",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    line = one_error_line(result)
+    conf = tmp_path / "slurm.conf"
+    conf.touch()  # a cluster configured nowhere: sinfo fails at once
+    line = slurm_run_refusal(tmp_path / "run", run_env({"SLURM_CONF": str(conf)}))
     assert "scaling=slurm: SLURM does not answer on this machine (sinfo: " in line, line
     assert "Unable to process configuration file" in line, line
-    assert list((tmp_path / "run").iterdir()) == []  # no outputs/ folder, nothing to resume
 
 
 # -- every point of a sweep releases what it opened -------------------------------------------
