@@ -21,7 +21,9 @@ pre-flight only decides whether the run may start.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -515,6 +517,27 @@ SLURM_COMMANDS = ("sbatch", "srun")
 SLURM_ANSWER_SECONDS = 30.0
 
 
+@functools.cache
+def _sinfo_failure(slurm_conf: str | None) -> str | None:
+    """Why ``sinfo`` failed here with ``SLURM_CONF`` as given (its last line), or None
+    when it answered or is not installed; asked once for all the points of a sweep."""
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        answer = subprocess.run(
+            ["sinfo", "--noheader", "--format=%P"],
+            capture_output=True,
+            text=True,
+            timeout=SLURM_ANSWER_SECONDS,
+        )
+    except subprocess.TimeoutExpired:
+        return f"no answer in {SLURM_ANSWER_SECONDS:.0f} s"
+    if answer.returncode == 0:
+        return None
+    lines = (answer.stderr or answer.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit {answer.returncode}"
+
+
 def check_slurm(cfg: RunConfig) -> None:
     """With ``scaling=slurm``: SLURM's commands are on this machine's PATH, and its
     controller answers (``sinfo``, where installed): SLURM's client packages without a
@@ -528,21 +551,8 @@ def check_slurm(cfg: RunConfig) -> None:
             "PATH); launch from a machine of the cluster (a login node), or train here with "
             "scaling=single or scaling=local"
         )
-    if shutil.which("sinfo") is None:
-        return
-    try:
-        answer = subprocess.run(
-            ["sinfo", "--noheader", "--format=%P"],
-            capture_output=True,
-            text=True,
-            timeout=SLURM_ANSWER_SECONDS,
-        )
-    except subprocess.TimeoutExpired:
-        said, failed = f"no answer in {SLURM_ANSWER_SECONDS:.0f} s", True
-    else:
-        lines = (answer.stderr or answer.stdout).strip().splitlines()
-        said, failed = (lines[-1] if lines else f"exit {answer.returncode}"), answer.returncode != 0
-    if failed:
+    said = _sinfo_failure(os.environ.get("SLURM_CONF"))
+    if said is not None:
         raise ConfigError(
             f"scaling=slurm: SLURM does not answer on this machine (sinfo: {said}); check "
             "that its controller runs and SLURM_CONF or /etc/slurm names it, or train here "
