@@ -551,6 +551,33 @@ def test_a_missing_extra_exits_2_naming_it(tmp_path, missing, overrides, message
     assert not savedir.exists()
 
 
+# The packages of the extras (and the test extra's), which the README's install lacks.
+EXTRA_PACKAGES = ("minatar", "pandas", "scipy", "seaborn", "wandb", "envpool", "pytest")
+
+
+def test_the_readme_run_needs_no_extra(tmp_path):
+    # The README's CartPole run, in a Python where no extra's package can be imported
+    # (as after the README's `pip install -e .`): it trains, checkpoints and exits 0.
+    savedir = tmp_path / "cartpole"
+    launcher = (
+        f"import runpy, sys; sys.modules.update(dict.fromkeys({EXTRA_PACKAGES!r})); "
+        "sys.argv[0] = 'moolib-run'; runpy.run_module('moolib.launch.run', run_name='__main__')"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", launcher, "agent=a2c", "env=cartpole", "total_steps=3000"]
+        + [f"savedir={savedir}"],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "moolib-run: done: " in out, out
+    assert (savedir / "checkpoint.pt").is_file(), out
+
+
 @pytest.mark.parametrize(
     "overrides, slurm_cpus, expected",
     [
