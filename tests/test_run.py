@@ -510,6 +510,23 @@ def test_bad_values_exit_2_naming_the_key(tmp_path, overrides, messages):
     assert not savedir.exists()  # nothing started, nothing made
 
 
+def run_without(cwd: Path, packages: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
+    """moolib-run with ``args``, in a Python where ``packages`` cannot be imported (as
+    when they are not installed)."""
+    launcher = (
+        f"import runpy, sys; sys.modules.update(dict.fromkeys({packages!r})); "
+        "sys.argv[0] = 'moolib-run'; runpy.run_module('moolib.launch.run', run_name='__main__')"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", launcher, *args],
+        cwd=cwd,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.mark.parametrize(
     "missing, overrides, message",
     [
@@ -532,18 +549,7 @@ def test_a_missing_extra_exits_2_naming_it(tmp_path, missing, overrides, message
     # The launcher itself, in a Python where the extra's package cannot be imported
     # (as when it is not installed): pip's extras keep the default install light.
     savedir = tmp_path / "err"
-    launcher = (
-        f"import runpy, sys; sys.modules[{missing!r}] = None; "
-        "sys.argv[0] = 'moolib-run'; runpy.run_module('moolib.launch.run', run_name='__main__')"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", launcher, "agent=a2c", *overrides, f"savedir={savedir}"],
-        cwd=tmp_path,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_without(tmp_path, (missing,), "agent=a2c", *overrides, f"savedir={savedir}")
     out = r.stdout + r.stderr
     assert r.returncode == 2, out
     assert f"moolib-run: error: {message}" in out, out
@@ -559,19 +565,8 @@ def test_the_readme_run_needs_no_extra(tmp_path):
     # The README's CartPole run, in a Python where no extra's package can be imported
     # (as after the README's `pip install -e .`): it trains, checkpoints and exits 0.
     savedir = tmp_path / "cartpole"
-    launcher = (
-        f"import runpy, sys; sys.modules.update(dict.fromkeys({EXTRA_PACKAGES!r})); "
-        "sys.argv[0] = 'moolib-run'; runpy.run_module('moolib.launch.run', run_name='__main__')"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", launcher, "agent=a2c", "env=cartpole", "total_steps=3000"]
-        + [f"savedir={savedir}"],
-        cwd=tmp_path,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["agent=a2c", "env=cartpole", "total_steps=3000", f"savedir={savedir}"]
+    r = run_without(tmp_path, EXTRA_PACKAGES, *args)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "moolib-run: done: " in out, out
