@@ -23,7 +23,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -295,9 +295,14 @@ class EnvPool:
         try:
             return shared.receive(self._socks[w])
         except (shared.WorkerGone, ConnectionResetError, OSError) as e:
-            proc = self._procs[w]
-            self._broken = f"EnvPool worker {w} (pid {proc.pid}) {_describe_exit(proc)}"
-            raise RuntimeError(self._broken) from (None if isinstance(e, shared.WorkerGone) else e)
+            self._worker_gone(w, None if isinstance(e, shared.WorkerGone) else e)
+
+    def _worker_gone(self, w: int, cause: BaseException | None) -> NoReturn:
+        """Marks the pool broken by worker w's end, and raises RuntimeError saying how
+        it ended."""
+        proc = self._procs[w]
+        self._broken = f"EnvPool worker {w} (pid {proc.pid}) {_describe_exit(proc)}"
+        raise RuntimeError(self._broken) from cause
 
     # -- stepping ---------------------------------------------------------
 
@@ -337,9 +342,9 @@ class EnvPool:
         for w, sock in enumerate(self._socks):
             try:
                 sock.sendall(header)
-            except OSError:
-                self._receive(w)  # reports how the worker ended
-                raise
+            except OSError as e:
+                # Not a read: answers to other batches may still be in the socket.
+                self._worker_gone(w, e)
         self._started[batch_index] += 1
         return EnvStepperFuture(self, batch_index, self._started[batch_index])
 

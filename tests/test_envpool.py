@@ -6,6 +6,7 @@ import functools
 import gc
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -242,6 +243,27 @@ def alive(pid: int) -> bool:
             return f.read().split(") ")[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_worker_killed_between_steps_is_reported_by_the_next_step():
+    """The next step's send to a worker that died fails: the pool says which worker
+    and how it ended (not a bare BrokenPipeError), although another batch's answer
+    from it is still unread."""
+    pool = moolib.EnvPool(toy_envs.ToyEnv, 2, 2, 2)
+    try:
+        pool.step(0, torch.zeros(2, dtype=torch.int64)).result()
+        pending = pool.step(1, torch.zeros(2, dtype=torch.int64))
+        pid = worker_pids(pool)[1]
+        # Its answer to batch 1 is in the socket, unread, before it dies.
+        wait_for(lambda: select.select([pool._socks[1]], [], [], 0)[0], what="the answer")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not alive(pid), what="the worker to die")
+        with pytest.raises(RuntimeError, match=r"worker 1 \(pid \d+\) was killed by SIGKILL"):
+            pool.step(0, torch.zeros(2, dtype=torch.int64))
+        with pytest.raises(RuntimeError, match="killed by SIGKILL"):
+            pending.result()
+    finally:
+        pool.close()
 
 
 def test_dead_worker_is_reported_not_waited_on():
