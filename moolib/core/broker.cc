@@ -4,13 +4,18 @@
 
 #include "host.h"
 #include "logging.h"
+#include "loop.h"
 #include "wire.h"
 
 namespace moolib {
 
 namespace {
 constexpr size_t kMaxMembers = 1 << 16;
-}
+// How long a member whose links all closed has to link again before it
+// counts as gone: its connect() redials within ~100 ms, so a link that only
+// dropped is back well before; a process that ended never is.
+constexpr auto kLinkLossGrace = std::chrono::milliseconds(500);
+}  // namespace
 
 std::string BrokerRequest::encode() const {
   Writer w;
@@ -68,6 +73,9 @@ struct Broker::State {
     TimePoint lastSeen;
     double timeoutSeconds;
     std::string shmKey;
+    // Since when it has had no link to the broker (see kLinkLossGrace).
+    bool unlinked = false;
+    TimePoint unlinkedSince{};
   };
   struct Group {
     std::vector<Member> members;  // kept ordered by (sortOrder, joinSeq)
@@ -78,6 +86,9 @@ struct Broker::State {
     TimePoint formedAt;
   };
 
+  explicit State(std::weak_ptr<Rpc> rpc) : rpc(std::move(rpc)) {}
+
+  const std::weak_ptr<Rpc> rpc;
   std::mutex mutex;
   std::map<std::string, Group> groups;
   uint64_t nextJoinSeq = 0;
@@ -88,21 +99,62 @@ struct Broker::State {
     });
   }
 
-  // Drops members past their timeout; returns whether any was.
-  static bool expire(const std::string& name, Group& g, TimePoint now) {
-    auto dead = [&](const Member& m) {
-      return now - m.lastSeen > std::chrono::duration<double>(m.timeoutSeconds);
-    };
-    bool changed = false;
-    for (auto& m : g.members) {
-      if (dead(m)) {
+  // Drops members past their timeout, and those whose links closed more than
+  // kLinkLossGrace ago and are still down; returns whether any was.
+  bool expire(const std::string& name, Group& g, TimePoint now) {
+    auto self = rpc.lock();
+    auto gone = [&](Member& m) {
+      if (now - m.lastSeen > std::chrono::duration<double>(m.timeoutSeconds)) {
         MOO_LOG(kInfo, "broker: '", m.name, "' timed out of group '", name, "'");
-        changed = true;
+        return true;
       }
-    }
-    if (changed)
-      g.members.erase(std::remove_if(g.members.begin(), g.members.end(), dead), g.members.end());
+      if (!m.unlinked || now - m.unlinkedSince < kLinkLossGrace) return false;
+      if (self && self->linkedTo(m.name)) {
+        m.unlinked = false;
+        return false;
+      }
+      MOO_LOG(kInfo, "broker: '", m.name, "' left group '", name,
+              "': its connections closed and it did not reconnect");
+      return true;
+    };
+    auto end = std::remove_if(g.members.begin(), g.members.end(), gone);
+    bool changed = end != g.members.end();
+    g.members.erase(end, g.members.end());
     return changed;
+  }
+
+  // Marks the peer's memberships unlinked and checks them again once the
+  // grace is over (from a timer, so that no update() call is needed).
+  void onPeerLost(const std::string& peer, const std::shared_ptr<State>& self) {
+    auto now = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      bool member = false;
+      for (auto& [name, g] : groups) {
+        for (auto& m : g.members) {
+          if (m.name != peer) continue;
+          m.unlinked = true;
+          m.unlinkedSince = now;
+          member = true;
+        }
+      }
+      if (!member) return;
+    }
+    std::weak_ptr<State> weak = self;
+    Loop::instance().addTimer(now + kLinkLossGrace + std::chrono::milliseconds(10), [weak] {
+      if (auto state = weak.lock()) state->expireAll();
+    });
+  }
+
+  void expireAll() {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto now = Clock::now();
+    for (auto it = groups.begin(); it != groups.end();) {
+      if (expire(it->first, it->second, now) && it->second.syncId != 0) {
+        it->second.syncId = randomU64();
+      }
+      it = it->second.members.empty() ? groups.erase(it) : std::next(it);
+    }
   }
 
   BrokerReply handle(const std::string& peer, const BrokerRequest& q) {
@@ -133,6 +185,7 @@ struct Broker::State {
       changed = true;
     } else {
       it->lastSeen = now;
+      it->unlinked = false;  // its ping came over a link
       it->timeoutSeconds = q.timeoutSeconds;
       if (it->sortOrder != q.sortOrder || it->shmKey != q.shmKey || q.rejoin) {
         it->sortOrder = q.sortOrder;
@@ -159,8 +212,14 @@ struct Broker::State {
   }
 };
 
-Broker::Broker(std::shared_ptr<Rpc> rpc) : rpc_(std::move(rpc)), state_(std::make_shared<State>()) {
+Broker::Broker(std::shared_ptr<Rpc> rpc)
+    : rpc_(std::move(rpc)), state_(std::make_shared<State>(rpc_)) {
   std::weak_ptr<State> weak = state_;
+  // A member whose process ended closes its links at once: it leaves then,
+  // not a whole group timeout later.
+  peerLost_ = rpc_->onPeerLost([weak](const std::string& peer) {
+    if (auto state = weak.lock()) state->onPeerLost(peer, state);
+  });
   rpc_->define(kBrokerFunction, [weak](std::shared_ptr<Responder> responder,
                                        std::vector<BufferPtr> args) {
     auto state = weak.lock();
@@ -188,20 +247,7 @@ Broker::~Broker() {
   }
 }
 
-void Broker::update() {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  auto now = Clock::now();
-  for (auto it = state_->groups.begin(); it != state_->groups.end();) {
-    if (State::expire(it->first, it->second, now) && it->second.syncId != 0) {
-      it->second.syncId = randomU64();
-    }
-    if (it->second.members.empty()) {
-      it = state_->groups.erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
+void Broker::update() { state_->expireAll(); }
 
 std::map<std::string, BrokerReply> Broker::groups() {
   std::lock_guard<std::mutex> lock(state_->mutex);

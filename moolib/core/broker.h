@@ -2,7 +2,9 @@
 // changes whenever a group's membership does.
 //
 // Members ping the broker (Group does, every fraction of its timeout); a
-// member that has not pinged within its timeout is dropped. Every ping is
+// member that has not pinged within its timeout is dropped, and so is one
+// whose links to the broker all closed and did not come back within half a
+// second (its process ended: see Rpc::onPeerLost). Every ping is
 // answered with the group's sync id and ordered member list, so all members
 // of one sync id see the same list.
 #pragma once
@@ -71,6 +73,7 @@ class Broker {
  private:
   std::shared_ptr<Rpc> rpc_;
   std::shared_ptr<State> state_;
+  std::shared_ptr<void> peerLost_;  // the Rpc's onPeerLost token
 };
 
 }  // namespace moolib

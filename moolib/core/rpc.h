@@ -113,6 +113,14 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   FuturePtr call(const std::string& peer, const std::string& function,
                  std::vector<OutSegment> segments, bool waitNext = false);
   DebugInfo debugInfo();
+  // Runs handler(peer) on a loop thread, outside this Rpc's lock, whenever a
+  // peer's last link closes without this Rpc having closed it for silence
+  // (the keepalive): the peer closed it or its process ended, not a hang or
+  // a partition. Runs until the returned token is dropped.
+  using PeerLostHandler = std::function<void(const std::string& peer)>;
+  std::shared_ptr<void> onPeerLost(PeerLostHandler handler);
+  // Whether a link to the peer is up now.
+  bool linkedTo(const std::string& peer) const;
   // Closes the listeners and links before it returns; calls in flight fail.
   void close();
   // Whether this Rpc was made before the process forked (in a child): its
@@ -267,6 +275,7 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   std::unordered_map<uint64_t, PendingCall> calls_;
   std::vector<std::pair<TimePoint, uint64_t>> deadlines_;  // min-heap of (deadline, call id)
   uint64_t nextCallId_ = 1;
+  std::vector<std::weak_ptr<PeerLostHandler>> peerLostHandlers_;
   std::map<std::string, std::shared_ptr<Handler>> functions_;
   std::map<std::string, int> inFlight_;
   std::condition_variable inFlightCv_;

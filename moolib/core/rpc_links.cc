@@ -506,6 +506,7 @@ void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
     noteAuthFailure(link, "the peer closed the connection during authentication: its key differs");
   }
   std::vector<PendingCall> lost;
+  std::vector<std::shared_ptr<PeerLostHandler>> peerLost;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     links_.erase(link);
@@ -523,6 +524,13 @@ void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
           return l->peerIncarnation == link->peerIncarnation && !l->conn->closed();
         });
         if (!linked) takeCallsToLocked(link->peerName, link->peerIncarnation, lost);
+        bool any = std::any_of(v.begin(), v.end(),
+                               [](const std::shared_ptr<Link>& l) { return !l->conn->closed(); });
+        if (!any && !link->silent && !closed_) {
+          for (auto& weak : peerLostHandlers_) {
+            if (auto h = weak.lock()) peerLost.push_back(std::move(h));
+          }
+        }
       }
     }
     if (!link->dialAddress.empty()) {
@@ -537,11 +545,31 @@ void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
     MOO_LOG(kInfo, "link to peer '", link->peerName, "' (", link->conn->transport(),
             ") closed: ", error.what());
   }
+  for (auto& h : peerLost) (*h)(link->peerName);
   for (auto& c : lost) {
     c.future->setError(Error(ErrorCode::kConnectionLost,
                              concat("call to peer '", c.peer, "' function '", c.function,
                                     "' failed: the connection was lost (", error.what(), ")")));
   }
+}
+
+std::shared_ptr<void> Rpc::onPeerLost(PeerLostHandler handler) {
+  auto held = std::make_shared<PeerLostHandler>(std::move(handler));
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Dropped tokens are pruned here, so the list stays as long as the live ones.
+  peerLostHandlers_.erase(std::remove_if(peerLostHandlers_.begin(), peerLostHandlers_.end(),
+                                         [](const auto& w) { return w.expired(); }),
+                          peerLostHandlers_.end());
+  peerLostHandlers_.push_back(held);
+  return held;
+}
+
+bool Rpc::linkedTo(const std::string& peer) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = peers_.find(peer);
+  return it != peers_.end() &&
+         std::any_of(it->second.links.begin(), it->second.links.end(),
+                     [](const std::shared_ptr<Link>& l) { return !l->conn->closed(); });
 }
 
 std::shared_ptr<Rpc::Link> Rpc::bestLinkLocked(const Peer& peer) const {
@@ -833,6 +861,7 @@ void Rpc::tick() {
         continue;
       }
       if (now - l->lastReceived.load() > kKeepaliveTimeout) {
+        l->silent = true;
         dead.push_back(l);
         continue;
       }

@@ -27,6 +27,9 @@ struct Rpc::Link {
   bool peerReported = false;
   std::string why;           // why this link was made (debug_info)
   bool authRefused = false;  // noted by noteAuthFailure (under the Rpc mutex)
+  // Closed by this Rpc because nothing came within the keepalive timeout
+  // (under the Rpc mutex): a silent peer, not one known to be gone.
+  bool silent = false;
   TimePoint created = Clock::now();
   std::atomic<TimePoint> lastReceived{Clock::now()};
   uint64_t lastBytesSent = 0;
