@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 from helpers import toy_envs
-from helpers.group_util import HELPERS, _LineProcess
+from helpers.group_util import HELPERS, LineProcess
 from helpers.util import DEADLINE, wait_for
 
 import moolib
@@ -674,7 +674,7 @@ def test_envpool_state_key_and_env_errors():
 # The original example in miniature: two training processes and a broker process
 
 
-class MiniVtrace(_LineProcess):
+class MiniVtrace(LineProcess):
     """tests/helpers/mini_vtrace.py: the original example's program, made small."""
 
     def __init__(self, broker_address, seed, log_dir):

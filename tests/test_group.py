@@ -5,18 +5,23 @@ process."""
 
 from __future__ import annotations
 
+import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers.group_util import (
     GroupPeer,
+    LineProcess,
+    agreed_status,
     join,
     settle,
     start_group_peers,
     sync_peers,
     wait_members,
 )
-from helpers.util import DEADLINE, wait_for
+from helpers.util import DEADLINE, process_usage, wait_for
 
 import moolib
 
@@ -51,8 +56,8 @@ def extra_peer(broker, logs):
     """Starts extra member processes for one test (to kill them); stops them after."""
     made = []
 
-    def make(name):
-        p = GroupPeer(name, broker.address, logs)
+    def make(name, tcp=False):
+        p = GroupPeer(name, broker.address, logs, tcp=tcp)
         made.append(p)
         return p
 
@@ -142,6 +147,115 @@ def test_killed_member_disappears_and_new_member_appears(peers, extra_peer):
     assert last["sync_id"] not in (before["sync_id"], after["sync_id"])
     for p in (p0, p1, p2):
         p.request("close", group="kill")
+
+
+@pytest.mark.parametrize("rpc", ["default", "tcp"])
+def test_a_killed_member_leaves_at_once_not_after_the_group_timeout(peers, extra_peer, rpc):
+    """A member whose process ended closed its connections: the broker takes that
+    as its death and drops it, rather than wait the group timeout (here longer
+    than the test's whole deadline)."""
+    p0, p1, _, _ = peers
+    victim = extra_peer(f"dead-{rpc}", tcp=rpc == "tcp")
+    me = victim.tcp_name if rpc == "tcp" else victim.name
+    group = f"dead-{rpc}"
+    join([p0, p1], group, timeout=10 * DEADLINE)
+    join([victim], group, rpc=rpc, timeout=10 * DEADLINE)
+    before = wait_members([p0, p1, victim], group, {"gp0", "gp1", me})
+    victim.kill()
+    after = wait_members([p0, p1], group, {"gp0", "gp1"}, timeout=DEADLINE)
+    assert after["sync_id"] != before["sync_id"]
+    for p in (p0, p1):
+        p.request("close", group=group)
+
+
+def test_a_stopped_member_stays_until_the_group_timeout_then_leaves(peers, extra_peer):
+    """A hung member keeps its connections open: it is not taken for dead, and
+    leaves only once it has not pinged for the group timeout."""
+    p0, p1, _, _ = peers
+    victim = extra_peer("hung")
+    timeout = 8.0
+    join([p0, p1, victim], "hung", timeout=timeout)
+    before = wait_members([p0, p1, victim], "hung", {"gp0", "gp1", "hung"})
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        # Well within the timeout, the stopped member is still listed.
+        time.sleep(timeout / 4)
+        held = agreed_status([p0, p1], "hung")
+        assert held is not None and "hung" in held["members"], held
+        assert time.monotonic() - stopped < timeout, "the check itself came too late"
+        after = wait_members([p0, p1], "hung", {"gp0", "gp1"}, timeout=timeout + SLACK)
+        assert after["sync_id"] != before["sync_id"]
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    for p in (p0, p1):
+        p.request("close", group="hung")
+
+
+CHURN_MEMBER = Path(__file__).parent / "helpers" / "churn_member.py"
+# Members come and go this many times (half leave, half close their Rpc as a dead
+# process does) while three members keep summing with each membership.
+CHURNS = 100
+# What the allocator's high-water marks and the loop's spare workers move by. glibc
+# gives each thread that allocates an arena of its own, and what it frees stays
+# there; one arena makes the resident size measure what the process keeps.
+ONE_ARENA = {"MALLOC_ARENA_MAX": "1"}
+RSS_SLACK_KIB = 4 * 1024
+THREAD_SLACK = 2
+
+
+def test_nothing_grows_on_the_survivors_per_membership_change(broker, logs):
+    """After 100 joins and leaves, each survivor's descriptors, threads and resident
+    size are where they were after the first few."""
+    survivors = [
+        LineProcess(
+            [sys.executable, str(CHURN_MEMBER), broker.address, "churn", "survive", f"s{i}"],
+            logs / f"churn-s{i}.log",
+            env=ONE_ARENA,
+        )
+        for i in range(3)
+    ]
+    try:
+
+        def churned(count):
+            """Starts a churner for ``count`` members; waits until it is done."""
+            proc = LineProcess(
+                [
+                    sys.executable,
+                    str(CHURN_MEMBER),
+                    broker.address,
+                    "churn",
+                    "churn",
+                    str(count),
+                    str(len(survivors)),
+                ],
+                logs / f"churn-{count}.log",
+            )
+            for i in range(count):
+                line = proc.next_line(timeout=DEADLINE, what=f"CHURNED {i + 1}")
+                assert line == f"CHURNED {i + 1}", line
+            assert proc.proc.wait(timeout=DEADLINE) == 0, proc.log()
+            proc.stop()
+
+        def usage():
+            # Departed peers are forgotten ~10 s after their last link closed, and
+            # spare loop workers end 5 s after the last blocked one: both settle.
+            time.sleep(12)
+            return [process_usage(p.pid) for p in survivors]
+
+        churned(6)
+        before = usage()
+        churned(CHURNS)
+        after = usage()
+        for s, b, a in zip(survivors, before, after, strict=True):
+            assert s.alive(), s.log()
+            assert a["fds"] <= b["fds"], (b, a)
+            assert a["threads"] <= b["threads"] + THREAD_SLACK, (b, a)
+            assert a["rss_kib"] - b["rss_kib"] < RSS_SLACK_KIB, (b, a)
+    finally:
+        for p in survivors:
+            p.kill()
+            p.stop()
 
 
 def test_groups_are_independent(peers):

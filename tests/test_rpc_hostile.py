@@ -23,7 +23,7 @@ import sys
 import time
 
 import pytest
-from helpers.util import HELPERS, REPO, PeerProcess, child_env, wait_for
+from helpers.util import HELPERS, REPO, PeerProcess, child_env, process_usage, wait_for
 
 pytestmark = pytest.mark.usefixtures("watchdog")
 
@@ -183,14 +183,6 @@ def test_idle_connections_cannot_lock_a_keyed_peer_out(
         server.stop()
 
 
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for process {pid}")
-
-
 def churn(address: str, peer: str, mode: str, count: int = 3000, procs: int = 3) -> None:
     """``count`` short-lived clients in ``procs`` processes of 4 threads; waits for all."""
     workers = [
@@ -258,14 +250,14 @@ def test_long_lived_peer_forgets_departed_peers(role, tmp_path, make_rpc):
         churn(server.address, "srv", mode)
         wait_for(forgotten, timeout=90, interval=0.5, what="the departed peers to be forgotten")
         time.sleep(1)
-        rss0 = rss_kib(server.pid)
+        rss0 = process_usage(server.pid)["rss_kib"]
         churn(server.address, "srv", mode)
         wait_for(forgotten, timeout=90, interval=0.5, what="the departed peers to be forgotten")
         wait_for(
-            lambda: rss_kib(server.pid) - rss0 < RSS_TOLERANCE_KIB,
+            lambda: process_usage(server.pid)["rss_kib"] - rss0 < RSS_TOLERANCE_KIB,
             timeout=10,
             interval=0.5,
-            what=f"the server's RSS to return to {rss0} KiB (now {rss_kib(server.pid)} KiB)",
+            what=f"the server's RSS to return to {rss0} KiB",
         )
         assert server.alive()
     finally:

@@ -299,6 +299,15 @@ void Collective::onShm(const CollectiveMessage& m) {
     try {
       MOO_ENFORCE(m.region.bytes >= shmBytes_, "its region is smaller than the data");
       region = regions_->map(m.region);
+    } catch (const StaleRegionError& e) {
+      // Its owner dropped it, which it does when this collective failed
+      // there (a membership change, mostly): not a lack of shared memory.
+      return fail(Error(ErrorCode::kMembershipChanged,
+                        concat(describe(), " failed: member '", members_[m.source],
+                               "' dropped its region before this member read it (its part ended "
+                               "there): ",
+                               e.what())),
+                  true);
     } catch (const std::exception& e) {
       return fail(Error(ErrorCode::kSharedMemoryUnavailable,
                         concat(describe(), " failed: cannot share memory with member '",
@@ -445,10 +454,12 @@ void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> 
     if (!self) return;
     if (error) {
       // A member whose links all closed (its process died, or it closed its
-      // Rpc) has left the group, even before the broker says so: the same
-      // kind of failure as when the broker's word comes first.
-      auto code =
-          error.code() == ErrorCode::kConnectionLost ? ErrorCode::kMembershipChanged : error.code();
+      // Rpc), or whose Group is gone (closed: the group's function is no
+      // longer defined there), has left the group, even before the broker
+      // says so: the same kind of failure as when the broker's word comes first.
+      bool left =
+          error.code() == ErrorCode::kConnectionLost || error.code() == ErrorCode::kNotDefined;
+      auto code = left ? ErrorCode::kMembershipChanged : error.code();
       return self->fail(Error(code, concat(self->describe(), " failed: member '", peer,
                                            "' did not take its data: ", error.what())),
                         true);

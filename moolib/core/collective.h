@@ -191,8 +191,8 @@ class Collective : public std::enable_shared_from_this<Collective> {
   // Shared-memory buffers: their offsets in this member's region.
   std::shared_ptr<RegionCache> regions_;
   std::vector<size_t> shmOffset_;
-  size_t shmBytes_ = 0;
-  uint64_t shmLayout_ = 0;  // what every member must agree on
+  size_t shmBytes_ = kRegionHeaderBytes;  // the region's size: its header, then the data
+  uint64_t shmLayout_ = 0;                // what every member must agree on
   bool hasShm_ = false;
   std::shared_ptr<OwnRegion> ownRegion_;
   std::vector<std::shared_ptr<const ShmRegion>> peerRegions_;

@@ -15,6 +15,8 @@ constexpr const char* kGroupFunctionPrefix = "__moolib_group/";
 constexpr size_t kMaxEarly = 1 << 16;
 // How often a member pings while its new group forms (see pingIntervalLocked).
 constexpr double kFormingPingSeconds = 0.02;
+// Past sync ids remembered (see pastSyncIds_).
+constexpr size_t kPastSyncIds = 64;
 
 FuturePtr failedFuture(Error error) {
   auto f = std::make_shared<FutureState>();
@@ -213,10 +215,20 @@ void Group::failAllLocked(const std::string& why, std::vector<std::shared_ptr<Co
   ops_.clear();
   nextSeq_.clear();
   aborted_.clear();
+  if (syncId_ != 0) {
+    pastSyncIds_.push_back(syncId_);
+    if (pastSyncIds_.size() > kPastSyncIds) pastSyncIds_.pop_front();
+  }
   // Early messages of the sync id to come may already be here; keep only
-  // those not of the sync id that ends.
+  // those of no sync id left behind. Those of one this member never reached
+  // (memberships that changed faster than it pinged) go once older than a
+  // collective may run: their senders have failed them by then.
+  auto now = Clock::now();
+  auto stale = std::chrono::duration<double>(collectiveTimeoutLocked());
   for (auto it = early_.begin(); it != early_.end();) {
-    if (it->first.syncId == syncId_) {
+    bool past =
+        std::find(pastSyncIds_.begin(), pastSyncIds_.end(), it->first.syncId) != pastSyncIds_.end();
+    if (past || now - it->second.front().received > stale) {
       earlyCount_ -= it->second.size();
       it = early_.erase(it);
     } else {
@@ -251,8 +263,14 @@ void Group::onMessage(const std::shared_ptr<Responder>& responder, std::vector<B
     if (it != ops_.end()) {
       op = it->second;
     } else if (auto a = aborted_.find(m.key); a != aborted_.end()) {
-      return responder->error(concat("all_reduce '", m.key.name, "' was aborted"),
+      return responder->error(concat("all_reduce '", m.key.name, "' failed on '", rpc_->name(),
+                                     "': ", a->second.what()),
                               a->second.code());
+    } else if (std::find(pastSyncIds_.begin(), pastSyncIds_.end(), m.key.syncId) !=
+               pastSyncIds_.end()) {
+      return responder->error(concat("all_reduce '", m.key.name, "': the membership of group '",
+                                     name_, "' changed on '", rpc_->name(), "'"),
+                              ErrorCode::kMembershipChanged);
     } else if (m.kind == CollectiveMessage::kAbort) {
       if (aborted_.size() < kMaxEarly) aborted_[m.key] = Error(m.code, m.error);
     } else if (m.key.syncId == syncId_ && m.key.seq < nextSeq_[m.key.name]) {
@@ -330,7 +348,13 @@ FuturePtr Group::startOp(const std::string& name, uint64_t syncId, Args&&... arg
     if (!self || !done) return;
     std::lock_guard<std::mutex> lock(self->mutex_);
     auto it = self->ops_.find(done->key());
-    if (it != self->ops_.end() && it->second == done) self->ops_.erase(it);
+    if (it == self->ops_.end() || it->second != done) return;
+    self->ops_.erase(it);
+    // A member still in it gets this error for its late messages, not a
+    // protocol error (see onMessage).
+    if (auto& error = done->future()->error(); error && self->aborted_.size() < kMaxEarly) {
+      self->aborted_[done->key()] = error;
+    }
   });
   if (abortedBy) {
     op->fail(Error(abortedBy.code(),

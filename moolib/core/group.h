@@ -12,6 +12,7 @@
 // membership explicitly with holdMembership().
 #pragma once
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -71,6 +72,7 @@ class Group : public std::enable_shared_from_this<Group> {
     std::string from;
     CollectiveMessage message;
     std::vector<BufferPtr> data;
+    TimePoint received = Clock::now();
   };
 
   void start();
@@ -122,8 +124,12 @@ class Group : public std::enable_shared_from_this<Group> {
   // Messages that came before their collective started here.
   std::map<OpKey, std::vector<Early>> early_;
   size_t earlyCount_ = 0;
-  // Collectives aborted by another member before they started here.
+  // Collectives aborted by another member before they started here, and
+  // those that failed here: a late message for one is answered with why.
   std::map<OpKey, Error> aborted_;
+  // The latest sync ids this member left, most recent last: a message of one
+  // of them is refused rather than kept for a collective that never starts.
+  std::deque<uint64_t> pastSyncIds_;
 };
 
 }  // namespace moolib

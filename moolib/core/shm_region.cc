@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <utility>
 
 #include "host.h"
@@ -99,7 +100,7 @@ ShmRegion ShmRegion::map(int fd, const MapOptions& options) {
     if (seals < 0 || !(seals & F_SEAL_SHRINK))
       throw ShmError("received a shared region that can shrink (not sealed with F_SEAL_SHRINK)");
   }
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) fail(errno, "cannot size a received shared region");
   size_t fileBytes = size_t(std::max<off_t>(st.st_size, 0));
   size_t bytes = options.bytes ? options.bytes : fileBytes;
@@ -129,24 +130,35 @@ ShmRegion ShmRegion::openPeer(uint32_t pid, int fd, const std::string& name, siz
   // An O_PATH handle reads nothing and has no side effects, whatever the
   // file is; it is checked to be the memfd before that very file is opened.
   Fd handle(::open(path.c_str(), O_PATH | O_CLOEXEC));
-  if (!handle) fail(errno, "cannot open ", what, " (", path, ")");
+  if (!handle) {
+    int err = errno;
+    if (err == ENOENT) {
+      throw StaleRegionError(
+          concat("cannot open ", what, " (", path, "): ", errnoString(err), ": it was closed"),
+          err);
+    }
+    fail(err, "cannot open ", what, " (", path, ")");
+  }
   std::string self = concat("/proc/self/fd/", handle.get());
   std::string target;
   if (!readLink(self, target)) fail(errno, "cannot open ", what, " (", path, ")");
   if (!isMemfdNamed(target, name)) {
-    throw ShmError(concat(what, " (", path, ") is '", target, "', not a memfd named '", name, "'"));
+    throw StaleRegionError(
+        concat(what, " (", path, ") is '", target, "', not a memfd named '", name, "'"));
   }
   int mode = access == Access::kReadWrite ? O_RDWR : O_RDONLY;
   Fd file(::open(self.c_str(), mode | O_CLOEXEC));
   if (!file) fail(errno, "cannot open ", what, " (", path, ")");
   int seals = ::fcntl(file.get(), F_GET_SEALS);
   if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
-    throw ShmError(concat(what, " (", path, ") can shrink (not sealed with F_SEAL_SHRINK)"));
+    // Made unsealed by someone else, or one being made now in a reused fd.
+    throw StaleRegionError(
+        concat(what, " (", path, ") can shrink (not sealed with F_SEAL_SHRINK)"));
   }
-  struct stat st{};
+  struct stat st {};
   if (::fstat(file.get(), &st) != 0) fail(errno, "cannot size ", what);
   if (uint64_t(std::max<off_t>(st.st_size, 0)) < bytes) {
-    throw ShmError(
+    throw StaleRegionError(
         concat(what, " is ", st.st_size, " bytes, smaller than the ", bytes, " announced"));
   }
   ShmRegion r;
@@ -178,7 +190,9 @@ const std::string& localShmKey() {
 }
 
 OwnRegion::OwnRegion(size_t bytes)
-    : region_(ShmRegion::create(kCollectiveName, bytes, ShmRegion::kSealed)), id_(randomU64()) {}
+    : region_(ShmRegion::create(kCollectiveName, bytes, ShmRegion::kSealed)), id_(randomU64()) {
+  std::memcpy(region_.mutableAt(0, sizeof(id_)), &id_, sizeof(id_));
+}
 
 RegionRef OwnRegion::ref() const {
   return RegionRef{id_, uint32_t(::getpid()), uint32_t(region_.fd()), region_.size()};
@@ -226,6 +240,12 @@ std::shared_ptr<const ShmRegion> RegionCache::map(const RegionRef& ref) {
   }
   std::shared_ptr<const ShmRegion> region = std::make_shared<ShmRegion>(ShmRegion::openPeer(
       ref.pid, int(ref.fd), kCollectiveName, ref.bytes, ShmRegion::Access::kReadOnly));
+  uint64_t id = 0;
+  std::memcpy(&id, region->at(0, sizeof(id)), sizeof(id));
+  if (id != ref.id) {
+    throw StaleRegionError(concat("the shared region of process ", ref.pid, " (fd ", ref.fd,
+                                  ") is another region now: the one announced was closed"));
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   mapped_.emplace_front(key, region);
   while (mapped_.size() > kKeepMapped) mapped_.pop_back();

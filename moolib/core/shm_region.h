@@ -39,6 +39,14 @@ class ShmError : public Exception {
   int error_;
 };
 
+// (pid, fd) no longer names the region that was announced: its owner closed
+// it, and the fd is gone or now holds another file or region. A stale
+// reference, not a lack of shared memory.
+class StaleRegionError : public ShmError {
+ public:
+  using ShmError::ShmError;
+};
+
 class ShmRegion {
  public:
   enum class Access : uint8_t { kReadOnly, kReadWrite };
@@ -92,7 +100,8 @@ class ShmRegion {
   // must be sealed against shrinking (kSealed): a peer that could take pages
   // away would crash this process (SIGBUS) where it reads them. Opening
   // needs the right to read the process's fds (same user, not made
-  // undumpable). Throws ShmError.
+  // undumpable). Throws ShmError; StaleRegionError when the fd is gone, or
+  // is not such a memfd (sealed, large enough): the announced one was closed.
   static ShmRegion openPeer(uint32_t pid, int fd, const std::string& name, size_t bytes,
                             Access access);
 
@@ -131,6 +140,10 @@ struct RegionRef {
   uint64_t bytes = 0;
 };
 
+// A collective region starts with this header, its id: a peer that maps it
+// by (pid, fd) checks the id, since fds are reused (RegionCache::map).
+constexpr size_t kRegionHeaderBytes = 64;
+
 // A collective region this process owns and writes, and the id its peers
 // cache their mappings under (fds are reused; ids are random).
 class OwnRegion {
@@ -152,7 +165,8 @@ class RegionCache {
   // A free region of at least bytes; hand it back with release().
   std::shared_ptr<OwnRegion> acquire(size_t bytes);
   void release(std::shared_ptr<OwnRegion> region);
-  // Throws ShmError when the region cannot be mapped.
+  // Throws ShmError when the region cannot be mapped, StaleRegionError when
+  // (pid, fd) no longer holds the region ref names.
   std::shared_ptr<const ShmRegion> map(const RegionRef& ref);
 
  private:

@@ -35,10 +35,10 @@ GROUP_PEER = HELPERS / "group_peer.py"
 # Processes
 
 
-class _LineProcess:
+class LineProcess:
     """A subprocess whose stdout lines are collected by a thread."""
 
-    def __init__(self, argv, log_path, stdin=True):
+    def __init__(self, argv, log_path, stdin=True, env=None):
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -46,7 +46,7 @@ class _LineProcess:
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env=child_env(),
+            env=child_env(env),
             cwd=str(REPO),
             text=True,
         )
@@ -102,7 +102,7 @@ class _LineProcess:
         self._log.close()
 
 
-class BrokerProcess(_LineProcess):
+class BrokerProcess(LineProcess):
     """``python -m moolib.broker ADDRESS [--name NAME]``; ``address`` is where it listens."""
 
     def __init__(self, log_path, address="127.0.0.1:0", name=None, argv=None, wait=True):
@@ -139,7 +139,7 @@ class PeerError(AssertionError):
     pass
 
 
-class GroupPeer(_LineProcess):
+class GroupPeer(LineProcess):
     """A tests/helpers/group_peer.py process: one or two Rpcs that join groups on command.
 
     ``name`` is its default Rpc (all transports); with ``tcp=True`` it also has

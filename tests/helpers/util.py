@@ -55,6 +55,19 @@ def stop_process(proc):
         return kill_process(proc)
 
 
+def process_usage(pid: int) -> dict:
+    """A process's open descriptors, threads and resident size (KiB), from /proc."""
+    usage = {"fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key == "VmRSS":
+                usage["rss_kib"] = int(value.split()[0])
+            elif key == "Threads":
+                usage["threads"] = int(value)
+    return usage
+
+
 def wait_for(cond, timeout=DEADLINE, interval=0.05, what="condition"):
     """Polls ``cond()`` until it returns something truthy; returns that value.
 
