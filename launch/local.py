@@ -266,7 +266,7 @@ def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
                     # e.g. one of its env workers died): it rejoins the group, which
                     # hands it the leader's model. A peer that ended by itself (done,
                     # its group lost, another experiment's model) is not.
-                    code = p.returncode
+                    code = p.poll()
                     if (code is not None and (code < 0 or code == 1)) and any(
                         q.poll() is None for q in procs
                     ):
