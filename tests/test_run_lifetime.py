@@ -206,12 +206,13 @@ def test_a_killed_peer_is_started_again_behind_its_prefix_and_rejoins(tmp_path):
             ranks[rank] = pid
         log1 = savedir / "peer1" / "logs.tsv"
         os.kill(ranks[1], signal.SIGKILL)
-        killed_at = read_logs(log1)[1][-1]["env_steps"]
+        before = read_logs(log1)[1]
+        killed_at = before[-1]["env_steps"]
 
         def rejoined():
-            rows = read_logs(log1)[1]
+            rows = read_logs(log1)[1][len(before) :]
             # The new process's totals start again from 0; it trains in a group of 2.
-            starts = [i for i in range(1, len(rows)) if rows[i]["env_steps"] < killed_at]
+            starts = [i for i, row in enumerate(rows) if row["env_steps"] < killed_at]
             return bool(starts) and any(
                 row["peers"] == 2 and row["offered_steps"] > 0 for row in rows[starts[0] :]
             )
