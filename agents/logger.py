@@ -41,6 +41,8 @@ COLUMNS = (
     "actor_model_version",
     "param_sum",
     "peers",
+    "env_steps",
+    "offered_steps",
     "time",
 )
 

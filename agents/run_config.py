@@ -15,8 +15,9 @@ this machine) is here too, once: ``resolve_device``.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,17 @@ def resolve_device(value: object, *, cuda_here: bool = True) -> torch.device:
     if cuda_here and device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={value}: CUDA is not available on this machine")
     return device
+
+
+def check_peer_prefix(value: object) -> None:
+    """Raises ConfigError unless ``value`` (``scaling.peer_prefix``) is a string a shell
+    would split into words (quotes closed)."""
+    if not isinstance(value, str):
+        raise ConfigError(f"scaling.peer_prefix must be a string of words, got {value!r}")
+    try:
+        shlex.split(value)
+    except ValueError as e:
+        raise ConfigError(f"scaling.peer_prefix {value!r} cannot be split into words: {e}") from e
 
 
 def env_name_error(name: str, follows: str, key: str = "game") -> ConfigError:
@@ -153,6 +165,9 @@ class LocalScalingConfig(ScalingConfig):
 
     # Off-policy agents: actor processes beside the one learner (peers is not used).
     actors: int
+    # Words put before each peer's command, {rank} replaced by its rank (e.g.
+    # "ip netns exec ns{rank}", "taskset -c {rank}"); "" for none. Not used on SLURM.
+    peer_prefix: str = field(default="", kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -317,6 +332,7 @@ class RunConfig:
         check_choice("wandb.mode", self.wandb.mode, ("auto", "online", "offline", "disabled"))
         if isinstance(scaling, LocalScalingConfig):
             check_int_at_least(f"scaling.{self.processes}", getattr(scaling, self.processes))
+            check_peer_prefix(scaling.peer_prefix)
         if isinstance(scaling, SlurmScalingConfig):
             self._check_slurm(scaling)
         if self.device != "auto":

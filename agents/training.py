@@ -319,6 +319,9 @@ class Trainer:
         self.max_backlog = 2 * max(self.agent.batch_size, self.agent.actor_batch_size)
         self._room = threading.Condition()  # guards backlog
         self.env_steps = 0  # env steps the actors took, this process
+        # Env steps of this process's gradients offered to the group: what the group did
+        # not apply of them (rounds a membership change failed) is counted, not lost.
+        self.offered_steps = 0
         self.steps = 0  # env steps learned from, group-wide
         self.total_steps = int(cfg.total_steps)
         self.wandb_id: str | None = None
@@ -491,6 +494,7 @@ class Trainer:
                 loss, loss_stats = self.loss_fn(self.agent, outputs, batch)
                 loss.backward()
                 acc.reduce_gradients(self.agent.batch_size)
+                self.offered_steps += self.agent.batch_size * self.agent.unroll_length
                 for k, v in loss_stats.items():
                     stats.setdefault(k, []).append(v)
         acc.update()
@@ -750,6 +754,9 @@ class _Rows:
             # Equal on peers that hold identical parameters at equal versions.
             "param_sum": math.fsum(float(p.detach().double().sum()) for p in t.model.parameters()),
             "peers": len(t.accumulator.group.members()) if t.accumulator.connected() else 0,
+            # This process's totals: env steps acted, and those offered as gradients.
+            "env_steps": t.env_steps,
+            "offered_steps": t.offered_steps,
             "time": now,
         }
         for k, values in self.stats.items():

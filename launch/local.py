@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -91,8 +92,17 @@ def stop_processes(procs: list[subprocess.Popen], interrupted: bool) -> None:
             p.wait()
 
 
-def _peer_cmd(config_path: Path, rank: int, address: str, parent_r: int) -> list[str]:
+def peer_prefix(prefix: str, rank: int) -> list[str]:
+    """The words put before peer ``rank``'s command (``scaling.peer_prefix``, its
+    ``{rank}`` replaced by the rank), e.g. ``ip netns exec ns1`` or ``taskset -c 1``."""
+    return [word.replace("{rank}", str(rank)) for word in shlex.split(prefix)]
+
+
+def _peer_cmd(
+    config_path: Path, rank: int, address: str, parent_r: int, prefix: str = ""
+) -> list[str]:
     return [
+        *peer_prefix(prefix, rank),
         sys.executable,
         "-m",
         "moolib.launch.peer",
@@ -108,14 +118,14 @@ def _peer_cmd(config_path: Path, rank: int, address: str, parent_r: int) -> list
 
 
 def _start_peer(
-    config_path: Path, rank: int, address: str, parent_r: int, out: Any = None
+    config_path: Path, rank: int, address: str, parent_r: int, out: Any = None, prefix: str = ""
 ) -> subprocess.Popen:
-    """Peer ``rank``'s process, its output into ``out`` (a file) or on this terminal;
-    started with the stop signals blocked, so that one that comes before its
-    handler is in place waits for it."""
+    """Peer ``rank``'s process (behind ``prefix``: ``scaling.peer_prefix``), its output
+    into ``out`` (a file) or on this terminal; started with the stop signals blocked, so
+    that one that comes before its handler is in place waits for it."""
     with _signals.blocked():
         return subprocess.Popen(
-            _peer_cmd(config_path, rank, address, parent_r),
+            _peer_cmd(config_path, rank, address, parent_r, prefix),
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             pass_fds=(parent_r,),
@@ -142,10 +152,11 @@ def run_offpolicy(cfg: RunConfig, config_path: Path, stop: threading.Event) -> i
         logdir = runtime.logdir(savedir, index + 1, cfg)
         logdir.mkdir(parents=True, exist_ok=True)
         with open(logdir / "stdout.log", "ab") as out:
-            return _start_peer(config_path, index + 1, address, parent_r, out)
+            return _start_peer(config_path, index + 1, address, parent_r, out, prefix)
 
+    prefix = cfg.scaling.peer_prefix
     try:
-        learner = _start_peer(config_path, 0, address, parent_r)
+        learner = _start_peer(config_path, 0, address, parent_r, prefix=prefix)
         for index in range(cfg.scaling.actors):
             actors[index] = start_actor(index)
         signalled = False
@@ -208,7 +219,8 @@ def final_checkpoint_line(savedir: Path, peer_logs: dict[Path, int]) -> str | No
 
 def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
     """Starts the peers (and a broker unless ``cfg.broker`` names one); waits for
-    them. ``stop`` (Ctrl-C/SIGTERM) is passed on to every peer. Returns 0 when
+    them. A peer killed by a signal or crashed (exit 1) while others still run is
+    started again and rejoins. ``stop`` (Ctrl-C/SIGTERM) is passed on to every peer. Returns 0 when
     every peer finished cleanly."""
     from moolib.agents.registry import runtime_of
 
@@ -226,17 +238,21 @@ def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
     interrupted = False
     # Where each peer logging to a file (not this terminal) starts writing in it.
     peer_logs: dict[Path, int] = {}
+
+    def start(rank: int) -> subprocess.Popen:
+        logdir = runtime.logdir(savedir, rank, cfg)
+        logdir.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            # Peer 0 draws the progress line here; the others log to files.
+            return _start_peer(config_path, rank, address, parent_r, None, prefix)
+        with open(logdir / "stdout.log", "ab") as out:
+            peer_logs.setdefault(logdir / "stdout.log", out.tell())
+            return _start_peer(config_path, rank, address, parent_r, out, prefix)
+
+    prefix = cfg.scaling.peer_prefix
     try:
         for rank in range(cfg.scaling.peers):
-            logdir = runtime.logdir(savedir, rank, cfg)
-            logdir.mkdir(parents=True, exist_ok=True)
-            # Peer 0 draws the progress line here; the others log to files.
-            out = None if rank == 0 else open(logdir / "stdout.log", "ab")  # noqa: SIM115
-            if out:
-                peer_logs[logdir / "stdout.log"] = out.tell()
-            procs.append(_start_peer(config_path, rank, address, parent_r, out))
-            if out:
-                out.close()
+            procs.append(start(rank))
         signalled = False
         while any(p.poll() is None for p in procs):
             if stop.is_set() and not signalled:
@@ -244,6 +260,23 @@ def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
                     if p.poll() is None:
                         p.send_signal(signal.SIGTERM)
                 signalled = True
+            if not signalled:
+                for rank, p in enumerate(procs):
+                    # Killed by a signal (kill -9, the OOM killer) or crashed (exit 1,
+                    # e.g. one of its env workers died): it rejoins the group, which
+                    # hands it the leader's model. A peer that ended by itself (done,
+                    # its group lost, another experiment's model) is not.
+                    code = p.poll()
+                    if (code is not None and (code < 0 or code == 1)) and any(
+                        q.poll() is None for q in procs
+                    ):
+                        how = f"was killed by signal {-code}" if code < 0 else "exited with code 1"
+                        print(
+                            f"moolib-run: peer {rank} {how}; starting it again",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        procs[rank] = start(rank)
             time.sleep(0.1)
     except KeyboardInterrupt:
         interrupted = True

@@ -71,6 +71,8 @@ EXPECTED_COLUMNS = {
     "model_version",
     "param_sum",
     "peers",
+    "env_steps",
+    "offered_steps",
     "time",
 }
 # Small Breakout runs on CPU: 8 envs in 2 actor batches, 4 unrolls of 10 steps per update.

@@ -188,3 +188,38 @@ def test_ctrl_c_swallowed_by_an_import_during_the_preflight_still_stops_the_run(
     assert code == 130, out[-5000:]
     assert "moolib-run: interrupted" in out, out[-5000:]
     assert not (savedir / "logs.tsv").exists(), out[-5000:]
+
+
+def test_a_killed_peer_is_started_again_behind_its_prefix_and_rejoins(tmp_path):
+    """scaling=local: a peer killed by a signal comes back (behind scaling.peer_prefix,
+    its {rank} replaced) and trains in the full group again; the others go on."""
+    savedir = tmp_path / "run"
+    r = start_local_training(tmp_path, savedir, "scaling.peer_prefix='env MOOLIB_TEST_RANK={rank}'")
+    try:
+        peers, _, commands = peers_and_workers(r.pid)
+        assert len(peers) == 2, commands
+        ranks = {}
+        for pid in peers:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            rank = int(commands[pid].split("--rank ")[1].split()[0])
+            assert f"MOOLIB_TEST_RANK={rank}".encode() in environ, commands[pid]
+            ranks[rank] = pid
+        log1 = savedir / "peer1" / "logs.tsv"
+        os.kill(ranks[1], signal.SIGKILL)
+        before = read_logs(log1)[1]
+        killed_at = before[-1]["env_steps"]
+
+        def rejoined():
+            rows = read_logs(log1)[1][len(before) :]
+            # The new process's totals start again from 0; it trains in a group of 2.
+            starts = [i for i, row in enumerate(rows) if row["env_steps"] < killed_at]
+            return bool(starts) and any(
+                row["peers"] == 2 and row["offered_steps"] > 0 for row in rows[starts[0] :]
+            )
+
+        wait_for(rejoined, timeout=240, what="peer 1 to come back and train in the group", proc=r)
+        peers_now, _, commands = peers_and_workers(r.pid)
+        assert len(peers_now) == 2 and ranks[1] not in peers_now, commands
+        assert "peer 1 was killed by signal 9; starting it again" in r.output()
+    finally:
+        r.finish()
