@@ -217,6 +217,30 @@ def final_checkpoint_line(savedir: Path, peer_logs: dict[Path, int]) -> str | No
     return None
 
 
+# A peer that crashes sooner than this after its start would crash again (a bad
+# setting, an import error): it is not started again.
+MIN_RUN_BEFORE_RESTART = 30.0
+
+
+def restart_verdict(code: int, ran_for: float) -> str:
+    """What the local launcher does about a peer that ended with ``code`` after
+    ``ran_for`` seconds while others run, as the line it prints ("" for nothing).
+    Killed by a signal (kill -9, the OOM killer), or crashed (exit 1, e.g. one of
+    its env workers died) after running a while: it is started again, and rejoins
+    the group, which hands it the leader's model. A peer that ended by itself
+    (done, its group lost, another experiment's model) is left alone."""
+    if code < 0:
+        return f"was killed by signal {-code}; starting it again"
+    if code != 1:
+        return ""
+    if ran_for < MIN_RUN_BEFORE_RESTART:
+        return (
+            f"exited with code 1 {ran_for:.0f} s after its start; not starting it again "
+            "(it would fail again: see its log)"
+        )
+    return "exited with code 1; starting it again"
+
+
 def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
     """Starts the peers (and a broker unless ``cfg.broker`` names one); waits for
     them. A peer killed by a signal or crashed (exit 1) while others still run is
@@ -250,9 +274,12 @@ def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
             return _start_peer(config_path, rank, address, parent_r, out, prefix)
 
     prefix = cfg.scaling.peer_prefix
+    started: dict[int, float] = {}
+    given_up: set[int] = set()
     try:
         for rank in range(cfg.scaling.peers):
             procs.append(start(rank))
+            started[rank] = time.monotonic()
         signalled = False
         while any(p.poll() is None for p in procs):
             if stop.is_set() and not signalled:
@@ -262,21 +289,17 @@ def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
                 signalled = True
             if not signalled:
                 for rank, p in enumerate(procs):
-                    # Killed by a signal (kill -9, the OOM killer) or crashed (exit 1,
-                    # e.g. one of its env workers died): it rejoins the group, which
-                    # hands it the leader's model. A peer that ended by itself (done,
-                    # its group lost, another experiment's model) is not.
                     code = p.poll()
-                    if (code is not None and (code < 0 or code == 1)) and any(
-                        q.poll() is None for q in procs
-                    ):
-                        how = f"was killed by signal {-code}" if code < 0 else "exited with code 1"
-                        print(
-                            f"moolib-run: peer {rank} {how}; starting it again",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+                    if code is None or rank in given_up or all(q.poll() is not None for q in procs):
+                        continue
+                    verdict = restart_verdict(code, time.monotonic() - started[rank])
+                    if verdict:
+                        print(f"moolib-run: peer {rank} {verdict}", file=sys.stderr, flush=True)
+                    if verdict.endswith("starting it again"):
                         procs[rank] = start(rank)
+                        started[rank] = time.monotonic()
+                    elif verdict:
+                        given_up.add(rank)
             time.sleep(0.1)
     except KeyboardInterrupt:
         interrupted = True

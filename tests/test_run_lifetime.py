@@ -223,3 +223,16 @@ def test_a_killed_peer_is_started_again_behind_its_prefix_and_rejoins(tmp_path):
         assert "peer 1 was killed by signal 9; starting it again" in r.output()
     finally:
         r.finish()
+
+
+def test_a_peer_that_crashes_soon_after_its_start_is_not_started_again_in_a_loop():
+    """scaling=local restarts a killed peer whenever, a crashed one only after it ran a
+    while (a bad setting would crash it again at once), and none that ended by itself."""
+    from moolib.launch.local import MIN_RUN_BEFORE_RESTART, restart_verdict
+
+    assert restart_verdict(-9, 1.0) == "was killed by signal 9; starting it again"
+    assert restart_verdict(1, MIN_RUN_BEFORE_RESTART + 1) == "exited with code 1; starting it again"
+    early = restart_verdict(1, 2.0)
+    assert "not starting it again" in early and "2 s after its start" in early
+    for code in (0, 2, 3):
+        assert restart_verdict(code, 1000.0) == ""
