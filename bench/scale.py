@@ -170,9 +170,6 @@ def peer_acc(peer: Peer, cmd: dict) -> dict:
     import moolib
 
     torch.set_num_threads(1)
-    if peer.group is not None:  # the light group's part is done
-        peer.group.close()
-        peer.group = None
     torch.manual_seed(0)
     model = torch.nn.Linear(*cmd["shape"])
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
@@ -189,6 +186,7 @@ def peer_acc(peer: Peer, cmd: dict) -> dict:
     error = None
     try:
         while not peer.pending_stop():
+            peer.pump()  # the light group stays, for the kill that comes after
             acc.update()
             count = len(group.members()) if group.active() else 0
             if count != members:
@@ -234,6 +232,27 @@ def peer_acc(peer: Peer, cmd: dict) -> dict:
     }
 
 
+def peer_steps(peer: Peer, cmd: dict) -> dict:
+    """All-reduces of a 1 every 10 ms until "stop"; the sum says how many took part,
+    announced whenever it changes."""
+    import numpy as np
+
+    one, last, errors = np.ones(1, dtype=np.float32), 0, 0
+    while not peer.pending_stop():
+        peer.group.update()
+        try:
+            count = int(peer.group.all_reduce("step", one).result(timeout=cmd["deadline_s"])[0])
+        except Exception:  # noqa: BLE001 - a membership change: counted, then on
+            errors += 1
+            time.sleep(0.01)
+            continue
+        if count != last:
+            last = count
+            emit({"ev": "step", "t": time.time(), "n": count})
+        time.sleep(0.01)
+    return {"ev": "steps_done", "errors": errors}
+
+
 def peer_warm(peer: Peer, cmd: dict) -> dict:
     """Imports torch ahead of a timed phase."""
     import torch
@@ -259,7 +278,13 @@ def peer_main(rank: int, name: str, broker: str, host: str, timeout: float) -> N
     rpc.connect(broker)
     peer = Peer(rank, name, timeout, rpc, commands)
     emit({"ev": "ready"})
-    handlers = {"join": peer_join, "reduce": peer_reduce, "acc": peer_acc, "warm": peer_warm}
+    handlers = {
+        "join": peer_join,
+        "reduce": peer_reduce,
+        "acc": peer_acc,
+        "warm": peer_warm,
+        "steps": peer_steps,
+    }
     while True:
         cmd = peer.next_command()
         emit(handlers[cmd["op"]](peer, cmd))
@@ -633,37 +658,12 @@ def measure_n(
                 "machine_bound_s": machine_bound(n, size, bw, lanes),
             }
 
-        # Accumulator: a near-free model, then 1.6M parameters with a kill and a join.
-        res["acc"] = {}
-        window = 4.0 if args.quick else 8.0
-        for label, shape, name in (("tiny", (1, 1), "acc-tiny"), ("1.6M", BIG_MODEL, "acc-big")):
-            big = label == "1.6M"
-            cmd = {"op": "acc", "group": name, "shape": shape, "virtual_batch": n}
-            if big:
-                joiner.send({"op": "warm"})
-            for p in members:
-                p.send(cmd)
-            connected = collect(members, "connected", time.time() + 120 * wait_scale)
-            entry: dict[str, Any] = {}
-            res["acc"][label] = entry
-            if all(connected):
-                t_start = time.time()
-                time.sleep(window)
-                entry["window"] = (t_start, time.time())
-                if big:
-                    res["heavy"] = summary([proc_stats(p.proc.pid) for p in members])
-                    kill_and_join(entry, members, joiner, cmd, broker_pid, args, wait_scale)
-            else:
-                entry["error"] = f"{connected.count(None)} members never connected"
-            survivors = members[:-1] if big else members
-            everyone = [*survivors, joiner] if big and "join_state_s" in entry else survivors
-            for p in everyone:
-                p.send({"op": "stop"})
-            done = collect(everyone, "acc_done", time.time() + 60 * wait_scale)
-            entry.update(acc_rate(done, entry.get("window"), n))
-            errors = {d["error"] for d in done if d and d.get("error")}
-            if errors:
-                entry["member_errors"] = sorted(errors)[:3]
+        if n <= args.acc_max:
+            res["acc"] = accumulator_phase(members, joiner, args, wait_scale)
+            res["heavy"] = res["acc"].pop("heavy", {})
+        else:
+            res["acc"] = {"skipped": f"N > --acc-max {args.acc_max} (torch peers' memory)"}
+        res["kill"] = kill_phase(members, broker_pid, args, wait_scale)
     except Exception as e:  # noqa: BLE001 - the run goes on with the next N
         res["errors"].append(f"{type(e).__name__}: {e}")
     finally:
@@ -671,48 +671,94 @@ def measure_n(
     return res
 
 
-def kill_and_join(
-    entry: dict,
-    members: list[Proc],
-    joiner: Proc,
-    cmd: dict,
-    broker_pid: int,
-    args: argparse.Namespace,
-    wait_scale: float,
-) -> None:
-    """kill -9 of the last member; the others' first step without it; then a new peer joins."""
+def accumulator_phase(
+    members: list[Proc], joiner: Proc, args: argparse.Namespace, wait_scale: float
+) -> dict:
+    """Steps/s with a near-free model, then with 1.6M parameters, after which a new
+    peer joins and the time until it holds the leader's state is taken."""
     n = len(members)
-    victim, survivors = members[-1], members[:-1]
-    for p in survivors:  # drop what came before the kill
-        while not p.events.empty():
-            p.events.get_nowait()
-    cpu0 = proc_stats(broker_pid)["cpu_s"]
-    t_kill = time.time()
-    victim.proc.kill()
-    deadline = t_kill + args.group_timeout * 3 + 60 * wait_scale
-    firsts = []
-    for p in survivors:
-        while True:
-            ev = p.wait_event("step", deadline)
-            if ev is None or ev["n"] == n - 1:
-                firsts.append(ev)
-                break
-    if not all(firsts):
-        entry["kill_error"] = f"{firsts.count(None)} survivors took no step within the deadline"
-        return
-    entry["kill_next_step_s"] = max(ev["t"] for ev in firsts) - t_kill
-    entry["broker_cpu_kill"] = (proc_stats(broker_pid)["cpu_s"] - cpu0) / (time.time() - t_kill)
-    # A new peer joins: it holds the leader's state when has_new_state() is first true.
+    out: dict[str, Any] = {}
+    window = 4.0 if args.quick else 8.0
+    joiner.send({"op": "warm"})  # its torch import is not part of its join
+    for label, shape, name in (("tiny", (1, 1), "acc-tiny"), ("1.6M", BIG_MODEL, "acc-big")):
+        big = label == "1.6M"
+        cmd = {"op": "acc", "group": name, "shape": shape, "virtual_batch": n}
+        for p in members:
+            p.send(cmd)
+        connected = collect(members, "connected", time.time() + 120 * wait_scale)
+        entry: dict[str, Any] = {}
+        out[label] = entry
+        if all(connected):
+            t_start = time.time()
+            time.sleep(window)
+            entry["window"] = (t_start, time.time())
+            if big:
+                out["heavy"] = summary([proc_stats(p.proc.pid) for p in members])
+                entry.update(join_state(joiner, cmd, wait_scale))
+        else:
+            entry["error"] = f"{connected.count(None)} members never connected"
+        everyone = [*members, joiner] if big and "window" in entry else members
+        for p in everyone:
+            p.send({"op": "stop"})
+        done = collect(everyone, "acc_done", time.time() + 60 * wait_scale)
+        entry.update(acc_rate(done, entry.get("window"), n))
+        errors = {d["error"] for d in done if d and d.get("error")}
+        if errors:
+            entry["member_errors"] = sorted(errors)[:3]
+    return out
+
+
+def join_state(joiner: Proc, cmd: dict, wait_scale: float) -> dict:
+    """A new peer joins the Accumulator's group: seconds until it holds the leader's state."""
     t_join = time.time()
     joiner.send(cmd)
     got = joiner.wait_event("connected", time.time() + 120 * wait_scale)
     if got is None or got["t_state"] is None:
-        entry["join_error"] = f"the joiner did not get the state: {got}"
-        return
-    # From the joiner's start (torch imported, model built) to the state in hand.
-    entry["join_state_s"] = got["t_state"] - got["t_ready"]
-    entry["join_command_s"] = got["t_state"] - t_join
-    entry["state_bytes"] = (BIG_MODEL[0] * BIG_MODEL[1] + BIG_MODEL[1]) * 4
+        return {"join_error": f"the joiner did not get the state: {got}"}
+    return {
+        # From the joiner's start (torch imported, model built) to the state in hand.
+        "join_state_s": got["t_state"] - got["t_ready"],
+        "join_command_s": got["t_state"] - t_join,
+        "state_bytes": (BIG_MODEL[0] * BIG_MODEL[1] + BIG_MODEL[1]) * 4,
+    }
+
+
+def kill_phase(
+    members: list[Proc], broker_pid: int, args: argparse.Namespace, wait_scale: float
+) -> dict:
+    """Members step (a 4-byte all-reduce, 10 ms apart); kill -9 of the last one; the time
+    until every survivor has stepped with the N-1 others, and until each sees N-1."""
+    n = len(members)
+    victim, survivors = members[-1], members[:-1]
+    for p in members:
+        p.send({"op": "steps", "deadline_s": 60 * wait_scale})
+    firsts = collect(members, "step", time.time() + 120 * wait_scale)
+    if not all(f and f["n"] == n for f in firsts):
+        return {"error": f"members did not step together: {firsts[:4]}"}
+    time.sleep(1.0)
+    cpu0 = proc_stats(broker_pid)["cpu_s"]
+    t_kill = time.time()
+    victim.proc.kill()
+    deadline = t_kill + args.group_timeout * 3 + 60 * wait_scale
+    out: dict[str, Any] = {}
+    stepped = []
+    for p in survivors:
+        while True:
+            ev = p.wait_event("step", deadline)
+            if ev is None or ev["n"] == n - 1:
+                stepped.append(ev)
+                break
+    if all(stepped):
+        out["next_step_s"] = max(ev["t"] for ev in stepped) - t_kill
+        out["first_step_s"] = min(ev["t"] for ev in stepped) - t_kill
+    else:
+        out["error"] = f"{stepped.count(None)} survivors took no step without the dead member"
+    out["broker_cpu"] = (proc_stats(broker_pid)["cpu_s"] - cpu0) / (time.time() - t_kill)
+    for p in survivors:
+        p.send({"op": "stop"})
+    done = collect(survivors, "steps_done", time.time() + 60 * wait_scale)
+    out["failed_steps"] = sum(d["errors"] for d in done if d)
+    return out
 
 
 def acc_rate(done: list[dict | None], window: tuple[float, float] | None, n: int) -> dict:
@@ -772,14 +818,14 @@ def table(results: list[dict], settings: dict) -> str:
             limit = 1 / a["median_s"] if a.get("median_s") else None
             text = "FAILED" if "error" in e else fmt(e.get("steps_per_s"))
             cells.append(f"{text} ({fmt(limit)})")
-        big = acc.get("1.6M", {})
-        kill = "FAILED" if "kill_error" in big else fmt(big.get("kill_next_step_s"), 1, 2)
-        cells.append(f"{kill} ({settings['group_timeout']:g})")
+        big, kill = acc.get("1.6M", {}), r.get("kill", {})
+        text = "FAILED" if "error" in kill else fmt(kill.get("next_step_s"), 1, 2)
+        cells.append(f"{text} ({settings['group_timeout']:g})")
         state = "FAILED" if "join_error" in big else fmt(big.get("join_state_s"), 1, 2)
         bw = settings["bandwidth_Bps"][r["layout"]]
         size = (BIG_MODEL[0] * BIG_MODEL[1] + BIG_MODEL[1]) * 4
-        cells.append(f"{state} ({size / bw:.3f})")
-        cpu = [r.get("broker_cpu_idle"), r.get("broker_cpu_join"), big.get("broker_cpu_kill")]
+        cells.append(f"{state} ({size / bw * 1e3:.1f} ms)")
+        cpu = [r.get("broker_cpu_idle"), r.get("broker_cpu_join"), kill.get("broker_cpu")]
         cells.append("/".join(fmt(c, 1, 3) for c in cpu))
         light, heavy = r.get("light", {}), r.get("heavy", {})
 
@@ -832,6 +878,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter windows and fewer blocks")
     parser.add_argument("--rate", default="10gbit", help="tc tbf rate of every veth (netns)")
     parser.add_argument("--group-timeout", type=float, default=10.0, help="Group.set_timeout")
+    parser.add_argument(
+        "--acc-max",
+        type=int,
+        default=16,
+        help="the Accumulator rows up to this N (its peers import torch: ~330 MiB PSS each)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the raw results here")
     parser.add_argument("--log", default=None, help="the peers' stderr (default: a temp file)")
     args = parser.parse_args()
@@ -849,6 +901,8 @@ def main() -> None:
         if os.geteuid() != 0:
             parser.error("the netns layout needs root (ip netns, tc)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # As between hosts: every connection authenticated (and no warning per listener).
+    os.environ.setdefault("MOOLIB_AUTH_KEY", f"bench-scale-{os.getpid()}")
     log_path = args.log or f"/tmp/bench-scale-{os.getpid()}.log"
     started = time.time()
     results = []
