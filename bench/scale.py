@@ -414,6 +414,11 @@ def pss_kib(pid: int) -> int:
     return 0
 
 
+def peers_cpu(procs: list[Proc]) -> float:
+    """CPU seconds the processes have used so far, all together."""
+    return sum(proc_stats(p.proc.pid).get("cpu_s", 0.0) for p in procs)
+
+
 def summary(stats: list[dict]) -> dict:
     """Median and max of each figure over processes."""
     out = {}
@@ -610,6 +615,7 @@ def measure_n(
             raise RuntimeError(f"{ready.count(None)} peers did not start")
         res["startup_s"] = time.time() - t
 
+        phases = res["phase_s"] = {"start": res["startup_s"]}
         # Membership.
         cpu0 = proc_stats(broker_pid)["cpu_s"]
         t_go = time.time()
@@ -626,14 +632,14 @@ def measure_n(
         cpu0, t0 = proc_stats(broker_pid)["cpu_s"], time.time()
         time.sleep(idle)
         res["broker_cpu_idle"] = (proc_stats(broker_pid)["cpu_s"] - cpu0) / (time.time() - t0)
-        res["light"] = summary([proc_stats(p.proc.pid) for p in members])
-        res["broker"] = proc_stats(broker_pid)
 
         # All-reduce.
         res["reduce"] = {}
-        blocks = 3 if args.quick else 5
+        blocks = 3 if args.quick or n >= 32 else 5
+        t_phase, cpu_peers = time.time(), peers_cpu(members)
+        phases["join"] = t_phase - t_go
         for size in SIZES:
-            k = 20 if size < 1024 else (3 if args.quick else 5)
+            k = 20 if size < 1024 else (2 if args.quick else 3)
             for p in members:
                 p.send(
                     {
@@ -658,12 +664,24 @@ def measure_n(
                 "machine_bound_s": machine_bound(n, size, bw, lanes),
             }
 
+        phases["reduce"] = time.time() - t_phase
+        # After the all-reduces: every link they needed is open.
+        res["light"] = summary([proc_stats(p.proc.pid) for p in members])
+        res["broker"] = proc_stats(broker_pid)
+        # How busy the peers kept the cores: near 1, the all-reduces wait for CPU.
+        res["reduce_cpu_share"] = (peers_cpu(members) - cpu_peers) / (
+            phases["reduce"] * (os.cpu_count() or 1)
+        )
+        t_phase = time.time()
         if n <= args.acc_max:
             res["acc"] = accumulator_phase(members, joiner, args, wait_scale)
             res["heavy"] = res["acc"].pop("heavy", {})
         else:
             res["acc"] = {"skipped": f"N > --acc-max {args.acc_max} (torch peers' memory)"}
+        phases["acc"] = time.time() - t_phase
+        t_phase = time.time()
         res["kill"] = kill_phase(members, broker_pid, args, wait_scale)
+        phases["kill"] = time.time() - t_phase
     except Exception as e:  # noqa: BLE001 - the run goes on with the next N
         res["errors"].append(f"{type(e).__name__}: {e}")
     finally:
@@ -846,10 +864,13 @@ def table(results: list[dict], settings: dict) -> str:
 
 
 def parse_table(text: str) -> list[dict[str, str]]:
-    """The rows of ``table``'s output (within other text) as dicts by column header."""
-    lines = [x for x in text.splitlines() if x.startswith("| ")]
-    if not lines:
+    """The rows of ``table``'s output (within other text) as dicts by column header;
+    rows printed before the header (as each N finishes) are left out."""
+    lines = text.splitlines()
+    starts = [i for i, x in enumerate(lines) if x.startswith("| layout |")]
+    if not starts:
         return []
+    lines = [x for x in lines[starts[0] :] if x.startswith("| ")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     return [
         dict(zip(head, (c.strip() for c in line.strip("|").split("|")), strict=True))
