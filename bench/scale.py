@@ -638,6 +638,7 @@ def measure_n(
         blocks = 3 if args.quick or n >= 32 else 5
         t_phase, cpu_peers = time.time(), peers_cpu(members)
         phases["join"] = t_phase - t_go
+        progress(res, "start and join")
         for size in SIZES:
             k = 20 if size < 1024 else (2 if args.quick else 3)
             for p in members:
@@ -657,6 +658,7 @@ def measure_n(
                 res["reduce"][size] = {"error": str(bad[0])[:300]}
                 res["errors"].append(f"all-reduce {size_name(size)}: {bad[0]}")
                 continue
+            progress(res, f"all-reduce {size_name(size)}B")
             rounds = [max(g["per_op"][b] for g in got) for b in range(blocks)]
             res["reduce"][size] = {
                 "median_s": statistics.median(rounds),
@@ -679,14 +681,22 @@ def measure_n(
         else:
             res["acc"] = {"skipped": f"N > --acc-max {args.acc_max} (torch peers' memory)"}
         phases["acc"] = time.time() - t_phase
+        progress(res, "accumulator")
         t_phase = time.time()
         res["kill"] = kill_phase(members, broker_pid, args, wait_scale)
         phases["kill"] = time.time() - t_phase
+        progress(res, "kill")
     except Exception as e:  # noqa: BLE001 - the run goes on with the next N
         res["errors"].append(f"{type(e).__name__}: {e}")
     finally:
         run.stop()
     return res
+
+
+def progress(res: dict, what: str) -> None:
+    """A line on stderr as each phase ends: a long run shows where it is."""
+    stamp = time.strftime("%H:%M:%S")
+    print(f"  {stamp} {res['layout']} N={res['peers']}: {what} done", file=sys.stderr, flush=True)
 
 
 def accumulator_phase(
