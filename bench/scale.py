@@ -262,6 +262,7 @@ def peer_warm(peer: Peer, cmd: dict) -> dict:
 
 def peer_main(rank: int, name: str, broker: str, host: str, timeout: float) -> None:
     faulthandler.dump_traceback_later(3600, exit=True)
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1: where a stuck peer is, in the log
     commands: queue.Queue = queue.Queue()
 
     def read_commands() -> None:  # EOF: the coordinator went away
