@@ -658,6 +658,7 @@ def measure_n(
             if bad:
                 res["reduce"][size] = {"error": str(bad[0])[:300]}
                 res["errors"].append(f"all-reduce {size_name(size)}: {bad[0]}")
+                progress(res, f"all-reduce {size_name(size)}B FAILED: {str(bad[0])[:200]}")
                 continue
             progress(res, f"all-reduce {size_name(size)}B")
             rounds = [max(g["per_op"][b] for g in got) for b in range(blocks)]
@@ -889,16 +890,45 @@ def parse_table(text: str) -> list[dict[str, str]]:
     ]
 
 
+NEIGH = "/proc/sys/net/ipv4/neigh/default/gc_thresh{}"
+
+
+@contextlib.contextmanager
+def neighbour_table(entries: int) -> Iterator[str]:
+    """Room for ``entries`` ARP entries while the run lasts, the old limits restored after.
+
+    The kernel keeps one neighbour table for all namespaces (gc_thresh1-3 exist only
+    in the first one; 128/512/1024 by default), and a full mesh of N namespaces
+    needs N x (N-1) entries: past gc_thresh3 the kernel logs "neighbor table
+    overflow" and drops packets, so at 32 peers the mesh stalls for reasons that
+    have nothing to do with moolib."""
+    paths = [NEIGH.format(i) for i in (1, 2, 3)]
+    old = [int(open(p).read()) for p in paths]  # noqa: SIM115 - read at once
+    new = [max(o, entries * f) for o, f in zip(old, (1, 2, 4), strict=True)]
+    try:
+        for path, value in zip(paths, new, strict=True):
+            with open(path, "w") as f:
+                f.write(str(value))
+        yield f"gc_thresh1-3 {'/'.join(map(str, old))} -> {'/'.join(map(str, new))}"
+    finally:
+        for path, value in zip(paths, old, strict=True):
+            with open(path, "w") as f:
+                f.write(str(value))
+
+
 @contextlib.contextmanager
 def network(layouts: list[str], count: int, rate: str) -> Iterator[dict | None]:
     """The namespaces for the netns layout, removed however the run ends."""
     if "netns" not in layouts:
         yield None
         return
-    try:
-        yield make_network(count, rate)
-    finally:
-        remove_network()
+    with neighbour_table((count + 1) ** 2) as neigh:
+        try:
+            net = make_network(count, rate)
+            net["neighbour_table"] = neigh
+            yield net
+        finally:
+            remove_network()
 
 
 def main() -> None:
@@ -949,7 +979,8 @@ def main() -> None:
             settings["netns"] = net
             print(
                 f"netns: {net['namespaces']} namespaces, veths into bridge {BRIDGE} "
-                f"({BRIDGE_IP}/{PREFIX_LEN}), tc qdisc on both ends of each veth: {net['qdisc']}",
+                f"({BRIDGE_IP}/{PREFIX_LEN}), tc qdisc on both ends of each veth: {net['qdisc']}; "
+                f"ARP table {net['neighbour_table']}",
                 flush=True,
             )
         for name in layouts:
