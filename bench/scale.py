@@ -1,9 +1,9 @@
 """Many peers: the group, all-reduce and the Accumulator at 8 to 64 peers.
 
 Every peer is its own process. A peer imports numpy and moolib only (no torch)
-for membership and all-reduce, so 64 of them fit; for the Accumulator rows it
-imports torch (the Accumulator takes torch tensors), and the table gives its
-RSS before and after. Two layouts:
+for membership, all-reduce and the kill, so 64 of them fit; for the Accumulator
+rows it imports torch (the Accumulator takes torch tensors), ~350 MiB of PSS a
+peer, so those rows run up to --acc-max peers (16). Two layouts:
 
   shm    one host: peers, broker and this script share the network, moolib picks
          the transports (shared memory between the peers);
@@ -12,7 +12,8 @@ RSS before and after. Two layouts:
          (``mscbr0``, 10.214.0.0/16) in this namespace; both ends of every veth
          are rate-shaped with ``tc tbf`` (``--rate``), so peers reach each other
          over TCP as between hosts. Needs root. (This kernel has no netem: no
-         latency is added.)
+         latency is added.) The kernel's one ARP table, shared by every
+         namespace, is made room for a full mesh while the run lasts.
 
 For each N, beside a limit measured in the same run:
 
@@ -22,20 +23,21 @@ For each N, beside a limit measured in the same run:
   all-reduce 16 B, 1 MiB and 6 MiB of float32, the slowest member's time per
              all-reduce, median over blocks, beside the ring bound
              2(N-1)/N x size / B (B: a numpy copy's bandwidth for shm, a TCP
-             stream through two shaped veths for netns);
+             stream through two shaped veths for netns) and the machine bound
+             2(N-1) x size / (B x lanes), every member's traffic on this machine;
   acc        the group's optimizer steps per second through an Accumulator
              (virtual batch = N, one gradient per member per step; gradients are
              set, not computed) with a 2-parameter model and a 1.6M-parameter
              one, beside 1 / all-reduce time of 16 B and of 6 MiB;
-  kill       after kill -9 of one member: the time until every survivor takes a
-             step in the new membership, beside the group timeout;
+  kill       members all-reduce a 1 every 10 ms; after kill -9 of one: the time
+             until every survivor has done so without it, beside the group timeout;
   join-state a new peer (started beforehand, idle) joins: the time until it
              holds the leader's state (6.4 MB), beside state size / B;
   costs      the broker's CPU (CPU seconds per second) while the group is idle
              and during the kill, each peer's RSS, descriptors and threads.
 
 Usage: python bench/scale.py [--peers 8,16,32,64] [--layout shm,netns] [--quick]
-       [--rate 10gbit] [--group-timeout 10] [--json PATH]
+       [--rate 10gbit] [--group-timeout 10] [--acc-max 16] [--json PATH]
 A phase that fails (a deadline passed, an error on a member) is reported in its
 cell and the run goes on with the next N: a failure is a finding.
 """
