@@ -1017,6 +1017,15 @@ def main() -> None:
             json.dump({"settings": settings, "results": results}, f, indent=1, default=str)
 
 
+def run_main() -> None:
+    """main(), with Ctrl-C said in one line: the processes and namespaces are gone by then."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("scale bench: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--peer":
         rank, name, broker, host, timeout = sys.argv[2:7]
@@ -1026,4 +1035,4 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "--stream":
         stream_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
-        main()
+        run_main()
