@@ -101,6 +101,7 @@ def shard_main(args: argparse.Namespace) -> None:
             if now() > deadline:
                 raise
             time.sleep(0.05)
+    listening = now()
     path = Path(args.checkpoint)
     if path.exists():
         replay = moolib.Replay.load(path)
@@ -109,7 +110,7 @@ def shard_main(args: argparse.Namespace) -> None:
     info = replay.info()
     replay.serve(rpc, "table")
     # The key tail: keys are the insertion counter, so the table's next key.
-    print(f"READY {started} {now()} {info['inserts']} {info['size']}", flush=True)
+    print(f"READY {started} {now()} {info['inserts']} {info['size']} {listening}", flush=True)
     next_save = now() + args.checkpoint_every
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], max(0.0, next_save - now()))
@@ -143,6 +144,12 @@ def client_main(args: argparse.Namespace) -> None:
         timeout=args.call_timeout,
         seed=args.index,
     )
+    # Paid before the clock starts: torch's import (the client's tensors) and
+    # the first connection to every shard.
+    import moolib.replay_schema  # noqa: F401
+
+    for i in range(len(ports)):
+        rpc.sync(f"shard{i}", "table/info")
     base = args.index << ID_SHIFT
     seq = 0
     ins_meta: list[tuple[float, float, float, float, float]] = []  # first id, n, sent, done, ok
@@ -155,10 +162,10 @@ def client_main(args: argparse.Namespace) -> None:
     torn = 0
     longest = 0.0
     print("READY", flush=True)
-    sys.stdin.readline()  # go
+    until = float(sys.stdin.readline().split()[1])  # "go UNTIL"
     n = args.batch
     inserted_once = False
-    while now() < args.until:
+    while now() < until:
         ids = np.arange(base + seq, base + seq + n, dtype=np.int64)
         seq += n
         batch = {"id": ids, "payload": payload_of(ids, args.payload)}
@@ -216,6 +223,7 @@ def client_main(args: argparse.Namespace) -> None:
 class Incarnation:
     spawned: float
     ready: float = 0.0
+    listening: float = 0.0  # when its Rpc listened (the process's start-up before)
     tail: int = 0  # the key tail it restored (0: a fresh table)
     size: int = 0
     killed: float = float("inf")
@@ -288,6 +296,7 @@ def start_shard(shard: Shard, args: argparse.Namespace) -> None:
     if line[0] != "READY":
         raise RuntimeError(f"shard {shard.index}: {line}")
     life.ready, life.tail, life.size = float(line[2]), int(line[3]), int(line[4])
+    life.listening = float(line[5])
     shard.lives.append(life)
 
 
@@ -333,8 +342,6 @@ def run_phase(args: argparse.Namespace, workdir: Path, duration: float, chaos: b
         for shard in shards:
             start_shard(shard, args)
         ports = ",".join(str(s.port) for s in shards)
-        start = now() + 5 + 0.3 * args.clients  # room for every client to connect
-        until = start + duration
         for c in range(args.clients):
             clients.append(
                 subprocess.Popen(
@@ -345,8 +352,6 @@ def run_phase(args: argparse.Namespace, workdir: Path, duration: float, chaos: b
                         str(c),
                         "--ports",
                         ports,
-                        "--until",
-                        str(until),
                         "--ledger",
                         str(phase_dir / f"client{c}.npz"),
                         "--batch",
@@ -365,8 +370,9 @@ def run_phase(args: argparse.Namespace, workdir: Path, duration: float, chaos: b
             if read_line(proc, f"client {c}") != "READY":
                 raise RuntimeError(f"client {c} did not start")
         begun = now()
+        until = begun + duration
         for proc in clients:
-            proc.stdin.write("go\n")
+            proc.stdin.write(f"go {until}\n")
             proc.stdin.flush()
         # Faults stop early enough for the last restart's recovery to show.
         quiet = until - args.quiet
@@ -393,7 +399,8 @@ def run_phase(args: argparse.Namespace, workdir: Path, duration: float, chaos: b
             print(
                 f"  t={life.ready - begun:6.1f}s shard {shard.index} killed, back after "
                 f"{life.ready - shard.lives[-2].killed:.1f} s with {life.size} items "
-                f"(key tail {life.tail})",
+                f"(key tail {life.tail}; process start {life.listening - life.spawned:.1f} s, "
+                f"restore {life.ready - life.listening:.1f} s)",
                 flush=True,
             )
         for c, proc in enumerate(clients):
@@ -760,7 +767,6 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--checkpoint", default="")
     parser.add_argument("--ports", default="")
-    parser.add_argument("--until", type=float, default=0.0)
     parser.add_argument("--ledger", default="")
     args = parser.parse_args()
     if args.role == "shard":
