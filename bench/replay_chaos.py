@@ -149,8 +149,15 @@ def client_main(args: argparse.Namespace) -> None:
     # the first connection to every shard.
     import moolib.replay_schema  # noqa: F401
 
+    deadline = now() + 600
     for i in range(len(ports)):
-        rpc.sync(f"shard{i}", "table/info")
+        while True:
+            try:
+                rpc.sync(f"shard{i}", "table/info")
+                break
+            except moolib.RpcError:
+                if now() > deadline:
+                    raise
     base = args.index << ID_SHIFT
     seq = 0
     ins_meta: list[tuple[float, float, float, float, float]] = []  # first id, n, sent, done, ok
@@ -369,7 +376,8 @@ def run_phase(args: argparse.Namespace, workdir: Path, duration: float, chaos: b
                 )
             )
         for c, proc in enumerate(clients):
-            if read_line(proc, f"client {c}") != "READY":
+            # 32 processes importing torch at once on a loaded machine: minutes.
+            if read_line(proc, f"client {c}", timeout=600) != "READY":
                 raise RuntimeError(f"client {c} did not start")
         begun = now()
         until = begun + duration
