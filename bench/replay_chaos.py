@@ -627,8 +627,16 @@ def sample_checks(phase: dict) -> dict:
     for shard in shards:
         mine = (keys >> SHIFT) == shard.index
         life_of[mine], lost_item[mine] = classify(shard, keys[mine] & LOCAL, times[mine])
-    sampled = wrong_key = unacked = dead = 0
+    sampled = wrong_key = unacked = dead = unknown = 0
     raised_ids: set = set()
+    raised = np.concatenate(
+        [
+            np.concatenate(
+                [np.arange(int(f), int(f) + int(n)) for f, n, *_ in m[m[:, 4] == 0]] or [[]]
+            )
+            for m in (ledger["ins_meta"] for ledger in phase["ledgers"])
+        ]
+    ).astype(np.int64)
     for ledger in phase["ledgers"]:
         sids, skeys = ledger["smp_ids"], ledger["smp_keys"]
         s = ledger["smp_meta"]
@@ -639,6 +647,7 @@ def sample_checks(phase: dict) -> dict:
         known = ids[pos] == sids if len(ids) else np.zeros(len(sids), dtype=bool)
         unacked += int((~known).sum())
         raised_ids.update(sids[~known].tolist())
+        unknown += int((~known & ~np.isin(sids, raised)).sum())
         k = pos[known]
         wrong_key += int((keys[k] != skeys[known]).sum())
         # Sampled from the incarnation alive when the sample came back: a
@@ -656,6 +665,7 @@ def sample_checks(phase: dict) -> dict:
         "from_raised_insert": unacked,
         "from_raised_insert_distinct": len(raised_ids),
         "from_dead_memory": dead,
+        "never_inserted": unknown,
         "torn": int(sum(ledger["stats"][0] for ledger in phase["ledgers"])),
     }
 
@@ -707,9 +717,11 @@ def report(args: argparse.Namespace, ref: dict | None, chaos: dict) -> bool:
         f"sampled items: {checks['sampled']}; not the item their key was acknowledged "
         f"for: {checks['wrong_key']}; torn payloads: {checks['torn']}; from a dead "
         f"incarnation's memory: {checks['from_dead_memory']}; from inserts that raised: "
-        f"{checks['from_raised_insert']} ({checks['from_raised_insert_distinct']} distinct)"
+        f"{checks['from_raised_insert']} ({checks['from_raised_insert_distinct']} distinct); "
+        f"ids never inserted: {checks['never_inserted']}"
     )
-    ok &= checks["wrong_key"] == 0 and checks["torn"] == 0 and checks["from_dead_memory"] == 0
+    ok &= checks["wrong_key"] == checks["torn"] == checks["from_dead_memory"] == 0
+    ok &= checks["never_inserted"] == 0
     print(f"{'shard':>5} {'acked':>9} {'lost w/ shard':>13} {'expected':>9} {'present':>9}")
     for row in chaos["present"]:
         print(
