@@ -59,7 +59,8 @@ _RETRY_AFTER = 5.0
 # may be gone); a client that comes back maps it again.
 _SEGMENT_IDLE = 30.0
 # Every leaf's rows start at a multiple of this in a segment: aligned for
-# every dtype, and on separate cache lines.
+# every dtype, and on separate cache lines. The first _ALIGN bytes are the
+# segment's token, never rows.
 _ALIGN = 64
 # Free segments a client keeps for its next samples.
 _FREE_SEGMENTS = 4
@@ -855,7 +856,10 @@ class ReplayClient:
         segment for ``batch_size`` items (of ``schema``, default the shards'
         common one), the bytes it needs, and each one's bytes per item."""
         offsets = []
-        end = 0
+        # The first bytes hold the token a serving peer checks when it maps the
+        # segment, which may happen mid-call (a restarted peer maps it again
+        # while another shard's rows, or an insert's, are already there).
+        end = _ALIGN
         sizes = [*(schema or self._schema).item_bytes, 8, 8]
         for item_bytes in sizes:
             offsets.append(end)

@@ -710,3 +710,40 @@ def _answers(rpc, peer: str, fn: str) -> bool:
     except moolib.RpcError:
         return False
     return True
+
+
+def test_mapping_a_segment_again_writes_over_no_rows(make_rpc):
+    """A table that comes back knowing the items' layout (restored from its
+    checkpoint) but not this client's segments maps them again when asked: that
+    leaves alone the rows another shard already wrote into the same sample, and
+    the rows of an insert staged there."""
+    rpc, replay = served(make_rpc, ["shm"], capacity=64)
+    other_rpc = make_rpc("other", transports=["shm"], listen=True, timeout=30)
+    other = moolib.Replay(64, selector="fifo")
+    other.serve(other_rpc, "table")
+    client_rpc = make_rpc("client", transports=["shm"], timeout=30)
+    client_rpc.connect(rpc.address)
+    client_rpc.connect(other_rpc.address)
+    both = moolib.ReplayClient(client_rpc, [("other", "table"), ("server", "table")], seed=0)
+    one = moolib.ReplayClient(client_rpc, ("server", "table"), timeout=30)
+    other.insert(rows(0, 8))
+    replay.insert(rows(100, 8))
+    one.insert(rows(108, 2))  # the layout is learned:
+    one.insert(rows(110, 2))  # this batch went through a segment the table mapped
+    both.sample(16)  # each shard maps the segment, freed at once
+    gc.collect()
+    table = _restarted(make_rpc, rpc, replay, capacity=64)
+    table.insert(rows(200, 8))  # the same layout, as a restored table has
+    wait_for(
+        lambda: _answers(client_rpc, "server", "table/info"),
+        timeout=60,
+        what="the client reaching the restarted table",
+    )
+    got = both.sample(16)
+    drawn = got.keys >> 48
+    assert drawn.eq(0).any() and drawn.eq(1).any()
+    assert torch.equal(got.items["x"][:, 0].long(), got.items["k"]), got.items["k"]
+    one.insert(rows(300, 4))
+    stored = all_items(table)
+    assert stored["k"].tolist() == [*range(200, 208), *range(300, 304)]
+    assert torch.equal(stored["x"][:, 0].long(), stored["k"])
