@@ -56,6 +56,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+from procs import descendants, proc_stats  # noqa: E402 - bench/ is put on the path just above
+
 REPO = Path(__file__).resolve().parent.parent
 NS_PREFIX = "mchaos"
 BRIDGE = "mchbr0"
@@ -117,31 +122,6 @@ def set_link(rank: int, up: bool) -> None:
 # -- processes (from /proc) --------------------------------------------------
 
 
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        out.setdefault(ppid, []).append(int(entry))
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every living process below ``pid``."""
-    kids, found, todo = _children(), [], [pid]
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -158,22 +138,6 @@ def peer_pids(run_pid: int) -> dict[int, int]:
         if "moolib.launch.peer" in args and "--rank" in args:
             peers[int(args[args.index("--rank") + 1])] = pid
     return peers
-
-
-def proc_stats(pid: int) -> dict[str, int] | None:
-    """RSS (bytes), open descriptors and threads of ``pid``; None if it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return {
-        "rss": int(fields.get("VmRSS", "0 kB").split()[0]) * 1024,
-        "fds": fds,
-        "threads": int(fields["Threads"]),
-        "state": fields["State"].split()[0],
-    }
 
 
 def shm_entries() -> set[str]:

@@ -82,6 +82,19 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 import numpy as np  # noqa: E402
 
+
+def _bench_module(name: str):  # noqa: ANN202 - a module
+    """bench/NAME.py, loaded by path (this folder is off sys.path, above)."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", os.path.join(_HERE, f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+descendants = _bench_module("procs").descendants
+
 DEFAULT_WATCHDOG = 900
 BATCH_SIZE = 32
 NUM_BATCHES = 2
@@ -517,29 +530,6 @@ def atari_available() -> str | None:
 
 
 # --- process bookkeeping --------------------------------------------------------
-
-
-def descendants() -> list[int]:
-    """Pids of the live processes below this one (by /proc parent links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] == "Z":
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    out, todo = [], [os.getpid()]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def kill_descendants() -> None:
