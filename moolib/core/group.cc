@@ -197,6 +197,7 @@ void Group::onBrokerReply(const FuturePtr& reply) {
     if (r.syncId == syncId_ && r.members == members_) return;
     why = concat("the membership of group '", name_, "' changed");
     failAllLocked(why, failed);
+    regions_->forgetMapped();
     syncId_ = r.syncId;
     members_ = std::move(r.members);
     sameHost_ =
@@ -315,16 +316,18 @@ FuturePtr Group::startOp(const std::string& name, uint64_t syncId, Args&&... arg
           concat("all_reduce '", name, "': the membership of group '", name_, "' changed")));
     }
     OpKey key{syncId_, name, nextSeq_[name]++};
-    auto send = [rpc = rpc_, function = function_](const std::string& peer, std::string meta,
-                                                   std::vector<OutSegment> data,
-                                                   std::function<void(const Error&)> onAck) {
+    // A member's part may take as long as the collective may (a big group on
+    // few cores is slow), not only as long as the Rpc's calls.
+    auto send = [rpc = rpc_, function = function_, deadline](
+                    const std::string& peer, std::string meta, std::vector<OutSegment> data,
+                    std::function<void(const Error&)> onAck) {
       std::vector<OutSegment> segs;
       segs.reserve(1 + data.size());
       segs.push_back(ownedSegment(std::move(meta)));
       for (auto& d : data) segs.push_back(std::move(d));
       FuturePtr f;
       try {
-        f = rpc->call(peer, function, std::move(segs));
+        f = rpc->call(peer, function, std::move(segs), false, deadline);
       } catch (const std::exception& e) {
         return onAck(Error(ErrorCode::kFailed, e.what()));
       }

@@ -300,7 +300,7 @@ void Rpc::finishCall(const std::string& function) {
 }
 
 FuturePtr Rpc::call(const std::string& peer, const std::string& function,
-                    std::vector<OutSegment> segments, bool waitNext) {
+                    std::vector<OutSegment> segments, bool waitNext, double timeoutSeconds) {
   MOO_ENFORCE(generation_ == Loop::generation(),
               "this Rpc was created before the process forked; create a new Rpc in the child");
   if (!started_.load(std::memory_order_acquire)) ensureStarted();
@@ -313,12 +313,13 @@ FuturePtr Rpc::call(const std::string& peer, const std::string& function,
     callLocal(future, id, function, segments);
     return future;
   }
+  if (timeoutSeconds <= 0) timeoutSeconds = timeoutSeconds_;
   auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                     std::chrono::duration<double>(timeoutSeconds_));
+                                     std::chrono::duration<double>(timeoutSeconds));
   auto& pending = calls_[id];
   pending.peer = peer;
   pending.function = function;
-  pending.timeoutSeconds = timeoutSeconds_;
+  pending.timeoutSeconds = timeoutSeconds;
   pending.future = future;
   deadlines_.emplace_back(deadline, id);
   std::push_heap(deadlines_.begin(), deadlines_.end(), std::greater<>());

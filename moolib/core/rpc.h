@@ -110,8 +110,10 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   void undefine(const std::string& name);
   // waitNext: the caller waits for the result right away (sync), so it takes
   // the connection before the request goes out (Connection::claim).
+  // timeoutSeconds: how long the call may take; 0, this Rpc's timeout.
   FuturePtr call(const std::string& peer, const std::string& function,
-                 std::vector<OutSegment> segments, bool waitNext = false);
+                 std::vector<OutSegment> segments, bool waitNext = false,
+                 double timeoutSeconds = 0);
   DebugInfo debugInfo();
   // Runs handler(peer) on a loop thread, outside this Rpc's lock, whenever a
   // peer's last link closes without this Rpc having closed it for silence

@@ -252,4 +252,13 @@ std::shared_ptr<const ShmRegion> RegionCache::map(const RegionRef& ref) {
   return region;
 }
 
+void RegionCache::forgetMapped() {
+  decltype(mapped_) dropped;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    dropped.swap(mapped_);
+  }
+  // Unmapped here, outside the lock.
+}
+
 }  // namespace moolib

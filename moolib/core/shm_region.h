@@ -168,6 +168,10 @@ class RegionCache {
   // Throws ShmError when the region cannot be mapped, StaleRegionError when
   // (pid, fd) no longer holds the region ref names.
   std::shared_ptr<const ShmRegion> map(const RegionRef& ref);
+  // Unmaps the peers' regions (those a collective in flight holds stay mapped
+  // until it ends): on a membership change, so that members that left do not
+  // keep their memory alive here.
+  void forgetMapped();
 
  private:
   std::mutex mutex_;
