@@ -4,6 +4,7 @@ tests/helpers/peer.py, over each transport (default, shm only, tcp only)."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import socket
 import time
@@ -229,6 +230,28 @@ def test_discovery_of_connect_only_peer(make_rpc, spawn_peer, hub, transports):
     wait_for(lambda: connections(a, name), what="a direct connection to C")
     if transports:
         assert set(transports_to(a, name)) <= set(transports)
+
+
+def test_a_peer_slow_to_shake_hands_is_dialed_once(make_rpc, spawn_peer, hub):
+    """While a peer found by name has not finished its handshake (here: stopped, so
+    only its kernel accepts), discovery rounds (every 0.5 s) do not dial it again: one
+    link to it, not one a round. On a loaded host, slow handshakes piled links up."""
+    name = "slow-" + moolib.create_uid()[:6]
+    c = spawn_peer(name, connect=[hub.address])
+    probe = make_rpc("slow-probe-" + moolib.create_uid()[:6], timeout=DEADLINE)
+    probe.connect(hub.address)
+    assert probe.sync(name, "name") == name  # the hub knows C
+    a = make_rpc("slow-a-" + moolib.create_uid()[:6], transports=["tcp"], timeout=DEADLINE)
+    a.connect(hub.address)
+    os.kill(c.pid, signal.SIGSTOP)
+    try:
+        future = a.async_(name, "name")
+        time.sleep(3)
+    finally:
+        os.kill(c.pid, signal.SIGCONT)
+    assert future.result(timeout=DEADLINE) == name
+    time.sleep(1)  # links dialed meanwhile finish their handshakes now
+    assert len(connections(a, name)) == 1, connections(a, name)
 
 
 def test_restarted_peer_reachable_by_name_again(make_rpc, spawn_peer, hub):

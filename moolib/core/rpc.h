@@ -190,8 +190,10 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
 
   // rpc_links.cc
   // why: what made the link (debug_info); by default from the other arguments.
+  // dialing: the address in dialing_ this link was dialed for, left there
+  // until its handshake ends, so that no second link is dialed meanwhile.
   void adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddress,
-             const std::string& why = "");
+             const std::string& why = "", const std::string& dialing = "");
   void onFrame(const std::shared_ptr<Link>& link, IncomingFrame&& frame);
   void onLinkClosed(const std::shared_ptr<Link>& link, const Error& error);
   // A link this Rpc dialed failed authentication: calls that then find no
@@ -255,7 +257,9 @@ class Rpc : public std::enable_shared_from_this<Rpc> {
   // (transport, TCP address) pairs a companion listener was tried for.
   std::set<std::pair<std::string, std::string>> companions_;
   std::map<std::string, Dialer> dialers_;
-  std::set<std::string> dialing_;                 // addresses being dialed for discovery
+  // Addresses being dialed for discovery or an upgrade, until the link's
+  // handshake ends (see adopt).
+  std::set<std::string> dialing_;
   std::map<std::string, TimePoint> failedDials_;  // address -> when to try it again
   std::set<std::shared_ptr<Link>> links_;
   // Nonces of our handshakes in progress: a peer presenting one is reflecting it.

@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "auth.h"
 #include "host.h"
@@ -141,11 +142,12 @@ void Rpc::logShedLocked(TimePoint now) {
 }
 
 void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddress,
-                const std::string& why) {
+                const std::string& why, const std::string& dialing) {
   auto link = std::make_shared<Link>();
   link->conn = conn;
   link->outgoing = outgoing;
   link->dialAddress = dialAddress;
+  link->dialing = dialing;
   link->why = !why.empty()           ? why
               : !dialAddress.empty() ? concat("connect(\"", dialAddress, "\")")
               : outgoing             ? "dialed"
@@ -157,6 +159,7 @@ void Rpc::adopt(ConnectionPtr conn, bool outgoing, const std::string& dialAddres
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) {
+      dialing_.erase(dialing);
       conn->close(Error("the Rpc was closed"));
       return;
     }
@@ -380,6 +383,7 @@ void Rpc::onIdentify(const std::shared_ptr<Link>& link, Reader& r) {
       return;
     }
     link->state = Link::State::kReady;
+    if (!link->dialing.empty()) dialing_.erase(std::exchange(link->dialing, {}));
     Peer& p = peers_[link->peerName];
     p.name = link->peerName;
     if (!p.incarnation.empty() && p.incarnation != link->peerIncarnation) {
@@ -511,6 +515,7 @@ void Rpc::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
     std::lock_guard<std::mutex> lock(mutex_);
     links_.erase(link);
     ownNonces_.erase(link->myNonce);
+    if (!link->dialing.empty()) dialing_.erase(std::exchange(link->dialing, {}));
     unlistPendingLocked(link);
     if (link->state == Link::State::kReady) {
       auto it = peers_.find(link->peerName);
@@ -742,8 +747,8 @@ void Rpc::dial(const std::string& address, const std::string& forPeer, const std
     }
     {
       std::lock_guard<std::mutex> lock(self->mutex_);
-      self->dialing_.erase(address);
       if (error) {
+        self->dialing_.erase(address);
         self->failedDials_[address] = Clock::now() + kFailedDialBackoff;
       } else {
         self->failedDials_.erase(address);
@@ -753,7 +758,10 @@ void Rpc::dial(const std::string& address, const std::string& forPeer, const std
       MOO_LOG(kVerbose, "cannot reach peer '", forPeer, "' at ", address, ": ", error.what());
       return;
     }
-    self->adopt(std::move(conn), true, "", why);
+    // The address stays in dialing_ until the handshake ends: a discovery
+    // round meanwhile (the tick's, every kDiscoveryInterval) would dial the
+    // peer again, and a slow handshake (a loaded host) would pile up links.
+    self->adopt(std::move(conn), true, "", why, address);
   });
 }
 

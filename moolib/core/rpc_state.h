@@ -15,6 +15,7 @@ struct Rpc::Link {
   ConnectionPtr conn;
   bool outgoing = false;
   std::string dialAddress;  // set when made by connect(): redialed on loss
+  std::string dialing;      // its entry in dialing_ (under the Rpc mutex; see adopt)
   // Written by the thread handling the connection's frames, read elsewhere
   // under the Rpc mutex; peer* fields are published by state becoming kReady.
   std::atomic<State> state{State::kHello};
