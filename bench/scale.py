@@ -147,7 +147,10 @@ def peer_reduce(peer: Peer, cmd: dict) -> dict:
 
     def op(x: Any, name: str = "x") -> Any:
         group.update()
-        return group.all_reduce(name, x).result(timeout=cmd["deadline_s"])
+        # A first all-reduce of many members on few cores (the mesh forms inside
+        # it) can take longer than the group timeout: waiting is not hanging.
+        with group.keepalive():
+            return group.all_reduce(name, x).result(timeout=cmd["deadline_s"])
 
     try:
         first = op(data)
@@ -243,7 +246,9 @@ def peer_steps(peer: Peer, cmd: dict) -> dict:
     while not peer.pending_stop():
         peer.group.update()
         try:
-            count = int(peer.group.all_reduce("step", one).result(timeout=cmd["deadline_s"])[0])
+            with peer.group.keepalive():
+                reduced = peer.group.all_reduce("step", one).result(timeout=cmd["deadline_s"])
+            count = int(reduced[0])
         except Exception:  # noqa: BLE001 - a membership change: counted, then on
             errors += 1
             time.sleep(0.01)
