@@ -54,7 +54,7 @@ from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_ba
 from .offpolicy import epsilon_greedy, importance_weights
 from .qlearning import QConfig, make_acting, make_qnet
 from .registry import Runtime, get_agent
-from .run_config import LocalScalingConfig, RunConfig
+from .run_config import ProcessScalingConfig, RunConfig
 from .training import (
     GroupLostError,
     PeerInfo,
@@ -111,7 +111,7 @@ def learner_name(group: str) -> str:
 def num_actor_processes(cfg: RunConfig) -> int:
     """Actor processes of the run: ``scaling.actors`` beside the learner, or none when the
     actors are threads of the learner's process (``scaling=single``)."""
-    if not isinstance(cfg.scaling, LocalScalingConfig):
+    if not isinstance(cfg.scaling, ProcessScalingConfig):
         return 0
     return cfg.scaling.actors
 

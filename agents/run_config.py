@@ -152,26 +152,33 @@ class EnvConfig:
 @dataclass(frozen=True)
 class ScalingConfig:
     """``scaling=single`` (``conf/scaling/single.yaml``): one peer, in this process, with
-    an embedded broker. ``LocalScalingConfig`` and ``SlurmScalingConfig`` add the keys of
-    the other modes."""
+    an embedded broker. ``LocalScalingConfig`` and ``SlurmScalingConfig`` (both
+    ``ProcessScalingConfig``) add the keys of the other modes."""
 
     name: str  # the scaling mode: single, local or slurm
     peers: int  # peer processes of an on-policy run, in all
 
 
 @dataclass(frozen=True)
-class LocalScalingConfig(ScalingConfig):
-    """``scaling=local``: a broker and the peer processes on this machine."""
+class ProcessScalingConfig(ScalingConfig):
+    """The keys of the modes that run peer processes (``local``, ``slurm``)."""
 
     # Off-policy agents: actor processes beside the one learner (peers is not used).
     actors: int
+
+
+@dataclass(frozen=True)
+class LocalScalingConfig(ProcessScalingConfig):
+    """``scaling=local``: a broker and the peer processes on this machine."""
+
     # Words put before each peer's command, {rank} replaced by its rank (e.g.
-    # "ip netns exec ns{rank}", "taskset -c {rank}"); "" for none. Not used on SLURM.
+    # "ip netns exec ns{rank}", "taskset -c {rank}"); "" for none. A savedir's
+    # config.yaml from before this key has none: "".
     peer_prefix: str = field(default="", kw_only=True)
 
 
 @dataclass(frozen=True)
-class SlurmScalingConfig(LocalScalingConfig):
+class SlurmScalingConfig(ProcessScalingConfig):
     """``scaling=slurm``: a broker job and the peer jobs (one array) on SLURM, through
     submitit. The sbatch settings' null is the cluster's default."""
 
@@ -330,8 +337,9 @@ class RunConfig:
 
         check_choice("env.backend", self.env.backend, backend_names())
         check_choice("wandb.mode", self.wandb.mode, ("auto", "online", "offline", "disabled"))
-        if isinstance(scaling, LocalScalingConfig):
+        if isinstance(scaling, ProcessScalingConfig):
             check_int_at_least(f"scaling.{self.processes}", getattr(scaling, self.processes))
+        if isinstance(scaling, LocalScalingConfig):
             check_peer_prefix(scaling.peer_prefix)
         if isinstance(scaling, SlurmScalingConfig):
             self._check_slurm(scaling)

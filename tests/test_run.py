@@ -333,7 +333,7 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
     assert over["agent"]["hidden_size"] == 32
     assert over["total_steps"] == 1234
     assert over["agent"]["batch_size"] == 16  # still tuned
-    assert over["scaling"] == {"name": "local", "peers": 3, "actors": 2}
+    assert over["scaling"] == {"name": "local", "peers": 3, "actors": 2, "peer_prefix": ""}
 
 
 def test_every_env_config_composes(tmp_path):

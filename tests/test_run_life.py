@@ -148,6 +148,7 @@ def test_savedir_resumes_with_its_own_config(tmp_path):
         "name": "local",
         "peers": 2,
         "actors": 3,
+        "peer_prefix": "",
     }
     assert read_logs(savedir / "peer0" / "logs.tsv")[1]
     assert checkpoint_steps(savedir) >= 6000
