@@ -46,6 +46,7 @@ import json
 import math
 import os
 import random
+import runpy
 import signal
 import socket
 import subprocess
@@ -57,9 +58,9 @@ from pathlib import Path
 from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-from procs import descendants, proc_stats  # noqa: E402 - bench/ is put on the path just above
+# Loaded by path: bench/ on sys.path would hide the envpool library behind bench/envpool.py.
+_procs = runpy.run_path(os.path.join(_HERE, "procs.py"))
+descendants, proc_stats = _procs["descendants"], _procs["proc_stats"]
 
 REPO = Path(__file__).resolve().parent.parent
 NS_PREFIX = "mchaos"

@@ -67,6 +67,7 @@ import faulthandler
 import importlib.util
 import json
 import os
+import runpy
 import signal
 import statistics
 import subprocess
@@ -82,18 +83,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 import numpy as np  # noqa: E402
 
-
-def _bench_module(name: str):  # noqa: ANN202 - a module
-    """bench/NAME.py, loaded by path (this folder is off sys.path, above)."""
-    spec = importlib.util.spec_from_file_location(
-        f"bench_{name}", os.path.join(_HERE, f"{name}.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-descendants = _bench_module("procs").descendants
+# Loaded by path: bench/ on sys.path would hide the envpool library behind
+# bench/envpool.py (in this process, or in a test that imports this file).
+descendants = runpy.run_path(os.path.join(_HERE, "procs.py"))["descendants"]
 
 DEFAULT_WATCHDOG = 900
 BATCH_SIZE = 32

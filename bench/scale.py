@@ -50,6 +50,7 @@ import faulthandler
 import json
 import os
 import queue
+import runpy
 import signal
 import socket
 import statistics
@@ -64,20 +65,9 @@ from typing import Any
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _bench_module(name: str):  # noqa: ANN202 - a module
-    """bench/NAME.py, loaded by path: putting bench/ on sys.path would hide the envpool
-    library behind bench/envpool.py in a process that imports this file (a test)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        f"bench_{name}", os.path.join(_HERE, f"{name}.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-size_name = _bench_module("allreduce").size_name
+# Loaded by path: bench/ on sys.path would hide the envpool library behind
+# bench/envpool.py (in this process, or in a test that imports this file).
+size_name = runpy.run_path(os.path.join(_HERE, "allreduce.py"))["size_name"]
 
 NS_PREFIX = "mscale"
 BROKER_NS = f"{NS_PREFIX}-b"
