@@ -574,6 +574,8 @@ def analyse(soak: Soak, **seen: Any) -> dict[str, Any]:
     checks["training"] = {"ok": not stalls, "windows_without_steps": stalls[:10]}
 
     # Versions: never back on a peer in its group; one param_sum and step per version.
+    # Compared at the 10 digits logs.tsv holds: rounding a checkpoint's exact sum and
+    # a logged one to fewer digits could split one value in two.
     back = []
     by_version: dict[int, set] = {}
     steps_at: dict[int, set] = {}
@@ -586,10 +588,10 @@ def analyse(soak: Soak, **seen: Any) -> dict[str, Any]:
             if v < high:
                 back.append({"rank": rank, "from": high, "to": v, "step": row["step"]})
             high = max(high, v)
-            by_version.setdefault(v, set()).add(f"{row['param_sum']:.9g}")
+            by_version.setdefault(v, set()).add(f"{row['param_sum']:.10g}")
             steps_at.setdefault(v, set()).add(row["step"])
     for c in soak.checkpoints:
-        by_version.setdefault(c["model_version"], set()).add(f"{c['param_sum']:.9g}")
+        by_version.setdefault(c["model_version"], set()).add(f"{c['param_sum']:.10g}")
         steps_at.setdefault(c["model_version"], set()).add(c["steps"])
     forks = {v: sorted(p) for v, p in by_version.items() if len(p) > 1}
     step_forks = {v: sorted(s) for v, s in steps_at.items() if len(s) > 1}

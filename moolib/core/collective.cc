@@ -300,14 +300,17 @@ void Collective::onShm(const CollectiveMessage& m) {
       MOO_ENFORCE(m.region.bytes >= shmBytes_, "its region is smaller than the data");
       region = regions_->map(m.region);
     } catch (const StaleRegionError& e) {
-      // Its owner dropped it, which it does when this collective failed
-      // there (a membership change, mostly): not a lack of shared memory.
-      return fail(Error(ErrorCode::kMembershipChanged,
-                        concat(describe(), " failed: member '", members_[m.source],
-                               "' dropped its region before this member read it (its part ended "
-                               "there): ",
-                               e.what())),
-                  true);
+      // Its owner dropped it, which it does when this collective failed there:
+      // not a lack of shared memory here. The failure's own reason is on its
+      // way (the owner's abort, the broker's membership change, or a send to
+      // a departed member failing); failing now would hide it. The deadline
+      // bounds the wait.
+      std::lock_guard<std::mutex> lock(mutex_);
+      staleRegion_ = concat(describe(), " failed: member '", members_[m.source],
+                            "' dropped its region before this member read it (its part ended "
+                            "there): ",
+                            e.what());
+      return;
     } catch (const std::exception& e) {
       return fail(Error(ErrorCode::kSharedMemoryUnavailable,
                         concat(describe(), " failed: cannot share memory with member '",
@@ -704,12 +707,13 @@ void Collective::cancelDeadline() {
 }
 
 void Collective::onDeadline(double seconds) {
-  std::string silent, others;
+  std::string silent, others, stale;
   bool ring;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (finished_) return;
     deadlineTimer_ = 0;
+    stale = staleRegion_;
     if (heard_.size() != n_) heard_.assign(n_, false);
     // On a ring only the left neighbour sends to this member: the others'
     // state shows only through it.
@@ -722,6 +726,7 @@ void Collective::onDeadline(double seconds) {
       list += concat(list.empty() ? "" : ", ", "'", members_[i], "'");
     }
   }
+  if (!stale.empty()) return fail(Error(ErrorCode::kMembershipChanged, stale), true);
   std::string why;
   if (!silent.empty()) {
     why = concat("waiting for member(s) ", silent,

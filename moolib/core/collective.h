@@ -197,6 +197,9 @@ class Collective : public std::enable_shared_from_this<Collective> {
   std::shared_ptr<OwnRegion> ownRegion_;
   std::vector<std::shared_ptr<const ShmRegion>> peerRegions_;
   size_t shmReady_ = 0, shmReduced_ = 0, shmDone_ = 0;
+  // Set when a member's region was gone: this op fails, but with the reason
+  // its owner (or the broker) gives, which follows; this only if none comes.
+  std::string staleRegion_;
   bool retired_ = false, failed_ = false;
   uint64_t deadlineTimer_ = 0;
   std::vector<bool> heard_;  // members a message of this op came from
