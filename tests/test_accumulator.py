@@ -567,6 +567,11 @@ def test_peers_started_together_hold_the_leaders_model(cluster, transport):
             proc.stdin.write("go\n")
             proc.stdin.flush()
         for proc in peers:
+            assert proc.stdout.readline().strip() == "done"
+        for proc in peers:  # leave once both are done
+            proc.stdin.write("close\n")
+            proc.stdin.flush()
+        for proc in peers:
             assert proc.wait(timeout=DEADLINE) == 0
     finally:
         for proc in peers:

@@ -1,6 +1,7 @@
 #include "broker.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "host.h"
 #include "logging.h"
@@ -25,6 +26,7 @@ std::string BrokerRequest::encode() const {
   w.f64(timeoutSeconds);
   w.str(shmKey);
   w.u8(rejoin ? 1 : 0);
+  w.u64(knownSyncId);
   return w.take();
 }
 
@@ -37,6 +39,8 @@ BrokerRequest BrokerRequest::decode(std::string_view data) {
   q.timeoutSeconds = r.f64();
   q.shmKey = r.str(1024);
   q.rejoin = r.u8() != 0;
+  // Absent from an older member's ping: never held.
+  q.knownSyncId = r.remaining() >= sizeof(uint64_t) ? r.u64() : 0;
   if (q.kind != kPing && q.kind != kLeave)
     throw WireError(concat("unknown broker request kind ", int(q.kind)));
   if (q.group.empty()) throw WireError("broker request names no group");
@@ -86,12 +90,82 @@ struct Broker::State {
     TimePoint formedAt;
   };
 
+  // A ping held until its group's membership changes (see
+  // BrokerRequest::knownSyncId), or until its timer answers it.
+  struct Held {
+    std::shared_ptr<Responder> responder;
+    uint64_t id;
+  };
+  // Answers to send once the lock is released.
+  using Answers = std::vector<std::pair<std::shared_ptr<Responder>, BrokerReply>>;
+
   explicit State(std::weak_ptr<Rpc> rpc) : rpc(std::move(rpc)) {}
 
   const std::weak_ptr<Rpc> rpc;
   std::mutex mutex;
   std::map<std::string, Group> groups;
+  std::map<std::string, std::vector<Held>> held;  // by group
   uint64_t nextJoinSeq = 0;
+  uint64_t nextHoldId = 0;
+
+  static void send(Answers answers) {
+    for (auto& [responder, reply] : answers) {
+      auto encoded = std::make_shared<std::string>(reply.encode());
+      responder->reply({OutSegment{reinterpret_cast<const uint8_t*>(encoded->data()),
+                                   encoded->size(), encoded}});
+    }
+  }
+
+  static BrokerReply current(const Group& g) {
+    BrokerReply reply;
+    reply.syncId = g.syncId;
+    for (auto& m : g.members) {
+      reply.members.push_back(m.name);
+      reply.shmKeys.push_back(m.shmKey);
+    }
+    return reply;
+  }
+
+  // Answers the group's held pings with its membership now (none if the
+  // group is gone).
+  void wake(const std::string& name, Answers& out) {
+    auto it = held.find(name);
+    if (it == held.end()) return;
+    auto g = groups.find(name);
+    BrokerReply reply = g == groups.end() ? BrokerReply{} : current(g->second);
+    for (auto& h : it->second) out.emplace_back(std::move(h.responder), reply);
+    held.erase(it);
+  }
+
+  // A held ping's interval is over: it is answered with the same membership.
+  void release(const std::string& name, uint64_t id) {
+    Answers answers;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto it = held.find(name);
+      if (it == held.end()) return;
+      auto& list = it->second;
+      auto h = std::find_if(list.begin(), list.end(), [&](const Held& x) { return x.id == id; });
+      if (h == list.end()) return;
+      auto g = groups.find(name);
+      answers.emplace_back(std::move(h->responder),
+                           g == groups.end() ? BrokerReply{} : current(g->second));
+      list.erase(h);
+      if (list.empty()) held.erase(it);
+    }
+    send(std::move(answers));
+  }
+
+  void closeHeld() {
+    std::map<std::string, std::vector<Held>> all;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      all.swap(held);
+    }
+    for (auto& [name, list] : all) {
+      for (auto& h : list) h.responder->error("the broker is closed", ErrorCode::kFailed);
+    }
+  }
 
   static void order(Group& g) {
     std::stable_sort(g.members.begin(), g.members.end(), [](const Member& a, const Member& b) {
@@ -147,18 +221,49 @@ struct Broker::State {
   }
 
   void expireAll() {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto now = Clock::now();
-    for (auto it = groups.begin(); it != groups.end();) {
-      if (expire(it->first, it->second, now) && it->second.syncId != 0) {
-        it->second.syncId = randomU64();
+    Answers answers;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto now = Clock::now();
+      for (auto it = groups.begin(); it != groups.end();) {
+        std::string name = it->first;
+        Group& g = it->second;
+        bool changed = expire(name, g, now);
+        if (changed && g.syncId != 0) g.syncId = randomU64();
+        it = g.members.empty() ? groups.erase(it) : std::next(it);
+        if (changed) wake(name, answers);
       }
-      it = it->second.members.empty() ? groups.erase(it) : std::next(it);
     }
+    send(std::move(answers));
   }
 
-  BrokerReply handle(const std::string& peer, const BrokerRequest& q) {
-    std::lock_guard<std::mutex> lock(mutex);
+  // Answers the ping now, or holds it (see BrokerRequest::knownSyncId).
+  void handle(const std::shared_ptr<State>& self, std::shared_ptr<Responder> responder,
+              const BrokerRequest& q) {
+    Answers answers;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto reply = handleLocked(responder->peer(), q, answers);
+      if (reply) {
+        answers.emplace_back(std::move(responder), std::move(*reply));
+      } else {
+        uint64_t id = ++nextHoldId;
+        held[q.group].push_back({std::move(responder), id});
+        std::weak_ptr<State> weak = self;
+        auto hold = std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(pingIntervalSeconds(q.timeoutSeconds)));
+        Loop::instance().addTimer(Clock::now() + hold, [weak, group = q.group, id] {
+          if (auto state = weak.lock()) state->release(group, id);
+        });
+      }
+    }
+    send(std::move(answers));
+  }
+
+  // The reply to the ping, or none to hold it; the group's held pings go to
+  // answers when its membership changed.
+  std::optional<BrokerReply> handleLocked(const std::string& peer, const BrokerRequest& q,
+                                          Answers& answers) {
     auto now = Clock::now();
     Group& g = groups[q.group];
     bool changed = expire(q.group, g, now);
@@ -193,22 +298,20 @@ struct Broker::State {
         changed = true;
       }
     }
-    BrokerReply reply;
     if (g.members.empty()) {
       groups.erase(q.group);
-      return reply;
+      wake(q.group, answers);
+      return BrokerReply{};
     }
-    if (g.syncId == 0 && now < g.formedAt) return reply;  // still forming: no membership yet
+    if (g.syncId == 0 && now < g.formedAt) return BrokerReply{};  // forming: no membership yet
     if (changed || g.syncId == 0) {
       order(g);
       g.syncId = randomU64();
+      wake(q.group, answers);
+    } else if (q.kind == BrokerRequest::kPing && q.knownSyncId == g.syncId) {
+      return std::nullopt;
     }
-    reply.syncId = g.syncId;
-    for (auto& m : g.members) {
-      reply.members.push_back(m.name);
-      reply.shmKeys.push_back(m.shmKey);
-    }
-    return reply;
+    return current(g);
   }
 };
 
@@ -233,9 +336,7 @@ Broker::Broker(std::shared_ptr<Rpc> rpc)
       MOO_LOG(kError, "broker: malformed request from '", responder->peer(), "': ", e.what());
       return responder->error(concat("malformed broker request: ", e.what()), ErrorCode::kFailed);
     }
-    auto encoded = std::make_shared<std::string>(state->handle(responder->peer(), q).encode());
-    responder->reply(
-        {OutSegment{reinterpret_cast<const uint8_t*>(encoded->data()), encoded->size(), encoded}});
+    state->handle(state, std::move(responder), q);
   });
 }
 
@@ -245,6 +346,7 @@ Broker::~Broker() {
   } catch (const std::exception&) {
     // The Rpc was closed first: nothing left to undefine.
   }
+  state_->closeHeld();
 }
 
 void Broker::update() { state_->expireAll(); }
@@ -254,12 +356,7 @@ std::map<std::string, BrokerReply> Broker::groups() {
   std::map<std::string, BrokerReply> out;
   for (auto& [name, g] : state_->groups) {
     if (g.syncId == 0) continue;  // forming: no membership yet
-    auto& r = out[name];
-    r.syncId = g.syncId;
-    for (auto& m : g.members) {
-      r.members.push_back(m.name);
-      r.shmKeys.push_back(m.shmKey);
-    }
+    out[name] = State::current(g);
   }
   return out;
 }

@@ -43,6 +43,11 @@ struct BrokerRequest {
   // group gets a new sync id even if the broker still lists the member, so
   // nobody mixes collectives from before and after.
   bool rejoin = false;
+  // The sync id the member holds (0: none). A ping whose sync id is still
+  // the group's is held by the broker until the membership changes or a
+  // ping interval passes (a long poll), so that a change reaches every
+  // member at once rather than at its next ping.
+  uint64_t knownSyncId = 0;
   std::string encode() const;
   static BrokerRequest decode(std::string_view data);
 };

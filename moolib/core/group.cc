@@ -153,11 +153,16 @@ void Group::ping() {
     q.timeoutSeconds = timeoutSeconds_;
     if (!shmFailed_ && rpc_->transportAllowed("shm")) q.shmKey = localShmKey();
     q.rejoin = !inContact_ || std::exchange(resync_, false);
+    // The broker holds this ping while the membership stays as it is (up to
+    // a ping interval), so its answer comes as soon as it changes.
+    if (!q.rejoin && !members_.empty()) q.knownSyncId = syncId_;
     broker = brokerName_;
   }
   FuturePtr reply;
   try {
-    reply = rpc_->call(broker, kBrokerFunction, {ownedSegment(q.encode())});
+    // The broker may hold it for an interval: that is no part of its timeout.
+    double timeout = rpc_->timeout() + pingIntervalSeconds(q.timeoutSeconds);
+    reply = rpc_->call(broker, kBrokerFunction, {ownedSegment(q.encode())}, false, timeout);
   } catch (const std::exception& e) {
     MOO_LOG(kVerbose, "group '", name_, "': cannot ping the broker: ", e.what());
     std::lock_guard<std::mutex> lock(mutex_);
@@ -173,6 +178,7 @@ void Group::ping() {
 void Group::onBrokerReply(const FuturePtr& reply) {
   std::vector<std::shared_ptr<Collective>> failed;
   std::string why;
+  bool pingAgain = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     pingInFlight_ = false;
@@ -191,24 +197,38 @@ void Group::onBrokerReply(const FuturePtr& reply) {
       MOO_LOG(kError, "group '", name_, "': malformed broker reply: ", e.what());
       return;
     }
-    lastContact_ = Clock::now();
+    auto now = Clock::now();
+    lastContact_ = now;
     if (!inContact_) changed_ = true;
     inContact_ = true;
-    if (r.syncId == syncId_ && r.members == members_) return;
-    why = concat("the membership of group '", name_, "' changed");
-    failAllLocked(why, failed);
-    regions_->forgetMapped();
-    syncId_ = r.syncId;
-    members_ = std::move(r.members);
-    sameHost_ =
-        members_.size() > 1 && !r.shmKeys[0].empty() &&
-        std::all_of(r.shmKeys.begin(), r.shmKeys.end(), [&](auto& k) { return k == r.shmKeys[0]; });
-    changed_ = true;
-    MOO_LOG(kVerbose, "group '", name_, "': sync id ", syncId_, ", ", members_.size(), " members");
+    bool same = r.syncId == syncId_ && r.members == members_;
+    if (!same) {
+      why = concat("the membership of group '", name_, "' changed");
+      failAllLocked(why, failed);
+      regions_->forgetMapped();
+      syncId_ = r.syncId;
+      members_ = std::move(r.members);
+      sameHost_ = members_.size() > 1 && !r.shmKeys[0].empty() &&
+                  std::all_of(r.shmKeys.begin(), r.shmKeys.end(),
+                              [&](auto& k) { return k == r.shmKeys[0]; });
+      changed_ = true;
+      MOO_LOG(kVerbose, "group '", name_, "': sync id ", syncId_, ", ", members_.size(),
+              " members");
+    }
+    // The next ping goes at once when the broker held this one its whole
+    // interval (so that one is always waiting there), or when the membership
+    // changed (more changes may follow); otherwise at the next tick.
+    auto interval = std::chrono::duration<double>(pingIntervalLocked());
+    if (!same || now - lastPing_ >= interval) {
+      pingAgain = true;
+      pingInFlight_ = true;
+      lastPing_ = now;
+    }
   }
   for (auto& op : failed) {
     op->fail(membershipChanged(concat(op->describe(), " failed: ", why)), false);
   }
+  if (pingAgain) ping();
 }
 
 void Group::failAllLocked(const std::string& why, std::vector<std::shared_ptr<Collective>>& out) {

@@ -6,7 +6,8 @@ The model starts from ``torch.manual_seed(S)`` (peers with different seeds
 start different, as unseeded scripts do). The peer imports and builds
 everything first, prints ``ready`` and waits for a line on stdin before it
 connects, so that peers the test starts together reach the broker together
-(not a Python import apart). At the end it writes a JSON object to ``--out``:
+(not a Python import apart). At model version ``--steps`` it prints ``done`` and
+leaves at the next line on stdin. At the end it writes a JSON object to ``--out``:
 the exact bytes of its final state dict as hex, those of its initial one, and
 the accumulator events it saw (``sent``: wants_state() and set_state();
 ``loaded``: has_new_state() and state()).
@@ -73,6 +74,10 @@ def main() -> None:
             acc.reduce_gradients(16)
     with open(args.out, "w") as f:
         json.dump({"initial": initial, "final": state_hex(model), "events": events}, f)
+    # Leaves once every peer is done: a peer leaving while another still finishes
+    # the last round makes that one drop it and step alone (docs/library.md).
+    print("done", flush=True)
+    sys.stdin.readline()
     acc.close()
 
 
