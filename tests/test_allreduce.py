@@ -573,6 +573,43 @@ def _local_group(make_rpc, broker, name, group="local"):
     return g
 
 
+@pytest.mark.parametrize("n", [11, 16])
+def test_many_members_sum_small_buffers_alike(make_rpc, local_broker, n):
+    """Past 8 members small buffers go by recursive doubling (11: three members
+    fold into others first; 16: a power of two): the sums are right, and every
+    member gets the same bits."""
+    groups = [
+        _local_group(make_rpc, local_broker, f"many{n}-{i}", group=f"many{n}") for i in range(n)
+    ]
+    settle(groups)
+    rng = np.random.default_rng(n)
+    data = [
+        {
+            "ints": np.arange(7, dtype=np.int64) * (i + 1) - i,
+            "floats": torch.from_numpy(rng.standard_normal(1000).astype(np.float32)),
+            "halves": torch.from_numpy(rng.standard_normal(33).astype(np.float16)),
+            "scalar": float(i) / 3,
+        }
+        for i in range(n)
+    ]
+    handles = [g.all_reduce("small", d) for g, d in zip(groups, data, strict=True)]
+    _wait_updating(groups, handles)
+    results = [h.result() for h in handles]
+    assert results[0]["ints"].tolist() == sum(d["ints"] for d in data).tolist()
+    exact = sum(d["floats"].double() for d in data)
+    assert torch.allclose(results[0]["floats"].double(), exact, atol=1e-4)
+    exact = sum(d["halves"].double() for d in data)
+    assert torch.allclose(results[0]["halves"].double(), exact, atol=0.1)
+    assert results[0]["scalar"] == pytest.approx(sum(d["scalar"] for d in data))
+    for r in results[1:]:
+        assert r["ints"].tolist() == results[0]["ints"].tolist()
+        for key in ("floats", "halves"):
+            assert r[key].numpy().tobytes() == results[0][key].numpy().tobytes(), key
+        assert r["scalar"] == results[0]["scalar"]
+    for g in groups:
+        g.close()
+
+
 def test_all_reduce_when_not_active_fails_at_once(make_rpc, local_broker):
     rpc = make_rpc("not-joined")
     rpc.connect(local_broker.address)

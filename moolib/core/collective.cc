@@ -10,10 +10,11 @@
 namespace moolib {
 
 namespace {
-// Buffers up to this size go direct (one hop, N-1 copies sent); larger ones
-// go round the ring in chunks of kChunkBytes.
+// Buffers up to this size go direct (one hop, N-1 copies sent) among up to
+// kDirectMaxMembers, by recursive doubling among more (log2(N) hops and
+// copies); larger ones go round the ring in chunks of kChunkBytes.
 constexpr size_t kDirectMaxBytes = 64 << 10;
-constexpr size_t kDirectMaxMembers = 32;
+constexpr size_t kDirectMaxMembers = 8;
 constexpr size_t kChunkBytes = 256 << 10;
 }  // namespace
 
@@ -74,7 +75,7 @@ CollectiveMessage CollectiveMessage::decode(std::string_view data) {
     throw WireError(concat("unknown collective message kind ", int(m.kind)));
   if (m.mode != kSum && m.mode != kGather)
     throw WireError(concat("unknown collective mode ", int(m.mode)));
-  if (m.phase < kDirect || m.phase > kShmDone)
+  if (m.phase < kDirect || m.phase > kDoubling)
     throw WireError(concat("unknown collective phase ", int(m.phase)));
   if (m.dtype >= uint8_t(DType::kCount))
     throw WireError(concat("unknown element type ", int(m.dtype)));
@@ -117,9 +118,15 @@ Collective::Collective(OpKey key, std::vector<std::string> members, size_t self,
     size_t e = dtypeSize(buf.dtype);
     MOO_ENFORCE(buf.bytes % e == 0, "buffer of ", buf.bytes, " bytes is not a whole number of ",
                 dtypeName(buf.dtype));
-    bool small = buf.bytes <= kDirectMaxBytes && n_ <= kDirectMaxMembers;
-    Algorithm algo = small ? kDirectAlgo : regions_ && n_ > 1 ? kShmAlgo : kRingAlgo;
+    Algorithm algo = buf.bytes > kDirectMaxBytes ? (regions_ && n_ > 1 ? kShmAlgo : kRingAlgo)
+                     : n_ <= kDirectMaxMembers   ? kDirectAlgo
+                                                 : kDoublingAlgo;
     algo_.push_back(algo);
+    doubling_.emplace_back();
+    if (algo == kDoublingAlgo) {
+      doubling_.back().plan = DoublingPlan::make(n_, self_);
+      doubling_.back().arrived.resize(doubling_.back().plan.stages.size());
+    }
     // Shared-memory buffers are copied straight into the region instead.
     if (algo != kShmAlgo) copyParts(buf, buf.data);
     shmOffset_.push_back(shmBytes_);
@@ -177,6 +184,11 @@ void Collective::initCounts() {
     if (algo_[b] == kDirectAlgo) {
       expectedReceives_ += n_ - 1;
       expectedSends_ += n_ - 1;
+      continue;
+    }
+    if (algo_[b] == kDoublingAlgo) {
+      expectedReceives_ += doubling_[b].plan.stages.size();
+      expectedSends_ += doubling_[b].plan.sends();
       continue;
     }
     auto& ring = rings_[b];
@@ -257,6 +269,15 @@ void Collective::start() {
         for (size_t dest = 0; dest != n_; ++dest) {
           if (dest != self_) send(dest, d, {whole});
         }
+        continue;
+      }
+      if (algo_[b] == kDoublingAlgo) {
+        if (auto first = doubling_[b].plan.first) sendDoubling(b, *first);
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          doubling_[b].busy = false;
+        }
+        advanceDoubling(b);
         continue;
       }
       for (size_t c = 0; c != rings_[b].chunks(self_); ++c)
@@ -529,7 +550,7 @@ void Collective::onMessage(const std::string& from, const CollectiveMessage& m,
                        members_[self_], "' differ"),
                 true);
   }
-  if (m.phase >= CollectiveMessage::kShmReady) {
+  if (m.phase >= CollectiveMessage::kShmReady && m.phase <= CollectiveMessage::kShmDone) {
     if (!hasShm_ || m.numBuffers != buffers_.size() || m.bufferBytes != shmLayout_) {
       return fail(concat(describe(), " failed: members passed different data (member '", from,
                          "' has another number, size or type of buffers)"),
@@ -549,14 +570,85 @@ void Collective::onMessage(const std::string& from, const CollectiveMessage& m,
                " buffer(s), that one being ", mine),
         true);
   }
-  bool wantDirect = m.phase == CollectiveMessage::kDirect;
-  if (wantDirect != (algo_[m.buffer] == kDirectAlgo) || algo_[m.buffer] == kShmAlgo ||
-      data.size() != 1) {
+  auto algo = m.phase == CollectiveMessage::kDirect     ? kDirectAlgo
+              : m.phase == CollectiveMessage::kDoubling ? kDoublingAlgo
+                                                        : kRingAlgo;
+  if (algo != algo_[m.buffer] || data.size() != 1) {
     return fail(concat(describe(), " failed: member '", from, "' sent an unexpected message"),
                 true);
   }
-  if (wantDirect) return onDirect(m, std::move(data));
+  if (algo == kDirectAlgo) return onDirect(m, std::move(data));
+  if (algo == kDoublingAlgo) return onDoubling(m, std::move(data[0]));
   onRing(m, data[0]);
+}
+
+void Collective::onDoubling(const CollectiveMessage& m, BufferPtr data) {
+  auto& d = doubling_[m.buffer];
+  size_t stage = d.plan.stageOf(m.step);
+  bool ok = stage < d.plan.stages.size() && d.plan.stages[stage].peer == m.source &&
+            data->size() == buffers_[m.buffer].bytes;
+  if (ok) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ok = stage >= d.next && !d.arrived[stage];
+    if (ok) d.arrived[stage] = std::move(data);
+  }
+  if (!ok) {
+    return fail(concat(describe(), " failed: member '", members_[m.source],
+                       "' sent an unexpected part (recursive doubling step ", m.step, ")"),
+                true);
+  }
+  advanceDoubling(m.buffer);
+}
+
+void Collective::advanceDoubling(size_t buffer) {
+  auto& d = doubling_[buffer];
+  auto& buf = buffers_[buffer];
+  size_t count = buf.bytes / dtypeSize(buf.dtype);
+  for (;;) {
+    BufferPtr theirs;
+    const DoublingPlan::Stage* stage;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finished_ || d.busy || d.next == d.plan.stages.size() || !d.arrived[d.next]) return;
+      d.busy = true;
+      theirs = std::move(d.arrived[d.next]);
+      stage = &d.plan.stages[d.next];
+    }
+    if (stage->kind == DoublingPlan::kUnfold) {
+      std::memcpy(buf.data, theirs->data(), buf.bytes);
+    } else if (stage->kind == DoublingPlan::kFold || self_ < stage->peer) {
+      sumInto(buf.dtype, buf.data, theirs->data(), count);
+    } else {
+      // The lower member's partial sum comes first on both sides of a pair.
+      sumInto(buf.dtype, theirs->data(), buf.data, count);
+      std::memcpy(buf.data, theirs->data(), buf.bytes);
+    }
+    if (stage->then) sendDoubling(buffer, *stage->then);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++d.next;
+      d.busy = false;
+    }
+    received();
+  }
+}
+
+void Collective::sendDoubling(size_t buffer, DoublingPlan::Send to) {
+  auto& buf = buffers_[buffer];
+  CollectiveMessage m;
+  m.key = key_;
+  m.mode = mode_;
+  m.phase = CollectiveMessage::kDoubling;
+  m.source = uint32_t(self_);
+  m.numMembers = uint32_t(n_);
+  m.numBuffers = uint32_t(buffers_.size());
+  m.buffer = uint32_t(buffer);
+  m.step = to.step;
+  m.dtype = uint8_t(buf.dtype);
+  m.bufferBytes = buf.bytes;
+  // A copy: this member goes on adding into its buffer while the send is out.
+  auto copy = copyToBuffer(OutSegment{buf.data, buf.bytes, nullptr});
+  send(to.peer, m, {OutSegment{copy->data(), copy->size(), copy}});
 }
 
 void Collective::onDirect(const CollectiveMessage& m, std::vector<BufferPtr> data) {
@@ -719,8 +811,20 @@ void Collective::onDeadline(double seconds) {
     // state shows only through it.
     ring = !algo_.empty() &&
            std::all_of(algo_.begin(), algo_.end(), [](auto a) { return a == kRingAlgo; });
+    // The members this one hears from directly: all but on a ring (its left
+    // neighbour) or by recursive doubling (its partners).
+    std::vector<bool> direct(n_, algo_.empty());
+    for (size_t b = 0; b != algo_.size(); ++b) {
+      if (algo_[b] == kRingAlgo) {
+        direct[left()] = true;
+      } else if (algo_[b] == kDoublingAlgo) {
+        for (auto& stage : doubling_[b].plan.stages) direct[stage.peer] = true;
+      } else {
+        direct.assign(n_, true);
+      }
+    }
     for (size_t i = 0; i != n_; ++i) {
-      bool expected = !ring || i == left();
+      bool expected = direct[i];
       if (i == self_ || (expected && heard_[i])) continue;
       auto& list = expected ? silent : others;
       list += concat(list.empty() ? "" : ", ", "'", members_[i], "'");
@@ -731,8 +835,9 @@ void Collective::onDeadline(double seconds) {
   if (!silent.empty()) {
     why = concat("waiting for member(s) ", silent,
                  " (they have not started it with this name, or are stuck)");
-  } else if (ring && !others.empty()) {
-    why = concat("the ring stalled: one of ", others, " has not started it or is stuck");
+  } else if (!others.empty()) {
+    why = concat(ring ? "the ring stalled" : "a partner's partial sum never came", ": one of ",
+                 others, " has not started it or is stuck");
   } else {
     why = "every member started it but it did not complete (messages lost?)";
   }

@@ -2,9 +2,12 @@
 // seen by one member: what it sends, what it expects, and when it is done.
 //
 // Sum all-reduce of a typed buffer:
-// - small buffers go "direct": every member sends its buffer to every other,
-//   and each sums all contributions in member order, so results are
-//   bitwise identical everywhere in one hop;
+// - small buffers go "direct" among few members: every member sends its
+//   buffer to every other, and each sums all contributions in member order,
+//   so results are bitwise identical everywhere in one hop; among more, by
+//   recursive doubling (doubling.h): log2(N) exchanges a member, each pair
+//   adding the lower member's partial sum to the higher one's, so both get
+//   the same bits;
 // - larger ones go round a ring: reduce-scatter then all-gather over N
 //   segments, each cut into chunks that are forwarded as soon as they are
 //   reduced (pipelined), so each member sends and receives about 2(N-1)/N of
@@ -32,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "doubling.h"
 #include "future.h"
 #include "reduce.h"
 #include "rpc.h"
@@ -71,7 +75,8 @@ struct CollectiveMessage {
     kAllGather = 3,
     kShmReady = 4,
     kShmReduced = 5,
-    kShmDone = 6
+    kShmDone = 6,
+    kDoubling = 7  // step: see DoublingPlan
   };
   uint8_t kind = kData;
   OpKey key;
@@ -152,6 +157,10 @@ class Collective : public std::enable_shared_from_this<Collective> {
   void onRing(const CollectiveMessage& m, const BufferPtr& data);
   void onDirect(const CollectiveMessage& m, std::vector<BufferPtr> data);
   void onShm(const CollectiveMessage& m);
+  void onDoubling(const CollectiveMessage& m, BufferPtr data);
+  // Does the buffer's doubling stages whose messages are here, in order.
+  void advanceDoubling(size_t buffer);
+  void sendDoubling(size_t buffer, DoublingPlan::Send to);
   void sendShm(uint8_t phase, const RegionRef& region);
   // With mutex_ held: starts a shared-memory step once ready, at most once.
   bool claimShmStep(bool& started, bool ready, std::shared_ptr<OwnRegion>& own,
@@ -178,9 +187,18 @@ class Collective : public std::enable_shared_from_this<Collective> {
   const uint64_t structure_ = 0;
   std::vector<TypedBuffer> buffers_;
   std::vector<OutSegment> gatherSegments_;
-  enum Algorithm : uint8_t { kDirectAlgo, kRingAlgo, kShmAlgo };
+  enum Algorithm : uint8_t { kDirectAlgo, kRingAlgo, kShmAlgo, kDoublingAlgo };
   std::vector<Algorithm> algo_;  // per buffer
   std::vector<Ring> rings_;
+  struct Doubling {
+    DoublingPlan plan;
+    std::vector<BufferPtr> arrived;  // by stage
+    size_t next = 0;                 // the stage to do next
+    // A thread is doing one; also until start() sent this member's own part
+    // (a partner's part may come first, and must not be added to it).
+    bool busy = true;
+  };
+  std::vector<Doubling> doubling_;  // per buffer (used by kDoublingAlgo ones)
   SendFn sendFn_;
   FuturePtr future_ = std::make_shared<FutureState>();
 
