@@ -225,7 +225,9 @@ def fit_layout(rows: list[dict], layout: str, cores: int, code: str, interval: f
     # A4: cpu = N/I (c_ping + c_name N).
     ns, cpu = pairs(lambda r: r.get("broker_cpu_idle"))
     a = np.array([[n / interval, n * n / interval] for n in ns])
-    fit.c_ping, fit.c_name = (float(v) for v in nnls(a * [1e3, 1e5], np.array(cpu)) * [1e3, 1e5])
+    fit.c_ping, fit.c_name = (
+        float(v) for v in nnls(a * [1e-4, 1e-6], np.array(cpu)) * [1e-4, 1e-6]
+    )
     links = {r["peers"]: run_links(r["peers"], layout, code) for r in rows}
     _, fds = pairs(lambda r: light(r, "fds"))
     _, rss = pairs(lambda r: light(r, "rss_mib"))
