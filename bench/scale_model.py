@@ -2,7 +2,7 @@
 fitted to bench/scale.py's 8 and 16 peer rows and checked against its 32 and 64.
 
 Usage: python bench/scale_model.py [--json PATH] [--code new|old] [--report PATH]
-       [--cores-per-host 8] [--link-gbit 10] [--latency-us 50] [--churn-per-peer-hour 1]
+       [--link-gbit 10] [--latency-us 50] [--churn-per-peer-hour 1]
 
 --json     a scale.py result (``--json`` there); default /tmp/scale-new.json, else
            /tmp/scale-full.json.
@@ -47,8 +47,8 @@ A4 Broker: every member pings once an interval I = min(timeout/8, 1 s); an
 A5 Descriptors and memory per peer: f0 + f_link x links, r0 + r_link x links,
    links: the distinct members a peer exchanged with over the run's
    all-reduces (links are dialed lazily); fitted from 8 and 16. Threads: constant.
-A6 Deployment (the 256 and 1,024 figures): one peer per host, --cores-per-host
-   cores, links of --link-gbit, one-way latency --latency-us, the broker on a
+A6 Deployment (the 256 and 1,024 figures): one peer per host, its cores its
+   own, links of --link-gbit, one-way latency --latency-us, the broker on a
    host of its own. What carries over from this machine: c_msg, c_byte, c_ping,
    c_name (CPU seconds of the same code; fitted under this machine's load, so
    likely high) and f_link, r_link (per link, from netns: TCP as between hosts).
@@ -314,7 +314,6 @@ def check(
 class Deployment:
     """The hypothetical hosts of A6."""
 
-    cores_per_host: int = 8
     link_Bps: float = 10e9 / 8
     latency_s: float = 50e-6
     churn_per_peer_hour: float = 1.0
@@ -416,7 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="a bench/scale.py --json result")
     parser.add_argument("--code", choices=sorted(DIRECT_MAX), default="new")
     parser.add_argument("--report", help="write the fit, check and predictions as JSON")
-    parser.add_argument("--cores-per-host", type=int, default=8)
     parser.add_argument("--link-gbit", type=float, default=10.0)
     parser.add_argument("--latency-us", type=float, default=50.0)
     parser.add_argument("--churn-per-peer-hour", type=float, default=1.0)
@@ -426,10 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = int(settings.get("cores") or 1)
     interval = min(float(settings.get("group_timeout", 10.0)) / 8, 1.0)
     tick = 0.01 / (3.0 if settings.get("quick") else 6.0)  # scale.py's idle window
-    dep = Deployment(
-        args.cores_per_host, args.link_gbit * 1e9 / 8, args.latency_us * 1e-6,
-        args.churn_per_peer_hour,
-    )  # fmt: skip
+    dep = Deployment(args.link_gbit * 1e9 / 8, args.latency_us * 1e-6, args.churn_per_peer_hour)
 
     print(f"scale model of {path} (code: {args.code}, direct sums among <= "
           f"{DIRECT_MAX[args.code]}), fitted on N = 8, 16; {cores} cores, ping interval "
@@ -471,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = fits.get("netns") or next(iter(fits.values()))
     print(f"\n## predictions at {', '.join(map(str, PREDICT_N))} peers (deployment, A6: one "
-          f"peer per host, {dep.cores_per_host} cores, {args.link_gbit:g} Gbit/s, "
+          f"peer per host, {args.link_gbit:g} Gbit/s, "
           f"{args.latency_us:g} us one way, churn {dep.churn_per_peer_hour:g}/peer/hour; "
           f"unit costs from the {base.layout} fit)")  # fmt: skip
     preds = {n: deploy(base, dep, n, interval) for n in PREDICT_N}
