@@ -96,8 +96,15 @@ struct Broker::State {
     std::shared_ptr<Responder> responder;
     uint64_t id;
   };
-  // Answers to send once the lock is released.
-  using Answers = std::vector<std::pair<std::shared_ptr<Responder>, BrokerReply>>;
+  // Answers to send once the lock is released: encoded replies, one shared by
+  // all of a group's held pings (the list of N names is encoded once per
+  // change, not once per member).
+  using Encoded = std::shared_ptr<const std::string>;
+  using Answers = std::vector<std::pair<std::shared_ptr<Responder>, Encoded>>;
+
+  static Encoded encode(const BrokerReply& reply) {
+    return std::make_shared<const std::string>(reply.encode());
+  }
 
   explicit State(std::weak_ptr<Rpc> rpc) : rpc(std::move(rpc)) {}
 
@@ -109,8 +116,7 @@ struct Broker::State {
   uint64_t nextHoldId = 0;
 
   static void send(Answers answers) {
-    for (auto& [responder, reply] : answers) {
-      auto encoded = std::make_shared<std::string>(reply.encode());
+    for (auto& [responder, encoded] : answers) {
       responder->reply({OutSegment{reinterpret_cast<const uint8_t*>(encoded->data()),
                                    encoded->size(), encoded}});
     }
@@ -132,7 +138,7 @@ struct Broker::State {
     auto it = held.find(name);
     if (it == held.end()) return;
     auto g = groups.find(name);
-    BrokerReply reply = g == groups.end() ? BrokerReply{} : current(g->second);
+    auto reply = encode(g == groups.end() ? BrokerReply{} : current(g->second));
     for (auto& h : it->second) out.emplace_back(std::move(h.responder), reply);
     held.erase(it);
   }
@@ -149,7 +155,7 @@ struct Broker::State {
       if (h == list.end()) return;
       auto g = groups.find(name);
       answers.emplace_back(std::move(h->responder),
-                           g == groups.end() ? BrokerReply{} : current(g->second));
+                           encode(g == groups.end() ? BrokerReply{} : current(g->second)));
       list.erase(h);
       if (list.empty()) held.erase(it);
     }
@@ -245,7 +251,7 @@ struct Broker::State {
       std::lock_guard<std::mutex> lock(mutex);
       auto reply = handleLocked(responder->peer(), q, answers);
       if (reply) {
-        answers.emplace_back(std::move(responder), std::move(*reply));
+        answers.emplace_back(std::move(responder), encode(*reply));
       } else {
         uint64_t id = ++nextHoldId;
         held[q.group].push_back({std::move(responder), id});
