@@ -442,6 +442,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def last_resources(soak: Soak) -> dict[str, Any]:
+    """The newest sample with the processes' resources (taken every fifth sample)."""
+    return next(s for s in reversed(soak.samples) if "procs" in s)
+
+
 def run_soak(args: argparse.Namespace, out: Path, faults: bool) -> dict[str, Any]:
     """One run (with or without faults) and its report."""
     savedir = out / ("soak" if faults else "baseline") / "run"
@@ -461,7 +466,7 @@ def run_soak(args: argparse.Namespace, out: Path, faults: bool) -> dict[str, Any
         formed = soak.wait_for_group(args.form_timeout)
         soak.event("group_formed", after_s=round(formed, 1))
         time.sleep(2 * args.log_interval + 5)  # a resource sample of the whole group
-        before = soak.samples[-1] if "procs" in soak.samples[-1] else soak.samples[-5]
+        before = last_resources(soak)
         shm_before = shm_entries()
         faults_start = soak.now()
         kinds: list[str] = []
@@ -509,7 +514,7 @@ def run_soak(args: argparse.Namespace, out: Path, faults: bool) -> dict[str, Any
             time.sleep(1)
         while soak.now() - faults_end < settle:
             time.sleep(1)
-        after = next(s for s in reversed(soak.samples) if "procs" in s)
+        after = last_resources(soak)
         shm_after = shm_entries()
         code = soak.stop_run()
         soak.event("run_stopped", exit=code)
