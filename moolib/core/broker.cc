@@ -90,12 +90,6 @@ struct Broker::State {
     TimePoint formedAt;
   };
 
-  // A ping held until its group's membership changes (see
-  // BrokerRequest::knownSyncId), or until its timer answers it.
-  struct Held {
-    std::shared_ptr<Responder> responder;
-    uint64_t id;
-  };
   // Answers to send once the lock is released: encoded replies, one shared by
   // all of a group's held pings (the list of N names is encoded once per
   // change, not once per member).
@@ -111,7 +105,9 @@ struct Broker::State {
   const std::weak_ptr<Rpc> rpc;
   std::mutex mutex;
   std::map<std::string, Group> groups;
-  std::map<std::string, std::vector<Held>> held;  // by group
+  // Pings held until their group's membership changes (see
+  // BrokerRequest::knownSyncId) or their timer answers them: by group, by id.
+  std::map<std::string, std::map<uint64_t, std::shared_ptr<Responder>>> held;
   uint64_t nextJoinSeq = 0;
   uint64_t nextHoldId = 0;
 
@@ -132,14 +128,18 @@ struct Broker::State {
     return reply;
   }
 
-  // Answers the group's held pings with its membership now (none if the
-  // group is gone).
+  // The group's membership now, encoded (none if the group is gone).
+  Encoded encodedNow(const std::string& name) const {
+    auto g = groups.find(name);
+    return encode(g == groups.end() ? BrokerReply{} : current(g->second));
+  }
+
+  // Answers the group's held pings with its membership now.
   void wake(const std::string& name, Answers& out) {
     auto it = held.find(name);
     if (it == held.end()) return;
-    auto g = groups.find(name);
-    auto reply = encode(g == groups.end() ? BrokerReply{} : current(g->second));
-    for (auto& h : it->second) out.emplace_back(std::move(h.responder), reply);
+    auto reply = encodedNow(name);
+    for (auto& [id, responder] : it->second) out.emplace_back(std::move(responder), reply);
     held.erase(it);
   }
 
@@ -150,26 +150,25 @@ struct Broker::State {
       std::lock_guard<std::mutex> lock(mutex);
       auto it = held.find(name);
       if (it == held.end()) return;
-      auto& list = it->second;
-      auto h = std::find_if(list.begin(), list.end(), [&](const Held& x) { return x.id == id; });
-      if (h == list.end()) return;
-      auto g = groups.find(name);
-      answers.emplace_back(std::move(h->responder),
-                           encode(g == groups.end() ? BrokerReply{} : current(g->second)));
-      list.erase(h);
-      if (list.empty()) held.erase(it);
+      auto h = it->second.find(id);
+      if (h == it->second.end()) return;  // woken by a change meanwhile
+      answers.emplace_back(std::move(h->second), encodedNow(name));
+      it->second.erase(h);
+      if (it->second.empty()) held.erase(it);
     }
     send(std::move(answers));
   }
 
   void closeHeld() {
-    std::map<std::string, std::vector<Held>> all;
+    decltype(held) all;
     {
       std::lock_guard<std::mutex> lock(mutex);
       all.swap(held);
     }
-    for (auto& [name, list] : all) {
-      for (auto& h : list) h.responder->error("the broker is closed", ErrorCode::kFailed);
+    for (auto& [name, pings] : all) {
+      for (auto& [id, responder] : pings) {
+        responder->error("the broker is closed", ErrorCode::kFailed);
+      }
     }
   }
 
@@ -254,7 +253,7 @@ struct Broker::State {
         answers.emplace_back(std::move(responder), encode(*reply));
       } else {
         uint64_t id = ++nextHoldId;
-        held[q.group].push_back({std::move(responder), id});
+        held[q.group].emplace(id, std::move(responder));
         std::weak_ptr<State> weak = self;
         auto hold = std::chrono::duration_cast<Clock::duration>(
             std::chrono::duration<double>(pingIntervalSeconds(q.timeoutSeconds)));

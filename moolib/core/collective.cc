@@ -260,11 +260,7 @@ void Collective::start() {
     for (size_t b = 0; b != buffers_.size(); ++b) {
       if (algo_[b] == kShmAlgo) continue;
       if (algo_[b] == kDirectAlgo) {
-        CollectiveMessage d = m;
-        d.numBuffers = uint32_t(buffers_.size());
-        d.buffer = uint32_t(b);
-        d.dtype = uint8_t(buffers_[b].dtype);
-        d.bufferBytes = buffers_[b].bytes;
+        auto d = bufferMessage(CollectiveMessage::kDirect, b);
         auto whole = view(b, 0, buffers_[b].bytes / dtypeSize(buffers_[b].dtype));
         for (size_t dest = 0; dest != n_; ++dest) {
           if (dest != self_) send(dest, d, {whole});
@@ -496,8 +492,7 @@ void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> 
   });
 }
 
-void Collective::sendChunk(uint8_t phase, size_t buffer, size_t step, size_t segment,
-                           size_t chunk) {
+CollectiveMessage Collective::bufferMessage(uint8_t phase, size_t buffer) const {
   CollectiveMessage m;
   m.key = key_;
   m.mode = mode_;
@@ -506,11 +501,17 @@ void Collective::sendChunk(uint8_t phase, size_t buffer, size_t step, size_t seg
   m.numMembers = uint32_t(n_);
   m.numBuffers = uint32_t(buffers_.size());
   m.buffer = uint32_t(buffer);
+  m.dtype = uint8_t(buffers_[buffer].dtype);
+  m.bufferBytes = buffers_[buffer].bytes;
+  return m;
+}
+
+void Collective::sendChunk(uint8_t phase, size_t buffer, size_t step, size_t segment,
+                           size_t chunk) {
+  auto m = bufferMessage(phase, buffer);
   m.step = uint32_t(step);
   m.segment = uint32_t(segment);
   m.chunk = uint32_t(chunk);
-  m.dtype = uint8_t(buffers_[buffer].dtype);
-  m.bufferBytes = buffers_[buffer].bytes;
   auto [begin, end] = rings_[buffer].chunkRange(segment, chunk);
   send(right(), m, {view(buffer, begin, end)});
 }
@@ -635,17 +636,8 @@ void Collective::advanceDoubling(size_t buffer) {
 
 void Collective::sendDoubling(size_t buffer, DoublingPlan::Send to) {
   auto& buf = buffers_[buffer];
-  CollectiveMessage m;
-  m.key = key_;
-  m.mode = mode_;
-  m.phase = CollectiveMessage::kDoubling;
-  m.source = uint32_t(self_);
-  m.numMembers = uint32_t(n_);
-  m.numBuffers = uint32_t(buffers_.size());
-  m.buffer = uint32_t(buffer);
+  auto m = bufferMessage(CollectiveMessage::kDoubling, buffer);
   m.step = to.step;
-  m.dtype = uint8_t(buf.dtype);
-  m.bufferBytes = buf.bytes;
   // A copy: this member goes on adding into its buffer while the send is out.
   auto copy = copyToBuffer(OutSegment{buf.data, buf.bytes, nullptr});
   send(to.peer, m, {OutSegment{copy->data(), copy->size(), copy}});

@@ -153,6 +153,8 @@ class Collective : public std::enable_shared_from_this<Collective> {
 
   void initCounts();
   void send(size_t dest, CollectiveMessage m, std::vector<OutSegment> data);
+  // A data message of one buffer: who sends it, and what the buffer is.
+  CollectiveMessage bufferMessage(uint8_t phase, size_t buffer) const;
   void sendChunk(uint8_t phase, size_t buffer, size_t step, size_t segment, size_t chunk);
   void onRing(const CollectiveMessage& m, const BufferPtr& data);
   void onDirect(const CollectiveMessage& m, std::vector<BufferPtr> data);
