@@ -32,7 +32,10 @@ For each N, beside a limit measured in the same run:
   kill       members all-reduce a 1 every 10 ms; after kill -9 of one: the time
              until every survivor has done so without it, beside the group timeout;
   join-state a new peer (started beforehand, idle) joins: the time until it
-             holds the leader's state (6.4 MB), beside state size / B;
+             holds the leader's state (6.4 MB), and the part of it after the
+             leader's set_state() call (serialize, send, the joiner's update()
+             taking it; before the call: membership, election and the
+             leader's loop), beside state size / B;
   costs      the broker's CPU (CPU seconds per second) while the group is idle
              and during the kill, each peer's RSS, descriptors and threads.
 
@@ -189,7 +192,8 @@ def peer_acc(peer: Peer, cmd: dict) -> dict:
     grads = [torch.full_like(p, 1e-3) for p in model.parameters()]
     t_ready = time.time()  # torch imported, model built: the join starts here
     steps: list[tuple[float, int]] = []
-    t_state = t_connected = None
+    t_state = t_connected = t_member = None
+    offers: list[tuple[float, float]] = []  # set_state() calls: (called, returned)
     members = 0
     error = None
     try:
@@ -199,9 +203,12 @@ def peer_acc(peer: Peer, cmd: dict) -> dict:
             count = len(group.members()) if group.active() else 0
             if count != members:
                 members = count
+                t_member = t_member or (time.time() if count else None)
                 emit({"ev": "members", "n": count, "t": time.time()})
             if acc.wants_state():
+                t_offer = time.time()
                 acc.set_state({"model": model.state_dict()})
+                offers.append((t_offer, time.time()))
             if acc.has_new_state():
                 model.load_state_dict(acc.state()["model"])
                 t_state = time.time()
@@ -210,7 +217,15 @@ def peer_acc(peer: Peer, cmd: dict) -> dict:
                 continue
             if t_connected is None:
                 t_connected = time.time()
-                emit({"ev": "connected", "t": t_connected, "t_state": t_state, "t_ready": t_ready})
+                emit(
+                    {
+                        "ev": "connected",
+                        "t": t_connected,
+                        "t_state": t_state,
+                        "t_ready": t_ready,
+                        "t_member": t_member,
+                    }
+                )
             if acc.has_gradients():
                 opt.step()
                 acc.zero_gradients()
@@ -234,6 +249,7 @@ def peer_acc(peer: Peer, cmd: dict) -> dict:
         "t_ready": t_ready,
         "t_state": t_state,
         "t_connected": t_connected,
+        "offers": offers,
         "steps": steps,
         "version": acc.model_version(),
         "error": error,
@@ -742,6 +758,8 @@ def accumulator_phase(
             p.send({"op": "stop"})
         done = collect(everyone, "acc_done", time.time() + 60 * wait_scale)
         entry.update(acc_rate(done, entry.get("window"), n))
+        if "join_state_s" in entry:
+            entry.update(join_breakdown(entry, done[:n]))
         errors = {d["error"] for d in done if d and d.get("error")}
         if errors:
             entry["member_errors"] = sorted(errors)[:3]
@@ -759,7 +777,25 @@ def join_state(joiner: Proc, cmd: dict, wait_scale: float) -> dict:
         # From the joiner's start (torch imported, model built) to the state in hand.
         "join_state_s": got["t_state"] - got["t_ready"],
         "join_command_s": got["t_state"] - t_join,
+        "join_member_s": (got["t_member"] or got["t_state"]) - got["t_ready"],
+        "t_state": got["t_state"],
         "state_bytes": (BIG_MODEL[0] * BIG_MODEL[1] + BIG_MODEL[1]) * 4,
+    }
+
+
+def join_breakdown(entry: dict, done: list[dict | None]) -> dict:
+    """Splits the joiner's wait at the leader's set_state() call: before it, the
+    membership, the election and the leader's loop coming round to
+    wants_state(); after it, what moolib does with the state (serialize, send,
+    the joiner's update() taking it), the part to set beside size / B."""
+    calls = [c for d in done if d for c in d.get("offers", []) if c[0] <= entry["t_state"]]
+    if not calls:
+        return {"join_error": "no member called set_state() before the joiner held the state"}
+    called, returned = max(calls)
+    return {
+        "join_offer_s": called - (entry["t_state"] - entry["join_state_s"]),
+        "join_transfer_s": entry["t_state"] - called,
+        "join_set_state_s": returned - called,
     }
 
 
@@ -832,7 +868,7 @@ def table(results: list[dict], settings: dict) -> str:
         "steps/s tiny (1/ar16B)",
         "steps/s 1.6M (1/ar6MiB)",
         "kill: next step s (timeout)",
-        "join: state s (size/B)",
+        "join: state s; from set_state ms (size/B)",
         "broker CPU idle/join/kill",
         "peer RSS (PSS) MiB light; torch",
         "peer fds",
@@ -864,7 +900,8 @@ def table(results: list[dict], settings: dict) -> str:
         state = "FAILED" if "join_error" in big else fmt(big.get("join_state_s"), 1, 2)
         bw = settings["bandwidth_Bps"][r["layout"]]
         size = (BIG_MODEL[0] * BIG_MODEL[1] + BIG_MODEL[1]) * 4
-        cells.append(f"{state} ({size / bw * 1e3:.1f} ms)")
+        moved = fmt(big.get("join_transfer_s"), 1e3)
+        cells.append(f"{state}; {moved} ({size / bw * 1e3:.1f} ms)")
         cpu = [r.get("broker_cpu_idle"), r.get("broker_cpu_join"), kill.get("broker_cpu")]
         cells.append("/".join(fmt(c, 1, 3) for c in cpu))
         light, heavy = r.get("light", {}), r.get("heavy", {})
