@@ -72,9 +72,7 @@ def run_model(tmp_path, results: list[dict], *args: str, **settings) -> tuple[st
 
 def status(report: dict, layout: str, n: int, figure: str) -> dict:
     return next(
-        c
-        for c in report["check"]
-        if (c["layout"], c["peers"], c["figure"]) == (layout, n, figure)
+        c for c in report["check"] if (c["layout"], c["peers"], c["figure"]) == (layout, n, figure)
     )
 
 
