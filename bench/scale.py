@@ -343,10 +343,11 @@ def stream_main(host: str, port: int, nbytes: int) -> None:
 # --- the network ---------------------------------------------------------------
 
 
-def _run(cmd: list[str], stdin: str | None = None) -> None:
+def _run(cmd: list[str], stdin: str | None = None) -> str:
     proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} failed: {proc.stderr.strip()[-2000:]}")
+    return proc.stdout
 
 
 def remove_network() -> None:
@@ -721,6 +722,16 @@ def measure_n(
     return res
 
 
+def source_commit() -> str | None:
+    """The moolib commit measured (with "+" if its tree had changes), for the results file."""
+    try:
+        head = _run(["git", "-C", _HERE, "rev-parse", "--short", "HEAD"]).strip()
+        dirty = _run(["git", "-C", _HERE, "status", "--porcelain", "--untracked-files=no"])
+    except (RuntimeError, OSError):
+        return None
+    return head + ("+" if dirty.strip() else "")
+
+
 def progress(res: dict, what: str) -> None:
     """A line on stderr as each phase ends: a long run shows where it is."""
     stamp = time.strftime("%H:%M:%S")
@@ -1017,6 +1028,7 @@ def main() -> None:
     results = []
     settings: dict[str, Any] = {
         "cores": os.cpu_count(),
+        "commit": source_commit(),
         "group_timeout": args.group_timeout,
         "quick": args.quick,
         "bandwidth_Bps": {},

@@ -61,6 +61,7 @@ def test_four_light_peers_on_one_host(scale: ModuleType, tmp_path) -> None:
     assert r["light"]["fds"]["max"] > 0 and r["light"]["threads"]["max"] > 0, r["light"]
     assert r["acc"] == {"skipped": "N > --acc-max 0 (torch peers' memory)"}
     assert results["settings"]["bandwidth_Bps"]["shm"] > 0
+    assert results["settings"]["commit"].rstrip("+"), results["settings"]  # what was measured
 
 
 def test_bad_arguments_are_refused_precisely() -> None:
