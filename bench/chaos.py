@@ -29,8 +29,10 @@ script checks and prints a report (also ``<out>/report.json``):
   ``--baseline-steps``), the group's mean return reached ``--target`` within
   ``--solve-factor`` times the baseline's steps;
 - ``whole``: within 60 s of the last fault every peer logs a full group;
-- ``resources``: the living processes, their descriptors and threads, and /dev/shm are
-  back to what they were before the first fault; RSS over the settle window is flat;
+- ``resources``: the living processes, their descriptors, threads and shared-memory
+  segments (memfds and /dev/shm files they map or hold) are back to what they were
+  before the first fault, and no /dev/shm file that one of the run's processes held
+  (seen every 5 s) is left with no living holder; RSS over the settle window is flat;
 - ``lost_steps``: env steps acted, offered as gradients and applied, summed over every
   peer process that ever ran (``env_steps``/``offered_steps`` of logs.tsv): what was not
   applied is counted, with a bound on what killed peers did after their last row.
@@ -61,6 +63,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # Loaded by path: bench/ on sys.path would hide the envpool library behind bench/envpool.py.
 _procs = runpy.run_path(os.path.join(_HERE, "procs.py"))
 descendants, proc_stats = _procs["descendants"], _procs["proc_stats"]
+shared_segments = _procs["shared_segments"]
 
 REPO = Path(__file__).resolve().parent.parent
 NS_PREFIX = "mchaos"
@@ -141,10 +144,6 @@ def peer_pids(run_pid: int) -> dict[int, int]:
     return peers
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
 # -- logs --------------------------------------------------------------------
 
 
@@ -204,6 +203,7 @@ class Soak:
     stopped: set[int] = field(default_factory=set)
     cut: set[int] = field(default_factory=set)
     faults_done: list[str] = field(default_factory=list)
+    dev_shm_seen: set[str] = field(default_factory=set)  # /dev/shm files the run held
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -272,6 +272,26 @@ class Soak:
         peers = peer_pids(self.run.pid)
         workers = {r: descendants(p) for r, p in peers.items()}
         return {"run": self.run.pid, "peers": peers, "workers": workers}
+
+    def pids(self) -> list[int]:
+        """Every living process of the run, the broker included."""
+        live = self.living()
+        pids = [live["run"], *live["peers"].values()]
+        pids += [w for ws in live["workers"].values() for w in ws]
+        return pids + ([self.broker.pid] if self.broker and self.broker.poll() is None else [])
+
+    def note_dev_shm(self) -> None:
+        """Remembers the /dev/shm files the run's processes hold now (moolib's own shared
+        memory is memfds, gone with their last holder; a library below may use files)."""
+        for pid in self.pids():
+            self.dev_shm_seen |= {
+                name for name, _ in shared_segments(pid) if name.startswith("/dev/shm/")
+            }
+
+    def orphaned_dev_shm(self) -> list[str]:
+        """/dev/shm files the run's processes held that still exist with no living holder."""
+        held = {name for pid in self.pids() for name, _ in shared_segments(pid)}
+        return sorted(n for n in self.dev_shm_seen - held if os.path.exists(n))
 
     def wait_for_group(self, timeout: float) -> float:
         """Seconds until every peer logged a full group; raises TimeoutError."""
@@ -346,7 +366,7 @@ class Soak:
                 if self.broker is not None:
                     procs["broker"] = proc_stats(self.broker.pid)
                 sample["procs"] = {k: v for k, v in procs.items() if v}
-                sample["shm"] = len(shm_entries())
+                self.note_dev_shm()
             self.samples.append(sample)
 
     # faults
@@ -467,7 +487,6 @@ def run_soak(args: argparse.Namespace, out: Path, faults: bool) -> dict[str, Any
         soak.event("group_formed", after_s=round(formed, 1))
         time.sleep(2 * args.log_interval + 5)  # a resource sample of the whole group
         before = last_resources(soak)
-        shm_before = shm_entries()
         faults_start = soak.now()
         kinds: list[str] = []
         end = faults_start + (args.duration if faults else 0)
@@ -515,7 +534,7 @@ def run_soak(args: argparse.Namespace, out: Path, faults: bool) -> dict[str, Any
         while soak.now() - faults_end < settle:
             time.sleep(1)
         after = last_resources(soak)
-        shm_after = shm_entries()
+        shm_left = soak.orphaned_dev_shm()
         code = soak.stop_run()
         soak.event("run_stopped", exit=code)
         time.sleep(2)
@@ -528,7 +547,7 @@ def run_soak(args: argparse.Namespace, out: Path, faults: bool) -> dict[str, Any
             whole_after=whole_after,
             before=before,
             after=after,
-            shm_new=sorted(shm_after - shm_before),
+            shm_left=shm_left,
             exit_code=code,
         )
     finally:
@@ -637,7 +656,7 @@ def analyse(soak: Soak, **seen: Any) -> dict[str, Any]:
         "ok": seen["whole_after"] is not None and seen["whole_after"] <= WHOLE_WITHIN,
         "after_s": seen["whole_after"],
     }
-    checks["resources"] = resources(soak, seen["before"], seen["after"], seen["shm_new"])
+    checks["resources"] = resources(soak, seen["before"], seen["after"], seen["shm_left"])
 
     # Lost steps: acted, offered and applied, over every peer process that ran.
     applied = max((c["steps"] for c in soak.checkpoints), default=0)
@@ -675,24 +694,25 @@ def analyse(soak: Soak, **seen: Any) -> dict[str, Any]:
 
 
 def resources(
-    soak: Soak, before: dict[str, Any], after: dict[str, Any], shm_new: list[str]
+    soak: Soak, before: dict[str, Any], after: dict[str, Any], shm_left: list[str]
 ) -> dict[str, Any]:
-    """Processes, descriptors and threads after the settle against before the faults;
-    the RSS trend over the settle window."""
+    """Processes, descriptors, threads and shared-memory segments after the settle
+    against before the faults; /dev/shm files the run's processes held that no living
+    one holds; the RSS trend over the settle window."""
     b, a = before["procs"], after["procs"]
     problems = []
     if sorted(b) != sorted(a):
         problems.append(f"processes {sorted(b)} before, {sorted(a)} after")
     totals = {}
-    for key in ("fds", "threads"):
+    for key in ("fds", "threads", "shm"):
         tb = sum(p[key] for p in b.values())
         ta = sum(p[key] for p in a.values())
         totals[key] = [tb, ta]
         # Spare loop workers linger 5 s and a peer's links come and go: a little slack.
         if ta > tb * 1.1 + 4 * len(b):
             problems.append(f"{key}: {tb} before, {ta} after")
-    if shm_new:
-        problems.append(f"/dev/shm entries left: {shm_new[:10]}")
+    if shm_left:
+        problems.append(f"/dev/shm files left by the run's processes: {shm_left[:10]}")
     # The baseline has no settle window (it stops at the target): its RSS is
     # still growing from the start then, and is not checked.
     window = soak.args.settle if soak.faults else 0.0
@@ -716,7 +736,7 @@ def resources(
         "ok": not problems,
         "problems": problems,
         "processes": [len(b), len(a)],
-        "fds_threads_before_after": totals,
+        "fds_threads_shm_before_after": totals,
         "rss_mib_first_last": [round(rss[0][1] / 2**20), round(rss[-1][1] / 2**20)]
         if rss
         else None,

@@ -32,8 +32,8 @@ def descendants(root: int | None = None) -> list[int]:
 
 
 def proc_stats(pid: int) -> dict[str, int | str] | None:
-    """RSS (bytes), open descriptors, threads and state letter of ``pid``; None if
-    it is gone."""
+    """RSS (bytes), open descriptors, shared-memory segments held (see
+    ``shared_segments``), threads and state letter of ``pid``; None if it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -43,6 +43,31 @@ def proc_stats(pid: int) -> dict[str, int | str] | None:
     return {
         "rss": int(fields.get("VmRSS", "0 kB").split()[0]) * 1024,
         "fds": fds,
+        "shm": len(shared_segments(pid)),
         "threads": int(fields["Threads"]),
         "state": fields["State"].split()[0],
     }
+
+
+def shared_segments(pid: int) -> set[tuple[str, int]]:
+    """The shared-memory segments ``pid`` maps or holds open, as (name, inode): memfds
+    (moolib's transport pools and group regions) and files under /dev/shm (torch,
+    multiprocessing). Empty if it is gone."""
+    found = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith(("/memfd:", "/dev/shm/")):
+                    found.add((parts[5].strip().removesuffix(" (deleted)"), int(parts[4])))
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(("/memfd:", "/dev/shm/")):
+                    inode = os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+                    found.add((target.removesuffix(" (deleted)"), inode))
+            except OSError:
+                continue  # closed meanwhile
+    except OSError:
+        return set()
+    return found

@@ -3,7 +3,8 @@ namespace of its own, 4 seeded faults in 2 minutes (kill -9 of a peer, of an env
 or of the broker, SIGSTOP of a peer, a partition), then every check of the soak:
 training went on, no model version went back or forked, checkpoints moved forward and
 load, the group is whole within a minute, processes, descriptors, threads and
-/dev/shm are back, and every step not applied is counted. docs/reliability.md has
+shared-memory segments are back (and no /dev/shm file of the run's is left without a
+holder), and every step not applied is counted. docs/reliability.md has
 the full soak. Needs root (ip netns); skipped otherwise."""
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def test_a_short_chaos_soak_loses_nothing(tmp_path):
     assert checks["versions"]["versions_agreeing"] > 10
     assert checks["checkpoints"]["written"] >= 3
     assert checks["lost_steps"]["applied"] > 0
+    # The env workers' shared memory was seen (memfds), before and after.
+    shm_before, shm_after = checks["resources"]["fds_threads_shm_before_after"]["shm"]
+    assert shm_before > 0 and shm_after > 0, checks["resources"]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # The namespaces and the bridge are gone.
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
