@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 
 import numpy as np
@@ -34,6 +35,7 @@ from helpers.group_util import all_reduce as run_all_reduce
 from helpers.util import DEADLINE, assert_same, wait_for
 
 import moolib
+from moolib.errors import MembershipChangedError
 
 pytestmark = pytest.mark.usefixtures("watchdog")
 
@@ -606,6 +608,165 @@ def test_many_members_sum_small_buffers_alike(make_rpc, local_broker, n):
         for key in ("floats", "halves"):
             assert r[key].numpy().tobytes() == results[0][key].numpy().tobytes(), key
         assert r["scalar"] == results[0]["scalar"]
+    for g in groups:
+        g.close()
+
+
+def _many_members(make_rpc, broker, n, group):
+    """n members of one group in this process, settled."""
+    groups = [_local_group(make_rpc, broker, f"{group}-{i}", group=group) for i in range(n)]
+    settle(groups)
+    return groups
+
+
+def _member_order(groups):
+    by_name = {g.rpc.get_name(): g for g in groups}
+    return [by_name[name] for name in groups[0].members()]
+
+
+def _gather_data(i):
+    """Member i's part of an all-gather: i % 4 out-of-band tensors of sizes
+    that differ between members (one segment each), so members send different
+    numbers of segments of different sizes."""
+    tensors = [
+        torch.arange(1100 + 37 * i + 5 * k, dtype=torch.float32) * (i + 1) for k in range(i % 4)
+    ]
+    return [(i, f"member {i}", tensors)]
+
+
+def _check_gathered(result, n):
+    assert [i for i, _, _ in result] == list(range(n))
+    for i, label, tensors in result:
+        expected = _gather_data(i)[0][2]
+        assert label == f"member {i}"
+        assert len(tensors) == len(expected)
+        for t, e in zip(tensors, expected, strict=True):
+            assert torch.equal(t, e), (i, t.shape, e.shape)
+
+
+@pytest.mark.parametrize("n", [3, 9, 11, 16])
+def test_many_members_gather_segments_of_every_size(make_rpc, local_broker, n):
+    """A custom op all-gathers every member's opaque segments (past 8 members
+    by Bruck's rounds: 11 members, whose last round carries fewer blocks, and
+    16, a power of two; 3 and 9 members one hop and one round past it):
+    members that send different numbers and sizes of segments all get every
+    member's, in member order, alike."""
+    groups = _member_order(_many_members(make_rpc, local_broker, n, f"gather{n}"))
+    for name in ("first", "second"):
+        handles = [
+            g.all_reduce(name, _gather_data(i), op=lambda a, b: a + b) for i, g in enumerate(groups)
+        ]
+        _wait_updating(groups, handles)
+        results = [h.result() for h in handles]
+        for r in results:
+            _check_gathered(r, n)
+    for g in groups:
+        g.close()
+
+
+def _collective_regions():
+    """The collectives' shared regions this process holds (their memfds)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:moolib-collective")
+        except OSError:
+            pass  # closed meanwhile
+    return count
+
+
+@pytest.mark.parametrize("n", [3, 9, 11, 16])
+def test_many_members_large_sums_through_shared_memory(make_rpc, local_broker, n):
+    """Past 8 members the shared-memory sum's rounds go by Bruck's all-gather
+    of the regions and two dissemination barriers: sums of 1 MiB and of an odd
+    size are right and bitwise identical on every member, and 20 of them back
+    to back reuse the members' regions (the "done" barrier retires each op, so
+    its region goes back to the member's cache instead of piling up)."""
+    groups = _member_order(_many_members(make_rpc, local_broker, n, f"shmsum{n}"))
+    rng = np.random.default_rng(n)
+    sizes = {"mib": 1 << 18, "odd": 300007}  # float32 elements: 1 MiB, and an odd count
+    data = [
+        {
+            k: torch.from_numpy(rng.standard_normal(size).astype(np.float32))
+            for k, size in sizes.items()
+        }
+        for _ in range(n)
+    ]
+    for step in range(20):
+        handles = [g.all_reduce("big", d) for g, d in zip(groups, data, strict=True)]
+        _wait_updating(groups, handles)
+        results = [h.result() for h in handles]
+        if step == 0:
+            for key in sizes:
+                exact = sum(d[key].double() for d in data)
+                assert torch.allclose(results[0][key].double(), exact, atol=1e-3), key
+        for r in results[1:]:
+            for key in sizes:
+                assert r[key].numpy().tobytes() == results[0][key].numpy().tobytes(), key
+        assert _collective_regions() > 0  # they went through shared memory
+    # Every op retires once every member is done reading: a member then holds
+    # the few regions its cache keeps (4), not one for each of the 20 ops.
+    wait_for(
+        lambda: _collective_regions() <= 4 * n,
+        what=f"at most {4 * n} collective regions (not one for each op of each member)",
+    )
+    for g in groups:
+        g.close()
+
+
+@pytest.mark.parametrize("when", ["started", "finished"])
+def test_many_members_shared_memory_sum_survives_a_member_leaving(make_rpc, local_broker, when):
+    """A member of 11 leaves (its Rpc closes) right after starting a
+    shared-memory sum, or once its own sum is done (the others may then wait
+    in the "done" barrier for rounds it was to pass on): each other member's
+    sum completes right or fails as a membership change, never hangs; the 10
+    left go on summing, and the ops cut short leave no region behind."""
+    groups = _member_order(_many_members(make_rpc, local_broker, 11, f"leaving-{when}"))
+    leaver = groups[5]
+    survivors = [g for g in groups if g is not leaver]
+    data = [torch.full((1 << 18,), float(i + 1)) for i in range(11)]
+    handles = [g.all_reduce("cut", d) for g, d in zip(groups, data, strict=True)]
+    if when == "finished":
+        _wait_updating(groups, [handles[5]])
+    leaver.close()
+    leaver.rpc.close()
+    _wait_updating(survivors, [h for g, h in zip(groups, handles, strict=True) if g is not leaver])
+    for g, h in zip(groups, handles, strict=True):
+        if g is leaver:
+            continue
+        if h.exception() is None:
+            assert torch.equal(h.result(), torch.full((1 << 18,), 66.0))
+        else:
+            assert isinstance(h.exception(), MembershipChangedError), h.exception()
+    settle(survivors)
+    for step in range(3):
+        handles = [g.all_reduce(f"after{step}", torch.ones(1 << 18)) for g in survivors]
+        _wait_updating(survivors, handles)
+        for h in handles:
+            assert torch.equal(h.result(), torch.full((1 << 18,), 10.0))
+    wait_for(
+        lambda: _collective_regions() <= 4 * len(survivors),
+        what="the regions of the ops cut short gone",
+    )
+    for g in survivors:
+        g.close()
+
+
+def test_many_members_gather_links_few_peers(make_rpc, local_broker):
+    """Bruck's all-gather among 16 members: each member sends to and hears from
+    4 others (2^k away, k < 4), so it links to at most 8 members and the broker,
+    not to all 15 others (a full mesh of descriptors as the group grows)."""
+    groups = _member_order(_many_members(make_rpc, local_broker, 16, "mesh16"))
+    for name in ("a", "b", "c"):
+        handles = [
+            g.all_reduce(name, _gather_data(i), op=lambda a, b: a + b) for i, g in enumerate(groups)
+        ]
+        _wait_updating(groups, handles)
+        for h in handles:
+            _check_gathered(h.result(), 16)
+    for g in groups:
+        linked = [p["name"] for p in g.rpc.debug_info()["peers"] if p["connections"]]
+        assert len(linked) <= 2 * 4 + 1, (g.rpc.get_name(), sorted(linked))
     for g in groups:
         g.close()
 

@@ -16,6 +16,35 @@ namespace {
 constexpr size_t kDirectMaxBytes = 64 << 10;
 constexpr size_t kDirectMaxMembers = 8;
 constexpr size_t kChunkBytes = 256 << 10;
+// A RegionRef on the wire.
+constexpr size_t kRefBytes = 24;
+
+void writeRef(Writer& w, const RegionRef& ref) {
+  w.u64(ref.id);
+  w.u32(ref.pid);
+  w.u32(ref.fd);
+  w.u64(ref.bytes);
+}
+
+RegionRef readRef(Reader& r) {
+  RegionRef ref;
+  ref.id = r.u64();
+  ref.pid = r.u32();
+  ref.fd = r.u32();
+  ref.bytes = r.u64();
+  return ref;
+}
+
+OutSegment ownedSegment(std::string bytes) {
+  auto held = std::make_shared<std::string>(std::move(bytes));
+  return OutSegment{reinterpret_cast<const uint8_t*>(held->data()), held->size(), held};
+}
+
+OutSegment outSegment(const BufferPtr& b) { return OutSegment{b->data(), b->size(), b}; }
+
+std::string_view bytesOf(const BufferPtr& b) {
+  return {reinterpret_cast<const char*>(b->data()), b->size()};
+}
 }  // namespace
 
 std::string CollectiveMessage::encode() const {
@@ -37,10 +66,7 @@ std::string CollectiveMessage::encode() const {
   w.u64(bufferBytes);
   w.u64(structure);
   w.str(error);
-  w.u64(region.id);
-  w.u32(region.pid);
-  w.u32(region.fd);
-  w.u64(region.bytes);
+  writeRef(w, region);
   w.u8(uint8_t(code));
   return w.take();
 }
@@ -65,10 +91,7 @@ CollectiveMessage CollectiveMessage::decode(std::string_view data) {
   m.bufferBytes = r.u64();
   m.structure = r.u64();
   m.error = r.str(64 << 10);
-  m.region.id = r.u64();
-  m.region.pid = r.u32();
-  m.region.fd = r.u32();
-  m.region.bytes = r.u64();
+  m.region = readRef(r);
   if (r.remaining() > 0) m.code = errorCodeFromWire(r.u8());
   if (m.code == ErrorCode::kOk) m.code = ErrorCode::kFailed;  // an abort is a failure
   if (m.kind != kData && m.kind != kAbort)
@@ -105,6 +128,7 @@ Collective::Collective(OpKey key, std::vector<std::string> members, size_t self,
       sendFn_(std::move(send)),
       regions_(std::move(regions)) {
   MOO_ENFORCE(self_ < n_, "this peer is not a member");
+  bruck_ = n_ > kDirectMaxMembers;
   uint64_t layout = 1469598103934665603ull;  // FNV-1a over what must match
   auto mix = [&](uint64_t v) { layout = (layout ^ v) * 1099511628211ull; };
   mix(n_);
@@ -149,6 +173,10 @@ Collective::Collective(OpKey key, std::vector<std::string> members, size_t self,
   shmLayout_ = layout;
   peerRegions_.resize(n_);
   contributions_.assign(buffers_.size(), std::vector<BufferPtr>(n_));
+  gathered_.resize(n_);
+  if (bruck_ && hasShm_) {
+    gatherRounds_ = reducedRounds_ = doneRounds_ = LogRounds(n_, self_);
+  }
   initCounts();
 }
 
@@ -159,25 +187,29 @@ Collective::Collective(OpKey key, std::vector<std::string> members, size_t self,
       self_(self),
       n_(members_.size()),
       mode_(CollectiveMessage::kGather),
-      gatherSegments_(std::move(segments)),
+      ownBlock_(std::move(segments)),
       sendFn_(std::move(send)) {
   MOO_ENFORCE(self_ < n_, "this peer is not a member");
-  MOO_ENFORCE(!gatherSegments_.empty(), "an all-gather needs at least one segment");
+  MOO_ENFORCE(!ownBlock_.empty(), "an all-gather needs at least one segment");
   gathered_.resize(n_);
+  bruck_ = n_ > kDirectMaxMembers;
+  if (bruck_) gatherRounds_ = LogRounds(n_, self_);
   initCounts();
 }
 
 void Collective::initCounts() {
   if (n_ == 1) return;
+  // One message from and to every other member, or one a round.
+  size_t perRound = bruck_ ? gatherRounds_.rounds() : n_ - 1;
   if (mode_ == CollectiveMessage::kGather) {
-    expectedReceives_ = expectedSends_ = n_ - 1;
+    expectedReceives_ = expectedSends_ = perRound;
     return;
   }
   if (hasShm_) {
-    // ready and reduced, to and from every other member; "done" messages
-    // only retire the op (see onShm) and are not waited for here.
-    expectedReceives_ += 2 * (n_ - 1);
-    expectedSends_ += 2 * (n_ - 1);
+    // ready and reduced; "done" messages only retire the op (see onShm) and
+    // are not waited for here.
+    expectedReceives_ += 2 * perRound;
+    expectedSends_ += 2 * perRound;
   }
   for (size_t b = 0; b != buffers_.size(); ++b) {
     if (algo_[b] == kShmAlgo) continue;
@@ -225,15 +257,19 @@ void Collective::start() {
     finish();
     return;
   }
-  CollectiveMessage m;
-  m.key = key_;
-  m.mode = mode_;
-  m.source = uint32_t(self_);
-  m.numMembers = uint32_t(n_);
   if (mode_ == CollectiveMessage::kGather) {
-    m.numBuffers = uint32_t(gatherSegments_.size());
-    for (size_t dest = 0; dest != n_; ++dest) {
-      if (dest != self_) send(dest, m, gatherSegments_);
+    if (bruck_) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        gatherRounds_.enter();
+      }
+      sendBruck();
+    } else {
+      auto m = message(CollectiveMessage::kDirect);
+      m.numBuffers = uint32_t(ownBlock_.size());
+      for (size_t dest = 0; dest != n_; ++dest) {
+        if (dest != self_) send(dest, m, ownBlock_);
+      }
     }
   } else {
     if (hasShm_) {
@@ -254,8 +290,18 @@ void Collective::start() {
         if (finished_) return;
         ownRegion_ = own;
         copiedIn_ = true;
+        if (bruck_) {
+          Writer w;
+          writeRef(w, own->ref());
+          ownBlock_ = {ownedSegment(w.take())};
+          gatherRounds_.enter();
+        }
       }
-      sendShm(CollectiveMessage::kShmReady, own->ref());
+      if (bruck_) {
+        sendBruck();
+      } else {
+        sendShm(CollectiveMessage::kShmReady, own->ref());
+      }
     }
     for (size_t b = 0; b != buffers_.size(); ++b) {
       if (algo_[b] == kShmAlgo) continue;
@@ -285,24 +331,126 @@ void Collective::start() {
 }
 
 void Collective::sendShm(uint8_t phase, const RegionRef& region) {
-  CollectiveMessage m;
-  m.key = key_;
-  m.mode = mode_;
-  m.phase = phase;
-  m.source = uint32_t(self_);
-  m.numMembers = uint32_t(n_);
-  m.numBuffers = uint32_t(buffers_.size());
-  m.bufferBytes = shmLayout_;
-  m.structure = structure_;
+  auto m = shmMessage(phase);
   m.region = region;
-  for (size_t dest = 0; dest != n_; ++dest) {
-    if (dest == self_) continue;
-    if (phase == CollectiveMessage::kShmDone) {
+  bool done = phase == CollectiveMessage::kShmDone;
+  auto post = [&](size_t dest) {
+    if (done) {
+      // Not waited for: it goes on after this op finished here (see onShm).
       sendFn_(members_[dest], m.encode(), {}, [](const Error&) {});
     } else {
       send(dest, m, {});
     }
+  };
+  if (!bruck_) {
+    for (size_t dest = 0; dest != n_; ++dest) {
+      if (dest != self_) post(dest);
+    }
+    return;
   }
+  auto& rounds = done ? doneRounds_ : reducedRounds_;
+  std::vector<size_t> steps;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failed_) return;
+    while (auto k = rounds.nextSend()) steps.push_back(*k);
+  }
+  for (size_t k : steps) {
+    m.step = uint32_t(k);
+    post(rounds.sendTo(k));
+  }
+}
+
+bool Collective::shmAllReduced() const {
+  return reducedHere_ && (bruck_ ? reducedRounds_.complete() : shmReduced_ == n_ - 1);
+}
+
+bool Collective::shmAllDone() const { return bruck_ ? doneRounds_.complete() : shmDone_ == n_ - 1; }
+
+void Collective::sendBruck() {
+  struct Out {
+    size_t dest;
+    uint32_t round;
+    std::vector<OutSegment> data;
+  };
+  std::vector<Out> outs;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_) return;
+    while (auto k = gatherRounds_.nextSend()) {
+      BlockHeader header;
+      std::vector<OutSegment> data(1);
+      for (size_t owner : gatherRounds_.blockOwners(self_, *k)) {
+        size_t before = data.size();
+        if (owner == self_) {
+          data.insert(data.end(), ownBlock_.begin(), ownBlock_.end());
+        } else {
+          for (auto& b : gathered_[owner]) data.push_back(outSegment(b));
+        }
+        header.blocks.push_back({uint32_t(owner), uint32_t(data.size() - before)});
+      }
+      data[0] = ownedSegment(header.encode());
+      outs.push_back({gatherRounds_.sendTo(*k), uint32_t(*k), std::move(data)});
+    }
+  }
+  for (auto& o : outs) {
+    auto m = mode_ == CollectiveMessage::kGather ? message(CollectiveMessage::kDirect)
+                                                 : shmMessage(CollectiveMessage::kShmReady);
+    m.step = o.round;
+    send(o.dest, m, std::move(o.data));
+  }
+}
+
+void Collective::onBruck(const CollectiveMessage& m, std::vector<BufferPtr> data) {
+  bool shm = mode_ == CollectiveMessage::kSum;
+  std::vector<std::pair<size_t, RegionRef>> refs;
+  bool ok;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ok = gatherRounds_.expects(m.step, m.source) && !data.empty();
+    std::vector<size_t> owners;
+    BlockHeader header;
+    if (ok) {
+      owners = gatherRounds_.blockOwners(m.source, m.step);
+      try {
+        header = BlockHeader::decode(bytesOf(data[0]), owners.size());
+      } catch (const WireError&) {
+        ok = false;
+      }
+      ok = ok && header.blocks.size() == owners.size();
+    }
+    size_t total = 1;
+    for (size_t i = 0; ok && i != owners.size(); ++i) {
+      auto& b = header.blocks[i];
+      ok = b.member == owners[i] && gathered_[owners[i]].empty() && b.segments >= 1 &&
+           b.segments <= data.size() - total && (!shm || b.segments == 1);
+      total += ok ? b.segments : 0;
+    }
+    ok = ok && total == data.size();
+    for (size_t i = 0, at = 1; ok && i != owners.size(); ++i) {
+      auto& slot = gathered_[owners[i]];
+      slot.assign(data.begin() + at, data.begin() + at + header.blocks[i].segments);
+      at += header.blocks[i].segments;
+      if (shm) {
+        ok = slot[0]->size() == kRefBytes;
+        if (!ok) break;
+        Reader r(bytesOf(slot[0]));
+        refs.emplace_back(owners[i], readRef(r));
+      }
+    }
+    if (ok) gatherRounds_.arrive(m.step);
+  }
+  if (!ok) {
+    return fail(concat(describe(), " failed: member '", members_[m.source],
+                       "' sent a duplicate or malformed part (round ", m.step, ")"),
+                true);
+  }
+  sendBruck();
+  for (auto& [member, ref] : refs) {
+    if (mapRegion(member, ref) == kFailed) return;
+  }
+  if (shm) maybeShmReduce();
+  received();
 }
 
 std::pair<size_t, size_t> Collective::slice(size_t buffer, size_t member) const {
@@ -310,59 +458,86 @@ std::pair<size_t, size_t> Collective::slice(size_t buffer, size_t member) const 
   return {count * member / n_, count * (member + 1) / n_};
 }
 
-void Collective::onShm(const CollectiveMessage& m) {
+Collective::Mapped Collective::mapRegion(size_t member, const RegionRef& ref) {
+  std::shared_ptr<const ShmRegion> region;
+  try {
+    MOO_ENFORCE(ref.bytes >= shmBytes_, "its region is smaller than the data");
+    region = regions_->map(ref);
+  } catch (const StaleRegionError& e) {
+    // Its owner dropped it, which it does when this collective failed there:
+    // not a lack of shared memory here. The failure's own reason is on its
+    // way (the owner's abort, the broker's membership change, or a send to
+    // a departed member failing); failing now would hide it. The deadline
+    // bounds the wait.
+    std::lock_guard<std::mutex> lock(mutex_);
+    staleRegion_ = concat(describe(), " failed: member '", members_[member],
+                          "' dropped its region before this member read it (its part ended "
+                          "there): ",
+                          e.what());
+    return kStale;
+  } catch (const std::exception& e) {
+    fail(Error(ErrorCode::kSharedMemoryUnavailable,
+               concat(describe(), " failed: cannot share memory with member '", members_[member],
+                      "': ", e.what())),
+         true);
+    return kFailed;
+  }
+  bool duplicate;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    duplicate = peerRegions_[member] != nullptr;
+    if (!duplicate) {
+      peerRegions_[member] = std::move(region);
+      ++shmReady_;
+    }
+  }
+  if (duplicate) {
+    fail(concat(describe(), " failed: member '", members_[member], "' is ready twice"), true);
+    return kFailed;
+  }
+  return kMapped;
+}
+
+void Collective::onShm(const CollectiveMessage& m, std::vector<BufferPtr> data) {
   if (m.phase == CollectiveMessage::kShmReady) {
-    std::shared_ptr<const ShmRegion> region;
-    try {
-      MOO_ENFORCE(m.region.bytes >= shmBytes_, "its region is smaller than the data");
-      region = regions_->map(m.region);
-    } catch (const StaleRegionError& e) {
-      // Its owner dropped it, which it does when this collective failed there:
-      // not a lack of shared memory here. The failure's own reason is on its
-      // way (the owner's abort, the broker's membership change, or a send to
-      // a departed member failing); failing now would hide it. The deadline
-      // bounds the wait.
-      std::lock_guard<std::mutex> lock(mutex_);
-      staleRegion_ = concat(describe(), " failed: member '", members_[m.source],
-                            "' dropped its region before this member read it (its part ended "
-                            "there): ",
-                            e.what());
-      return;
-    } catch (const std::exception& e) {
-      return fail(Error(ErrorCode::kSharedMemoryUnavailable,
-                        concat(describe(), " failed: cannot share memory with member '",
-                               members_[m.source], "': ", e.what())),
-                  true);
-    }
-    bool duplicate;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      duplicate = peerRegions_[m.source] != nullptr;
-      if (!duplicate) {
-        peerRegions_[m.source] = std::move(region);
-        ++shmReady_;
-      }
-    }
-    if (duplicate)
-      return fail(concat(describe(), " failed: member '", members_[m.source], "' is ready twice"),
-                  true);
+    if (bruck_) return onBruck(m, std::move(data));
+    // A stale region fails the op later (see mapRegion), not this message.
+    if (mapRegion(m.source, m.region) != kMapped) return;
     maybeShmReduce();
-  } else if (m.phase == CollectiveMessage::kShmReduced) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      ++shmReduced_;
-    }
-    maybeShmGather();
-  } else {
-    bool retire;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      retire = ++shmDone_ == n_ - 1 && finished_;
-    }
-    if (retire) this->retire();
+    received();
     return;
   }
-  received();
+  bool reduced = m.phase == CollectiveMessage::kShmReduced;
+  bool ok = true, retire = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (bruck_) {
+      auto& rounds = reduced ? reducedRounds_ : doneRounds_;
+      ok = rounds.expects(m.step, m.source);
+      if (ok) rounds.arrive(m.step);
+    } else {
+      ++(reduced ? shmReduced_ : shmDone_);
+    }
+  }
+  if (!ok) {
+    return fail(concat(describe(), " failed: member '", members_[m.source],
+                       "' sent an unexpected message (shared-memory phase ", int(m.phase),
+                       " round ", m.step, ")"),
+                true);
+  }
+  // Among many members, rounds this one was waiting for may go now; "done"
+  // ones even after the op finished here, since the others wait for them.
+  if (bruck_) sendShm(m.phase);
+  if (reduced) {
+    maybeShmGather();
+    received();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    retire = shmAllDone() && finished_;
+  }
+  if (retire) this->retire();
 }
 
 void Collective::retire() {
@@ -429,8 +604,9 @@ void Collective::maybeShmReduce() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     reducedHere_ = true;
+    reducedRounds_.enter();
   }
-  sendShm(CollectiveMessage::kShmReduced, {});
+  sendShm(CollectiveMessage::kShmReduced);
   maybeShmGather();
 }
 
@@ -439,7 +615,7 @@ void Collective::maybeShmGather() {
   std::vector<std::shared_ptr<const ShmRegion>> peers;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!claimShmStep(gatherStarted_, reducedHere_ && shmReduced_ == n_ - 1, own, peers)) return;
+    if (!claimShmStep(gatherStarted_, shmAllReduced(), own, peers)) return;
   }
   for (size_t b = 0; b != buffers_.size(); ++b) {
     if (algo_[b] != kShmAlgo) continue;
@@ -455,13 +631,13 @@ void Collective::maybeShmGather() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     gatheredHere_ = true;
+    doneRounds_.enter();
   }
-  sendShm(CollectiveMessage::kShmDone, {});
+  sendShm(CollectiveMessage::kShmDone);
   checkDone();
 }
 
 void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> data) {
-  m.structure = structure_;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (finished_) return;
@@ -492,13 +668,26 @@ void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> 
   });
 }
 
-CollectiveMessage Collective::bufferMessage(uint8_t phase, size_t buffer) const {
+CollectiveMessage Collective::message(uint8_t phase) const {
   CollectiveMessage m;
   m.key = key_;
   m.mode = mode_;
   m.phase = phase;
   m.source = uint32_t(self_);
   m.numMembers = uint32_t(n_);
+  m.structure = structure_;
+  return m;
+}
+
+CollectiveMessage Collective::shmMessage(uint8_t phase) const {
+  auto m = message(phase);
+  m.numBuffers = uint32_t(buffers_.size());
+  m.bufferBytes = shmLayout_;
+  return m;
+}
+
+CollectiveMessage Collective::bufferMessage(uint8_t phase, size_t buffer) const {
+  auto m = message(phase);
   m.numBuffers = uint32_t(buffers_.size());
   m.buffer = uint32_t(buffer);
   m.dtype = uint8_t(buffers_[buffer].dtype);
@@ -543,6 +732,7 @@ void Collective::onMessage(const std::string& from, const CollectiveMessage& m,
                 true);
   }
   if (mode_ == CollectiveMessage::kGather) {
+    if (bruck_) return onBruck(m, std::move(data));
     return onDirect(m, std::move(data));
   }
   if (m.structure != structure_) {
@@ -557,7 +747,7 @@ void Collective::onMessage(const std::string& from, const CollectiveMessage& m,
                          "' has another number, size or type of buffers)"),
                   true);
     }
-    return onShm(m);
+    return onShm(m, std::move(data));
   }
   if (m.numBuffers != buffers_.size() || m.buffer >= buffers_.size() ||
       m.dtype != uint8_t(buffers_[m.buffer].dtype) || m.bufferBytes != buffers_[m.buffer].bytes) {
@@ -728,8 +918,8 @@ void Collective::finish() {
     std::vector<BufferPtr> out{nullptr};
     for (size_t i = 0; i != n_; ++i) {
       if (i == self_) {
-        counts.u32(uint32_t(gatherSegments_.size()));
-        for (auto& s : gatherSegments_) out.push_back(copyToBuffer(s));
+        counts.u32(uint32_t(ownBlock_.size()));
+        for (auto& s : ownBlock_) out.push_back(copyToBuffer(s));
       } else {
         counts.u32(uint32_t(gathered_[i].size()));
         for (auto& s : gathered_[i]) out.push_back(s);
@@ -758,7 +948,7 @@ void Collective::finish() {
   bool retireNow;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    retireNow = !hasShm_ || n_ == 1 || shmDone_ == n_ - 1;
+    retireNow = !hasShm_ || n_ == 1 || shmAllDone();
   }
   std::vector<BufferPtr> results;
   for (auto& b : buffers_) results.push_back(b.result);
@@ -804,13 +994,20 @@ void Collective::onDeadline(double seconds) {
     ring = !algo_.empty() &&
            std::all_of(algo_.begin(), algo_.end(), [](auto a) { return a == kRingAlgo; });
     // The members this one hears from directly: all but on a ring (its left
-    // neighbour) or by recursive doubling (its partners).
-    std::vector<bool> direct(n_, algo_.empty());
+    // neighbour), by recursive doubling or by log rounds (its partners).
+    std::vector<bool> direct(n_, false);
+    auto gatherPartners = [&] {
+      if (!bruck_) return direct.assign(n_, true);
+      for (size_t p : gatherRounds_.partners()) direct[p] = true;
+    };
+    if (algo_.empty()) gatherPartners();
     for (size_t b = 0; b != algo_.size(); ++b) {
       if (algo_[b] == kRingAlgo) {
         direct[left()] = true;
       } else if (algo_[b] == kDoublingAlgo) {
         for (auto& stage : doubling_[b].plan.stages) direct[stage.peer] = true;
+      } else if (algo_[b] == kShmAlgo) {
+        gatherPartners();
       } else {
         direct.assign(n_, true);
       }
@@ -828,8 +1025,8 @@ void Collective::onDeadline(double seconds) {
     why = concat("waiting for member(s) ", silent,
                  " (they have not started it with this name, or are stuck)");
   } else if (!others.empty()) {
-    why = concat(ring ? "the ring stalled" : "a partner's partial sum never came", ": one of ",
-                 others, " has not started it or is stuck");
+    why = concat(ring ? "the ring stalled" : "a partner's message never came", ": one of ", others,
+                 " has not started it or is stuck");
   } else {
     why = "every member started it but it did not complete (messages lost?)";
   }
@@ -849,12 +1046,8 @@ void Collective::fail(const Error& error, bool broadcast) {
   cancelDeadline();
   MOO_LOG(kVerbose, error.what());
   if (broadcast && n_ > 1) {
-    CollectiveMessage m;
+    auto m = message(CollectiveMessage::kDirect);
     m.kind = CollectiveMessage::kAbort;
-    m.key = key_;
-    m.mode = mode_;
-    m.source = uint32_t(self_);
-    m.numMembers = uint32_t(n_);
     m.error = error.what();
     m.code = error.code();
     std::string meta = m.encode();

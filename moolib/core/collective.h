@@ -17,10 +17,20 @@
 //   buffers go through shared memory instead: each member copies its data
 //   into a region of its own, sums its 1/N slice straight from every
 //   member's region, and copies the summed slices of the others into its
-//   result; three rounds of tiny messages order the steps (ready, reduced,
-//   done), and no data goes through a socket.
-// All-gather (used for custom reduce ops, which run in Python) sends every
-// member's opaque segments to every other member.
+//   result; three rounds of tiny messages order the steps (ready: where each
+//   region is; reduced; done: nobody reads this member's region any more, so
+//   it may be reused), and no data goes through a socket. Among up to 8
+//   members each round goes from every member to every other (3N(N-1)
+//   messages); among more, "ready" is an all-gather of the regions' refs
+//   (below) and "reduced" and "done" are dissemination barriers (bruck.h:
+//   in round k a member tells i+2^k and waits for i-2^k), 3N*ceil(log2 N)
+//   messages in all.
+// All-gather (used for custom reduce ops, which run in Python, and the
+// Accumulator's election) sends every member's opaque segments to every
+// other member among up to 8 (N(N-1) messages), and among more goes by
+// Bruck's algorithm (bruck.h): ceil(log2 N) rounds, in each of which a member
+// passes the blocks it holds to the member 2^k after it, N*ceil(log2 N)
+// messages, each member talking to at most 2*ceil(log2 N) others.
 //
 // Messages are group calls; the receiver acknowledges each once it has taken
 // the data, so a sender knows its memory is no longer referenced. An op is
@@ -35,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "bruck.h"
 #include "doubling.h"
 #include "future.h"
 #include "reduce.h"
@@ -86,7 +97,7 @@ struct CollectiveMessage {
   uint32_t numMembers = 0;
   uint32_t numBuffers = 0;  // sum: buffers in the op; gather: the sender's segments
   uint32_t buffer = 0;
-  uint32_t step = 0;
+  uint32_t step = 0;  // also the round (bruck.h) among more than 8 members
   uint32_t segment = 0;
   uint32_t chunk = 0;
   uint8_t dtype = 0;
@@ -95,7 +106,9 @@ struct CollectiveMessage {
   // dtypes): equal flat sizes are not enough for the sum to mean anything.
   uint64_t structure = 0;
   std::string error;  // kAbort
-  RegionRef region;   // kShmReady
+  // kShmReady up to 8 members; among more, the refs are the blocks of an
+  // all-gather, in the data (see BlockHeader).
+  RegionRef region;
   // kAbort: the ErrorCode the op failed with. Encoded last, so that a peer
   // that predates it reads the rest; decoded as kFailed when absent.
   ErrorCode code = ErrorCode::kFailed;
@@ -153,17 +166,35 @@ class Collective : public std::enable_shared_from_this<Collective> {
 
   void initCounts();
   void send(size_t dest, CollectiveMessage m, std::vector<OutSegment> data);
+  // A message of this op: what it is and who sends it.
+  CollectiveMessage message(uint8_t phase) const;
   // A data message of one buffer: who sends it, and what the buffer is.
   CollectiveMessage bufferMessage(uint8_t phase, size_t buffer) const;
+  // A shared-memory round's message, with the layout every member must share.
+  CollectiveMessage shmMessage(uint8_t phase) const;
   void sendChunk(uint8_t phase, size_t buffer, size_t step, size_t segment, size_t chunk);
   void onRing(const CollectiveMessage& m, const BufferPtr& data);
   void onDirect(const CollectiveMessage& m, std::vector<BufferPtr> data);
-  void onShm(const CollectiveMessage& m);
+  void onShm(const CollectiveMessage& m, std::vector<BufferPtr> data);
+  // Among many members: a Bruck round of the all-gather (gather mode, or the
+  // shared-memory regions' refs), and sends the rounds it allows.
+  void onBruck(const CollectiveMessage& m, std::vector<BufferPtr> data);
+  void sendBruck();
+  // Maps a member's region (shm ready); a stale one is noted (the op fails
+  // later, with the reason that follows), any other failure fails the op.
+  enum Mapped : uint8_t { kMapped, kStale, kFailed };
+  Mapped mapRegion(size_t member, const RegionRef& ref);
   void onDoubling(const CollectiveMessage& m, BufferPtr data);
   // Does the buffer's doubling stages whose messages are here, in order.
   void advanceDoubling(size_t buffer);
   void sendDoubling(size_t buffer, DoublingPlan::Send to);
-  void sendShm(uint8_t phase, const RegionRef& region);
+  // Tells the others this member is ready (with its region), has reduced, or
+  // is done: each of them directly, or among many members the barrier's
+  // rounds that may go now.
+  void sendShm(uint8_t phase, const RegionRef& region = {});
+  // With mutex_ held: every member reduced, or is done reading.
+  bool shmAllReduced() const;
+  bool shmAllDone() const;
   // With mutex_ held: starts a shared-memory step once ready, at most once.
   bool claimShmStep(bool& started, bool ready, std::shared_ptr<OwnRegion>& own,
                     std::vector<std::shared_ptr<const ShmRegion>>& peers);
@@ -188,7 +219,13 @@ class Collective : public std::enable_shared_from_this<Collective> {
   const uint8_t mode_;
   const uint64_t structure_ = 0;
   std::vector<TypedBuffer> buffers_;
-  std::vector<OutSegment> gatherSegments_;
+  // This member's block of the all-gather: in gather mode the caller's
+  // segments; among many members with shared memory, its region's ref.
+  std::vector<OutSegment> ownBlock_;
+  // More than kDirectMaxMembers: the all-gather and the shared-memory rounds
+  // go by log rounds (bruck.h), not from every member to every other.
+  bool bruck_ = false;
+  LogRounds gatherRounds_, reducedRounds_, doneRounds_;
   enum Algorithm : uint8_t { kDirectAlgo, kRingAlgo, kShmAlgo, kDoublingAlgo };
   std::vector<Algorithm> algo_;  // per buffer
   std::vector<Ring> rings_;
@@ -226,8 +263,9 @@ class Collective : public std::enable_shared_from_this<Collective> {
   std::function<void()> onRetired_;
   bool copiedIn_ = false, reduceStarted_ = false, reducedHere_ = false, gatherStarted_ = false,
        gatheredHere_ = false;
-  // Direct sum: contributions[buffer][member]; gather: contributions[0..N)[segment].
+  // Direct sum: contributions[buffer][member].
   std::vector<std::vector<BufferPtr>> contributions_;
+  // The others' blocks of the all-gather, by member.
   std::vector<std::vector<BufferPtr>> gathered_;
 };
 
