@@ -1161,13 +1161,16 @@ class ReplayClient:
         ]
         keys = whole[offsets[-2] : offsets[-2] + batch_size * 8].view(torch.int64)
         probs = whole[offsets[-1] : offsets[-1] + batch_size * 8].view(torch.float64)
-        if len(pending.live) > 1:
-            total_mass = sum(s.mass for s in pending.live)
-            row = 0
-            for shard, count in zip(pending.live, pending.counts, strict=True):
+        # Tagged whenever the shard is not the first, even where it is the only
+        # live one (the others down).
+        total_mass = sum(s.mass for s in pending.live)
+        row = 0
+        for shard, count in zip(pending.live, pending.counts, strict=True):
+            if shard.index:
                 keys[row : row + count] |= shard.index << _SHARD_SHIFT
+            if len(pending.live) > 1:
                 probs[row : row + count] *= shard.mass / total_mass
-                row += count
+            row += count
         items = nest.pack_as(schema.structure, outs)
         return ReplaySample(items, keys, probs, _union_size(pending.live))
 
