@@ -47,9 +47,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ReplayClient", "ReplayError", "ShardUnavailableError", "serve"]
 
-# A client key: shard index in the top bits, the table's own key below.
-_SHARD_SHIFT = 48
+# A client key: shard index in the top bits, the table's own key (56 bits:
+# its incarnation, then its insertion counter) below.
+_SHARD_SHIFT = 56
 _LOCAL_MASK = (1 << _SHARD_SHIFT) - 1
+_MAX_SHARDS = 1 << (63 - _SHARD_SHIFT)
 # A shared-memory call's answer where the table's layout is not the one the
 # client laid its rows out for.
 _OTHER_LAYOUT = "other layout"
@@ -439,6 +441,11 @@ class ReplayClient:
             shards = [shards]
         if not shards:
             raise ValueError("ReplayClient needs at least one (peer, name) shard")
+        if len(shards) > _MAX_SHARDS:
+            raise ValueError(
+                f"ReplayClient takes at most {_MAX_SHARDS} shards (the bits of a key above "
+                f"the table's own), got {len(shards)}"
+            )
         for shard in shards:
             if not (isinstance(shard, (tuple, list)) and len(shard) == 2):
                 raise ValueError(f"ReplayClient: a shard is a (peer, name) pair, got {shard!r:.80}")
