@@ -16,7 +16,9 @@ is ``{"id": int64, "payload": uint8[P]}``, the id unique in the run
 keeps a ledger: for every insert, its ids, the keys acknowledged (with the
 shard in their top bits) or the error raised; for every sample, the keys and
 ids it got and when. Each shard says when it started, which checkpoint
-counter (its key tail) it restored, and when it was killed.
+counter (its insertion counter's tail) it restored, and when it was killed.
+A fresh shard saves its empty table before it serves, so every restart is a
+load, which gives the keys it hands out a new incarnation.
 
 What is checked, from the ledgers (all times are CLOCK_MONOTONIC, one clock
 for every process of the host):
@@ -24,9 +26,11 @@ for every process of the host):
 - every sampled item is the item its key was acknowledged for (or one whose
   insert raised), with its payload intact;
 - no sampled item comes from a dead shard's memory: an item acknowledged by
-  incarnation g of a shard with a key at or past the key tail that
-  incarnation g+1 restored existed only in g's memory, and is never sampled
-  after g+1 started;
+  incarnation g of a shard with an insertion counter (the key's low 40
+  bits) at or past the tail that incarnation g+1 restored existed only in
+  g's memory, and is never sampled after g+1 started;
+- no key is acknowledged twice (a restored shard hands out the keys of the
+  items it lost again only if its keys do not tell its incarnations apart);
 - every acknowledged insert is in its shard's table at the end
   (``update_priorities`` counts the keys present) or was lost with its shard
   (acknowledged after that shard's last checkpoint before it was killed):
@@ -63,8 +67,9 @@ from typing import Any
 
 import numpy as np
 
-SHIFT = 48  # a ReplayClient key: shard index in the top bits
+SHIFT = 56  # a ReplayClient key: shard index in the top bits
 LOCAL = (1 << SHIFT) - 1
+COUNTER = (1 << 40) - 1  # a table's key: its incarnation, then this insertion counter
 ID_SHIFT = 40  # an item id: client index in the top bits, its sequence number below
 RECOVERY_TARGET = 5.0
 RECOVERED_FRACTION = 0.8
@@ -108,9 +113,11 @@ def shard_main(args: argparse.Namespace) -> None:
         replay = moolib.Replay.load(path)
     else:
         replay = moolib.Replay(args.capacity, selector="uniform", seed=args.index)
+        # Before any key is handed out: a restart then loads, as a new incarnation.
+        replay.save(path)
     info = replay.info()
     replay.serve(rpc, "table")
-    # The key tail: keys are the insertion counter, so the table's next key.
+    # The tail: the insertion counter of the table's next item.
     print(f"READY {started} {now()} {info['inserts']} {info['size']} {listening}", flush=True)
     next_save = now() + args.checkpoint_every
     while True:
@@ -495,7 +502,7 @@ def classify(shard: Shard, keys: np.ndarray, acked_at: np.ndarray) -> tuple[np.n
     spawned = np.array([life.spawned for life in shard.lives])
     life = np.searchsorted(spawned, acked_at, side="right") - 1
     tails = np.array([life.tail for life in shard.lives[1:]] + [np.iinfo(np.int64).max])
-    return life, keys >= tails[life]
+    return life, (keys & COUNTER) >= tails[life]
 
 
 def check_tables(shards: list[Shard], ledgers: list[dict], args: argparse.Namespace) -> list[dict]:
@@ -628,6 +635,7 @@ def sample_checks(phase: dict) -> dict:
         mine = (keys >> SHIFT) == shard.index
         life_of[mine], lost_item[mine] = classify(shard, keys[mine] & LOCAL, times[mine])
     sampled = wrong_key = unacked = dead = unknown = 0
+    twice = int(len(keys) - len(np.unique(keys)))
     raised_ids: set = set()
     raised = np.concatenate(
         [
@@ -666,6 +674,7 @@ def sample_checks(phase: dict) -> dict:
         "from_raised_insert_distinct": len(raised_ids),
         "from_dead_memory": dead,
         "never_inserted": unknown,
+        "acked_twice": twice,
         "torn": int(sum(ledger["stats"][0] for ledger in phase["ledgers"])),
     }
 
@@ -718,9 +727,11 @@ def report(args: argparse.Namespace, ref: dict | None, chaos: dict) -> bool:
         f"for: {checks['wrong_key']}; torn payloads: {checks['torn']}; from a dead "
         f"incarnation's memory: {checks['from_dead_memory']}; from inserts that raised: "
         f"{checks['from_raised_insert']} ({checks['from_raised_insert_distinct']} distinct); "
-        f"ids never inserted: {checks['never_inserted']}"
+        f"ids never inserted: {checks['never_inserted']}; keys acknowledged twice: "
+        f"{checks['acked_twice']}"
     )
     ok &= checks["wrong_key"] == checks["torn"] == checks["from_dead_memory"] == 0
+    ok &= checks["acked_twice"] == 0
     ok &= checks["never_inserted"] == 0
     print(f"{'shard':>5} {'acked':>9} {'lost w/ shard':>13} {'expected':>9} {'present':>9}")
     for row in chaos["present"]:

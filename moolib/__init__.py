@@ -19,7 +19,7 @@ from .envpool import EnvPool, EnvStepperFuture
 from .errors import RpcError
 from .group import AllReduce, Broker, Group
 from .publish import Publisher, Subscriber
-from .replay_rpc import ReplayClient, ReplayError
+from .replay_rpc import ReplayClient, ReplayError, ShardUnavailableError
 from .rpc import Future, Queue, Rpc, set_auth_key
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ __all__ = [
     "RpcError",
     "Subscriber",
     "create_uid",
+    "ShardUnavailableError",
     "set_auth_key",
     "set_log_level",
     "set_logging",

@@ -317,7 +317,10 @@ class Replay:
     def save(self, path: str | os.PathLike) -> None:
         """Writes the table atomically (temp file, fsync, rename) with a SHA-256
         checksum: items (dedup frames once each), keys, priorities, counters and
-        the sampler's random state."""
+        the sampler's random state. The table's state is copied under its lock
+        and written after it is released (so samples and inserts wait for the
+        copy only); temporaries of this path left by a writer that was killed
+        are removed first."""
         self._core.save(os.fspath(path))
 
     @classmethod
@@ -332,6 +335,13 @@ class Replay:
         given, ``samples_per_insert=None`` lifts the rate limit, and an
         ``error_buffer`` alone needs a table saved with a rate. A truncated or
         damaged file is refused with a ``ValueError`` naming it.
+
+        The loaded table is a new incarnation of the saved one: the keys it
+        hands out carry an incarnation number (above the insertion counter)
+        that no earlier load of this path used, written to
+        ``<path>.incarnation`` before this returns (keep it with the
+        checkpoint). So a key of an item lost with an earlier incarnation
+        (inserted after its last save) never names an item of this one.
         """
         unknown = set(overrides) - set(_LOAD_OVERRIDES)
         if unknown:

@@ -45,16 +45,18 @@ from .rpc import Rpc
 if TYPE_CHECKING:
     from .replay_schema import ReplaySample, _Schema
 
-__all__ = ["ReplayClient", "ReplayError", "serve"]
+__all__ = ["ReplayClient", "ReplayError", "ShardUnavailableError", "serve"]
 
-# A client key: shard index in the top bits, the table's own key below.
-_SHARD_SHIFT = 48
+# A client key: shard index in the top bits, the table's own key (56 bits:
+# its incarnation, then its insertion counter) below.
+_SHARD_SHIFT = 56
 _LOCAL_MASK = (1 << _SHARD_SHIFT) - 1
+_MAX_SHARDS = 1 << (63 - _SHARD_SHIFT)
 # A shared-memory call's answer where the table's layout is not the one the
 # client laid its rows out for.
 _OTHER_LAYOUT = "other layout"
-# A shard that failed is left out of sampling for this long, then asked again.
-_RETRY_AFTER = 5.0
+# A shard that is down is asked whether it is back (its ``info``) this often.
+_PROBE_EVERY = 0.2
 # The serving peer unmaps a client's segment unused for this long (its client
 # may be gone); a client that comes back maps it again.
 _SEGMENT_IDLE = 30.0
@@ -71,6 +73,13 @@ _MAX_SEGMENTS = 64
 
 class ReplayError(RuntimeError):
     """A replay shard could not be reached or refused a call; names the peer."""
+
+
+class ShardUnavailableError(ReplayError):
+    """A shard did not answer (its connection was lost, it is not linked, it
+    timed out): raised for a call in flight to it when it went (an insert then
+    may or may not be in its table), and for a call that no live shard can
+    serve. A shard that is down is left out until it answers again."""
 
 
 def _refused(error: RpcError) -> bool:
@@ -294,7 +303,12 @@ class _Shard:
         # Its priority mass and size as of its latest answer.
         self.mass = 0.0
         self.size = 0
-        self.failed_at: float | None = None
+        # Down: it did not answer a call, or its link closed after it had
+        # answered (a killed peer): left out until a probe of it answers.
+        self.down = False
+        self.answered = False
+        self.probe: Any = None  # the probe in flight (a Future), if any
+        self.probed_at = 0.0
         # Whether it maps this client's segments: None until tried.
         self.shared: bool | None = None
         # Its table's item layout (a _Schema), once learned from it: a
@@ -385,12 +399,18 @@ class ReplayClient:
     with its size as of its latest answer), whichever shards the batch came
     from. ``timeout`` bounds how long
     an insert or a sample waits on the tables' rate limiting (``min_size``,
-    ``samples_per_insert``) before it raises ``TimeoutError``; a shard that
-    does not answer at all (a peer not found, or dead) fails the call with
-    ``ReplayError`` after the Rpc's own timeout (``rpc.set_timeout``) and is
-    left out of sampling for a few seconds. A call that a table refuses (a
-    NaN priority, an item of another layout) raises ``ReplayError`` with the
-    table's message, and changes nothing else: that shard stays in use.
+    ``samples_per_insert``) before it raises ``TimeoutError``. A shard that
+    does not answer (its link closed after it had answered: a killed peer,
+    at once; or no reply within the Rpc's timeout) is down: it is left out
+    of samples and inserts, which go on from the live shards, until a probe
+    sent in the background (its ``info``) answers; then it is used again.
+    ``ShardUnavailableError`` is raised only for a call in flight to a shard
+    when it went (an insert then may or may not be in its table) and for a
+    call that no live shard can serve (every shard down, or a client of one);
+    the keys of a down shard count as not present in ``update_priorities``.
+    A call that a table refuses (a NaN priority, an item of another layout)
+    raises ``ReplayError`` with the table's message, and changes nothing
+    else: that shard stays in use.
 
     With ``shared_memory`` (the default), shards on this host write samples
     straight into this client's shared memory; the sampled tensors are then
@@ -421,6 +441,11 @@ class ReplayClient:
             shards = [shards]
         if not shards:
             raise ValueError("ReplayClient needs at least one (peer, name) shard")
+        if len(shards) > _MAX_SHARDS:
+            raise ValueError(
+                f"ReplayClient takes at most {_MAX_SHARDS} shards (the bits of a key above "
+                f"the table's own), got {len(shards)}"
+            )
         for shard in shards:
             if not (isinstance(shard, (tuple, list)) and len(shard) == 2):
                 raise ValueError(f"ReplayClient: a shard is a (peer, name) pair, got {shard!r:.80}")
@@ -460,28 +485,62 @@ class ReplayClient:
         return max(0.0, min(deadline - time.monotonic(), self._rpc.get_timeout() / 2))
 
     def _call(self, shard: _Shard, fn: str, *args: Any) -> Any:
+        if self._is_down(shard):
+            # Not sent: a call to a peer with no link would wait for the Rpc's timeout.
+            raise ShardUnavailableError(f"{shard.describe()}: {fn} not sent: the shard is down")
         try:
             result = self._rpc.sync(shard.peer, f"{shard.name}/{fn}", *args)
         except RpcError as e:
             raise self._failed(shard, fn, e) from None
-        shard.failed_at = None
+        shard.answered = True
         return result
 
     def _failed(self, shard: _Shard, fn: str, error: RpcError) -> ReplayError:
         """The error to raise for ``shard``'s failed call to ``fn``. Only a
-        shard that did not answer is left out of sampling for a while; one
-        that refused the call (bad input) is healthy and stays in use."""
+        shard that did not answer is left out; one that refused the call
+        (bad input) is healthy and stays in use."""
         if _refused(error):
-            shard.failed_at = None
-        else:
-            shard.failed_at = time.monotonic()
-            # Its peer may come back with a fresh table: asked again then.
-            shard.layout = None
-        return ReplayError(f"{shard.describe()}: {fn} failed: {error}")
+            return ReplayError(f"{shard.describe()}: {fn} failed: {error}")
+        self._set_down(shard)
+        return ShardUnavailableError(f"{shard.describe()}: {fn} failed: {error}")
+
+    def _set_down(self, shard: _Shard) -> None:
+        shard.down = True
+        # Its peer may come back with a fresh table: learned again then.
+        shard.layout = None
+
+    def _is_down(self, shard: _Shard) -> bool:
+        """Whether ``shard`` is left out now. One whose link closed after it
+        answered is down at once (its process ended), not after a call to it
+        timed out; one that is down is back once a probe (``info``, sent in
+        the background) answers."""
+        if not shard.down:
+            if shard.answered and not self._rpc._linked_to(shard.peer):
+                self._set_down(shard)
+            return shard.down
+        probe = shard.probe
+        if probe is not None and probe.done():
+            shard.probe = None
+            try:
+                info = probe.result()
+            except RpcError:
+                pass  # asked again below
+            else:
+                shard.size = int(info["size"])
+                shard.mass = float(info["priority_mass"])
+                shard.down = False
+                return False
+        now = time.monotonic()
+        if shard.probe is None and now - shard.probed_at >= _PROBE_EVERY:
+            shard.probed_at = now
+            try:
+                shard.probe = self._rpc.async_(shard.peer, f"{shard.name}/info")
+            except RuntimeError:
+                pass  # this Rpc is closed: the shard stays down
+        return True
 
     def _live(self) -> list[_Shard]:
-        now = time.monotonic()
-        return [s for s in self._shards if s.failed_at is None or now - s.failed_at > _RETRY_AFTER]
+        return [s for s in self._shards if not self._is_down(s)]
 
     def insert(self, items: Any, priorities: Any = None, *, block: bool = True) -> Any:
         """Inserts a batch (leading dim N in every leaf) into the next shard; returns the keys.
@@ -515,11 +574,21 @@ class ReplayClient:
 
     def _insert_one(self, items: Any, priorities: Any, block: bool) -> Any:
         """Sends the batch to the next shard; with ``block`` waits for its keys."""
-        with self._lock:
-            live = self._live() or self._shards
-            shard = live[self._next_insert % len(live)]
-            self._next_insert += 1
-        call = self._start_insert(shard, items, priorities)
+        for attempt in range(len(self._shards)):
+            with self._lock:
+                live = self._live()
+                if not live:
+                    raise self._none_live()
+                shard = live[self._next_insert % len(live)]
+                self._next_insert += 1
+            try:
+                call = self._start_insert(shard, items, priorities)
+                break
+            except ShardUnavailableError:
+                # Nothing was sent (the shard went before it mapped the
+                # batch's memory): the next live shard takes it.
+                if attempt == len(self._shards) - 1:
+                    raise
         # Into a table whose layout this client has yet to learn, the batch
         # goes as the call's payload; once it is in, the table has a layout
         # to learn, for this shard's next batches to go through shared memory.
@@ -673,7 +742,7 @@ class ReplayClient:
                         result = future.result()
                     except RpcError as e:
                         raise self._failed(shard, fn, e) from None
-                    shard.failed_at = None
+                    shard.answered = True
                 else:
                     fn, args = self._insert_args(call)
                     result = self._call(shard, fn, *args)
@@ -750,13 +819,28 @@ class ReplayClient:
                 self._schema = shard.layout
 
     def sample(self, batch_size: int) -> ReplaySample:
-        """Samples ``batch_size`` items across the live shards."""
+        """Samples ``batch_size`` items across the live shards.
+
+        A shard that does not answer (killed, its link closed) is left out and
+        the batch is drawn again from the others, so this raises
+        ``ShardUnavailableError`` only when no shard is live."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        # Each failed try leaves out at least one more shard.
+        for _ in range(len(self._shards)):
+            try:
+                return self._sample_live(batch_size)
+            except ShardUnavailableError:
+                if not self._live():
+                    raise
+        return self._sample_live(batch_size)
+
+    def _sample_live(self, batch_size: int) -> ReplaySample:
+        """One try at a sample from the shards live now."""
         import torch
 
         from .replay_schema import ReplaySample
 
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if self._shared_memory:
             self._flush_unmap()
             with self._lock:
@@ -925,9 +1009,10 @@ class ReplayClient:
                 segment.ids[shard.index] = sid
         return sid
 
-    def _none_live(self) -> ReplayError:
-        return ReplayError(
-            "no replay shard is reachable: " + ", ".join(s.describe() for s in self._shards)
+    def _none_live(self) -> ShardUnavailableError:
+        return ShardUnavailableError(
+            "no replay shard is reachable (each is down until it answers again): "
+            + ", ".join(s.describe() for s in self._shards)
         )
 
     def _prefetch_next(self, batch_size: int) -> None:
@@ -1016,7 +1101,7 @@ class ReplayClient:
                             result = future.result()
                         except RpcError as e:
                             error = self._failed(shard, "sample_into", e)
-                            if shard.failed_at is not None:
+                            if shard.down:
                                 # Unanswered, the update it carried may not
                                 # have been made: it goes with the next call
                                 # again (it is idempotent, and older than any
@@ -1024,7 +1109,7 @@ class ReplayClient:
                                 # only be refused again.
                                 self._restore_update(shard.index, pending.updates[i])
                             raise error from None
-                        shard.failed_at = None
+                        shard.answered = True
                         future = None
                     else:
                         result = self._call(
@@ -1083,13 +1168,16 @@ class ReplayClient:
         ]
         keys = whole[offsets[-2] : offsets[-2] + batch_size * 8].view(torch.int64)
         probs = whole[offsets[-1] : offsets[-1] + batch_size * 8].view(torch.float64)
-        if len(pending.live) > 1:
-            total_mass = sum(s.mass for s in pending.live)
-            row = 0
-            for shard, count in zip(pending.live, pending.counts, strict=True):
+        # Tagged whenever the shard is not the first, even where it is the only
+        # live one (the others down).
+        total_mass = sum(s.mass for s in pending.live)
+        row = 0
+        for shard, count in zip(pending.live, pending.counts, strict=True):
+            if shard.index:
                 keys[row : row + count] |= shard.index << _SHARD_SHIFT
+            if len(pending.live) > 1:
                 probs[row : row + count] *= shard.mass / total_mass
-                row += count
+            row += count
         items = nest.pack_as(schema.structure, outs)
         return ReplaySample(items, keys, probs, _union_size(pending.live))
 
@@ -1154,7 +1242,12 @@ class ReplayClient:
             )
         updated = 0
         for index, k, p in self._by_shard(keys, priorities):
-            updated += self._call(self._shards[index], "update_priorities", k, p)
+            try:
+                updated += self._call(self._shards[index], "update_priorities", k, p)
+            except ShardUnavailableError:
+                # The keys of a shard that is down count as not present.
+                if not self._live():
+                    raise
         return updated
 
     def _by_shard(self, keys: Any, priorities: Any) -> list[tuple[int, Any, Any]]:
@@ -1187,8 +1280,12 @@ class ReplayClient:
         calls that cannot carry them)."""
         with self._lock:
             updates, self._updates = self._updates, {}
-        for index, (keys, priorities) in updates.items():
-            self._call(self._shards[index], "update_priorities_raw", keys, priorities)
+        for index, update in updates.items():
+            try:
+                self._call(self._shards[index], "update_priorities_raw", *update)
+            except ShardUnavailableError:
+                # Sent once the shard is back (updates are idempotent).
+                self._restore_update(index, update)
 
     def info(self) -> list[dict]:
         """Each shard's ``info()``, with its peer and name."""

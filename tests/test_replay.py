@@ -406,9 +406,11 @@ def test_checkpoint_round_trip(tmp_path, dedup):
             assert torch.equal(y.items["obs"][i], torch.from_numpy(obs[key]))
             assert torch.equal(y.items["next_obs"][i], torch.from_numpy(next_obs[key]))
             assert y.items["reward"][i].item() == key
-    # The loaded table goes on: inserts continue the keys, the limiter counters hold.
+    # The loaded table goes on: inserts continue the counter, under the next
+    # incarnation (the keys' bits above the counter); the limiter counters hold.
     keys = loaded.insert(atari_items(obs[:2], next_obs[:2], 0))
-    assert keys.tolist() == [300, 301]
+    assert keys.tolist() == [1 << 40 | 300, 1 << 40 | 301]
+    assert loaded.info()["incarnation"] == 1
     # Overrides: a new seed draws differently, settings change.
     other = moolib.Replay.load(path, seed=99, alpha=1.0, timeout=5.0)
     assert other.info()["alpha"] == 1.0

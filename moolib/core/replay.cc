@@ -1,7 +1,9 @@
 #include "replay.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,7 +24,8 @@ namespace moolib {
 namespace {
 
 constexpr char kMagic[8] = {'M', 'O', 'O', 'R', 'E', 'P', 'L', '\0'};
-constexpr uint32_t kVersion = 1;
+// 2: the table's incarnation, and each item's.
+constexpr uint32_t kVersion = 2;
 constexpr size_t kDigestBytes = 32;
 // Dense storage is allocated in chunks of about this many bytes per leaf, so
 // a table's memory follows its size, not its capacity.
@@ -117,6 +120,119 @@ class Fd {
   int fd_;
 };
 
+// Bytes in a checkpoint's encoding, in memory: what a save copies under the lock.
+class ByteWriter {
+ public:
+  void write(const void* data, size_t n) {
+    auto* p = static_cast<const uint8_t*>(data);
+    bytes_.insert(bytes_.end(), p, p + n);
+  }
+  template <typename T>
+  void put(T v) {
+    write(&v, sizeof(v));
+  }
+  void putString(const std::string& s) {
+    put<uint64_t>(s.size());
+    write(s.data(), s.size());
+  }
+  void reserve(size_t n) { bytes_.reserve(n); }
+  const uint8_t* data() const { return bytes_.data(); }
+  size_t size() const { return bytes_.size(); }
+
+ private:
+  std::vector<uint8_t> bytes_;
+};
+
+std::pair<std::string, std::string> splitPath(const std::string& path) {
+  auto slash = path.rfind('/');
+  if (slash == std::string::npos) return {".", path};
+  return {slash == 0 ? "/" : path.substr(0, slash), path.substr(slash + 1)};
+}
+
+// Where a file is written before it is renamed to `path`: its writer's pid
+// in the name tells whose it is.
+std::string temporaryFor(const std::string& path) {
+  return concat(path, ".tmp.", ::getpid(), ".", std::random_device{}());
+}
+
+// Removes the temporaries of `path` (as temporaryFor names them) whose
+// writer is dead: left by a process killed while it wrote. Another file,
+// or one of a live process, is never touched.
+void removeStaleTemporaries(const std::string& path) {
+  auto [dir, base] = splitPath(path);
+  std::string prefix = base + ".tmp.";
+  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), ::closedir);
+  if (!d) return;
+  std::vector<std::string> stale;
+  while (dirent* e = ::readdir(d.get())) {
+    std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    // "<pid>.<number>", digits only.
+    std::string rest = name.substr(prefix.size());
+    auto dot = rest.find('.');
+    auto digits = [](const std::string& s) {
+      return !s.empty() && s.size() <= 10 &&
+             std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    if (dot == std::string::npos || !digits(rest.substr(0, dot)) || !digits(rest.substr(dot + 1)))
+      continue;
+    long pid = std::stol(rest.substr(0, dot));
+    if (pid <= 0 || pid == ::getpid()) continue;
+    if (::kill(pid_t(pid), 0) == -1 && errno == ESRCH) stale.push_back(dir + "/" + name);
+  }
+  for (auto& p : stale) ::unlink(p.c_str());
+}
+
+// Renames a written and fsynced `tmp` to `path`, durably: the rename is on
+// disk only once the directory is synced.
+void renameDurably(const std::string& tmp, const std::string& path) {
+  MOO_ENFORCE(::rename(tmp.c_str(), path.c_str()) == 0, "replay checkpoint: rename ", tmp, " to ",
+              path, ": ", std::strerror(errno));
+  Fd d(::open(splitPath(path).first.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (d.get() >= 0) ::fsync(d.get());
+}
+
+// The incarnation file next to a checkpoint: the last incarnation a load of
+// it began, written before that table hands out a key.
+constexpr char kIncarnationTag[] = "moolib replay incarnation ";
+
+uint64_t readIncarnation(const std::string& file) {
+  Fd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    MOO_ENFORCE(errno == ENOENT, "replay checkpoint: ", file, ": ", std::strerror(errno));
+    return 0;
+  }
+  char buf[64];
+  ssize_t n = ::read(fd.get(), buf, sizeof(buf));
+  std::string text(buf, size_t(std::max<ssize_t>(n, 0)));
+  std::string tag = kIncarnationTag;
+  std::string number = text.substr(std::min(text.size(), tag.size()));
+  if (!number.empty() && number.back() == '\n') number.pop_back();
+  if (text.compare(0, tag.size(), tag) != 0 || number.empty() || number.size() > 5 ||
+      !std::all_of(number.begin(), number.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    throw std::invalid_argument(concat("replay checkpoint: ", file, " is corrupt"));
+  }
+  return std::stoull(number);
+}
+
+void writeIncarnation(const std::string& file, uint64_t incarnation) {
+  removeStaleTemporaries(file);
+  std::string tmp = temporaryFor(file);
+  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  MOO_ENFORCE(fd.get() >= 0, "replay checkpoint: cannot create ", tmp, ": ", std::strerror(errno));
+  try {
+    std::string text = concat(kIncarnationTag, incarnation, "\n");
+    MOO_ENFORCE(::write(fd.get(), text.data(), text.size()) == ssize_t(text.size()) &&
+                    ::fsync(fd.get()) == 0,
+                "replay checkpoint: writing ", tmp, ": ", std::strerror(errno));
+    ::close(fd.release());
+    renameDurably(tmp, file);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+}
+
 // Buffered writes to a file that hash everything written.
 class CheckpointWriter {
  public:
@@ -130,10 +246,6 @@ class CheckpointWriter {
   template <typename T>
   void put(T v) {
     write(&v, sizeof(v));
-  }
-  void putString(const std::string& s) {
-    put<uint64_t>(s.size());
-    write(s.data(), s.size());
   }
   void finish() {
     unsigned char digest[EVP_MAX_MD_SIZE];
@@ -276,6 +388,7 @@ void Replay::validate(const ReplayConfig& c) {
 Replay::Replay(const ReplayConfig& config, uint64_t seed) : config_(config), rng_(seed) {
   validate(config_);
   priorities_.assign(size_t(config_.capacity), 0.0);
+  incarnations_.assign(size_t(config_.capacity), 0);
   if (config_.selector == ReplaySelector::kPrioritized) {
     treeLeaves_ = 1;
     while (treeLeaves_ < config_.capacity) treeLeaves_ *= 2;
@@ -384,7 +497,10 @@ uint32_t Replay::internFrame(const uint8_t* data, uint32_t bytes, uint64_t hash)
   }
   Frame& f = frames_[id];
   // A recycled frame keeps its buffer when the size matches.
-  if (!f.data || f.bytes != bytes) f.data = std::make_unique<uint8_t[]>(bytes);
+  // Reused only where no save in progress still holds it.
+  if (!f.data || f.bytes != bytes || f.data.use_count() > 1) {
+    f.data = std::shared_ptr<uint8_t[]>(std::make_unique<uint8_t[]>(bytes));
+  }
   std::memcpy(f.data.get(), data, bytes);
   f.hash = hash;
   f.bytes = bytes;
@@ -473,6 +589,10 @@ void Replay::rebuildTreeLocked() {
   for (int64_t i = treeLeaves_ - 1; i >= 1; --i) {
     tree_[size_t(i)] = tree_[size_t(2 * i)] + tree_[size_t(2 * i + 1)];
   }
+}
+
+int64_t Replay::keyLocked(int64_t counter) const {
+  return int64_t(incarnations_[size_t(counter % config_.capacity)]) << kReplayCounterBits | counter;
 }
 
 void Replay::evictOldestLocked() {
@@ -634,14 +754,17 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
     if (canInsertLocked()) {
       int64_t i = progress.done;
       for (size_t j = 0; j < layout.size(); ++j) src[j] = leaves[j].data + i * layout[j].itemBytes;
+      MOO_ENFORCE(tail_ < kReplayCounterMask, "replay insert: this table has used all of its ",
+                  kReplayCounterMask, " keys");
       if (tail_ - head_ == config_.capacity) evictOldestLocked();
-      int64_t key = tail_;
-      if (run.count++ == 0) run.first = key % config_.capacity;
-      putLocked(key % config_.capacity, src, hashes.data() + size_t(i) * framesPerItem,
+      int64_t slot = tail_ % config_.capacity;
+      if (run.count++ == 0) run.first = slot;
+      putLocked(slot, src, hashes.data() + size_t(i) * framesPerItem,
                 priorities ? priorities[i] : 1.0);
+      incarnations_[size_t(slot)] = uint16_t(incarnation_);
+      keysOut[i] = keyLocked(tail_);
       ++tail_;
       ++inserts_;
-      keysOut[i] = key;
       ++progress.done;
       continue;
     }
@@ -722,7 +845,7 @@ ReplayProgress Replay::sample(int64_t n, const std::vector<ReplaySpan>& outs, in
         key = drawLocked(&p);
       }
       copyOutLocked(key % config_.capacity, outs, i);
-      keysOut[i] = key;
+      keysOut[i] = keyLocked(key);
       probsOut[i] = p;
       ++samples_;
       ++progress.done;
@@ -754,8 +877,11 @@ int64_t Replay::updatePriorities(int64_t n, const int64_t* keys, const double* p
   int64_t updated = 0;
   for (int64_t i = 0; i < n; ++i) {
     int64_t key = keys[i];
-    if (key < head_ || key >= tail_) continue;
-    int64_t slot = key % config_.capacity;
+    int64_t counter = key & kReplayCounterMask;
+    if (key < 0 || counter < head_ || counter >= tail_) continue;
+    int64_t slot = counter % config_.capacity;
+    // Another incarnation's key: an item that table lost, never this one.
+    if ((key >> kReplayCounterBits) != incarnations_[size_t(slot)]) continue;
     priorities_[size_t(slot)] = priorities[i];
     setTreeLocked(slot, weight(priorities[i]));
     ++updated;
@@ -818,10 +944,12 @@ ReplayInfo Replay::info() const {
   r.frameBytes = liveFrameBytes_;
   r.waitingInserters = waitingInserters_;
   r.waitingSamplers = waitingSamplers_;
+  r.incarnation = incarnation_;
   // What the live items take: their dense bytes and frame ids, the distinct
-  // frames with their bookkeeping (record, hash-map node), and the priority
-  // (plus its sum-tree share).
-  int64_t perItem = int64_t(sizeof(double)) + (tree_.empty() ? 0 : 2 * int64_t(sizeof(double)));
+  // frames with their bookkeeping (record, hash-map node), the priority
+  // (plus its sum-tree share) and the incarnation.
+  int64_t perItem = int64_t(sizeof(double) + sizeof(uint16_t)) +
+                    (tree_.empty() ? 0 : 2 * int64_t(sizeof(double)));
   for (auto& l : leaves_) perItem += l.frames == 0 ? l.itemBytes : l.frames * 4;
   r.storedBytes = r.size * perItem + liveFrameBytes_ +
                   liveFrames_ * int64_t(sizeof(Frame) + 2 * sizeof(void*) + 16);
@@ -829,93 +957,116 @@ ReplayInfo Replay::info() const {
 }
 
 void Replay::save(const std::string& path) const {
-  std::string dir = ".";
-  if (auto slash = path.rfind('/'); slash != std::string::npos) dir = path.substr(0, slash + 1);
-  std::string tmp = concat(path, ".tmp.", ::getpid(), ".", std::random_device{}());
+  removeStaleTemporaries(path);
+  std::string tmp = temporaryFor(path);
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
   MOO_ENFORCE(fd.get() >= 0, "replay checkpoint: cannot create ", tmp, ": ", std::strerror(errno));
   try {
-    CheckpointWriter w(fd.get(), tmp);
+    // The state is copied under the lock (one consistent state; memcpy and
+    // frame references, no hashing or I/O), then hashed and written without
+    // it, so samples and inserts wait for the copy, not for the disk.
+    ByteWriter head, items;
+    std::vector<std::shared_ptr<const uint8_t[]>> frames;
+    std::vector<uint32_t> frameBytes;
     {
-      // Held for the whole write, so the file is one consistent state.
       std::lock_guard<std::mutex> lock(mutex_);
-      w.write(kMagic, sizeof(kMagic));
-      w.put<uint32_t>(kVersion);
-      w.put<uint32_t>(0);
-      w.put<int64_t>(config_.capacity);
-      w.put<int32_t>(int32_t(config_.selector));
-      w.put<double>(config_.alpha);
-      w.put<int64_t>(config_.minSize);
-      w.put<double>(config_.samplesPerInsert);
-      w.put<double>(config_.errorBuffer);
-      w.put<int64_t>(head_);
-      w.put<int64_t>(tail_);
-      w.put<int64_t>(inserts_);
-      w.put<int64_t>(samples_);
-      w.put<int64_t>(evictions_);
+      head.write(kMagic, sizeof(kMagic));
+      head.put<uint32_t>(kVersion);
+      head.put<uint32_t>(0);
+      head.put<int64_t>(config_.capacity);
+      head.put<int32_t>(int32_t(config_.selector));
+      head.put<double>(config_.alpha);
+      head.put<int64_t>(config_.minSize);
+      head.put<double>(config_.samplesPerInsert);
+      head.put<double>(config_.errorBuffer);
+      head.put<int64_t>(head_);
+      head.put<int64_t>(tail_);
+      head.put<int64_t>(inserts_);
+      head.put<int64_t>(samples_);
+      head.put<int64_t>(evictions_);
+      head.put<uint32_t>(incarnation_);
       std::ostringstream rng;
       rng << rng_;
-      w.putString(rng.str());
-      w.putString(meta_);
-      w.put<uint8_t>(hasSchema_ ? 1 : 0);
-      w.put<uint64_t>(leaves_.size());
+      head.putString(rng.str());
+      head.putString(meta_);
+      head.put<uint8_t>(hasSchema_ ? 1 : 0);
+      head.put<uint64_t>(leaves_.size());
+      size_t perItem = sizeof(double) + sizeof(uint16_t);
       for (auto& l : leaves_) {
-        w.put<int64_t>(l.itemBytes);
-        w.put<int64_t>(l.frames);
+        head.put<int64_t>(l.itemBytes);
+        head.put<int64_t>(l.frames);
+        perItem += size_t(l.frames == 0 ? l.itemBytes : l.frames * 4);
       }
       // Frames are written once each, renumbered densely in order of first use.
       std::unordered_map<uint32_t, uint32_t> renumber;
-      std::vector<uint32_t> order;
       for (int64_t k = head_; k < tail_; ++k) {
         int64_t slot = k % config_.capacity;
         for (size_t j = 0; j < leaves_.size(); ++j) {
           for (int64_t f = 0; f < leaves_[j].frames; ++f) {
             uint32_t id = ids_[j][size_t(slot * leaves_[j].frames + f)];
-            if (renumber.emplace(id, uint32_t(order.size())).second) order.push_back(id);
+            if (renumber.emplace(id, uint32_t(frames.size())).second) {
+              frames.push_back(frames_[id].data);
+              frameBytes.push_back(frames_[id].bytes);
+            }
           }
         }
       }
-      w.put<uint64_t>(order.size());
-      for (uint32_t id : order) {
-        w.put<uint32_t>(frames_[id].bytes);
-        w.write(frames_[id].data.get(), frames_[id].bytes);
-      }
+      items.reserve(size_t(tail_ - head_) * perItem);
       for (int64_t k = head_; k < tail_; ++k) {
         int64_t slot = k % config_.capacity;
-        w.put<double>(priorities_[size_t(slot)]);
+        items.put<double>(priorities_[size_t(slot)]);
+        items.put<uint16_t>(incarnations_[size_t(slot)]);
         for (size_t j = 0; j < leaves_.size(); ++j) {
           if (leaves_[j].frames == 0) {
-            w.write(denseSlotConst(j, slot), size_t(leaves_[j].itemBytes));
+            items.write(denseSlotConst(j, slot), size_t(leaves_[j].itemBytes));
             continue;
           }
           for (int64_t f = 0; f < leaves_[j].frames; ++f) {
-            w.put<uint32_t>(renumber.at(ids_[j][size_t(slot * leaves_[j].frames + f)]));
+            items.put<uint32_t>(renumber.at(ids_[j][size_t(slot * leaves_[j].frames + f)]));
           }
         }
       }
     }
+    CheckpointWriter w(fd.get(), tmp);
+    w.write(head.data(), head.size());
+    w.put<uint64_t>(frames.size());
+    for (size_t i = 0; i < frames.size(); ++i) {
+      w.put<uint32_t>(frameBytes[i]);
+      w.write(frames[i].get(), frameBytes[i]);
+    }
+    w.write(items.data(), items.size());
     w.finish();
     MOO_ENFORCE(::fsync(fd.get()) == 0, "replay checkpoint: fsync ", tmp, ": ",
                 std::strerror(errno));
     ::close(fd.release());
-    MOO_ENFORCE(::rename(tmp.c_str(), path.c_str()) == 0, "replay checkpoint: rename ", tmp, " to ",
-                path, ": ", std::strerror(errno));
+    renameDurably(tmp, path);
   } catch (...) {
     ::unlink(tmp.c_str());
     throw;
   }
-  // The rename itself is durable only once the directory is synced.
-  Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (d.get() >= 0) ::fsync(d.get());
 }
 
 std::unique_ptr<Replay> Replay::load(const std::string& path) {
+  std::unique_ptr<Replay> table;
   try {
-    return loadChecked(path);
+    table = loadChecked(path);
   } catch (const std::bad_alloc&) {
     throw std::invalid_argument("replay checkpoint " + path +
                                 " is corrupt: it asks for more memory than there is");
   }
+  removeStaleTemporaries(path);
+  // A new incarnation, on disk before this table hands out a key: one that
+  // died after loading the same checkpoint used the one before.
+  std::string file = path + ".incarnation";
+  uint64_t next = std::max<uint64_t>(table->incarnation_, readIncarnation(file)) + 1;
+  if (next > kReplayMaxIncarnation) {
+    throw std::invalid_argument(concat("replay checkpoint ", path, " was loaded ",
+                                       kReplayMaxIncarnation,
+                                       " times: no incarnation is left for its keys"));
+  }
+  writeIncarnation(file, next);
+  table->incarnation_ = uint32_t(next);
+  return table;
 }
 
 std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
@@ -959,7 +1110,9 @@ std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
   CheckpointReader r(fd.get(), path, fileSize - kDigestBytes);
   char skip[sizeof(kMagic)];
   r.read(skip, sizeof(skip));
-  if (r.get<uint32_t>() != kVersion) r.corrupt("unknown format version");
+  // Version 1 predates incarnations: its table and items are incarnation 0.
+  uint32_t version = r.get<uint32_t>();
+  if (version != 1 && version != kVersion) r.corrupt("unknown format version");
   r.get<uint32_t>();
   ReplayConfig c;
   c.capacity = r.get<int64_t>();
@@ -990,7 +1143,10 @@ std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
   t.inserts_ = r.get<int64_t>();
   t.samples_ = r.get<int64_t>();
   t.evictions_ = r.get<int64_t>();
-  if (t.inserts_ < tail || t.samples_ < 0 || t.evictions_ < 0) r.corrupt("bad counters");
+  if (t.inserts_ < tail || t.samples_ < 0 || t.evictions_ < 0 || tail > kReplayCounterMask)
+    r.corrupt("bad counters");
+  if (version >= 2) t.incarnation_ = r.get<uint32_t>();
+  if (t.incarnation_ > kReplayMaxIncarnation) r.corrupt("bad incarnation");
   std::istringstream rng(r.getString(1 << 16, "random state"));
   rng >> t.rng_;
   if (rng.fail()) r.corrupt("bad random state");
@@ -1009,7 +1165,7 @@ std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
   }
   // What each item takes in the file bounds its layout: a forged header
   // cannot make the loader allocate more than the file holds.
-  uint64_t fileBytesPerItem = sizeof(double);
+  uint64_t fileBytesPerItem = sizeof(double) + (version >= 2 ? sizeof(uint16_t) : 0);
   for (auto& l : leaves) {
     if (l.frames > (int64_t(1) << 16)) r.corrupt("bad leaf layout");
     fileBytesPerItem += l.frames == 0 ? uint64_t(l.itemBytes) : uint64_t(l.frames) * 4;
@@ -1035,7 +1191,7 @@ std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
     if (bytes == 0 || bytes > r.left()) r.corrupt("bad frame size");
     Frame& f = t.frames_[i];
     f.bytes = bytes;
-    f.data = std::make_unique<uint8_t[]>(bytes);
+    f.data = std::shared_ptr<uint8_t[]>(std::make_unique<uint8_t[]>(bytes));
     r.read(f.data.get(), bytes);
     f.hash = replayHash(f.data.get(), bytes);
     auto [it, fresh] = t.frameByHash_.emplace(f.hash, uint32_t(i));
@@ -1049,6 +1205,11 @@ std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
     double p = r.get<double>();
     if (!std::isfinite(p) || p < 0) r.corrupt("bad priority");
     t.priorities_[size_t(slot)] = p;
+    if (version >= 2) {
+      auto incarnation = r.get<uint16_t>();
+      if (incarnation > t.incarnation_) r.corrupt("an item of a later incarnation");
+      t.incarnations_[size_t(slot)] = incarnation;
+    }
     for (size_t j = 0; j < leaves.size(); ++j) {
       if (leaves[j].frames == 0) {
         r.read(t.denseSlot(j, slot), uint64_t(leaves[j].itemBytes));

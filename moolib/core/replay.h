@@ -1,10 +1,13 @@
 // A prioritized experience replay table (Ape-X, R2D2), with Reverb's rate
 // limiter; moolib/replay.py adds the Python API (nests, dtypes, shapes).
 //
-// The core sees an item as one fixed-size byte string per leaf. Keys are the
-// insertion counter, and eviction is strictly oldest first, so the live keys
-// are always the range [head, tail) and key k lives in slot k % capacity: no
-// key-to-slot map, and a key evicted meanwhile is recognised by comparison.
+// The core sees an item as one fixed-size byte string per leaf. An item's
+// counter is its insertion counter, and eviction is strictly oldest first, so
+// the live counters are always the range [head, tail) and counter c lives in
+// slot c % capacity: no key-to-slot map, and an item evicted meanwhile is
+// recognised by comparison. Its key is the counter with the incarnation of the
+// table that inserted it above (see kReplayCounterBits), so a table restored
+// from a checkpoint never hands out again the key of an item it lost.
 // docs/architecture.md (section "Replay") explains the choices.
 #pragma once
 
@@ -20,6 +23,12 @@
 namespace moolib {
 
 enum class ReplaySelector { kUniform, kPrioritized, kFifo };
+
+// A key: the incarnation that inserted the item (16 bits) above its insertion
+// counter (40 bits), 56 bits in all; a sharded client puts the shard above.
+constexpr int kReplayCounterBits = 40;
+constexpr int64_t kReplayCounterMask = (int64_t(1) << kReplayCounterBits) - 1;
+constexpr uint32_t kReplayMaxIncarnation = 0xFFFF;
 
 struct ReplayConfig {
   int64_t capacity = 0;
@@ -60,6 +69,7 @@ struct ReplayInfo {
   double priorityMass = 0;
   int64_t storedBytes = 0, frames = 0, frameBytes = 0;
   int64_t waitingInserters = 0, waitingSamplers = 0;
+  int64_t incarnation = 0;
 };
 
 class Replay {
@@ -103,7 +113,12 @@ class Replay {
   // Fails every waiting and later call with "replay table is closed".
   void close();
 
+  // Writes the table to path atomically; its state is copied under the lock
+  // and written (hashed, fsynced) after it is released.
   void save(const std::string& path) const;
+  // Restores a table saved at path as the next incarnation of it: one more
+  // than any that path's checkpoint or incarnation file (path + ".incarnation",
+  // written here before this returns) knows of, for the keys it inserts.
   static std::unique_ptr<Replay> load(const std::string& path);
 
   // Throws std::invalid_argument unless the limiter settings can make progress.
@@ -117,7 +132,8 @@ class Replay {
     uint32_t refs = 0;
     uint32_t nextSameHash = 0;  // kNoFrame ends the chain
     uint32_t bytes = 0;
-    std::unique_ptr<uint8_t[]> data;
+    // Shared with a save in progress, which writes it after the lock is released.
+    std::shared_ptr<uint8_t[]> data;
   };
   static constexpr uint32_t kNoFrame = UINT32_MAX;
 
@@ -131,6 +147,8 @@ class Replay {
   const uint8_t* denseSlotConst(size_t leaf, int64_t slot) const;
   uint32_t* frameIds(size_t leaf, int64_t slot);
   void evictOldestLocked();
+  // The key of the live item of insertion counter `counter`.
+  int64_t keyLocked(int64_t counter) const;
   void putLocked(int64_t slot, const std::vector<const uint8_t*>& src, const uint64_t* hashes,
                  double priority);
   void copyOutLocked(int64_t slot, const std::vector<ReplaySpan>& outs, int64_t index);
@@ -170,7 +188,9 @@ class Replay {
 
   int64_t head_ = 0, tail_ = 0;  // live keys: [head_, tail_)
   int64_t inserts_ = 0, samples_ = 0;
-  std::vector<double> priorities_;  // per slot
+  uint32_t incarnation_ = 0;            // the high bits of the keys this table hands out
+  std::vector<double> priorities_;      // per slot
+  std::vector<uint16_t> incarnations_;  // per slot: the incarnation that inserted it
   // Sum tree over slots of priority^alpha: leaves at [treeLeaves_, 2 * treeLeaves_).
   std::vector<double> tree_;
   int64_t treeLeaves_ = 0;

@@ -2,6 +2,7 @@
 
 Usage:
   replay_peer.py --name NAME --serve TABLE [--capacity N] [--selector S] [--min-size N]
+                 [--checkpoint PATH]
   replay_peer.py --name NAME --connect ADDR --insert-to PEER/TABLE --writer W
                  [--batches B] [--batch-size N] [--payload BYTES] [--clients K] [--forever]
                  [--pipelined]
@@ -16,13 +17,20 @@ Prints ``READY <name> <address or ->`` once set up; an inserter then prints
 ``INSERTED <batch>`` after each batch, ``VIA <transports>`` (those of its
 connections to the server) when a client is done, and ``DONE`` when every client is. Serves, or
 keeps its connections, until its stdin closes, or it is killed.
+
+A server with ``--checkpoint`` restores its table from that file where it
+exists, and saves it there on each stdin line ``save`` (then prints
+``SAVED``); ``--listen`` at a fixed address is retried while the port is
+still held (a peer started again where a killed one listened).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
+import time
 
 import torch
 
@@ -82,6 +90,31 @@ def insert_loop(
     rpc.close()
 
 
+def serve(args: argparse.Namespace) -> None:
+    rpc = make_rpc(args.name, args)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            address = rpc.listen(args.listen)
+            break
+        except Exception:  # noqa: BLE001 - the port of a killed peer may be held a moment
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        replay = moolib.Replay.load(args.checkpoint)
+    else:
+        replay = moolib.Replay(args.capacity, selector=args.selector, min_size=args.min_size)
+    replay.serve(rpc, args.serve)
+    print(f"READY {args.name} {address}", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "save":
+            replay.save(args.checkpoint)
+            print("SAVED", flush=True)
+    replay.close()
+    rpc.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
@@ -101,17 +134,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--forever", action="store_true")
     parser.add_argument("--pipelined", action="store_true")
+    parser.add_argument("--checkpoint", default=None)
     args = parser.parse_args()
 
     if args.serve:
-        rpc = make_rpc(args.name, args)
-        address = rpc.listen(args.listen)
-        replay = moolib.Replay(args.capacity, selector=args.selector, min_size=args.min_size)
-        replay.serve(rpc, args.serve)
-        print(f"READY {args.name} {address}", flush=True)
-        sys.stdin.read()
-        replay.close()
-        rpc.close()
+        serve(args)
         return
 
     print(f"READY {args.name} -", flush=True)

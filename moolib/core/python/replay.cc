@@ -168,7 +168,8 @@ void bindReplay(py::module_& m) {
                              "priority_mass"_a = i.priorityMass, "stored_bytes"_a = i.storedBytes,
                              "frames"_a = i.frames, "frame_bytes"_a = i.frameBytes,
                              "waiting_inserters"_a = i.waitingInserters,
-                             "waiting_samplers"_a = i.waitingSamplers);
+                             "waiting_samplers"_a = i.waitingSamplers,
+                             "incarnation"_a = i.incarnation);
            })
       .def("close", &Replay::close, py::call_guard<GilRelease>(),
            "Fails every waiting and later call.")

@@ -151,6 +151,8 @@ void bindRpc(py::module_& m) {
           "Defines name as handler (a Handler), which the caller keeps: the core holds a weak "
           "reference to it.")
       .def("undefine", onRpc(&Rpc::undefine), py::call_guard<GilRelease>(), py::arg("name"))
+      .def("_linked_to", onRpc(&Rpc::linkedTo), py::arg("peer"),
+           "Whether a link to the peer is up now (a peer whose links all closed is not).")
       .def("close", onRpc(&Rpc::close), py::call_guard<GilRelease>())
       .def("debug_info", [](PyRpc& self) {
         DebugInfo info;
