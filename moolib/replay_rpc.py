@@ -1227,10 +1227,7 @@ class ReplayClient:
             parts = [(0, keys, priorities)] if one else self._by_shard(keys, priorities)
             with self._lock:
                 for index, k, p in parts:
-                    kb = k.numpy().tobytes()
-                    pb = p.numpy().tobytes()
-                    old = self._updates.get(index)
-                    self._updates[index] = (kb, pb) if old is None else (old[0] + kb, old[1] + pb)
+                    self._defer_update(index, (k.numpy().tobytes(), p.numpy().tobytes()))
             return None
         if one:
             # One shard: the keys go as they are, as bytes (no tensors to pickle).
@@ -1265,15 +1262,29 @@ class ReplayClient:
         with self._lock:
             return self._updates.pop(index, (None, None))
 
+    def _defer_update(self, index: int, update: tuple[bytes, bytes]) -> None:
+        """Appends ``update`` (keys, priorities as bytes) to shard ``index``'s
+        deferred one; with ``self._lock`` held. While the shard is down its
+        update waits for it, with only each key's latest priority kept
+        (applying them in order gives the same): no new keys of a down shard
+        are sampled, so it stays as large as the keys sampled before."""
+        old = self._updates.get(index)
+        keys, priorities = update if old is None else (old[0] + update[0], old[1] + update[1])
+        if self._shards[index].down:
+            keys, priorities = _latest_per_key(keys, priorities)
+        self._updates[index] = (keys, priorities)
+
     def _restore_update(self, index: int, update: tuple[Any, Any]) -> None:
-        keys, priorities = update
-        if keys is None:
+        """Puts back the update that could not be sent, ahead of any made since."""
+        if update[0] is None:
             return
         with self._lock:
-            newer = self._updates.get(index)
+            newer = self._updates.pop(index, None)
+            self._updates[index] = update
             if newer is not None:
-                keys, priorities = keys + newer[0], priorities + newer[1]
-            self._updates[index] = (keys, priorities)
+                self._defer_update(index, newer)
+            elif self._shards[index].down:
+                self._updates[index] = _latest_per_key(*update)
 
     def _send_updates(self) -> None:
         """Sends every deferred priority update on its own (for the sample
@@ -1290,6 +1301,18 @@ class ReplayClient:
     def info(self) -> list[dict]:
         """Each shard's ``info()``, with its peer and name."""
         return [{"peer": s.peer, "name": s.name, **self._call(s, "info")} for s in self._shards]
+
+
+def _latest_per_key(keys: bytes, priorities: bytes) -> tuple[bytes, bytes]:
+    """A deferred update (int64 keys, float64 priorities) with each key once, at
+    its latest priority, in the order of those latest updates."""
+    import numpy as np
+
+    k = np.frombuffer(keys, dtype=np.int64)[::-1]
+    p = np.frombuffer(priorities, dtype=np.float64)[::-1]
+    _, first = np.unique(k, return_index=True)  # in the reversed order: the latest
+    keep = np.sort(first)[::-1]
+    return k[keep].tobytes(), p[keep].tobytes()
 
 
 def _union_size(live: list[_Shard]) -> int:

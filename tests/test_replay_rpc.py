@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from helpers.util import HELPERS, PeerProcess, kill_process, stop_process, wait_for
@@ -221,6 +222,15 @@ def test_a_killed_shard_is_left_out_and_used_again_once_back(tmp_path, make_rpc)
             "an update of both shards' keys",
         )
         assert (kind, n) == ("ok", 2)
+        # Deferred updates of the dead shard's keys wait for it, each key once at
+        # its latest priority: they do not grow with every update while it is down.
+        for i in range(20):
+            client.update_priorities(held, torch.full((10,), float(i + 1)), block=False)
+        kind, _ = _in_thread(client.flush, "a flush while a shard is down")
+        assert kind == "ok"
+        deferred_keys, deferred = client._updates[0]
+        assert np.frombuffer(deferred_keys, dtype=np.int64).tolist() == held.tolist()  # shard 0
+        assert np.frombuffer(deferred, dtype=np.float64).tolist() == [20.0] * 10
         # Only the dead shard could serve these: typed errors, at once.
         for call in (
             lambda: only_doomed.sample(5),
