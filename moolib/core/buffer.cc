@@ -109,4 +109,9 @@ BufferPtr copyToBuffer(const OutSegment& segment) {
   return b;
 }
 
+OutSegment ownedSegment(std::string bytes) {
+  auto held = std::make_shared<const std::string>(std::move(bytes));
+  return OutSegment{reinterpret_cast<const uint8_t*>(held->data()), held->size(), held};
+}
+
 }  // namespace moolib

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace moolib {
@@ -49,5 +50,9 @@ struct OutSegment {
 
 // Copies an outgoing segment into a buffer the core owns.
 BufferPtr copyToBuffer(const OutSegment& segment);
+
+// A segment over bytes the segment itself owns (a message's header, a
+// small encoded record): kept alive until every send of it is done.
+OutSegment ownedSegment(std::string bytes);
 
 }  // namespace moolib

@@ -35,11 +35,6 @@ RegionRef readRef(Reader& r) {
   return ref;
 }
 
-OutSegment ownedSegment(std::string bytes) {
-  auto held = std::make_shared<std::string>(std::move(bytes));
-  return OutSegment{reinterpret_cast<const uint8_t*>(held->data()), held->size(), held};
-}
-
 OutSegment outSegment(const BufferPtr& b) { return OutSegment{b->data(), b->size(), b}; }
 
 std::string_view bytesOf(const BufferPtr& b) {

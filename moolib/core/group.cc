@@ -30,10 +30,6 @@ Error membershipChanged(std::string why) {
   return Error(ErrorCode::kMembershipChanged, std::move(why));
 }
 
-OutSegment ownedSegment(std::string bytes) {
-  auto held = std::make_shared<std::string>(std::move(bytes));
-  return OutSegment{reinterpret_cast<const uint8_t*>(held->data()), held->size(), held};
-}
 }  // namespace
 
 std::shared_ptr<Group> Group::create(std::shared_ptr<Rpc> rpc, const std::string& name) {

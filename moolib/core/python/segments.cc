@@ -35,15 +35,6 @@ py::list wrapSegments(const std::vector<BufferPtr>& segs) {
   return out;
 }
 
-OutSegment ownedSegment(std::string bytes) {
-  auto held = std::make_shared<const std::string>(std::move(bytes));
-  OutSegment s;
-  s.data = reinterpret_cast<const uint8_t*>(held->data());
-  s.size = held->size();
-  s.keepalive = std::move(held);
-  return s;
-}
-
 OutSegment constantSegment(const std::string& bytes) {
   OutSegment s;
   s.data = reinterpret_cast<const uint8_t*>(bytes.data());

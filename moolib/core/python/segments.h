@@ -30,10 +30,6 @@ struct PyBuffer {
 // Each segment as a moolib._core.Buffer.
 py::list wrapSegments(const std::vector<BufferPtr>& segs);
 
-// A segment over bytes the core owns: no buffer export to release later
-// (from whichever thread sends it) for a stream of a few dozen bytes.
-OutSegment ownedSegment(std::string bytes);
-
 // A segment over bytes that outlive every send (a codec constant).
 OutSegment constantSegment(const std::string& bytes);
 
