@@ -209,8 +209,10 @@ def test_a_restored_trainer_decorrelates_its_envs(compose_config, tmp_path, deco
         state["model"]["policy.weight"].zero_()
         state["model"]["policy.bias"].copy_(torch.tensor([-50.0, 50.0, -50.0]))
         checkpoint.save(tmp_path, state, state["steps"], history=0)
-        # Two more updates, of the first unrolls after the restore.
-        cfg = config_lib.prepare(compose_config(*overrides, "total_steps=36"), tmp_path)
+        # Four more updates (of 2 envs x 6 steps): they need the first unrolls of both
+        # actor batches (4 envs each). With two, one unroll was enough, and under load
+        # the learner finished before the other batch's unroll came.
+        cfg = config_lib.prepare(compose_config(*overrides, "total_steps=60"), tmp_path)
         second = Trainer(cfg, peer)
         assert second.steps == 12
         unrolls: list[torch.Tensor] = []
@@ -224,7 +226,8 @@ def test_a_restored_trainer_decorrelates_its_envs(compose_config, tmp_path, deco
         second.run()
     finally:
         broker.close()
-    assert second.steps == 36
+    assert second.steps == 60
+    assert len(unrolls) >= 2, len(unrolls)
     # The first unroll of each actor batch: [steps, 8 envs, (position, steps)].
     first = torch.cat(unrolls[:2], dim=1)
     envs = {tuple(first[:, e].flatten().tolist()) for e in range(first.shape[1])}
