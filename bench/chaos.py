@@ -273,17 +273,17 @@ class Soak:
         workers = {r: descendants(p) for r, p in peers.items()}
         return {"run": self.run.pid, "peers": peers, "workers": workers}
 
-    def pids(self) -> list[int]:
-        """Every living process of the run, the broker included."""
-        live = self.living()
+    def pids(self, live: dict[str, Any] | None = None) -> list[int]:
+        """Every living process of the run (``living()``'s, or ``live``), the broker included."""
+        live = live or self.living()
         pids = [live["run"], *live["peers"].values()]
         pids += [w for ws in live["workers"].values() for w in ws]
         return pids + ([self.broker.pid] if self.broker and self.broker.poll() is None else [])
 
-    def note_dev_shm(self) -> None:
+    def note_dev_shm(self, live: dict[str, Any]) -> None:
         """Remembers the /dev/shm files the run's processes hold now (moolib's own shared
         memory is memfds, gone with their last holder; a library below may use files)."""
-        for pid in self.pids():
+        for pid in self.pids(live):
             self.dev_shm_seen |= {
                 name for name, _ in shared_segments(pid) if name.startswith("/dev/shm/")
             }
@@ -366,7 +366,7 @@ class Soak:
                 if self.broker is not None:
                     procs["broker"] = proc_stats(self.broker.pid)
                 sample["procs"] = {k: v for k, v in procs.items() if v}
-                self.note_dev_shm()
+                self.note_dev_shm(live)
             self.samples.append(sample)
 
     # faults

@@ -789,6 +789,7 @@ def join_state(joiner: Proc, cmd: dict, wait_scale: float) -> dict:
         "join_state_s": got["t_state"] - got["t_ready"],
         "join_command_s": got["t_state"] - t_join,
         "join_member_s": (got["t_member"] or got["t_state"]) - got["t_ready"],
+        "t_ready": got["t_ready"],
         "t_state": got["t_state"],
         "state_bytes": (BIG_MODEL[0] * BIG_MODEL[1] + BIG_MODEL[1]) * 4,
     }
@@ -804,7 +805,7 @@ def join_breakdown(entry: dict, done: list[dict | None]) -> dict:
         return {"join_error": "no member called set_state() before the joiner held the state"}
     called, returned = max(calls)
     return {
-        "join_offer_s": called - (entry["t_state"] - entry["join_state_s"]),
+        "join_offer_s": called - entry["t_ready"],
         "join_transfer_s": entry["t_state"] - called,
         "join_set_state_s": returned - called,
     }
