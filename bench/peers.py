@@ -66,8 +66,12 @@ RUNNERS = HERE / "peers"
 RESULT_PREFIX = "RESULT "
 SCORE_TARGETS = {"minatar": 10.0, "cartpole": 475.0}
 SCORE_WINDOW = 100  # episodes the score is the mean return of (as bench/peers/common.py)
-# Seconds a runner may take to start (imports, processes) before its timed part.
+# Seconds a runner may take to start (imports, processes) before its timed part, and
+# so before its first env step: past it, the run is stopped and reported.
 STARTUP_ALLOWANCE = 240.0
+# Seconds a run may go without an env step once it has taken one (a learning phase
+# between collections is shorter: TorchRL's PPO took about 40 s per batch here).
+STALL_ALLOWANCE = 180.0
 
 
 @dataclass(frozen=True)
@@ -90,14 +94,58 @@ ROWS = (
 )
 
 
-@functools.cache
-def bench_train() -> ModuleType:
-    """bench/train.py, whose helpers measure moolib-run and the EnvPool limit."""
-    spec = importlib.util.spec_from_file_location("bench_train", HERE / "train.py")
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@functools.cache
+def bench_train() -> ModuleType:
+    """bench/train.py, whose helpers measure moolib-run and the EnvPool limit."""
+    return _load(HERE / "train.py", "bench_train")
+
+
+@functools.cache
+def runners_common() -> ModuleType:
+    """bench/peers/common.py, whose counters say how many env steps a runner took."""
+    return _load(RUNNERS / "common.py", "peers_common")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long a run may go without an env step: ``first_step_s`` from its start,
+    ``stall_s`` after its last step (``--first-step-seconds``, ``--stall-seconds``)."""
+
+    first_step_s: float = STARTUP_ALLOWANCE
+    stall_s: float = STALL_ALLOWANCE
+
+
+class Watchdog:
+    """Says why a run that takes no env steps should be stopped: none within
+    ``first_step_s`` of its start (it failed to start, or hangs there), or none for
+    ``stall_s`` after the last one (its workers died, or it waits on them)."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.first_step_s = limits.first_step_s
+        self.stall_s = limits.stall_s
+        self.start = time.monotonic()
+        self._steps = 0
+        self._last = self.start
+
+    def check(self, steps: int) -> str | None:
+        """The reason to stop, given the steps taken so far; None while it steps."""
+        now = time.monotonic()
+        if steps > self._steps:
+            self._steps, self._last = steps, now
+            return None
+        if self._steps == 0 and now - self.start > self.first_step_s:
+            return f"took no env step in {self.first_step_s:.0f} s after its start"
+        if self._steps > 0 and now - self._last > self.stall_s:
+            return f"took no env step for {self.stall_s:.0f} s after {self._steps:,} steps"
+        return None
 
 
 # -- moolib's side -------------------------------------------------------------------------
@@ -137,7 +185,9 @@ def moolib_overrides(task: str, envs: int, procs: int) -> list[str]:
     raise ValueError(f"unknown task {task!r}")
 
 
-def moolib_throughput(task: str, envs: int, procs: int, warmup: float, seconds: float) -> dict:
+def moolib_throughput(
+    task: str, envs: int, procs: int, warmup: float, seconds: float, limits: Limits = Limits()
+) -> dict:
     """moolib-run's actors' env steps/s over at least ``seconds``, from the first
     logs.tsv row ``warmup`` seconds after its first steps (as the runners count from
     their first env step) to the last, with its learned SPS beside. Waits for the rows
@@ -151,13 +201,18 @@ def moolib_throughput(task: str, envs: int, procs: int, warmup: float, seconds: 
         env = dict(os.environ, WANDB_MODE="disabled")
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         logs = Path(savedir) / "logs.tsv"
-        deadline = time.monotonic() + STARTUP_ALLOWANCE + warmup + seconds
+        deadline = time.monotonic() + limits.first_step_s + warmup + seconds
+        watchdog = Watchdog(limits)
         first_steps: float | None = None
         timed: list[dict] = []
+        why = None
         try:
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.5)
                 rows = [r for r in bt._read_rows(logs) if num(r, "step") > 0]
+                why = watchdog.check(int(num(rows[-1], "step")) if rows else 0)
+                if why is not None:
+                    break
                 if not rows:
                     continue
                 if first_steps is None:
@@ -174,7 +229,8 @@ def moolib_throughput(task: str, envs: int, procs: int, warmup: float, seconds: 
         "command": "moolib-run " + " ".join(cmd[3:]),
     }
     if len(timed) < 2:
-        result["error"] = f"no timed rows from {result['command']}:\n{stderr[-2000:]}"
+        status = why or f"exit {proc.returncode}"
+        result["error"] = f"no timed rows from {result['command']} ({status}):\n{stderr[-2000:]}"
         return result
     first, last = timed[0], timed[-1]
     span = num(last, "time") - num(first, "time")
@@ -207,7 +263,9 @@ def rolling_score(rows: list[dict]) -> float:
     return float("nan")
 
 
-def moolib_score(task: str, envs: int, procs: int, seed: int, cap: float) -> dict:
+def moolib_score(
+    task: str, envs: int, procs: int, seed: int, cap: float, limits: Limits = Limits()
+) -> dict:
     """One moolib-run on ``task`` until its score reaches the target or ``cap`` seconds
     have passed since its start; wall-clock from the start, env steps learned from."""
     bt = bench_train()
@@ -220,10 +278,15 @@ def moolib_score(task: str, envs: int, procs: int, seed: int, cap: float) -> dic
         env = dict(os.environ, WANDB_MODE="disabled")
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         logs = Path(savedir) / "logs.tsv"
+        watchdog = Watchdog(limits)
         try:
             while proc.poll() is None:
                 time.sleep(0.5)
                 rows = [r for r in bt._read_rows(logs) if r.get("step")]
+                why = watchdog.check(int(bt._num(rows[-1], "step")) if rows else 0)
+                if why is not None:
+                    result["error"] = f"moolib-run {why}"
+                    break
                 score = rolling_score(rows)
                 if score == score:
                     best = result["best_score"]
@@ -240,9 +303,10 @@ def moolib_score(task: str, envs: int, procs: int, seed: int, cap: float) -> dic
                     break
         finally:
             bt._interrupt(proc)
-        if "steps" not in result:
+        if "steps" not in result or "error" in result:
             err.seek(0)
-            result["error"] = err.read().decode(errors="replace")[-2000:]
+            tail = err.read().decode(errors="replace")[-2000:]
+            result["error"] = f"{result.get('error', f'exit {proc.returncode}')}\n{tail}"
     result["command"] = "moolib-run " + " ".join(cmd[3:])
     return result
 
@@ -250,41 +314,59 @@ def moolib_score(task: str, envs: int, procs: int, seed: int, cap: float) -> dic
 # -- the peers' side -----------------------------------------------------------------------
 
 
-def run_peer(python: str, row: Row, runner_args: list[str], timeout: float) -> dict:
+def run_peer(
+    python: str,
+    row: Row,
+    runner_args: list[str],
+    timeout: float,
+    limits: Limits = Limits(),
+) -> dict:
     """Runs ``row``'s runner with ``python`` and returns its result line, parsed; on a
-    failure, ``{"error": ...}`` with the end of its output. The runner's whole process
-    group (its env workers too) is killed once it has answered."""
+    failure, ``{"error": ...}`` with why and the end of its output. A runner that takes
+    no env step within ``limits`` (see ``Watchdog``) or has not answered in
+    ``timeout`` seconds is stopped then, not waited for. The runner's whole
+    process group (its env workers too) is killed once it has answered."""
     assert row.runner is not None
-    with tempfile.TemporaryDirectory() as counters, tempfile.TemporaryFile() as err:
+    common = runners_common()
+    with (
+        tempfile.TemporaryDirectory() as counters,
+        tempfile.TemporaryFile("w+") as out,
+        tempfile.TemporaryFile() as err,
+    ):
         cmd = [python, str(RUNNERS / row.runner), *runner_args, "--algo", row.algo.lower()]
         cmd += ["--dir", counters]
         proc = subprocess.Popen(
-            cmd,
-            cwd=RUNNERS,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            start_new_session=True,
+            cmd, cwd=RUNNERS, stdout=out, stderr=err, text=True, start_new_session=True
         )
-        result: dict[str, Any] | None = None
+        watchdog = Watchdog(limits)
+        deadline = time.monotonic() + timeout
+        why = None
         try:
-            # The runner prints its result line and exits; a timeout kills it.
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            out = ""
+            # The runner prints its result line and exits.
+            while proc.poll() is None:
+                time.sleep(0.5)
+                why = watchdog.check(common.count_steps(Path(counters)))
+                if why is None and time.monotonic() > deadline:
+                    why = f"had not answered in {timeout:.0f} s"
+                if why is not None:
+                    break
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             proc.wait()
-        for line in out.splitlines():
+        out.seek(0)
+        text = out.read()
+        result = None
+        for line in text.splitlines():
             if line.startswith(RESULT_PREFIX):
                 result = json.loads(line[len(RESULT_PREFIX) :])
         if result is None:
             err.seek(0)
             tail = err.read().decode(errors="replace")[-3000:]
-            return {"error": f"{' '.join(cmd)}: exit {proc.returncode}\n{out[-1000:]}{tail}"}
+            status = why or f"exit {proc.returncode}"
+            return {"error": f"{' '.join(cmd)}: {status}\n{text[-1000:]}{tail}"}
     return result
 
 
@@ -392,6 +474,11 @@ def available(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def run_limits(args: argparse.Namespace) -> Limits:
+    """The command line's ``Limits``."""
+    return Limits(args.first_step_seconds, args.stall_seconds)
+
+
 def _python(args: argparse.Namespace, row: Row) -> str:
     assert row.python_flag is not None
     return getattr(args, row.python_flag.lstrip("-").replace("-", "_"))
@@ -413,7 +500,9 @@ def throughput(args: argparse.Namespace, rows: list[Row], task: str) -> str:
         order = rows[rnd % len(rows) :] + rows[: rnd % len(rows)]
         for row in order:
             if row.lib == "moolib":
-                res = moolib_throughput(task, args.envs, args.procs, args.warmup, args.seconds)
+                res = moolib_throughput(
+                    task, args.envs, args.procs, args.warmup, args.seconds, run_limits(args)
+                )
             else:
                 res = run_peer(
                     _python(args, row),
@@ -434,7 +523,8 @@ def throughput(args: argparse.Namespace, rows: list[Row], task: str) -> str:
                         "--seed",
                         str(rnd),
                     ],
-                    STARTUP_ALLOWANCE + args.warmup + args.seconds,
+                    args.first_step_seconds + args.warmup + args.seconds,
+                    run_limits(args),
                 )
             if "error" in res or res.get("env_sps") != res.get("env_sps"):
                 print(f"  round {rnd + 1} {row.lib} {row.algo}: FAILED\n{res.get('error', res)}")
@@ -489,7 +579,9 @@ def scores(args: argparse.Namespace, rows: list[Row]) -> str:
             if key in done:
                 res = done[key]
             elif row.lib == "moolib":
-                res = moolib_score(task, args.envs, args.procs, seed, args.score_cap)
+                res = moolib_score(
+                    task, args.envs, args.procs, seed, args.score_cap, run_limits(args)
+                )
             else:
                 res = run_peer(
                     _python(args, row),
@@ -510,9 +602,10 @@ def scores(args: argparse.Namespace, rows: list[Row]) -> str:
                         "--seed",
                         str(seed),
                     ],
-                    STARTUP_ALLOWANCE + args.score_cap,
+                    args.first_step_seconds + args.score_cap,
+                    run_limits(args),
                 )
-            if "error" in res and "steps" not in res:
+            if "error" in res:
                 print(f"  seed {seed} {row.lib} {row.algo}: FAILED\n{res['error']}")
                 continue
             if results is not None and not source:
@@ -560,6 +653,19 @@ def main() -> None:
     for flag in ("--sample-factory-python", "--rllib-python", "--torchrl-python", "--sb3-python"):
         p.add_argument(flag, default=None, help="that library's venv's Python")
     p.add_argument("--check", action="store_true", help="a few seconds of CartPole each")
+    p.add_argument(
+        "--first-step-seconds",
+        type=float,
+        default=STARTUP_ALLOWANCE,
+        help="a run that takes no env step this long after its start is stopped and "
+        "reported; the bench goes on with the next",
+    )
+    p.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=STALL_ALLOWANCE,
+        help="likewise a run that takes no env step this long after its last one",
+    )
     p.add_argument("--only", choices=("throughput", "score"), default=None)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=float, default=20.0, help="untimed stepping per run")

@@ -30,9 +30,22 @@ def peers() -> ModuleType:
     return _load(BENCH, "bench_peers")
 
 
-def test_check_without_peer_venvs_skips_them_and_measures_moolib(peers: ModuleType) -> None:
+def _fake_python(tmp_path: Path, name: str, body: str) -> Path:
+    """An executable that stands in for a peer venv's Python: a shell script."""
+    path = tmp_path / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_check_skips_missing_venvs_reports_a_broken_one_and_measures_moolib(
+    peers: ModuleType, tmp_path: Path
+) -> None:
+    # SB3's "Python" dies at start: both its rows are reported with the error and the
+    # bench goes on to measure the rest.
+    broken = _fake_python(tmp_path, "broken-python", "echo 'no such library' >&2; exit 3")
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--check"],
+        [sys.executable, str(BENCH), "--check", "--sb3-python", str(broken)],
         cwd=REPO,
         env=child_env(),
         capture_output=True,
@@ -40,14 +53,65 @@ def test_check_without_peer_venvs_skips_them_and_measures_moolib(peers: ModuleTy
         timeout=300,
     )
     out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr[-3000:]
-    for flag in ("--sample-factory-python", "--rllib-python", "--torchrl-python", "--sb3-python"):
+    for flag in ("--sample-factory-python", "--rllib-python", "--torchrl-python"):
         assert f"skipped (no {flag} given)" in out, out
+    for algo in ("PPO", "A2C"):
+        assert f"stable-baselines3 {algo}: FAILED" in out, out
+    assert out.count("exit 3\nno such library") == 2, out
     rows = peers.parse_table(out)
-    assert [(r["library"], r["algorithm"]) for r in rows] == [("moolib", "V-trace")], out
+    assert [(r["library"], r["algorithm"]) for r in rows] == [
+        ("moolib", "V-trace"),
+        ("stable-baselines3", "PPO"),
+        ("stable-baselines3", "A2C"),
+    ], out
     assert float(rows[0]["env steps/s (median)"].replace(",", "")) > 0, out
     assert float(rows[0]["EnvPool limit"].replace(",", "")) > 0, out
-    assert "check passed" in out
+    assert rows[1]["env steps/s (median)"] == rows[2]["env steps/s (median)"] == "-", out
+    assert proc.returncode == 1 and "check FAILED" in out, out
+
+
+def test_a_runner_that_never_steps_is_stopped_and_reported(
+    peers: ModuleType, tmp_path: Path
+) -> None:
+    hung = _fake_python(tmp_path, "hung-python", "exec sleep 600")
+    res = peers.run_peer(
+        str(hung),
+        peers.ROWS[-1],
+        ["--task", "cartpole", "--mode", "score"],
+        timeout=600,
+        limits=peers.Limits(first_step_s=3, stall_s=120),
+    )
+    assert "took no env step in 3 s after its start" in res.get("error", ""), res
+
+
+def test_a_runner_that_stops_stepping_is_stopped_and_reported(
+    peers: ModuleType, tmp_path: Path
+) -> None:
+    # A "runner" that steps CartPole 50 times through the shared counters, then hangs
+    # (as a library whose env workers died, waiting on them).
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(REPO / 'bench' / 'peers')!r})\n"
+        "import common\n"
+        "os.environ[common.COUNT_DIR_VAR] = sys.argv[sys.argv.index('--dir') + 1]\n"
+        "env = common.make_env('cartpole', seed=0)\n"
+        "env.reset(seed=0)\n"
+        "for _ in range(50):\n"
+        "    _, _, term, trunc, _ = env.step(env.action_space.sample())\n"
+        "    if term or trunc:\n"
+        "        env.reset()\n"
+        "time.sleep(600)\n"
+    )
+    stalled = _fake_python(tmp_path, "stalled-python", f'exec {sys.executable} {script} "$@"')
+    res = peers.run_peer(
+        str(stalled),
+        peers.ROWS[-1],
+        ["--task", "cartpole", "--mode", "score"],
+        timeout=600,
+        limits=peers.Limits(first_step_s=120, stall_s=5),
+    )
+    assert "took no env step for 5 s after 50 steps" in res.get("error", ""), res
 
 
 def test_tables_parse_back(peers: ModuleType) -> None:
@@ -82,14 +146,21 @@ def test_tables_parse_back(peers: ModuleType) -> None:
 def test_score_runs_resume_from_the_results_file(peers: ModuleType, tmp_path, monkeypatch) -> None:
     ran: list[int] = []
 
-    def fake_moolib_score(task: str, envs: int, procs: int, seed: int, cap: float) -> dict:
+    def fake_moolib_score(task: str, envs: int, procs: int, seed: int, cap: float, *_) -> dict:
         ran.append(seed)
         return {"reached": seed == 1, "seconds": 10.0 + seed, "steps": 100, "best_score": 9.5}
 
     monkeypatch.setattr(peers, "moolib_score", fake_moolib_score)
     results = tmp_path / "runs.jsonl"
     args = peers.argparse.Namespace(
-        score_task="minatar", score_cap=30.0, envs=8, procs=2, seeds=2, results=str(results)
+        score_task="minatar",
+        score_cap=30.0,
+        envs=8,
+        procs=2,
+        seeds=2,
+        results=str(results),
+        first_step_seconds=60.0,
+        stall_seconds=60.0,
     )
     moolib = peers.ROWS[0]
     first = peers.scores(args, [moolib])

@@ -176,6 +176,18 @@ def learner_threads(procs: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) - procs)
 
 
+def count_steps(folder: Path) -> int:
+    """Env steps the ``Counted`` envs writing into ``folder`` have taken, all together
+    (bench/peers.py reads it too, to stop a runner that takes none)."""
+    total = 0
+    for f in Path(folder).glob("steps-*"):
+        try:
+            total += int(np.fromfile(f, dtype=np.int64, count=1)[0])
+        except (OSError, IndexError):
+            pass
+    return total
+
+
 class Meter:
     """Watches the counters from a thread of the runner's process; ``done`` is set when
     the throughput window has passed (``warmup`` seconds after the first env step,
@@ -204,13 +216,7 @@ class Meter:
 
     def steps(self) -> int:
         """Env steps taken so far, all envs together."""
-        total = 0
-        for f in self.dir.glob("steps-*"):
-            try:
-                total += int(np.fromfile(f, dtype=np.int64, count=1)[0])
-            except (OSError, IndexError):
-                pass
-        return total
+        return count_steps(self.dir)
 
     def returns(self) -> list[float]:
         """Returns of the finished episodes, oldest first."""
