@@ -74,23 +74,48 @@ STARTUP_ALLOWANCE = 240.0
 STALL_ALLOWANCE = 180.0
 
 
+# Algorithm classes: a throughput ratio pairs rows of one class only.
+ONE_PASS = "one pass"  # IMPALA-like: each sample learned from once (V-trace, APPO 1 epoch)
+A2C_CLASS = "A2C"  # synchronous actor-critic, one pass
+PPO_CLASS = "PPO"  # several epochs over each batch: another algorithm, shown apart
+
+
 @dataclass(frozen=True)
 class Row:
-    """One library and algorithm: moolib's (``python_flag`` None) or a peer's."""
+    """One library and algorithm setting: moolib's (``python_flag`` None) or a peer's.
+
+    ``algo`` names it in the tables; ``runner_algo`` is the runner's (or moolib-run's
+    agent) algorithm; ``settings`` are the library's own settings changed for this row
+    (passed as the runner's ``--set``), over the runner's published ones."""
 
     lib: str
     algo: str
+    klass: str
+    runner_algo: str
     python_flag: str | None = None
     runner: str | None = None
+    settings: tuple[tuple[str, Any], ...] = ()
 
 
+_SF = ("--sample-factory-python", "sample_factory_runner.py")
+_ONE_EPOCH = (("num_epochs", 1), ("num_batches_per_epoch", 1))
 ROWS = (
-    Row("moolib", "V-trace"),
-    Row("sample-factory", "APPO", "--sample-factory-python", "sample_factory_runner.py"),
-    Row("rllib", "APPO", "--rllib-python", "rllib_runner.py"),
-    Row("torchrl", "PPO", "--torchrl-python", "torchrl_runner.py"),
-    Row("stable-baselines3", "PPO", "--sb3-python", "sb3_runner.py"),
-    Row("stable-baselines3", "A2C", "--sb3-python", "sb3_runner.py"),
+    Row("moolib", "V-trace", ONE_PASS, "vtrace"),
+    Row("moolib", "A2C", A2C_CLASS, "a2c"),
+    Row("sample-factory", "APPO, 1 pass", ONE_PASS, "appo", *_SF, _ONE_EPOCH),
+    Row(
+        "sample-factory",
+        "APPO, 1 pass, V-trace",
+        ONE_PASS,
+        "appo",
+        *_SF,
+        (*_ONE_EPOCH, ("with_vtrace", True)),
+    ),
+    Row("sample-factory", "APPO", PPO_CLASS, "appo", *_SF),
+    Row("rllib", "APPO", ONE_PASS, "appo", "--rllib-python", "rllib_runner.py"),
+    Row("torchrl", "PPO", PPO_CLASS, "ppo", "--torchrl-python", "torchrl_runner.py"),
+    Row("stable-baselines3", "PPO", PPO_CLASS, "ppo", "--sb3-python", "sb3_runner.py"),
+    Row("stable-baselines3", "A2C", A2C_CLASS, "a2c", "--sb3-python", "sb3_runner.py"),
 )
 
 
@@ -151,9 +176,10 @@ class Watchdog:
 # -- moolib's side -------------------------------------------------------------------------
 
 
-def moolib_overrides(task: str, envs: int, procs: int) -> list[str]:
-    """moolib-run's overrides for ``task`` with ``envs`` envs (two batches, double
-    buffered) on ``procs`` env processes, the shallow IMPALA network on Breakout."""
+def moolib_overrides(task: str, envs: int, procs: int, agent: str = "vtrace") -> list[str]:
+    """moolib-run's overrides for ``agent`` on ``task`` with ``envs`` envs (two batches,
+    double buffered) on ``procs`` env processes, the shallow IMPALA network on
+    Breakout."""
     if envs % 2:
         raise ValueError(f"--envs must be even (two batches of envs), got {envs}")
     shape = [
@@ -163,7 +189,7 @@ def moolib_overrides(task: str, envs: int, procs: int) -> list[str]:
     ]
     if task == "breakout":
         return [
-            "agent=vtrace",
+            f"agent={agent}",
             "env=breakout",
             "agent.network=impala_shallow",
             "env.options.repeat_action_probability=0",
@@ -174,19 +200,25 @@ def moolib_overrides(task: str, envs: int, procs: int) -> list[str]:
         # kept so with fewer envs (conf/tuning/vtrace_minatar.yaml says why).
         learn = max(1, envs // 4)
         return [
-            "agent=vtrace",
+            f"agent={agent}",
             "env=minatar-breakout",
             *shape,
             f"agent.batch_size={learn}",
             f"agent.virtual_batch_size={learn}",
         ]
     if task == "cartpole":
-        return ["agent=vtrace", "env=cartpole", *shape]
+        return [f"agent={agent}", "env=cartpole", *shape]
     raise ValueError(f"unknown task {task!r}")
 
 
 def moolib_throughput(
-    task: str, envs: int, procs: int, warmup: float, seconds: float, limits: Limits = Limits()
+    task: str,
+    envs: int,
+    procs: int,
+    warmup: float,
+    seconds: float,
+    limits: Limits = Limits(),
+    agent: str = "vtrace",
 ) -> dict:
     """moolib-run's actors' env steps/s over at least ``seconds``, from the first
     logs.tsv row ``warmup`` seconds after its first steps (as the runners count from
@@ -197,7 +229,8 @@ def moolib_throughput(
     bt = bench_train()
     num = bt._num
     with tempfile.TemporaryDirectory() as savedir, tempfile.TemporaryFile() as err:
-        cmd = bt._run_command([*moolib_overrides(task, envs, procs), "device=cpu"], savedir)
+        overrides = moolib_overrides(task, envs, procs, agent)
+        cmd = bt._run_command([*overrides, "device=cpu"], savedir)
         env = dict(os.environ, WANDB_MODE="disabled")
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         logs = Path(savedir) / "logs.tsv"
@@ -264,7 +297,13 @@ def rolling_score(rows: list[dict]) -> float:
 
 
 def moolib_score(
-    task: str, envs: int, procs: int, seed: int, cap: float, limits: Limits = Limits()
+    task: str,
+    envs: int,
+    procs: int,
+    seed: int,
+    cap: float,
+    limits: Limits = Limits(),
+    agent: str = "vtrace",
 ) -> dict:
     """One moolib-run on ``task`` until its score reaches the target or ``cap`` seconds
     have passed since its start; wall-clock from the start, env steps learned from."""
@@ -272,7 +311,8 @@ def moolib_score(
     target = SCORE_TARGETS[task]
     result: dict[str, Any] = {"reached": False, "best_score": None}
     with tempfile.TemporaryDirectory() as savedir, tempfile.TemporaryFile() as err:
-        cmd = bt._run_command([*moolib_overrides(task, envs, procs), f"seed={seed}"], savedir)
+        overrides = moolib_overrides(task, envs, procs, agent)
+        cmd = bt._run_command([*overrides, f"seed={seed}"], savedir)
         cmd = [c if not c.startswith("log_interval=") else "log_interval=1" for c in cmd]
         start = time.monotonic()
         env = dict(os.environ, WANDB_MODE="disabled")
@@ -333,8 +373,10 @@ def run_peer(
         tempfile.TemporaryFile("w+") as out,
         tempfile.TemporaryFile() as err,
     ):
-        cmd = [python, str(RUNNERS / row.runner), *runner_args, "--algo", row.algo.lower()]
+        cmd = [python, str(RUNNERS / row.runner), *runner_args, "--algo", row.runner_algo]
         cmd += ["--dir", counters]
+        for key, value in row.settings:
+            cmd += ["--set", f"{key}={json.dumps(value)}"]
         proc = subprocess.Popen(
             cmd, cwd=RUNNERS, stdout=out, stderr=err, text=True, start_new_session=True
         )
@@ -379,23 +421,55 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
+def _baseline(rows: list[Row], row: Row) -> Row | None:
+    """moolib's row of ``row``'s algorithm class, if there is one."""
+    return next((r for r in rows if r.lib == "moolib" and r.klass == row.klass), None)
+
+
 def throughput_table(rows: list[tuple[Row, list[float]]], limits: list[float]) -> str:
-    """The throughput table (markdown): per row the median env steps/s over its rounds,
-    the EnvPool limit's median beside it, and the ratios."""
+    """The throughput table (markdown): per row its class, the median env steps/s over
+    its rounds, the EnvPool limit's median beside it, and moolib's row of the same
+    class over it ("-" where moolib has no row of that class: another algorithm)."""
     limit = statistics.median(limits) if limits else float("nan")
-    medians = [statistics.median(v) if v else float("nan") for _, v in rows]
-    moolib = medians[0] if rows and rows[0][0].lib == "moolib" else float("nan")
+    medians = {r: statistics.median(v) if v else float("nan") for r, v in rows}
+    listed = [r for r, _ in rows]
     lines = [
-        "| library | algorithm | env steps/s (median) | rounds | EnvPool limit | / limit "
-        "| moolib / this |",
-        "|---|---|---|---|---|---|---|",
+        "| library | algorithm | class | env steps/s (median) | rounds | EnvPool limit "
+        "| / limit | moolib / this |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for (row, values), median in zip(rows, medians, strict=True):
+    for row, values in rows:
+        base = _baseline(listed, row)
+        ratio = medians[base] / medians[row] if base is not None else None
         lines.append(
-            f"| {row.lib} | {row.algo} | {_fmt(median)} | {len(values)} | {_fmt(limit)} "
-            f"| {_fmt(median / limit, 3)} | {_fmt(moolib / median, 2)} |"
+            f"| {row.lib} | {row.algo} | {row.klass} | {_fmt(medians[row])} | {len(values)} "
+            f"| {_fmt(limit)} | {_fmt(medians[row] / limit, 3)} | {_fmt(ratio, 2)} |"
         )
     return "\n".join(lines)
+
+
+def round_ratios(rounds: list[dict[Row, float]], rows: list[Row]) -> list[str]:
+    """For each moolib row: its env steps/s over the best peer of its class in each
+    round (the like-for-like figure, measured minutes apart), with the median and the
+    range over the rounds in which both ran."""
+    lines = []
+    for base in (r for r in rows if r.lib == "moolib"):
+        peers = [r for r in rows if r.klass == base.klass and r.lib != "moolib"]
+        ratios = []
+        for figures in rounds:
+            best = max((figures[r] for r in peers if r in figures), default=None)
+            if base in figures and best:
+                ratios.append(figures[base] / best)
+        if not ratios:
+            lines.append(f"moolib {base.algo} / best {base.klass} peer: no round with both")
+            continue
+        lines.append(
+            f"moolib {base.algo} / best {base.klass} peer, per round: "
+            + ", ".join(f"{x:.2f}x" for x in ratios)
+            + f"; median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-"
+            f"{max(ratios):.2f}x over {len(ratios)} rounds"
+        )
+    return lines
 
 
 def _median_to_target(runs: list[dict], key: str) -> float | None:
@@ -489,128 +563,188 @@ def _versions(result: dict) -> str:
     return ", ".join(f"{k} {result[k]}" for k in keys if result.get(k))
 
 
-def throughput(args: argparse.Namespace, rows: list[Row], task: str) -> str:
+def moolib_commit() -> str:
+    """The commit of the moolib checkout this bench runs from, with ``+dirty`` when its
+    tracked files differ from it; ``unknown`` outside a git checkout."""
+    repo = str(HERE.parent)
+    try:
+        head = subprocess.run(
+            ["git", "-C", repo, "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+class Results:
+    """The runs of one comparison, one JSON line each (``--results``): what was run,
+    its result, the moolib commit, when, and the load average before and after it.
+    A run the file holds without an error is taken from it, not run again, so hours of
+    runs resume after a stop (a failed one is run again); a file holding another
+    commit's runs is refused: one commit for the whole table."""
+
+    def __init__(self, path: str | None, commit: str) -> None:
+        self.path = Path(path) if path else None
+        self.commit = commit
+        self.done: dict[str, dict] = {}
+        if self.path is None or not self.path.exists():
+            return
+        for line in self.path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # cut short: the bench was killed while writing it
+            if entry.get("commit") != commit:
+                raise SystemExit(
+                    f"{self.path} holds runs of moolib {entry.get('commit')}, and this is "
+                    f"{commit}: a comparison is of one commit; give another --results file"
+                )
+            if "error" not in entry["result"]:
+                self.done[entry["key"]] = entry["result"]
+
+    def run(self, key: dict[str, Any], measure: Any) -> tuple[dict, bool]:
+        """``key``'s result and whether it came from the file; else ``measure()``'s,
+        appended to the file."""
+        name = json.dumps(key, sort_keys=True)
+        if name in self.done:
+            return self.done[name], True
+        before, started = os.getloadavg(), time.time()
+        result = measure()
+        entry = {
+            "key": name,
+            **key,
+            "result": result,
+            "commit": self.commit,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "wall_s": round(time.time() - started, 1),
+            "load_before": [round(x, 2) for x in before],
+            "load_after": [round(x, 2) for x in os.getloadavg()],
+            "host": platform.node(),
+            "cores": len(os.sched_getaffinity(0)),
+        }
+        if "error" not in result:
+            self.done[name] = result
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+        return result, False
+
+
+def _row_key(row: Row) -> dict[str, Any]:
+    return {"lib": row.lib, "algo": row.algo, "settings": dict(row.settings)}
+
+
+def _runner_args(args: argparse.Namespace, task: str, mode: str, seed: int) -> list[str]:
+    common = ["--task", task, "--mode", mode, "--envs", str(args.envs)]
+    common += ["--procs", str(args.procs), "--seed", str(seed)]
+    if mode == "throughput":
+        return [*common, "--warmup", str(args.warmup), "--seconds", str(args.seconds)]
+    return [*common, "--target", str(SCORE_TARGETS[task]), "--cap", str(args.score_cap)]
+
+
+def measure_throughput(args: argparse.Namespace, row: Row, task: str, rnd: int) -> dict:
+    """One throughput run of ``row``."""
+    if row.lib == "moolib":
+        return moolib_throughput(
+            task,
+            args.envs,
+            args.procs,
+            args.warmup,
+            args.seconds,
+            run_limits(args),
+            row.runner_algo,
+        )
+    return run_peer(
+        _python(args, row),
+        row,
+        _runner_args(args, task, "throughput", rnd),
+        args.first_step_seconds + args.warmup + args.seconds,
+        run_limits(args),
+    )
+
+
+def measure_score(args: argparse.Namespace, row: Row, seed: int) -> dict:
+    """One time-to-a-score run of ``row``."""
+    task = args.score_task
+    if row.lib == "moolib":
+        return moolib_score(
+            task, args.envs, args.procs, seed, args.score_cap, run_limits(args), row.runner_algo
+        )
+    return run_peer(
+        _python(args, row),
+        row,
+        _runner_args(args, task, "score", seed),
+        args.first_step_seconds + args.score_cap,
+        run_limits(args),
+    )
+
+
+def throughput(args: argparse.Namespace, rows: list[Row], task: str, results: Results) -> str:
     """Runs every row ``args.rounds`` times, interleaved, and the EnvPool limit once per
-    round; prints each run as it ends and returns the table."""
+    round; prints each run as it ends and returns the table, then moolib's ratio to the
+    best peer of its class per round."""
     values: dict[Row, list[float]] = {r: [] for r in rows}
     limits: list[float] = []
+    rounds: list[dict[Row, float]] = []
     bt = bench_train()
     pool_cfg = bt._config(moolib_overrides(task, args.envs, args.procs))
+    shared = {"task": task, "envs": args.envs, "procs": args.procs}
+    timing = {"warmup": args.warmup, "seconds": args.seconds}
     for rnd in range(args.rounds):
+        figures: dict[Row, float] = {}
         order = rows[rnd % len(rows) :] + rows[: rnd % len(rows)]
         for row in order:
-            if row.lib == "moolib":
-                res = moolib_throughput(
-                    task, args.envs, args.procs, args.warmup, args.seconds, run_limits(args)
-                )
-            else:
-                res = run_peer(
-                    _python(args, row),
-                    row,
-                    [
-                        "--task",
-                        task,
-                        "--mode",
-                        "throughput",
-                        "--envs",
-                        str(args.envs),
-                        "--procs",
-                        str(args.procs),
-                        "--warmup",
-                        str(args.warmup),
-                        "--seconds",
-                        str(args.seconds),
-                        "--seed",
-                        str(rnd),
-                    ],
-                    args.first_step_seconds + args.warmup + args.seconds,
-                    run_limits(args),
-                )
+            key = {"kind": "throughput", **shared, **timing, "round": rnd, **_row_key(row)}
+            res, cached = results.run(
+                key, functools.partial(measure_throughput, args, row, task, rnd)
+            )
+            source = " (from the results file)" if cached else ""
             if "error" in res or res.get("env_sps") != res.get("env_sps"):
                 print(f"  round {rnd + 1} {row.lib} {row.algo}: FAILED\n{res.get('error', res)}")
                 continue
             values[row].append(res["env_sps"])
+            figures[row] = res["env_sps"]
             extra = {k: v for k, v in res.items() if k not in ("env_sps", "task", "mode")}
             print(
                 f"  round {rnd + 1} {row.lib} {row.algo}: {res['env_sps']:,.0f} env steps/s "
-                f"({_versions(res) or ''}; {json.dumps(extra)})",
+                f"({_versions(res) or ''}; {json.dumps(extra)}){source}",
                 flush=True,
             )
-        limit = bt.envpool_limit(pool_cfg, args.envpool_seconds)
-        limits.append(limit)
-        print(f"  round {rnd + 1} EnvPool limit: {limit:,.0f} env steps/s", flush=True)
-    return throughput_table([(r, values[r]) for r in rows], limits)
+        key = {"kind": "envpool", **shared, "seconds": args.envpool_seconds, "round": rnd}
+        pool, _ = results.run(
+            key, lambda: {"env_sps": bt.envpool_limit(pool_cfg, args.envpool_seconds)}
+        )
+        limits.append(pool["env_sps"])
+        rounds.append(figures)
+        print(f"  round {rnd + 1} EnvPool limit: {pool['env_sps']:,.0f} env steps/s", flush=True)
+    table = throughput_table([(r, values[r]) for r in rows], limits)
+    return "\n".join([table, "", *round_ratios(rounds, rows)])
 
 
-def _run_key(args: argparse.Namespace, row: Row, seed: int) -> str:
-    """What makes two score runs the same run, for ``--results``."""
-    return json.dumps(
-        [args.score_task, args.score_cap, args.envs, args.procs, seed, row.lib, row.algo]
-    )
-
-
-def _load_results(path: Path | None) -> dict[str, dict]:
-    """The runs a ``--results`` file already holds, by their key; a line cut short (the
-    bench killed while writing it) is skipped."""
-    done: dict[str, dict] = {}
-    if path is None or not path.exists():
-        return done
-    for line in path.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        done[entry["key"]] = entry["result"]
-    return done
-
-
-def scores(args: argparse.Namespace, rows: list[Row]) -> str:
+def scores(args: argparse.Namespace, rows: list[Row], results: Results) -> str:
     """Runs every row once per seed, interleaved; prints each run and returns the table.
-    With ``--results``, each run is appended there as it ends and runs already there
-    are taken from it instead of run again, so a long comparison resumes."""
+    Each run goes into ``results`` as it ends; runs already there are taken from it."""
     task = args.score_task
-    results = Path(args.results) if args.results else None
-    done = _load_results(results)
     runs: dict[Row, list[dict]] = {r: [] for r in rows}
+    shared = {"task": task, "cap": args.score_cap, "envs": args.envs, "procs": args.procs}
     for seed in range(args.seeds):
         for row in rows:
-            key = _run_key(args, row, seed)
-            source = f" (from {results})" if key in done else ""
-            if key in done:
-                res = done[key]
-            elif row.lib == "moolib":
-                res = moolib_score(
-                    task, args.envs, args.procs, seed, args.score_cap, run_limits(args)
-                )
-            else:
-                res = run_peer(
-                    _python(args, row),
-                    row,
-                    [
-                        "--task",
-                        task,
-                        "--mode",
-                        "score",
-                        "--envs",
-                        str(args.envs),
-                        "--procs",
-                        str(args.procs),
-                        "--target",
-                        str(SCORE_TARGETS[task]),
-                        "--cap",
-                        str(args.score_cap),
-                        "--seed",
-                        str(seed),
-                    ],
-                    args.first_step_seconds + args.score_cap,
-                    run_limits(args),
-                )
+            key = {"kind": "score", **shared, "seed": seed, **_row_key(row)}
+            res, cached = results.run(key, functools.partial(measure_score, args, row, seed))
+            source = " (from the results file)" if cached else ""
             if "error" in res:
                 print(f"  seed {seed} {row.lib} {row.algo}: FAILED\n{res['error']}")
                 continue
-            if results is not None and not source:
-                with results.open("a") as f:
-                    f.write(json.dumps({"key": key, "result": res}) + "\n")
             runs[row].append(res)
             print(
                 f"  seed {seed} {row.lib} {row.algo}: reached={res.get('reached')} "
@@ -625,7 +759,7 @@ def check(args: argparse.Namespace, rows: list[Row]) -> int:
     """A few seconds of CartPole per available library; the table must parse back with a
     positive figure in every row. Returns the exit status."""
     args.rounds, args.warmup, args.seconds, args.envpool_seconds = 1, 3.0, 6.0, 2.0
-    table = throughput(args, rows, "cartpole")
+    table = throughput(args, rows, "cartpole", Results(None, moolib_commit()))
     print(table, flush=True)
     parsed = parse_table(table)
     bad = [
@@ -647,9 +781,34 @@ def _positive(cell: str) -> bool:
         return False
 
 
+EPILOG = """\
+The peers' venvs: `bash bench/peers/setup.sh [DIR]` builds one per library
+(default DIR: ~/moolib-peer-venvs) from the lockfiles in bench/peers/locks/, and
+prints the --...-python flags to give here. This bench itself runs under moolib's
+Python (the venv moolib is installed in): moolib's side is moolib-run from that
+venv, each peer's side a runner (bench/peers/<lib>_runner.py) that the bench
+starts with that peer's Python. A peer whose Python is not given is skipped.
+
+Every run goes into --results (JSON lines: the run, its result, the moolib commit,
+the load average before and after); give a file under bench/results/ to keep the
+evidence with the figures. Runs already in the file are not run again (a failed
+one is), so a long comparison resumes after a stop; a file of another moolib
+commit is refused.
+
+Examples:
+  python bench/peers.py --check --sb3-python ~/moolib-peer-venvs/sb3/bin/python
+  python bench/peers.py --only throughput --rounds 5 --results bench/results/peers.jsonl \\
+      --sample-factory-python ~/moolib-peer-venvs/sf/bin/python ...
+"""
+
+
 def main() -> None:
     """The command."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     for flag in ("--sample-factory-python", "--rllib-python", "--torchrl-python", "--sb3-python"):
         p.add_argument(flag, default=None, help="that library's venv's Python")
     p.add_argument("--check", action="store_true", help="a few seconds of CartPole each")
@@ -667,7 +826,7 @@ def main() -> None:
         help="likewise a run that takes no env step this long after its last one",
     )
     p.add_argument("--only", choices=("throughput", "score"), default=None)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="throughput rounds, interleaved")
     p.add_argument("--warmup", type=float, default=20.0, help="untimed stepping per run")
     p.add_argument("--seconds", type=float, default=30.0, help="timed stepping per run")
     p.add_argument("--envpool-seconds", type=float, default=10.0)
@@ -679,26 +838,29 @@ def main() -> None:
     p.add_argument(
         "--results",
         default=None,
-        help="a file each score run is appended to; runs already in it are not run again",
+        help="the JSON-lines file every run is appended to (see below)",
     )
     args = p.parse_args()
     # Killed (kill, a job's end), it stops as on Ctrl-C: each runner's process
     # group and moolib-run are stopped on the way out, not left stepping.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    commit = moolib_commit()
     print(
         f"{platform.node()}: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
-        f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}",
+        f"Python {platform.python_version()}, moolib {commit}, "
+        f"load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
     rows = available(args)
     if args.check:
         sys.exit(check(args, rows))
+    results = Results(args.results, commit)
     if args.only in (None, "throughput"):
         print(f"Throughput: Breakout, {args.envs} envs on {args.procs} env processes, CPU")
-        print(throughput(args, rows, "breakout"), flush=True)
+        print(throughput(args, rows, "breakout", results), flush=True)
     if args.only in (None, "score"):
         print(f"Time to a score: {args.score_task}, cap {args.score_cap:.0f} s per run")
-        print(scores(args, rows), flush=True)
+        print(scores(args, rows, results), flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

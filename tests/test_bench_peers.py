@@ -5,6 +5,7 @@ ALE, and a runner that cannot start reported as a failure. Nothing here asserts 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,12 +62,14 @@ def test_check_skips_missing_venvs_reports_a_broken_one_and_measures_moolib(
     rows = peers.parse_table(out)
     assert [(r["library"], r["algorithm"]) for r in rows] == [
         ("moolib", "V-trace"),
+        ("moolib", "A2C"),
         ("stable-baselines3", "PPO"),
         ("stable-baselines3", "A2C"),
     ], out
-    assert float(rows[0]["env steps/s (median)"].replace(",", "")) > 0, out
+    for moolib in rows[:2]:
+        assert float(moolib["env steps/s (median)"].replace(",", "")) > 0, out
     assert float(rows[0]["EnvPool limit"].replace(",", "")) > 0, out
-    assert rows[1]["env steps/s (median)"] == rows[2]["env steps/s (median)"] == "-", out
+    assert rows[2]["env steps/s (median)"] == rows[3]["env steps/s (median)"] == "-", out
     assert proc.returncode == 1 and "check FAILED" in out, out
 
 
@@ -114,21 +117,39 @@ def test_a_runner_that_stops_stepping_is_stopped_and_reported(
     assert "took no env step for 5 s after 50 steps" in res.get("error", ""), res
 
 
-def test_tables_parse_back(peers: ModuleType) -> None:
-    moolib, sb3 = peers.ROWS[0], peers.ROWS[-1]
-    text = peers.throughput_table([(moolib, [300.0, 100.0, 200.0]), (sb3, [])], [1000.0, 3000.0])
+def _row(peers: ModuleType, lib: str, algo: str):
+    return next(r for r in peers.ROWS if (r.lib, r.algo) == (lib, algo))
+
+
+def test_tables_parse_back_and_pair_rows_of_one_class(peers: ModuleType) -> None:
+    moolib, sb3 = _row(peers, "moolib", "V-trace"), _row(peers, "stable-baselines3", "A2C")
+    sf1 = _row(peers, "sample-factory", "APPO, 1 pass")
+    ppo = _row(peers, "stable-baselines3", "PPO")
+    text = peers.throughput_table(
+        [(moolib, [300.0, 100.0, 200.0]), (sf1, [50.0]), (ppo, [20.0]), (sb3, [])],
+        [1000.0, 3000.0],
+    )
     rows = peers.parse_table("before\n" + text + "\nafter")
-    assert [r["library"] for r in rows] == ["moolib", "stable-baselines3"]
+    assert [r["library"] for r in rows] == [
+        "moolib",
+        "sample-factory",
+        "stable-baselines3",
+        "stable-baselines3",
+    ]
     assert rows[0]["env steps/s (median)"] == "200"
     assert rows[0]["EnvPool limit"] == "2,000"
     assert rows[0]["/ limit"] == "0.100"
-    assert rows[1]["env steps/s (median)"] == "-"
+    assert rows[0]["moolib / this"] == "1.00"
+    # Sample Factory's one-pass APPO is of V-trace's class; PPO has no moolib row.
+    assert rows[1]["class"] == rows[0]["class"] and rows[1]["moolib / this"] == "4.00"
+    assert rows[2]["moolib / this"] == "-"
+    assert rows[3]["env steps/s (median)"] == "-"
     runs = [
         {"reached": True, "seconds": 50.0, "steps": 1000, "best_score": 11.0},
         {"reached": False, "seconds": 99.0, "steps": 5000, "best_score": 6.5},
     ]
     scored = peers.parse_table(
-        peers.score_table([(moolib, runs), (sb3, runs[1:]), (peers.ROWS[1], [])], "minatar", 99.0)
+        peers.score_table([(moolib, runs), (sb3, runs[1:]), (sf1, [])], "minatar", 99.0)
     )
     assert scored[0]["reached (cap 99 s)"] == "1/2"
     # Of two runs, one short of the target: the higher middle one did not reach it.
@@ -163,20 +184,49 @@ def test_score_runs_resume_from_the_results_file(peers: ModuleType, tmp_path, mo
         stall_seconds=60.0,
     )
     moolib = peers.ROWS[0]
-    first = peers.scores(args, [moolib])
+
+    def scores() -> str:
+        return peers.scores(args, [moolib], peers.Results(str(results), "abc123"))
+
+    first = scores()
     assert ran == [0, 1]
-    assert len(results.read_text().splitlines()) == 2
+    entries = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [e["seed"] for e in entries] == [0, 1]
+    for e in entries:  # each run with its commit and the load around it
+        assert e["commit"] == "abc123" and e["kind"] == "score" and e["lib"] == "moolib"
+        assert len(e["load_before"]) == len(e["load_after"]) == 3
     # A line cut short by a kill is skipped; both runs are taken from the file.
     with results.open("a") as f:
         f.write('{"key": "[\\"minatar\\", 30.0')
-    assert peers.scores(args, [moolib]) == first and ran == [0, 1]
+    assert scores() == first and ran == [0, 1]
     # A third seed runs only that seed; another cap is another run.
     args.seeds = 3
-    peers.scores(args, [moolib])
+    scores()
     assert ran == [0, 1, 2]
     args.score_cap = 60.0
-    peers.scores(args, [moolib])
+    scores()
     assert ran == [0, 1, 2, 0, 1, 2]
+    # One commit per comparison: the file is refused to another.
+    with pytest.raises(SystemExit, match="holds runs of moolib abc123, and this is def456"):
+        peers.Results(str(results), "def456")
+
+
+def test_round_ratios_pair_moolib_with_the_best_peer_of_its_class(peers: ModuleType) -> None:
+    vtrace, a2c = _row(peers, "moolib", "V-trace"), _row(peers, "moolib", "A2C")
+    sf1 = _row(peers, "sample-factory", "APPO, 1 pass")
+    rllib = _row(peers, "rllib", "APPO")
+    sb3_a2c, ppo = _row(peers, "stable-baselines3", "A2C"), _row(peers, "stable-baselines3", "PPO")
+    rows = [vtrace, a2c, sf1, rllib, sb3_a2c, ppo]
+    rounds = [
+        {vtrace: 300.0, sf1: 100.0, rllib: 150.0, ppo: 1000.0, a2c: 90.0},
+        {vtrace: 200.0, sf1: 200.0, ppo: 1000.0, a2c: 80.0, sb3_a2c: 40.0},
+        {sf1: 100.0},  # moolib failed in this round: no ratio from it
+    ]
+    lines = peers.round_ratios(rounds, rows)
+    # The PPO row, faster, is another class: it enters no ratio.
+    assert lines[0].startswith("moolib V-trace / best one pass peer, per round: 2.00x, 1.00x;")
+    assert "median 1.50x, range 1.00-2.00x over 2 rounds" in lines[0]
+    assert "per round: 2.00x; median 2.00x" in lines[1]
 
 
 def test_moolib_rolling_score_takes_the_last_hundred_episodes(peers: ModuleType) -> None:

@@ -167,7 +167,26 @@ def parse_args(libs_algos: tuple[str, ...]) -> argparse.Namespace:
     p.add_argument("--cap", type=float, default=300.0, help="score: wall-clock seconds at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", required=True, help="the counters' directory")
-    return p.parse_args()
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the library over the runner's own (VALUE is JSON, else a string)",
+    )
+    args = p.parse_args()
+    args.settings = dict(_setting(item) for item in args.set)
+    return args
+
+
+def _setting(item: str) -> tuple[str, Any]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def learner_threads(procs: int) -> int:

@@ -105,6 +105,7 @@ def main() -> None:
         .rl_module(model_config=model(args.task))
         .reporting(min_time_s_per_iteration=1)
         .debugging(seed=args.seed)
+        .training(**args.settings)
     )
     algo = config.build_algo()
     try:
@@ -128,6 +129,8 @@ def main() -> None:
             "entropy_coeff": config.entropy_coeff,
             "clip_param": config.clip_param,
             "train_batch_size_per_learner": config.train_batch_size_per_learner,
+            "num_epochs": config.num_epochs,
+            **args.settings,
         },
     )
 

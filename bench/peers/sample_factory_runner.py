@@ -123,6 +123,7 @@ def main() -> None:
         with_wandb=False,
         experiment_summaries_interval=1000,
     )
+    settings.update(args.settings)
     parser.set_defaults(**settings)
     cfg = parse_full_cfg(parser, argv)
     cfg, runner = make_runner(cfg)
@@ -142,7 +143,18 @@ def main() -> None:
         settings={
             k: v
             for k, v in settings.items()
-            if k in ("rollout", "batch_size", "num_workers", "num_envs_per_worker", "async_rl")
+            if k
+            in (
+                "rollout",
+                "batch_size",
+                "num_workers",
+                "num_envs_per_worker",
+                "async_rl",
+                "num_epochs",
+                "num_batches_per_epoch",
+                "with_vtrace",
+                *args.settings,
+            )
         },
     )
 

@@ -118,6 +118,7 @@ def main() -> None:
         ]
     )
     hp, policy = settings(args.task, args.algo)
+    hp.update(args.settings)
     cls = PPO if args.algo == "ppo" else A2C
     model = cls(
         "MlpPolicy" if args.task == "cartpole" else "CnnPolicy",

@@ -121,6 +121,8 @@ def main() -> None:
     )
     if args.task == "cartpole":
         hp.update(lr=1e-3, clip=0.2, entropy=0.0, epochs=10)
+    hp.update(args.settings)
+    frames = hp["frames_per_batch"]
     collector = Collector(env, actor, frames_per_batch=frames, total_frames=-1, device="cpu")
     adv = GAE(gamma=hp["gamma"], lmbda=hp["lmbda"], value_network=critic, average_gae=False)
     loss_fn = ClipPPOLoss(
