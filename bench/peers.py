@@ -56,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -196,16 +197,7 @@ def moolib_overrides(task: str, envs: int, procs: int, agent: str = "vtrace") ->
             *shape,
         ]
     if task == "minatar":
-        # The tuning file's learner batch is half an actor batch (16 of 32 envs);
-        # kept so with fewer envs (conf/tuning/vtrace_minatar.yaml says why).
-        learn = max(1, envs // 4)
-        return [
-            f"agent={agent}",
-            "env=minatar-breakout",
-            *shape,
-            f"agent.batch_size={learn}",
-            f"agent.virtual_batch_size={learn}",
-        ]
+        return [f"agent={agent}", "env=minatar-breakout", *shape]
     if task == "cartpole":
         return [f"agent={agent}", "env=cartpole", *shape]
     raise ValueError(f"unknown task {task!r}")
@@ -304,14 +296,16 @@ def moolib_score(
     cap: float,
     limits: Limits = Limits(),
     agent: str = "vtrace",
+    extra: tuple[str, ...] = (),
 ) -> dict:
-    """One moolib-run on ``task`` until its score reaches the target or ``cap`` seconds
-    have passed since its start; wall-clock from the start, env steps learned from."""
+    """One moolib-run on ``task`` (with the overrides ``extra``) until its score reaches
+    the target or ``cap`` seconds have passed since its start; wall-clock from the
+    start, env steps learned from, and the score's curve as the runners record it."""
     bt = bench_train()
     target = SCORE_TARGETS[task]
     result: dict[str, Any] = {"reached": False, "best_score": None}
     with tempfile.TemporaryDirectory() as savedir, tempfile.TemporaryFile() as err:
-        overrides = moolib_overrides(task, envs, procs, agent)
+        overrides = [*moolib_overrides(task, envs, procs, agent), *extra]
         cmd = bt._run_command([*overrides, f"seed={seed}"], savedir)
         cmd = [c if not c.startswith("log_interval=") else "log_interval=1" for c in cmd]
         start = time.monotonic()
@@ -319,6 +313,7 @@ def moolib_score(
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         logs = Path(savedir) / "logs.tsv"
         watchdog = Watchdog(limits)
+        curve: list[list[float]] = result.setdefault("curve", [])
         try:
             while proc.poll() is None:
                 time.sleep(0.5)
@@ -328,9 +323,12 @@ def moolib_score(
                     result["error"] = f"moolib-run {why}"
                     break
                 score = rolling_score(rows)
+                now = time.monotonic() - start
                 if score == score:
                     best = result["best_score"]
                     result["best_score"] = score if best is None else max(best, score)
+                    if not curve or now - curve[-1][0] >= runners_common().CURVE_EVERY:
+                        curve.append([round(now, 1), int(bt._num(rows[-1], "step")), score])
                 result.update(
                     steps=int(bt._num(rows[-1], "step")) if rows else 0,
                     seconds=time.monotonic() - start,
@@ -673,17 +671,50 @@ def measure_throughput(args: argparse.Namespace, row: Row, task: str, rnd: int) 
     )
 
 
-def measure_score(args: argparse.Namespace, row: Row, seed: int) -> dict:
-    """One time-to-a-score run of ``row``."""
+# The tuning sweep: the same for every library, factors of its own learning rate and
+# batch size (env steps per update, or the library's nearest key: each runner says).
+SWEEP = tuple((lr, batch) for lr in (0.5, 1.0, 2.0) for batch in (0.5, 1.0))
+
+
+def moolib_scaled(row: Row, task: str, envs: int, procs: int, lr: float, batch: float) -> tuple:
+    """moolib-run's overrides for the sweep's factors: its learning rate and its
+    learner batch (unrolls per update, the virtual batch with it where they are equal,
+    as with one peer)."""
+    if lr == 1 and batch == 1:
+        return ()
+    cfg = bench_train()._config(moolib_overrides(task, envs, procs, row.runner_algo))
+    extra = [f"agent.optimizer.learning_rate={cfg.agent.optimizer.learning_rate * lr}"]
+    if batch != 1:
+        size = max(1, round(cfg.agent.batch_size * batch))
+        extra.append(f"agent.batch_size={size}")
+        if cfg.agent.virtual_batch_size == cfg.agent.batch_size:
+            extra.append(f"agent.virtual_batch_size={size}")
+    return tuple(extra)
+
+
+def measure_score(
+    args: argparse.Namespace, row: Row, seed: int, lr: float = 1.0, batch: float = 1.0
+) -> dict:
+    """One time-to-a-score run of ``row``, its learning rate and batch size scaled by
+    ``lr`` and ``batch`` (the tuning sweep's factors)."""
     task = args.score_task
     if row.lib == "moolib":
+        extra = moolib_scaled(row, task, args.envs, args.procs, lr, batch)
         return moolib_score(
-            task, args.envs, args.procs, seed, args.score_cap, run_limits(args), row.runner_algo
+            task,
+            args.envs,
+            args.procs,
+            seed,
+            args.score_cap,
+            run_limits(args),
+            row.runner_algo,
+            extra,
         )
+    scales = ["--lr-scale", str(lr), "--batch-scale", str(batch)]
     return run_peer(
         _python(args, row),
         row,
-        _runner_args(args, task, "score", seed),
+        [*_runner_args(args, task, "score", seed), *scales],
         args.first_step_seconds + args.score_cap,
         run_limits(args),
     )
@@ -731,28 +762,129 @@ def throughput(args: argparse.Namespace, rows: list[Row], task: str, results: Re
     return "\n".join([table, "", *round_ratios(rounds, rows)])
 
 
-def scores(args: argparse.Namespace, rows: list[Row], results: Results) -> str:
-    """Runs every row once per seed, interleaved; prints each run and returns the table.
-    Each run goes into ``results`` as it ends; runs already there are taken from it."""
-    task = args.score_task
-    runs: dict[Row, list[dict]] = {r: [] for r in rows}
-    shared = {"task": task, "cap": args.score_cap, "envs": args.envs, "procs": args.procs}
-    for seed in range(args.seeds):
+def _ranking(res: dict) -> tuple[float, float]:
+    """Orders runs best first: those that reached the target, sooner first, then the
+    others by their best score."""
+    if res.get("reached"):
+        return (0.0, res["seconds"])
+    best = res.get("best_score")
+    return (1.0, -best if best is not None else float("inf"))
+
+
+def _score_run(
+    args: argparse.Namespace,
+    results: Results,
+    row: Row,
+    seed: int,
+    scales: tuple[float, float],
+    label: str,
+) -> dict:
+    """One score run through ``results``, printed as it ends."""
+    shared = {"task": args.score_task, "cap": args.score_cap, "envs": args.envs}
+    key = {"kind": "score", **shared, "procs": args.procs, "seed": seed, **_row_key(row)}
+    key.update(lr_scale=scales[0], batch_scale=scales[1])
+    res, cached = results.run(key, functools.partial(measure_score, args, row, seed, *scales))
+    source = " (from the results file)" if cached else ""
+    name = f"  {label} seed {seed} {row.lib} {row.algo} (lr x{scales[0]:g}, batch x{scales[1]:g})"
+    if "error" in res:
+        print(f"{name}: FAILED\n{res['error']}", flush=True)
+    else:
+        print(
+            f"{name}: reached={res.get('reached')} seconds={res.get('seconds', 0):.0f} "
+            f"steps={res.get('steps', 0):,} score={res.get('score')} "
+            f"best={res.get('best_score')}{source}",
+            flush=True,
+        )
+    return res
+
+
+def tune(args: argparse.Namespace, rows: list[Row], results: Results) -> dict[Row, tuple]:
+    """The sweep on the tuning seed, the same for every row (interleaved: each setting
+    of every row, then the next setting); each row's best setting by ``_ranking``."""
+    runs: dict[Row, list[tuple[tuple[float, float], dict]]] = {r: [] for r in rows}
+    for scales in SWEEP:
         for row in rows:
-            key = {"kind": "score", **shared, "seed": seed, **_row_key(row)}
-            res, cached = results.run(key, functools.partial(measure_score, args, row, seed))
-            source = " (from the results file)" if cached else ""
-            if "error" in res:
-                print(f"  seed {seed} {row.lib} {row.algo}: FAILED\n{res['error']}")
+            res = _score_run(args, results, row, args.tuning_seed, scales, "tuning")
+            if "error" not in res:
+                runs[row].append((scales, res))
+    picked = {}
+    for row in rows:
+        if runs[row]:
+            scales, _ = min(runs[row], key=lambda item: _ranking(item[1]))
+            picked[row] = scales
+            print(f"  tuned {row.lib} {row.algo}: lr x{scales[0]:g}, batch x{scales[1]:g}")
+        else:
+            print(f"  tuned {row.lib} {row.algo}: every sweep run failed")
+    return picked
+
+
+def scores(args: argparse.Namespace, rows: list[Row], results: Results) -> str:
+    """Time to a score on the held-out seeds (1 to ``--seeds``; the tuning seed is
+    another), each row with its published settings, and with ``--tune`` also with the
+    setting its sweep picked; seeds interleaved. Prints each run and returns the
+    tables. Each run goes into ``results`` as it ends; runs already there are taken
+    from it."""
+    seeds = range(1, args.seeds + 1)
+    picked = tune(args, rows, results) if args.tune else {}
+    tables = []
+    panels: dict[str, dict[Row, list[dict]]] = {}
+    for label, choice in (("published", {r: (1.0, 1.0) for r in rows}), ("tuned", picked)):
+        if not choice:
+            continue
+        runs: dict[Row, list[dict]] = panels.setdefault(label, {r: [] for r in rows})
+        for seed in seeds:
+            for row in (r for r in rows if r in choice):
+                res = _score_run(args, results, row, seed, choice[row], label)
+                if "error" not in res:
+                    runs[row].append(res)
+        title = f"{label} settings" + (" (the sweep's pick per row)" if label == "tuned" else "")
+        chosen = [(r, runs[r]) for r in rows if r in choice]
+        table = score_table(chosen, args.score_task, args.score_cap)
+        tables.append(f"{title}, held-out seeds {seeds[0]}-{seeds[-1]}:\n{table}")
+    if args.plot:
+        plot_curves(panels, args.score_task, SCORE_TARGETS[args.score_task], Path(args.plot))
+        tables.append(f"curves: {args.plot}")
+    return "\n\n".join(tables)
+
+
+def plot_curves(
+    panels: dict[str, dict[Row, list[dict]]], task: str, target: float, path: Path
+) -> None:
+    """The score runs' curves as a PNG: a panel per setting (published, tuned), per row
+    the median over its seeds of the score against wall-clock seconds (each seed's
+    curve faint), the target as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, (label, runs) in zip(axes[0], panels.items(), strict=True):
+        for i, (row, seeds) in enumerate(runs.items()):
+            curves = [np.asarray(r["curve"], dtype=float) for r in seeds if r.get("curve")]
+            if not curves:
                 continue
-            runs[row].append(res)
-            print(
-                f"  seed {seed} {row.lib} {row.algo}: reached={res.get('reached')} "
-                f"seconds={res.get('seconds', 0):.0f} steps={res.get('steps', 0):,} "
-                f"score={res.get('score')} best={res.get('best_score')}{source}",
-                flush=True,
-            )
-    return score_table([(r, runs[r]) for r in rows], task, args.score_cap)
+            color = f"C{i % 10}"
+            end = max(c[-1, 0] for c in curves)
+            grid = np.linspace(0.0, end, 200)
+            # A run that stopped (reached the target) holds its last score after.
+            held = [np.interp(grid, c[:, 0], c[:, 2], left=np.nan) for c in curves]
+            for c in curves:
+                ax.plot(c[:, 0], c[:, 2], color=color, alpha=0.2, linewidth=0.8)
+            with warnings.catch_warnings():  # before any seed's first point: all nan
+                warnings.simplefilter("ignore", RuntimeWarning)
+                median = np.nanmedian(np.vstack(held), axis=0)
+            ax.plot(grid, median, color=color, label=f"{row.lib} {row.algo}")
+        ax.axhline(target, color="black", linestyle=":", linewidth=1)
+        ax.set_title(f"{task}: {label} settings, median of held-out seeds")
+        ax.set_xlabel("wall-clock seconds from the start")
+        ax.set_ylabel(f"mean return of the last {runners_common().SCORE_WINDOW} episodes")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def check(args: argparse.Namespace, rows: list[Row]) -> int:
@@ -832,7 +964,15 @@ def main() -> None:
     p.add_argument("--envpool-seconds", type=float, default=10.0)
     p.add_argument("--envs", type=int, default=8, help="envs in all")
     p.add_argument("--procs", type=int, default=2, help="env processes")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=5, help="held-out seeds of the score: 1 to SEEDS")
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="first sweep each row's learning rate and batch size (x0.5, x1, x2 and x0.5, "
+        "x1) on --tuning-seed, then score the pick on the held-out seeds too",
+    )
+    p.add_argument("--tuning-seed", type=int, default=0, help="the sweep's seed (not held out)")
+    p.add_argument("--plot", default=None, help="a PNG for the score runs' curves")
     p.add_argument("--score-task", choices=tuple(SCORE_TARGETS), default="minatar")
     p.add_argument("--score-cap", type=float, default=240.0, help="seconds per run at most")
     p.add_argument(

@@ -182,6 +182,9 @@ def test_score_runs_resume_from_the_results_file(peers: ModuleType, tmp_path, mo
         results=str(results),
         first_step_seconds=60.0,
         stall_seconds=60.0,
+        tune=False,
+        tuning_seed=0,
+        plot=None,
     )
     moolib = peers.ROWS[0]
 
@@ -189,26 +192,75 @@ def test_score_runs_resume_from_the_results_file(peers: ModuleType, tmp_path, mo
         return peers.scores(args, [moolib], peers.Results(str(results), "abc123"))
 
     first = scores()
-    assert ran == [0, 1]
+    assert ran == [1, 2]  # the held-out seeds: 1 to --seeds
     entries = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [e["seed"] for e in entries] == [0, 1]
+    assert [e["seed"] for e in entries] == [1, 2]
     for e in entries:  # each run with its commit and the load around it
         assert e["commit"] == "abc123" and e["kind"] == "score" and e["lib"] == "moolib"
         assert len(e["load_before"]) == len(e["load_after"]) == 3
     # A line cut short by a kill is skipped; both runs are taken from the file.
     with results.open("a") as f:
         f.write('{"key": "[\\"minatar\\", 30.0')
-    assert scores() == first and ran == [0, 1]
+    assert scores() == first and ran == [1, 2]
     # A third seed runs only that seed; another cap is another run.
     args.seeds = 3
     scores()
-    assert ran == [0, 1, 2]
+    assert ran == [1, 2, 3]
     args.score_cap = 60.0
     scores()
-    assert ran == [0, 1, 2, 0, 1, 2]
+    assert ran == [1, 2, 3, 1, 2, 3]
     # One commit per comparison: the file is refused to another.
     with pytest.raises(SystemExit, match="holds runs of moolib abc123, and this is def456"):
         peers.Results(str(results), "def456")
+
+
+def test_tuning_sweeps_every_row_alike_on_its_seed_and_scores_the_pick_on_held_out_seeds(
+    peers: ModuleType, tmp_path, monkeypatch
+) -> None:
+    calls: list[tuple[int, tuple[str, ...]]] = []
+
+    def fake_moolib_score(
+        task: str, envs: int, procs: int, seed: int, cap: float, limits, agent, extra
+    ) -> dict:
+        calls.append((seed, extra))
+        # The doubled learning rate with the halved batch reaches the target soonest.
+        fast = "agent.optimizer.learning_rate=0.002" in extra and "agent.batch_size=8" in extra
+        best = 10.0 if fast else 5.0 + len(extra)
+        curve = [[5.0, 50, best / 2], [20.0, 100, best]]
+        return {"reached": fast, "seconds": 20.0, "steps": 100, "best_score": best, "curve": curve}
+
+    monkeypatch.setattr(peers, "moolib_score", fake_moolib_score)
+    args = peers.argparse.Namespace(
+        score_task="minatar",
+        score_cap=30.0,
+        envs=8,
+        procs=2,
+        seeds=5,
+        first_step_seconds=60.0,
+        stall_seconds=60.0,
+        tune=True,
+        tuning_seed=0,
+        plot=str(tmp_path / "curves.png"),
+    )
+    results = tmp_path / "runs.jsonl"
+    text = peers.scores(args, [peers.ROWS[0]], peers.Results(str(results), "abc123"))
+    # Six sweep runs on seed 0 (the published setting among them: no overrides), then
+    # held-out seeds 1-5 with the published setting and with the pick.
+    assert [seed for seed, _ in calls[:6]] == [0] * 6 and () in [e for _, e in calls[:6]]
+    assert [seed for seed, _ in calls[6:]] == [1, 2, 3, 4, 5] * 2
+    assert all(extra == () for _, extra in calls[6:11])
+    picked = calls[11][1]
+    assert "agent.optimizer.learning_rate=0.002" in picked and "agent.batch_size=8" in picked
+    entries = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(entries) == 16
+    assert {(e["lr_scale"], e["batch_scale"]) for e in entries[11:]} == {(2.0, 0.5)}
+    tables = text.split("\n\n")
+    assert tables[0].startswith("published settings, held-out seeds 1-5")
+    assert tables[1].startswith("tuned settings (the sweep's pick per row), held-out seeds 1-5")
+    assert peers.parse_table(tables[0])[0]["reached (cap 30 s)"] == "0/5"
+    assert peers.parse_table(tables[1])[0]["reached (cap 30 s)"] == "5/5"
+    assert tables[2] == f"curves: {tmp_path / 'curves.png'}"
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_round_ratios_pair_moolib_with_the_best_peer_of_its_class(peers: ModuleType) -> None:

@@ -34,6 +34,8 @@ RESULT_PREFIX = "RESULT "
 STOP_GRACE = 30.0
 # Episodes the score is the mean return of (the most recent ones).
 SCORE_WINDOW = 100
+# Seconds between the points of a score run's curve.
+CURVE_EVERY = 5.0
 # Atari: the shared settings (moolib-run's env=breakout with sticky actions off).
 FRAME_SKIP, SCREEN, STACK, NOOP_MAX = 4, 84, 4, 30
 MAX_EPISODE_FRAMES = 108_000
@@ -167,6 +169,8 @@ def parse_args(libs_algos: tuple[str, ...]) -> argparse.Namespace:
     p.add_argument("--cap", type=float, default=300.0, help="score: wall-clock seconds at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", required=True, help="the counters' directory")
+    p.add_argument("--lr-scale", type=float, default=1.0, help="the tuning sweep's factor")
+    p.add_argument("--batch-scale", type=float, default=1.0, help="the tuning sweep's factor")
     p.add_argument(
         "--set",
         action="append",
@@ -177,6 +181,27 @@ def parse_args(libs_algos: tuple[str, ...]) -> argparse.Namespace:
     args = p.parse_args()
     args.settings = dict(_setting(item) for item in args.set)
     return args
+
+
+def tuned(
+    settings: dict[str, Any],
+    args: argparse.Namespace,
+    lr_key: str,
+    batch_key: str,
+    defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The runner's ``settings`` with the tuning sweep's factors (``--lr-scale``,
+    ``--batch-scale``) applied to the library's learning rate and batch size (env steps
+    per update, or the library's nearest key), then ``--set``'s settings over them.
+    ``defaults`` are the library's own values of keys the runner does not set."""
+    out = dict(settings)
+    known = {**(defaults or {}), **settings}
+    if args.lr_scale != 1:
+        out[lr_key] = float(known[lr_key]) * args.lr_scale
+    if args.batch_scale != 1:
+        out[batch_key] = max(1, round(int(known[batch_key]) * args.batch_scale))
+    out.update(args.settings)
+    return out
 
 
 def _setting(item: str) -> tuple[str, Any]:
@@ -224,6 +249,10 @@ class Meter:
         )
         self.done = threading.Event()
         self.result: dict[str, Any] = {"task": args.task, "mode": args.mode, "seed": args.seed}
+        # Score mode: [seconds from the start, env steps, score], every CURVE_EVERY s.
+        self.curve: list[list[float]] = []
+        if args.mode == "score":
+            self.result["curve"] = self.curve
         self._lock = threading.Lock()
         # Set by a runner whose loop alternates collecting and learning: the window then
         # starts and ends at ``tick``s (the start of a collection), whole cycles only.
@@ -270,6 +299,7 @@ class Meter:
     def _watch(self) -> None:
         a = self.args
         best = float("-inf")
+        last_point = float("-inf")
         while not self.done.is_set():
             time.sleep(0.25)
             now, steps = time.monotonic(), self.steps()
@@ -287,6 +317,9 @@ class Meter:
                 )
                 if score == score:
                     best = max(best, score)
+                    if now - last_point >= CURVE_EVERY:
+                        last_point = now
+                        self.curve.append([round(now - START, 1), steps, round(score, 3)])
                 self.result.update(
                     steps=steps,
                     seconds=now - START,

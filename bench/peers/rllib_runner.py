@@ -105,8 +105,11 @@ def main() -> None:
         .rl_module(model_config=model(args.task))
         .reporting(min_time_s_per_iteration=1)
         .debugging(seed=args.seed)
-        .training(**args.settings)
     )
+    batch_key = "train_batch_size_per_learner"
+    defaults = {"lr": config.lr, batch_key: config.train_batch_size_per_learner}
+    changed = common.tuned({}, args, "lr", batch_key, defaults)
+    config = config.training(**changed)
     algo = config.build_algo()
     try:
         while not meter.done.is_set():
@@ -130,7 +133,7 @@ def main() -> None:
             "clip_param": config.clip_param,
             "train_batch_size_per_learner": config.train_batch_size_per_learner,
             "num_epochs": config.num_epochs,
-            **args.settings,
+            **changed,
         },
     )
 

@@ -123,7 +123,8 @@ def main() -> None:
         with_wandb=False,
         experiment_summaries_interval=1000,
     )
-    settings.update(args.settings)
+    defaults = {k: parser.get_default(k) for k in ("learning_rate", "batch_size")}
+    settings = common.tuned(settings, args, "learning_rate", "batch_size", defaults)
     parser.set_defaults(**settings)
     cfg = parse_full_cfg(parser, argv)
     cfg, runner = make_runner(cfg)
@@ -153,6 +154,7 @@ def main() -> None:
                 "num_epochs",
                 "num_batches_per_epoch",
                 "with_vtrace",
+                "learning_rate",
                 *args.settings,
             )
         },

@@ -14,6 +14,7 @@ envs in one process), so ``--envs`` processes step the envs here.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import common
 import stable_baselines3
@@ -118,8 +119,10 @@ def main() -> None:
         ]
     )
     hp, policy = settings(args.task, args.algo)
-    hp.update(args.settings)
     cls = PPO if args.algo == "ppo" else A2C
+    signature = inspect.signature(cls.__init__).parameters
+    defaults = {k: signature[k].default for k in ("learning_rate", "n_steps")}
+    hp = common.tuned(hp, args, "learning_rate", "n_steps", defaults)
     model = cls(
         "MlpPolicy" if args.task == "cartpole" else "CnnPolicy",
         envs,

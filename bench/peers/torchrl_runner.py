@@ -121,7 +121,10 @@ def main() -> None:
     )
     if args.task == "cartpole":
         hp.update(lr=1e-3, clip=0.2, entropy=0.0, epochs=10)
-    hp.update(args.settings)
+    batch = hp["frames_per_batch"]
+    hp = common.tuned(hp, args, "lr", "frames_per_batch")
+    if hp["frames_per_batch"] != batch and "mini_batch" not in args.settings:
+        hp["mini_batch"] = hp["frames_per_batch"] // 4  # four mini-batches, as published
     frames = hp["frames_per_batch"]
     collector = Collector(env, actor, frames_per_batch=frames, total_frames=-1, device="cpu")
     adv = GAE(gamma=hp["gamma"], lmbda=hp["lmbda"], value_network=critic, average_gae=False)
