@@ -2,44 +2,53 @@
 
     python bench/peers.py [--sample-factory-python PATH] [--rllib-python PATH]
                           [--torchrl-python PATH] [--sb3-python PATH]
-                          [--rounds 3] [--warmup 20] [--seconds 30] [--envs 8] [--procs 2]
-                          [--seeds 3] [--score-cap 240] [--score-task minatar]
-                          [--only throughput|score] [--results runs.jsonl]
+                          [--only throughput|score] [--results FILE.jsonl]
+                          [--rounds 5] [--warmup 20] [--seconds 30] [--envs 8] [--procs 2]
+                          [--tune] [--tuning-seed 0] [--seeds 5] [--score-cap 240]
+                          [--score-task minatar] [--plot PNG]
     python bench/peers.py --check [--... -python PATH]
 
 Installs nothing: each peer runs in its own virtual environment, whose Python is
-given (docs/benchmarks.md says how each venv was made, versions pinned); a peer
-whose Python is not given is skipped, and the output says so. Each peer's side is
-a small runner, ``bench/peers/<lib>_runner.py``, that this bench launches with that
-Python; the runners share ``bench/peers/common.py``: the same envs (gymnasium's
-Atari preprocessing, as moolib-run's env=breakout) and the same counting of env
-steps and episodes, in the env instances themselves, whichever process steps them.
+given (``bash bench/peers/setup.sh`` builds them from the lockfiles in
+bench/peers/locks/); a peer whose Python is not given is skipped, and the output
+says so. The bench runs under moolib's Python. Each peer's side is a small runner,
+``bench/peers/<lib>_runner.py``, that this bench launches with that Python; the
+runners share ``bench/peers/common.py``: the same envs (gymnasium's Atari
+preprocessing, as moolib-run's env=breakout) and the same counting of env steps and
+episodes, in the env instances themselves, whichever process steps them. Each row
+(``ROWS``) is a library, an algorithm, its class and the library settings changed
+for it; ratios pair rows of one class only.
 
-Two figures per library, each on the same machine in the same call:
+Two figures per row, each on the same machine in the same call:
 
 - *Throughput*: Breakout from pixels (ALE, frameskip 4, 84x84 grey, 4 stacked
   frames, no sticky actions), ``--envs`` envs on ``--procs`` env processes (SB3's
   SubprocVecEnv can only run one env per process: it gets ``--envs`` processes),
   the shallow IMPALA network for all, CPU only; env steps/s over ``--seconds``
-  after ``--warmup`` seconds of stepping, median over ``--rounds`` rounds, each
-  round running every library once (the order rotating), beside the EnvPool
-  limit of the same processes (moolib.EnvPool with that many envs on that many
-  processes stepped with random actions and nothing else: bench/train.py's
-  ``envpool_limit``), measured once per round.
+  after ``--warmup`` seconds of stepping, ``--rounds`` rounds, each round running
+  every row once (the order rotating) and the EnvPool limit of the same processes
+  (moolib.EnvPool with that many envs on that many processes stepped with random
+  actions and nothing else: bench/train.py's ``envpool_limit``). The headline is
+  moolib's ratio to the best peer of its class in each round: median and range.
 - *Time to a score*: MinAtar Breakout (``--score-task cartpole``: CartPole-v1)
   until the mean return of the last 100 finished episodes reaches 10 (CartPole:
-  475), wall-clock from the process's start and env steps, ``--seeds`` seeds
-  each, runs capped at ``--score-cap`` seconds; seeds interleave like rounds.
-  ``--results FILE`` keeps each finished run (one JSON line) and takes the runs
-  already there instead of running them again: hours of runs resume after a stop.
+  475), wall-clock from the process's start and env steps, on the held-out seeds 1
+  to ``--seeds``, runs capped at ``--score-cap`` seconds; seeds interleave like
+  rounds. Each row runs its published settings; with ``--tune`` also the pick of
+  the same sweep for every row (``SWEEP``: its learning rate and batch size scaled)
+  on ``--tuning-seed``, which is never scored.
 
-moolib's side is moolib-run (V-trace) with bench/train.py's helpers: its
-throughput is its actors' env steps/s from its logs.tsv (as ``run_sps`` reads
-them), the warm-up counted from its first steps as the runners count theirs.
+``--results FILE`` keeps every run (one JSON line, with the moolib commit and the
+load average around it) and takes the runs already there instead of running them
+again: hours of runs resume after a stop. A run that takes no env step in
+``--first-step-seconds``, or none for ``--stall-seconds``, is stopped and reported.
 
-``--check``: every available library for a few seconds of CartPole, then the
-printed table is parsed back and every row must hold a positive figure; exits 1
-otherwise.
+moolib's side is moolib-run with bench/train.py's helpers: its throughput is its
+actors' env steps/s from its logs.tsv (as ``run_sps`` reads them), the warm-up
+counted from its first steps as the runners count theirs.
+
+``--check``: every available row for a few seconds of CartPole, then the printed
+table is parsed back and every row must hold a positive figure; exits 1 otherwise.
 """
 
 from __future__ import annotations
