@@ -112,10 +112,10 @@ _ONE_EPOCH = (("num_epochs", 1), ("num_batches_per_epoch", 1))
 ROWS = (
     Row("moolib", "V-trace", ONE_PASS, "vtrace"),
     Row("moolib", "A2C", A2C_CLASS, "a2c"),
-    Row("sample-factory", "APPO, 1 pass", ONE_PASS, "appo", *_SF, _ONE_EPOCH),
+    Row("sample-factory", "APPO 1 pass", ONE_PASS, "appo", *_SF, _ONE_EPOCH),
     Row(
         "sample-factory",
-        "APPO, 1 pass, V-trace",
+        "APPO 1 pass V-trace",
         ONE_PASS,
         "appo",
         *_SF,
@@ -537,11 +537,23 @@ def parse_table(text: str) -> list[dict[str, str]]:
 # -- the command ---------------------------------------------------------------------------
 
 
+def row_name(row: Row) -> str:
+    """How ``--rows`` names a row: ``lib:algo``."""
+    return f"{row.lib}:{row.algo}"
+
+
 def available(args: argparse.Namespace) -> list[Row]:
-    """The rows to run: moolib's, and each peer's whose Python was given and exists; says
-    which are skipped and why."""
+    """The rows to run: those ``--rows`` names (all by default), moolib's and each
+    peer's whose Python was given and exists; says which are skipped and why."""
+    names = [n.strip() for n in args.rows.split(",")] if args.rows else None
+    unknown = set(names or ()) - {row_name(r) for r in ROWS}
+    if unknown:
+        known = ", ".join(row_name(r) for r in ROWS)
+        raise SystemExit(f"--rows: no row {sorted(unknown)}; the rows are: {known}")
     rows = []
     for row in ROWS:
+        if names is not None and row_name(row) not in names:
+            continue
         if row.python_flag is None:
             rows.append(row)
             continue
@@ -967,6 +979,12 @@ def main() -> None:
         help="likewise a run that takes no env step this long after its last one",
     )
     p.add_argument("--only", choices=("throughput", "score"), default=None)
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="comma-separated rows to run, as lib:algo (e.g. 'moolib:V-trace,"
+        "stable-baselines3:A2C'); all by default",
+    )
     p.add_argument("--rounds", type=int, default=5, help="throughput rounds, interleaved")
     p.add_argument("--warmup", type=float, default=20.0, help="untimed stepping per run")
     p.add_argument("--seconds", type=float, default=30.0, help="timed stepping per run")

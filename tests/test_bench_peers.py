@@ -123,7 +123,7 @@ def _row(peers: ModuleType, lib: str, algo: str):
 
 def test_tables_parse_back_and_pair_rows_of_one_class(peers: ModuleType) -> None:
     moolib, sb3 = _row(peers, "moolib", "V-trace"), _row(peers, "stable-baselines3", "A2C")
-    sf1 = _row(peers, "sample-factory", "APPO, 1 pass")
+    sf1 = _row(peers, "sample-factory", "APPO 1 pass")
     ppo = _row(peers, "stable-baselines3", "PPO")
     text = peers.throughput_table(
         [(moolib, [300.0, 100.0, 200.0]), (sf1, [50.0]), (ppo, [20.0]), (sb3, [])],
@@ -263,9 +263,23 @@ def test_tuning_sweeps_every_row_alike_on_its_seed_and_scores_the_pick_on_held_o
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_rows_are_chosen_by_name_and_a_wrong_name_lists_them(peers: ModuleType) -> None:
+    args = peers.argparse.Namespace(
+        rows="moolib:A2C, stable-baselines3:A2C", sb3_python=sys.executable
+    )
+    for row in peers.ROWS:
+        if row.python_flag:
+            setattr(args, row.python_flag.lstrip("-").replace("-", "_"), args.sb3_python)
+    chosen = peers.available(args)
+    assert [(r.lib, r.algo) for r in chosen] == [("moolib", "A2C"), ("stable-baselines3", "A2C")]
+    args.rows = "moolib:PPO"
+    with pytest.raises(SystemExit, match=r"no row \['moolib:PPO'\]; the rows are: moolib:V-trace"):
+        peers.available(args)
+
+
 def test_round_ratios_pair_moolib_with_the_best_peer_of_its_class(peers: ModuleType) -> None:
     vtrace, a2c = _row(peers, "moolib", "V-trace"), _row(peers, "moolib", "A2C")
-    sf1 = _row(peers, "sample-factory", "APPO, 1 pass")
+    sf1 = _row(peers, "sample-factory", "APPO 1 pass")
     rllib = _row(peers, "rllib", "APPO")
     sb3_a2c, ppo = _row(peers, "stable-baselines3", "A2C"), _row(peers, "stable-baselines3", "PPO")
     rows = [vtrace, a2c, sf1, rllib, sb3_a2c, ppo]
