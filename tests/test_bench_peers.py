@@ -73,48 +73,48 @@ def test_check_skips_missing_venvs_reports_a_broken_one_and_measures_moolib(
     assert proc.returncode == 1 and "check FAILED" in out, out
 
 
-def test_a_runner_that_never_steps_is_stopped_and_reported(
-    peers: ModuleType, tmp_path: Path
+# A "runner" that steps CartPole 50 times through the shared counters, then hangs (as
+# a library whose env workers died, waiting on them).
+STALL = """\
+import os, sys, time
+sys.path.insert(0, {peers!r})
+import common
+os.environ[common.COUNT_DIR_VAR] = sys.argv[sys.argv.index("--dir") + 1]
+env = common.make_env("cartpole", seed=0)
+env.reset(seed=0)
+for _ in range(50):
+    _, _, term, trunc, _ = env.step(env.action_space.sample())
+    if term or trunc:
+        env.reset()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("stalls", "limits", "why"),
+    [
+        (False, (3, 120), "took no env step in 3 s after its start"),
+        (True, (120, 5), "took no env step for 5 s after 50 steps"),
+    ],
+    ids=["never-steps", "stops-stepping"],
+)
+def test_a_runner_that_takes_no_steps_is_stopped_and_reported(
+    peers: ModuleType, tmp_path: Path, stalls: bool, limits: tuple[float, float], why: str
 ) -> None:
-    hung = _fake_python(tmp_path, "hung-python", "exec sleep 600")
+    if stalls:
+        script = tmp_path / "stall.py"
+        script.write_text(STALL.format(peers=str(REPO / "bench" / "peers")))
+        body = f'exec {sys.executable} {script} "$@"'
+    else:
+        body = "exec sleep 600"
     res = peers.run_peer(
-        str(hung),
+        str(_fake_python(tmp_path, "python", body)),
         peers.ROWS[-1],
         ["--task", "cartpole", "--mode", "score"],
         timeout=600,
-        limits=peers.Limits(first_step_s=3, stall_s=120),
+        limits=peers.Limits(*limits),
     )
-    assert "took no env step in 3 s after its start" in res.get("error", ""), res
-
-
-def test_a_runner_that_stops_stepping_is_stopped_and_reported(
-    peers: ModuleType, tmp_path: Path
-) -> None:
-    # A "runner" that steps CartPole 50 times through the shared counters, then hangs
-    # (as a library whose env workers died, waiting on them).
-    script = tmp_path / "stall.py"
-    script.write_text(
-        "import os, sys, time\n"
-        f"sys.path.insert(0, {str(REPO / 'bench' / 'peers')!r})\n"
-        "import common\n"
-        "os.environ[common.COUNT_DIR_VAR] = sys.argv[sys.argv.index('--dir') + 1]\n"
-        "env = common.make_env('cartpole', seed=0)\n"
-        "env.reset(seed=0)\n"
-        "for _ in range(50):\n"
-        "    _, _, term, trunc, _ = env.step(env.action_space.sample())\n"
-        "    if term or trunc:\n"
-        "        env.reset()\n"
-        "time.sleep(600)\n"
-    )
-    stalled = _fake_python(tmp_path, "stalled-python", f'exec {sys.executable} {script} "$@"')
-    res = peers.run_peer(
-        str(stalled),
-        peers.ROWS[-1],
-        ["--task", "cartpole", "--mode", "score"],
-        timeout=600,
-        limits=peers.Limits(first_step_s=120, stall_s=5),
-    )
-    assert "took no env step for 5 s after 50 steps" in res.get("error", ""), res
+    assert why in res.get("error", ""), res
 
 
 def _row(peers: ModuleType, lib: str, algo: str):
@@ -164,6 +164,23 @@ def test_tables_parse_back_and_pair_rows_of_one_class(peers: ModuleType) -> None
     assert three[0]["median seconds"] == "50" and three[0]["median env steps"] == "1,000"
 
 
+def _score_args(peers: ModuleType, **changes: object):
+    """The command line of a score comparison (what its functions read)."""
+    args = {
+        "score_task": "minatar",
+        "score_cap": 30.0,
+        "envs": 8,
+        "procs": 2,
+        "seeds": 5,
+        "first_step_seconds": 60.0,
+        "stall_seconds": 60.0,
+        "tune": False,
+        "tuning_seed": 0,
+        "plot": None,
+    }
+    return peers.argparse.Namespace(**{**args, **changes})
+
+
 def test_score_runs_resume_from_the_results_file(peers: ModuleType, tmp_path, monkeypatch) -> None:
     ran: list[int] = []
 
@@ -173,19 +190,7 @@ def test_score_runs_resume_from_the_results_file(peers: ModuleType, tmp_path, mo
 
     monkeypatch.setattr(peers, "moolib_score", fake_moolib_score)
     results = tmp_path / "runs.jsonl"
-    args = peers.argparse.Namespace(
-        score_task="minatar",
-        score_cap=30.0,
-        envs=8,
-        procs=2,
-        seeds=2,
-        results=str(results),
-        first_step_seconds=60.0,
-        stall_seconds=60.0,
-        tune=False,
-        tuning_seed=0,
-        plot=None,
-    )
+    args = _score_args(peers, seeds=2)
     moolib = peers.ROWS[0]
 
     def scores() -> str:
@@ -230,18 +235,7 @@ def test_tuning_sweeps_every_row_alike_on_its_seed_and_scores_the_pick_on_held_o
         return {"reached": fast, "seconds": 20.0, "steps": 100, "best_score": best, "curve": curve}
 
     monkeypatch.setattr(peers, "moolib_score", fake_moolib_score)
-    args = peers.argparse.Namespace(
-        score_task="minatar",
-        score_cap=30.0,
-        envs=8,
-        procs=2,
-        seeds=5,
-        first_step_seconds=60.0,
-        stall_seconds=60.0,
-        tune=True,
-        tuning_seed=0,
-        plot=str(tmp_path / "curves.png"),
-    )
+    args = _score_args(peers, tune=True, plot=str(tmp_path / "curves.png"))
     results = tmp_path / "runs.jsonl"
     text = peers.scores(args, [peers.ROWS[0]], peers.Results(str(results), "abc123"))
     # Six sweep runs on seed 0 (the published setting among them: no overrides), then
