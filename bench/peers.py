@@ -87,7 +87,9 @@ STALL_ALLOWANCE = 180.0
 # Algorithm classes: a throughput ratio pairs rows of one class only.
 ONE_PASS = "one pass"  # IMPALA-like: each sample learned from once (V-trace, APPO 1 epoch)
 A2C_CLASS = "A2C"  # synchronous actor-critic, one pass
-PPO_CLASS = "PPO"  # several epochs over each batch: another algorithm, shown apart
+# Several passes over each batch (epochs, or RLlib's APPO handing each batch to its
+# learner up to twice): another algorithm, shown apart.
+PPO_CLASS = "PPO"
 
 
 @dataclass(frozen=True)
@@ -119,11 +121,24 @@ ROWS = (
         ONE_PASS,
         "appo",
         *_SF,
-        (*_ONE_EPOCH, ("with_vtrace", True)),
+        # Sample Factory refuses normalized returns with V-trace.
+        (*_ONE_EPOCH, ("with_vtrace", True), ("normalize_returns", False)),
     ),
     Row("sample-factory", "APPO", PPO_CLASS, "appo", *_SF),
-    Row("rllib", "APPO", ONE_PASS, "appo", "--rllib-python", "rllib_runner.py"),
+    Row("rllib", "APPO", PPO_CLASS, "appo", "--rllib-python", "rllib_runner.py"),
+    Row(
+        "rllib",
+        "APPO 1 pass",
+        ONE_PASS,
+        "appo",
+        "--rllib-python",
+        "rllib_runner.py",
+        # Its circular buffer hands each batch to the learner once, not up to twice.
+        (("circular_buffer_iterations_per_batch", 1),),
+    ),
+    Row("rllib", "IMPALA", ONE_PASS, "impala", "--rllib-python", "rllib_runner.py"),
     Row("torchrl", "PPO", PPO_CLASS, "ppo", "--torchrl-python", "torchrl_runner.py"),
+    Row("torchrl", "IMPALA", ONE_PASS, "impala", "--torchrl-python", "torchrl_runner.py"),
     Row("stable-baselines3", "PPO", PPO_CLASS, "ppo", "--sb3-python", "sb3_runner.py"),
     Row("stable-baselines3", "A2C", A2C_CLASS, "a2c", "--sb3-python", "sb3_runner.py"),
 )

@@ -274,7 +274,7 @@ def test_rows_are_chosen_by_name_and_a_wrong_name_lists_them(peers: ModuleType) 
 def test_round_ratios_pair_moolib_with_the_best_peer_of_its_class(peers: ModuleType) -> None:
     vtrace, a2c = _row(peers, "moolib", "V-trace"), _row(peers, "moolib", "A2C")
     sf1 = _row(peers, "sample-factory", "APPO 1 pass")
-    rllib = _row(peers, "rllib", "APPO")
+    rllib = _row(peers, "rllib", "IMPALA")
     sb3_a2c, ppo = _row(peers, "stable-baselines3", "A2C"), _row(peers, "stable-baselines3", "PPO")
     rows = [vtrace, a2c, sf1, rllib, sb3_a2c, ppo]
     rounds = [

@@ -1,16 +1,57 @@
 """Ray RLlib on one of bench/peers.py's tasks (run with RLlib's own venv).
 
-APPO (RLlib's new API stack) with RLlib's own defaults for it (V-trace, clip 0.4,
-lr 5e-4, entropy 0.01, value coefficient 0.5, gradient clip 40), the learner in
-the driver process (``num_learners=0``, CPU), ``--procs`` env runners (Ray actor
-processes) of ``--envs / --procs`` envs each, rollout fragments of 50 steps (RLlib's
-Atari examples). Changed only to match the shared work: the envs are
-bench/peers/common.py's (gymnasium's Atari preprocessing as moolib's, no sticky
-actions), turned channels-last and scaled to [0, 1] floats as RLlib's Atari wrapper
-does for its conv encoder; the network is the shallow IMPALA one (conv filters 16
-8x8/4 and 32 4x4/2, one 256-unit layer), the MinAtar paper's for MinAtar (16 3x3/1,
-128 units), 64x64 for CartPole; torch's threads in the driver are the cores less
-the env processes; Ray gets the machine's cores and a 1 GB object store.
+Two algorithms of RLlib's new API stack, each set up as RLlib's tuned Atari example
+for it (ray-project/ray; the wheel does not ship rllib/tuned_examples/, so the files
+were read from the repository: rllib/tuned_examples/appo/pong_appo.py, whose
+settings rllib/examples/algorithms/appo/atari_appo.py repeats for Breakout, and
+rllib/tuned_examples/impala/pong_impala.py, the same as
+rllib/examples/algorithms/impala/pong_impala.py):
+
+- ``--algo appo`` (APPOConfig), pong_appo.py's ``.training``: train batch 500 per
+  learner, target network update frequency 2, lr 5e-4 (times the square root of the
+  learners: 1), value coefficient 1.0, entropy 0.01 falling linearly to 0 at 3M env
+  steps, weights broadcast every 5 training steps, a circular buffer of 4 batches each
+  sampled up to 2 times; 2 aggregator actors per learner; APPO's defaults otherwise
+  (V-trace, clip 0.4, grad clip 40, rollout fragments of 50). One epoch
+  (``num_epochs=1``, the default) of one mini-batch per sample of the buffer, but the
+  buffer hands each batch to the learner up to 2 times (fewer when newer batches push
+  it out first): up to 2 gradient steps per batch, so it is not one pass (bench/peers.py
+  classes it with PPO; ``trained_per_sampled`` in the result says how many it made).
+- ``--algo impala`` (IMPALAConfig), pong_impala.py's ``.training``: train batch 500 per
+  learner, grad clip 30 by global norm, lr 9e-4 (times the square root of the
+  learners: 1), value coefficient 1.0, entropy 0.02 falling linearly to 0 at 3M env
+  steps; IMPALA's defaults otherwise (V-trace, rho and c clipped at 1, weights broadcast
+  every training step, rollout fragments of 50). One pass: ``num_epochs=1`` (the
+  default), one mini-batch, and a plain queue to the learner that hands each batch
+  over once.
+
+Both as the examples run: one learner (the config's default ``num_learners=1``, a Ray
+actor of its own, updating asynchronously), on CPU (``num_gpus_per_learner=0``, as the
+examples' script picks with no GPU), ``clip_rewards=True`` (an old-API-stack option:
+nothing on the new stack reads it in 2.60.0, so rewards are not clipped in either).
+Changed only to match the shared work:
+
+- the envs are bench/peers/common.py's (gymnasium's Atari preprocessing as moolib's,
+  84x84, no sticky actions, no life loss as episode end; the examples' own
+  ``wrap_atari_for_new_api_stack`` makes 64x64 frames, ends an episode at each lost
+  life and presses fire on reset, and stacks 4 frames in a connector), turned
+  channels-last and scaled to [0, 1] floats as that wrapper does for RLlib's encoders;
+- ``--procs`` env runners (Ray actor processes) of ``--envs / --procs`` envs each (the
+  examples: 2 runners of 2 envs for APPO, of 5 envs for IMPALA);
+- the network is the shallow IMPALA one (conv 16 8x8/4 and 32 4x4/2, one 256-unit
+  layer, shared by policy and value; the examples: 4 convs 16-128 4x4/2 and 256 units),
+  the MinAtar paper's for MinAtar (16 3x3/1, 128 units), 64x64 for CartPole;
+- torch's threads where the learning is: the learner actor gets
+  ``num_cpus_per_learner`` = the cores less the env processes (Ray gives an actor as
+  many threads as CPUs; the example's 1 on the 2-core VM), and Ray is told of as many
+  CPUs as its actors ask for (env runners, learner, aggregators), at least the
+  machine's cores: Ray's CPUs are only its scheduling units, the processes share the
+  cores as every other library's do; a 1 GB object store, no dashboard;
+- ``min_time_s_per_iteration=1`` (IMPALA's default 10) so that ``train()`` returns
+  often enough for the runner to stop on time: it sets only how results are reported.
+
+CartPole (the ``--check`` task) runs these Atari settings too. The tuning sweep
+scales ``lr`` and ``train_batch_size_per_learner``.
 """
 
 from __future__ import annotations
@@ -23,10 +64,45 @@ import numpy as np
 import ray
 import torch
 from ray.rllib.algorithms.appo import APPOConfig
+from ray.rllib.algorithms.impala import IMPALAConfig
+from ray.rllib.core import ALL_MODULES
 from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
+from ray.rllib.utils.metrics import (
+    ENV_RUNNER_RESULTS,
+    LEARNER_RESULTS,
+    NUM_ENV_STEPS_SAMPLED_LIFETIME,
+    NUM_ENV_STEPS_TRAINED_LIFETIME,
+)
 from ray.tune.registry import register_env
 
-ALGOS = ("appo",)
+ALGOS = ("appo", "impala")
+CONFIGS = {"appo": APPOConfig, "impala": IMPALAConfig}
+NAMES = {"appo": "APPO", "impala": "IMPALA"}
+# The ``.training`` settings of RLlib's tuned Atari examples (see the docstring), for
+# one learner (their lr is scaled by the square root of the learners).
+TRAINING: dict[str, dict] = {
+    "appo": {  # rllib/tuned_examples/appo/pong_appo.py
+        "train_batch_size_per_learner": 500,
+        "target_network_update_freq": 2,
+        "lr": 0.0005,
+        "vf_loss_coeff": 1.0,
+        "entropy_coeff": [[0, 0.01], [3_000_000, 0.0]],
+        "broadcast_interval": 5,
+        "circular_buffer_num_batches": 4,
+        "circular_buffer_iterations_per_batch": 2,
+    },
+    "impala": {  # rllib/tuned_examples/impala/pong_impala.py
+        "train_batch_size_per_learner": 500,
+        "grad_clip": 30.0,
+        "grad_clip_by": "global_norm",
+        "lr": 0.0009,
+        "vf_loss_coeff": 1.0,
+        "entropy_coeff": [[0, 0.02], [3_000_000, 0.0]],
+    },
+}
+# The examples' aggregator actors per learner (pong_appo.py's ``.learners``).
+AGGREGATORS = {"appo": 2, "impala": 0}
+BATCH_KEY = "train_batch_size_per_learner"
 
 
 class ChannelsLast(gymnasium.ObservationWrapper):
@@ -74,13 +150,27 @@ def model(task: str) -> DefaultModelConfig:
     return DefaultModelConfig(fcnet_hiddens=[64, 64], vf_share_layers=False)
 
 
+def trained_per_sampled(result: dict) -> float | None:
+    """Env steps learned from per env step sampled, over the run so far, from a
+    ``train()`` result: how many times the learner used each sample."""
+    sampled = result.get(ENV_RUNNER_RESULTS, {}).get(NUM_ENV_STEPS_SAMPLED_LIFETIME)
+    trained = (
+        result.get(LEARNER_RESULTS, {}).get(ALL_MODULES, {}).get(NUM_ENV_STEPS_TRAINED_LIFETIME)
+    )
+    if not sampled or trained is None:
+        return None
+    return round(float(trained) / float(sampled), 3)
+
+
 def main() -> None:
     """Trains until the meter is done, then prints the result line."""
     args = common.parse_args(ALGOS)
     meter = common.Meter(args)
-    torch.set_num_threads(common.learner_threads(args.procs))
+    threads = common.learner_threads(args.procs)
+    torch.set_num_threads(threads)
+    aggregators = AGGREGATORS[args.algo]
     ray.init(
-        num_cpus=max(len(os.sched_getaffinity(0)), args.procs),
+        num_cpus=max(len(os.sched_getaffinity(0)), args.procs + threads + aggregators),
         object_store_memory=10**9,
         include_dashboard=False,
         log_to_driver=False,
@@ -93,27 +183,31 @@ def main() -> None:
     )
     register_env("peer", make)
     config = (
-        APPOConfig()
-        .environment("peer", env_config={"task": args.task, "seed": args.seed})
+        CONFIGS[args.algo]()
+        .environment("peer", env_config={"task": args.task, "seed": args.seed}, clip_rewards=True)
         .framework("torch")
         .env_runners(
             num_env_runners=args.procs,
             num_envs_per_env_runner=args.envs // args.procs,
             rollout_fragment_length=50,
         )
-        .learners(num_learners=0)
+        .learners(
+            num_learners=1,
+            num_gpus_per_learner=0,
+            num_cpus_per_learner=threads,
+            num_aggregator_actors_per_learner=aggregators,
+        )
         .rl_module(model_config=model(args.task))
         .reporting(min_time_s_per_iteration=1)
         .debugging(seed=args.seed)
     )
-    batch_key = "train_batch_size_per_learner"
-    defaults = {"lr": config.lr, batch_key: config.train_batch_size_per_learner}
-    changed = common.tuned({}, args, "lr", batch_key, defaults)
+    changed = common.tuned(TRAINING[args.algo], args, "lr", BATCH_KEY)
     config = config.training(**changed)
     algo = config.build_algo()
+    result: dict = {}
     try:
         while not meter.done.is_set():
-            algo.train()
+            result = algo.train()
     finally:
         try:
             algo.stop()
@@ -124,15 +218,17 @@ def main() -> None:
         version=ray.__version__,
         torch=torch.__version__,
         gymnasium=gymnasium.__version__,
-        algo="APPO",
+        algo=NAMES[args.algo],
         env_processes=args.procs,
+        trained_per_sampled=trained_per_sampled(result),
         settings={
-            "rollout_fragment_length": 50,
-            "lr": config.lr,
-            "entropy_coeff": config.entropy_coeff,
-            "clip_param": config.clip_param,
-            "train_batch_size_per_learner": config.train_batch_size_per_learner,
+            "rollout_fragment_length": config.rollout_fragment_length,
+            "num_learners": config.num_learners,
+            "num_cpus_per_learner": config.num_cpus_per_learner,
+            "num_aggregator_actors_per_learner": config.num_aggregator_actors_per_learner,
             "num_epochs": config.num_epochs,
+            "minibatch_size": config.minibatch_size,
+            **({"clip_param": config.clip_param} if args.algo == "appo" else {}),
             **changed,
         },
     )
