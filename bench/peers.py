@@ -2,6 +2,7 @@
 
     python bench/peers.py [--sample-factory-python PATH] [--rllib-python PATH]
                           [--torchrl-python PATH] [--sb3-python PATH]
+                          [--pufferlib-python PATH]
                           [--only throughput|score] [--results FILE.jsonl]
                           [--rounds 5] [--warmup 20] [--seconds 30] [--envs 8] [--procs 2]
                           [--tune] [--tuning-seed 0] [--seeds 5] [--score-cap 240]
@@ -141,6 +142,7 @@ ROWS = (
     Row("torchrl", "IMPALA", ONE_PASS, "impala", "--torchrl-python", "torchrl_runner.py"),
     Row("stable-baselines3", "PPO", PPO_CLASS, "ppo", "--sb3-python", "sb3_runner.py"),
     Row("stable-baselines3", "A2C", A2C_CLASS, "a2c", "--sb3-python", "sb3_runner.py"),
+    Row("pufferlib", "PPO", PPO_CLASS, "ppo", "--pufferlib-python", "pufferlib_runner.py"),
 )
 
 
@@ -964,7 +966,8 @@ one is), so a long comparison resumes after a stop; a file of another moolib
 commit is refused.
 
 Examples:
-  python bench/peers.py --check --sb3-python ~/moolib-peer-venvs/sb3/bin/python
+  python bench/peers.py --check --sb3-python ~/moolib-peer-venvs/sb3/bin/python \\
+      --pufferlib-python ~/moolib-peer-venvs/pufferlib/bin/python
   python bench/peers.py --only throughput --rounds 5 --results bench/results/peers.jsonl \\
       --sample-factory-python ~/moolib-peer-venvs/sf/bin/python ...
 """
@@ -977,7 +980,13 @@ def main() -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for flag in ("--sample-factory-python", "--rllib-python", "--torchrl-python", "--sb3-python"):
+    for flag in (
+        "--sample-factory-python",
+        "--rllib-python",
+        "--torchrl-python",
+        "--sb3-python",
+        "--pufferlib-python",
+    ):
         p.add_argument(flag, default=None, help="that library's venv's Python")
     p.add_argument("--check", action="store_true", help="a few seconds of CartPole each")
     p.add_argument(

@@ -328,7 +328,7 @@ def test_a_runner_that_fails_is_reported_with_its_error(peers: ModuleType) -> No
     pytest.importorskip("moolib")
     if importlib.util.find_spec("stable_baselines3") is not None:
         pytest.skip("stable_baselines3 is installed here")
-    row = peers.ROWS[-1]
+    row = _row(peers, "stable-baselines3", "A2C")
     res = peers.run_peer(
         sys.executable, row, ["--task", "cartpole", "--mode", "throughput"], timeout=120
     )
