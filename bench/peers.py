@@ -778,8 +778,11 @@ def throughput(args: argparse.Namespace, rows: list[Row], task: str, results: Re
                 key, functools.partial(measure_throughput, args, row, task, rnd)
             )
             source = " (from the results file)" if cached else ""
-            if "error" in res or res.get("env_sps") != res.get("env_sps"):
-                print(f"  round {rnd + 1} {row.lib} {row.algo}: FAILED\n{res.get('error', res)}")
+            # A window without a step (a library that stalled after its warm-up, shorter
+            # than the stall bound) is a failed run, not a figure of 0.
+            if "error" in res or not res.get("env_sps", 0) > 0:
+                why = res.get("error") or f"no env step in its timed window: {res}"
+                print(f"  round {rnd + 1} {row.lib} {row.algo}: FAILED\n{why}")
                 continue
             values[row].append(res["env_sps"])
             figures[row] = res["env_sps"]

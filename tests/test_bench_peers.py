@@ -271,6 +271,25 @@ def test_rows_are_chosen_by_name_and_a_wrong_name_lists_them(peers: ModuleType) 
         peers.available(args)
 
 
+def test_a_throughput_window_without_steps_is_a_failed_run(
+    peers: ModuleType, monkeypatch, capsys
+) -> None:
+    figures = {"V-trace": 500.0, "A2C": 0.0}  # A2C stepped, then stalled in its window
+    monkeypatch.setattr(
+        peers, "measure_throughput", lambda args, row, task, rnd: {"env_sps": figures[row.algo]}
+    )
+    monkeypatch.setattr(peers.bench_train(), "envpool_limit", lambda cfg, seconds: 1000.0)
+    args = peers.argparse.Namespace(
+        rounds=1, warmup=1.0, seconds=1.0, envpool_seconds=1.0, envs=8, procs=2
+    )
+    rows = [_row(peers, "moolib", "V-trace"), _row(peers, "moolib", "A2C")]
+    text = peers.throughput(args, rows, "cartpole", peers.Results(None, "abc123"))
+    assert "moolib A2C: FAILED\nno env step in its timed window" in capsys.readouterr().out
+    table = peers.parse_table(text)
+    assert table[0]["env steps/s (median)"] == "500"
+    assert table[1]["env steps/s (median)"] == "-" and table[1]["rounds"] == "0"
+
+
 def test_round_ratios_pair_moolib_with_the_best_peer_of_its_class(peers: ModuleType) -> None:
     vtrace, a2c = _row(peers, "moolib", "V-trace"), _row(peers, "moolib", "A2C")
     sf1 = _row(peers, "sample-factory", "APPO 1 pass")
