@@ -28,6 +28,7 @@ import gymnasium
 import numpy as np
 import sample_factory
 import torch
+from sample_factory.algo.learning.learner import Learner
 from sample_factory.algo.runners.runner import AlgoObserver
 from sample_factory.algo.utils.misc import ExperimentStatus
 from sample_factory.cfg.arguments import parse_full_cfg, parse_sf_args
@@ -64,6 +65,26 @@ ATARI = dict(
     normalize_returns=True,
     adam_eps=1e-5,
 )
+
+
+def _vtrace_summaries_fixed() -> None:
+    """Sample Factory 2.1.1's learner reads the minibatch's GAE advantages in its first
+    summary, which V-trace does not compute, and the learner stops there (fixed after
+    2.1.1, in its pull requests 286 and 332, not released). The summary gets the
+    V-trace advantages the loss used; training is unchanged, and the GAE path, which has
+    them, is untouched."""
+    record = Learner._record_summaries
+
+    def _record_summaries(self: Learner, var: object) -> object:
+        if "advantages" not in var.mb:  # type: ignore[attr-defined]
+            var.mb["advantages"] = var.adv  # type: ignore[attr-defined]
+        return record(self, var)
+
+    Learner._record_summaries = _record_summaries  # type: ignore[method-assign]
+
+
+# At import, for its learner runs in a spawned process that imports this module again.
+_vtrace_summaries_fixed()
 
 
 def make(full_env_name: str, cfg: object, env_config: object, render_mode: object = None) -> object:
@@ -125,6 +146,10 @@ def main() -> None:
     )
     defaults = {k: parser.get_default(k) for k in ("learning_rate", "batch_size")}
     settings = common.tuned(settings, args, "learning_rate", "batch_size", defaults)
+    if settings.get("with_vtrace"):
+        # Its V-trace takes each rollout as one sequence: it asserts recurrence ==
+        # rollout (its DMLab V-trace configs set both to 32) and stalls the learner if not.
+        settings["recurrence"] = settings.get("rollout", parser.get_default("rollout"))
     parser.set_defaults(**settings)
     cfg = parse_full_cfg(parser, argv)
     cfg, runner = make_runner(cfg)
@@ -154,6 +179,7 @@ def main() -> None:
                 "num_epochs",
                 "num_batches_per_epoch",
                 "with_vtrace",
+                "recurrence",
                 "learning_rate",
                 *args.settings,
             )
