@@ -1,6 +1,6 @@
 """API compatibility: code written for the original facebookresearch/moolib runs unchanged.
 
-Every test here calls the public API (DESIGN.md section 3) the way a program
+Every test here calls the public API (docs/library.md) the way a program
 written for the original moolib does -- its names, argument orders and keyword
 forms, the types it gets back, the errors it expects and when, and the call
 orders of the original's example agent (examples/vtrace/experiment.py) -- on
