@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.run_util import (
+    DOCUMENTED_COLUMNS,
     QUICK,
     check_ok,
     checkpoint_steps,
@@ -34,27 +35,6 @@ from moolib.launch import config as config_lib
 from moolib.launch import plot
 from omegaconf import OmegaConf
 
-# What every logs.tsv row carries (docs/toolkit.md, "What a run writes").
-EXPECTED_COLUMNS = {
-    "step",
-    "sps",
-    "mean_episode_return",
-    "mean_episode_length",
-    "episodes",
-    "total_loss",
-    "policy_loss",
-    "baseline_loss",
-    "entropy_loss",
-    "grad_norm",
-    "learning_rate",
-    "virtual_batch_size",
-    "model_version",
-    "param_sum",
-    "peers",
-    "env_steps",
-    "offered_steps",
-    "time",
-}
 # Small Breakout runs on CPU: 8 envs in 2 actor batches, 4 unrolls of 10 steps per update.
 SMALL_ATARI = [
     "device=cpu",
@@ -94,9 +74,9 @@ def test_vtrace_breakout_cpu_logs_checkpoints_and_resumes(tmp_path):
     # The loaded config is what launch/config.py accepts.
     config_lib.validate(OmegaConf.create(cfg))
 
-    # logs.tsv: the expected columns, rows up to total_steps.
+    # logs.tsv: the documented columns, rows up to total_steps.
     header, rows1 = read_logs(savedir / "logs.tsv")
-    assert EXPECTED_COLUMNS <= set(header), EXPECTED_COLUMNS - set(header)
+    assert DOCUMENTED_COLUMNS <= set(header), DOCUMENTED_COLUMNS - set(header)
     assert rows1
     steps1 = [r["step"] for r in rows1]
     assert steps1 == sorted(steps1)

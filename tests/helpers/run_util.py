@@ -357,6 +357,31 @@ def peers_and_workers(sid: int) -> tuple[list[int], list[int], dict[int, str]]:
     return peers, workers, commands
 
 
+# What every logs.tsv row carries (docs/toolkit.md, "What a run writes"), which users'
+# scripts and ``moolib-plot --metric`` read by name: a contract, so a literal, kept here
+# once. Not agents/logger.py's COLUMNS: a column renamed or dropped there must fail the
+# test of a run's header, not change what it expects.
+DOCUMENTED_COLUMNS = {
+    "step",
+    "sps",
+    "mean_episode_return",
+    "mean_episode_length",
+    "episodes",
+    "total_loss",
+    "policy_loss",
+    "baseline_loss",
+    "entropy_loss",
+    "grad_norm",
+    "learning_rate",
+    "virtual_batch_size",
+    "model_version",
+    "param_sum",
+    "peers",
+    "env_steps",
+    "offered_steps",
+    "time",
+}
+
 # A quick A2C CartPole run on the CPU, for tests of what happens around a run.
 QUICK = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=1"]
 
