@@ -30,15 +30,17 @@ LONG_FILES = (
     "test_slurm.py",
     "test_offpolicy_run.py",
     "test_accumulator.py",
-    "test_run_life.py",
+    "test_run_resume.py",
+    "test_run_errors.py",
     "test_checkpoints.py",
     "test_packaging.py",
-    "test_run.py",
+    "test_run_training.py",
     "test_publish.py",
-    "test_run_lifetime.py",
-    "test_run_clean.py",
+    "test_run_processes.py",
+    "test_run_stop.py",
     "test_learning.py",
     "test_run_output.py",
+    "test_run_compose.py",
 )
 
 

@@ -3,13 +3,14 @@
 Real ``moolib-run`` subprocesses (some on a pseudo-terminal, as in an interactive shell), real
 ``moolib-plot`` on what they wrote: the start banner, the progress line (and its record in the
 log folder), log lines that never glue onto it, one ALE banner at most, the summary at the end
-and its plot command, ``--help``; plots of multi-peer runs, sweeps and several runs side by side,
-and the one-line errors of runs with nothing to plot.
+and its plot command, ``--help``, a reader that closes stdout early; plots of a run, of multi-peer
+runs, sweeps and several runs side by side, and the one-line errors of runs with nothing to plot.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
 import select
@@ -85,6 +86,57 @@ def summary_plot_command(out: str) -> list[str]:
 
 
 # -- point 6: plots of what moolib-run makes ----------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_plot_draws_a_real_runs_logs(tmp_path):
+    savedir = tmp_path / "plotted"
+    check_ok(
+        run(
+            [
+                "agent=a2c",
+                "env=cartpole",
+                "device=cpu",
+                "total_steps=4000",
+                "log_interval=1",
+                f"savedir={savedir}",
+            ],
+            tmp_path,
+        )
+    )
+    _, rows = read_logs(savedir / "logs.tsv")
+    points = sum(1 for r in rows if not math.isnan(r["mean_episode_return"]))
+    assert points >= 1
+
+    def plot(*args):
+        r = subprocess.run(
+            plot_cmd(*args),
+            cwd=tmp_path,
+            env=run_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    out = plot(str(savedir / "logs.tsv"), "--width", "60", "--height", "12")
+    png = savedir / "mean_episode_return.png"
+    assert f"Saved {png}" in out
+    assert f"plotted: {points} point{'s' if points != 1 else ''}, last mean_episode_return" in out
+    assert "┌" in out  # the terminal plot
+    check_png(png)
+
+    loss_png = tmp_path / "loss.png"
+    out = plot(str(savedir), "--metric", "total_loss", "--png", str(loss_png), "--no-terminal")
+    assert out.strip() == f"Saved {loss_png}"
+    check_png(loss_png)
+
+
+def check_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
 @pytest.mark.timeout(900)

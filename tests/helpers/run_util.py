@@ -12,12 +12,16 @@ import csv
 import hashlib
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import torch
 import yaml
 
 # Generous: the machine may have two slow, busy cores; nothing asserts on speed.
@@ -353,6 +357,31 @@ def peers_and_workers(sid: int) -> tuple[list[int], list[int], dict[int, str]]:
     return peers, workers, commands
 
 
+# What every logs.tsv row carries (docs/toolkit.md, "What a run writes"), which users'
+# scripts and ``moolib-plot --metric`` read by name: a contract, so a literal, kept here
+# once. Not agents/logger.py's COLUMNS: a column renamed or dropped there must fail the
+# test of a run's header, not change what it expects.
+DOCUMENTED_COLUMNS = {
+    "step",
+    "sps",
+    "mean_episode_return",
+    "mean_episode_length",
+    "episodes",
+    "total_loss",
+    "policy_loss",
+    "baseline_loss",
+    "entropy_loss",
+    "grad_norm",
+    "learning_rate",
+    "virtual_batch_size",
+    "model_version",
+    "param_sum",
+    "peers",
+    "env_steps",
+    "offered_steps",
+    "time",
+}
+
 # A quick A2C CartPole run on the CPU, for tests of what happens around a run.
 QUICK = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=1"]
 
@@ -372,3 +401,77 @@ def snapshot(folder: Path) -> dict[str, str]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
+
+
+# -- what a run says and leaves ---------------------------------------------------------------
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    """The run stopped with exit 2 and said why in one ``moolib-run: error:`` line
+    (``result`` of ``run``, whose output is all in stdout, or of ``run_quick``)."""
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out[-5000:]
+    assert "Traceback" not in out, out[-5000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moolib-run: error: "), out[-5000:]
+    return lines[0]
+
+
+def load_yaml(path: Path) -> Any:
+    """The YAML file at ``path``, parsed."""
+    return yaml.safe_load(path.read_text())
+
+
+def load_config(savedir: Path) -> dict:
+    """The resolved config a run wrote into ``savedir``."""
+    return yaml.safe_load((savedir / "config.yaml").read_text())
+
+
+def load_checkpoint(path: Path) -> dict:
+    """The checkpoint at ``path``, on the CPU."""
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def checkpoint_steps(savedir: Path) -> int:
+    """The step of the latest checkpoint in ``savedir``."""
+    return int(
+        torch.load(savedir / "checkpoint.pt", map_location="cpu", weights_only=False)["steps"]
+    )
+
+
+def history_steps(savedir: Path) -> list[int]:
+    """The steps of the checkpoints kept in ``savedir/checkpoints/``, in order."""
+    names = [p.name for p in (savedir / "checkpoints").iterdir()]
+    steps = []
+    for name in names:
+        m = re.fullmatch(r"checkpoint_(\d+)\.pt", name)
+        assert m, f"unexpected file in checkpoints/: {name}"
+        steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def training(logs: Path) -> Callable[[], bool]:
+    """A condition for ``wait_for``: a row of ``logs`` (a logs.tsv) shows an applied update."""
+
+    def check():
+        _, rows = read_logs(logs)
+        return any(row["model_version"] > 0 for row in rows)
+
+    return check
+
+
+def run_without(cwd: Path, packages: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
+    """moolib-run with ``args``, in a Python where ``packages`` cannot be imported (as
+    when they are not installed)."""
+    launcher = (
+        f"import runpy, sys; sys.modules.update(dict.fromkeys({packages!r})); "
+        "sys.argv[0] = 'moolib-run'; runpy.run_module('moolib.launch.run', run_name='__main__')"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", launcher, *args],
+        cwd=cwd,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

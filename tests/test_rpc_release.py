@@ -1,6 +1,7 @@
 """When an Rpc goes away: objects that own an Rpc and define their own methods
 on it are garbage collected like any other cycle (their connections close,
-their groups are left, their address is free), and close(), ``del`` or a
+their groups are left, their address is free), an Rpc deleted with calls in
+flight fails them and leaves the process healthy, and close(), ``del`` or a
 fixture's teardown release the listening address before they return."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import weakref
 
 import pytest
 import torch
+from helpers.fresh_interpreter import run
 from helpers.util import DEADLINE, connections, wait_for
 
 import moolib
@@ -250,6 +252,54 @@ def test_a_collected_group_member_leaves_the_broker_group(broker, kind):
         lambda: name not in group_members(broker, group),
         what=f"{name} to leave {group} at the broker",
     )
+
+
+def test_deleting_rpcs_with_calls_in_flight(tmp_path):
+    proc = run(
+        tmp_path,
+        """
+        for round in range(4):
+            # Functions still running when their Rpc goes away run to completion
+            # (occupying pool threads): release them at the end of each round.
+            release = threading.Event()
+            server = moolib.Rpc()
+            server.set_name(f"server{round}")
+            address = server.listen("127.0.0.1:0")
+            server.define("block", lambda: release.wait(600))
+            server.define("echo", lambda x: x)
+            client = moolib.Rpc()
+            client.set_timeout(60)
+            client.connect(address)
+            check(client.sync(f"server{round}", "echo", 5) == 5, "warm-up call")
+            client.set_timeout(2)
+            pending = [client.async_(f"server{round}", "block") for _ in range(3)]
+            if round % 2 == 0:
+                del server  # the callee goes away: the client's calls time out
+                gc.collect()
+                for f in pending:
+                    check(f.wait(60), "call to a deleted peer completes")
+                    check(f.exception() is not None, "call to a deleted peer fails")
+                del client
+            else:
+                del client  # the caller goes away with its calls in flight
+                gc.collect()
+                for f in pending:
+                    check(f.wait(60), "call of a deleted Rpc completes")
+                    check(f.exception() is not None, "call of a deleted Rpc fails")
+                del server
+            gc.collect()
+            release.set()
+        # The process is still healthy.
+        a, b = moolib.Rpc(), moolib.Rpc()
+        b.set_name("b")
+        a.connect(b.listen("127.0.0.1:0"))
+        b.define("add", lambda x, y: x + y)
+        check(a.sync("b", "add", 2, 2) == 4, "call after the deletions")
+        print("DELETE-OK", flush=True)
+        """,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "DELETE-OK" in proc.stdout
 
 
 # close() and deletion release the address before they return -----------------

@@ -1,35 +1,17 @@
-"""Process lifecycle around live Rpcs: fork, subprocess, deleting Rpcs, and
-interpreter exit with calls in flight. Each scenario runs in a fresh interpreter
-that must exit on its own, with code 0, before a generous deadline."""
+"""The Python process around live Rpcs: fork (children, ``os.fork``) and
+subprocesses, interpreter exit with calls in flight or Python code still running
+on a core thread, ``sys.exit`` in a function or callback, Ctrl-C during a call,
+and the core's threads as the process sees them (their Python thread states when
+the pool shrinks, a pool that grows with no descriptor left). Each scenario runs
+in a fresh interpreter that must exit on its own, with code 0, before a generous
+deadline."""
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
-from helpers.util import run_script
+from helpers.fresh_interpreter import run
 
 pytestmark = pytest.mark.usefixtures("watchdog")
-
-PRELUDE = textwrap.dedent(
-    """
-    import faulthandler, gc, os, subprocess, sys, threading, time
-    faulthandler.dump_traceback_later(90, exit=True)  # a hang shows its stacks
-    import multiprocessing as mp
-    import torch
-    import moolib
-
-    def check(cond, what):
-        if not cond:
-            print("CHECK FAILED:", what, flush=True)
-            os._exit(17)
-    """
-)
-
-
-def run(tmp_path, body, **kwargs):
-    return run_script(PRELUDE + textwrap.dedent(body), tmp_path, **kwargs)
-
 
 FORK_SCRIPT = """
 parent = moolib.Rpc()
@@ -189,54 +171,6 @@ def test_interpreter_exit_with_calls_to_another_process(tmp_path, spawn_peer):
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "EXITING" in proc.stdout
     assert peer.alive()  # the peer survives its caller leaving
-
-
-def test_deleting_rpcs_with_calls_in_flight(tmp_path):
-    proc = run(
-        tmp_path,
-        """
-        for round in range(4):
-            # Functions still running when their Rpc goes away run to completion
-            # (occupying pool threads): release them at the end of each round.
-            release = threading.Event()
-            server = moolib.Rpc()
-            server.set_name(f"server{round}")
-            address = server.listen("127.0.0.1:0")
-            server.define("block", lambda: release.wait(600))
-            server.define("echo", lambda x: x)
-            client = moolib.Rpc()
-            client.set_timeout(60)
-            client.connect(address)
-            check(client.sync(f"server{round}", "echo", 5) == 5, "warm-up call")
-            client.set_timeout(2)
-            pending = [client.async_(f"server{round}", "block") for _ in range(3)]
-            if round % 2 == 0:
-                del server  # the callee goes away: the client's calls time out
-                gc.collect()
-                for f in pending:
-                    check(f.wait(60), "call to a deleted peer completes")
-                    check(f.exception() is not None, "call to a deleted peer fails")
-                del client
-            else:
-                del client  # the caller goes away with its calls in flight
-                gc.collect()
-                for f in pending:
-                    check(f.wait(60), "call of a deleted Rpc completes")
-                    check(f.exception() is not None, "call of a deleted Rpc fails")
-                del server
-            gc.collect()
-            release.set()
-        # The process is still healthy.
-        a, b = moolib.Rpc(), moolib.Rpc()
-        b.set_name("b")
-        a.connect(b.listen("127.0.0.1:0"))
-        b.define("add", lambda x, y: x + y)
-        check(a.sync("b", "add", 2, 2) == 4, "call after the deletions")
-        print("DELETE-OK", flush=True)
-        """,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "DELETE-OK" in proc.stdout
 
 
 def test_sys_exit_from_a_callback_thread(tmp_path):
