@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .models import make_actor_critic
+from .nets.models import make_actor_critic
 from .registry import ActorCriticConfig, register_agent
 from .training import OnPolicyRuntime
 

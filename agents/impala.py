@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import vtrace
-from .models import make_actor_critic
+from .math import vtrace
+from .nets.models import make_actor_critic
 from .registry import ActorCriticConfig, register_agent
 from .training import OnPolicyRuntime
 

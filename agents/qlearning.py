@@ -1,8 +1,8 @@
 """Ape-X and R2D2 as agents of ``moolib-run``: their settings, networks, losses, and
 what an actor does with each env step.
 
-The math is in :mod:`moolib.agents.offpolicy`, :mod:`moolib.agents.apex` and
-:mod:`moolib.agents.r2d2`; the runtime that runs actors and the learner is
+The math is in :mod:`moolib.agents.math.offpolicy`, :mod:`moolib.agents.math.apex` and
+:mod:`moolib.agents.math.r2d2`; the runtime that runs actors and the learner is
 :mod:`moolib.agents.offpolicy_run`. This module joins the two: for each agent,
 how to build the network (the one definition that learner and actors both
 build), how an actor batch turns env steps into replay items with their initial
@@ -22,10 +22,10 @@ from torch import nn
 
 from moolib.config_checks import ConfigError
 
-from . import apex, r2d2
-from .models import resolve_network
-from .offpolicy import epsilon_greedy, n_step_transitions
-from .qmodels import DuelingQNet, RecurrentQNet, create_torso
+from .math import apex, r2d2
+from .math.offpolicy import epsilon_greedy, n_step_transitions
+from .nets.models import resolve_network
+from .nets.qmodels import DuelingQNet, RecurrentQNet, create_torso
 from .registry import AgentConfig, get_agent
 
 __all__ = [

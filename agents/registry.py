@@ -40,7 +40,7 @@ from moolib.config_checks import (
     check_number,
 )
 
-from .models import NETWORKS, make_actor_critic
+from .nets.models import NETWORKS, make_actor_critic
 
 LossFn = Callable[[Any, dict, dict], tuple[Any, dict[str, float]]]
 # (cfg, observation shape, number of actions) -> the agent's torch network

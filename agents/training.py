@@ -53,7 +53,7 @@ from .logger import (
     guard_log_handlers,
     start_banner,
 )
-from .models import resolve_network
+from .nets.models import resolve_network
 from .policy_slots import PolicySlots
 from .registry import Runtime, get_agent, set_default_runtime
 from .run_config import RunConfig

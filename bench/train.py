@@ -79,7 +79,7 @@ from pathlib import Path
 
 import torch
 from moolib.agents import impala
-from moolib.agents.models import create_model
+from moolib.agents.nets.models import create_model
 from moolib.agents.run_config import RunConfig
 
 ORIGINAL_MOOLIB_VTRACE_BREAKOUT_CPU_SPS = 63.0

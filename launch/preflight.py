@@ -473,7 +473,7 @@ def check_env_name(job: Job) -> None:
 def check_network(cfg: RunConfig, shape: tuple[int, ...]) -> None:
     """``agent.network`` takes the env's observations (of ``shape``): the convolutional
     networks need images, large enough for their convolutions."""
-    from moolib.agents.models import observations_unfit, resolve_network
+    from moolib.agents.nets.models import observations_unfit, resolve_network
 
     network = resolve_network(cfg.agent.network, shape)
     unfit = observations_unfit(network, shape)

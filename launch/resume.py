@@ -369,7 +369,7 @@ def check_model_fits(
     """Raises ConfigError when the model that ``agent`` (the resume's checked settings)
     builds cannot load the checkpoint (another network, width, LSTM, observation shape
     or number of actions)."""
-    from moolib.agents.models import resolve_network
+    from moolib.agents.nets.models import resolve_network
     from moolib.agents.registry import get_agent
 
     model = get_agent(agent.name).make_network(agent, obs_shape, num_actions)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from moolib.agents import checkpoint
-from moolib.agents.models import create_model, resolve_network
+from moolib.agents.nets.models import create_model, resolve_network
 from moolib.agents.training import PeerInfo, Trainer, make_envs
 from moolib.launch import config as config_lib
 from moolib.launch.local import EmbeddedBroker

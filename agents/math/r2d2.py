@@ -1,14 +1,14 @@
 """R2D2's math (Kapturowski et al., 2019): sequences for the replay, burn-in, the
 rescaled n-step double-Q loss and the sequence priorities.
 
-The network is :class:`moolib.agents.qmodels.RecurrentQNet`. An actor steps its
+The network is :class:`moolib.agents.nets.qmodels.RecurrentQNet`. An actor steps its
 envs, acts epsilon-greedily on its Q-values, and hands every step, with the LSTM
 state it acted with, to a :class:`SequenceSplitter`, which returns the sequences
 completed so far for the replay. The learner samples sequences and takes
 :func:`loss`, which refreshes each sequence's stored state by a burn-in, learns
 on the rest, and returns the new priorities.
 
-Steps use the EnvPool layout of :mod:`moolib.agents.models` (``reward`` and
+Steps use the EnvPool layout of :mod:`moolib.agents.nets.models` (``reward`` and
 ``done`` arrive with the observation that follows the action), so the last step
 of a sequence only bootstraps, and the step that starts the next episode closes
 the previous episode's sequences (it carries that episode's last reward and
@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .models import CoreState
+from ..nets.models import CoreState
 from .offpolicy import RESCALE_EPSILON, double_q_bootstrap, n_step_targets
 
 __all__ = [

@@ -1,12 +1,12 @@
 """Ape-X DQN's math (Horgan et al., 2018): the actors' epsilons, their initial
 priorities, and the learner's prioritized double-Q n-step loss.
 
-The network is :class:`moolib.agents.qmodels.DuelingQNet`; the n-step transitions
-and targets are :mod:`moolib.agents.offpolicy`'s. An actor acts epsilon-greedily
+The network is :class:`moolib.agents.nets.qmodels.DuelingQNet`; the n-step transitions
+and targets are :mod:`moolib.agents.math.offpolicy`'s. An actor acts epsilon-greedily
 with its own epsilon (:func:`epsilon_schedule`), cuts its steps into n-step
-transitions (:func:`moolib.agents.offpolicy.n_step_transitions`) and sends them
+transitions (:func:`moolib.agents.math.offpolicy.n_step_transitions`) and sends them
 to the replay with :func:`initial_priorities`; the learner samples a batch with
-its sampling probabilities, weighs it (:func:`moolib.agents.offpolicy.importance_weights`),
+its sampling probabilities, weighs it (:func:`moolib.agents.math.offpolicy.importance_weights`),
 takes :func:`loss` and writes the priorities it returns back. Gradients are then
 clipped by norm (``grad_norm_clipping``, 40 in the paper) as every agent's are.
 """
@@ -60,9 +60,9 @@ def initial_priorities(
     Args:
         q_values: ``[T + 1, B, A]``, the actor's Q-values of observations 0..T.
         actions: ``[T, B]`` the actions taken at observations 0..T-1.
-        rewards, dones: ``[T, B]`` per transition (see :mod:`moolib.agents.offpolicy`).
+        rewards, dones: ``[T, B]`` per transition (see :mod:`moolib.agents.math.offpolicy`).
         n, discount: window and gamma; the windows (and so the priorities) are those of
-            :func:`moolib.agents.offpolicy.n_step_transitions` on the same rollout.
+            :func:`moolib.agents.math.offpolicy.n_step_transitions` on the same rollout.
     """
     if q_values.shape[0] != rewards.shape[0] + 1:
         raise ValueError(
@@ -89,7 +89,7 @@ def td_errors(
     Args:
         q: ``[B, A]`` online Q-values of the transitions' first observations.
         actions: ``[B]`` the actions taken there.
-        returns, discounts: ``[B]`` as :func:`moolib.agents.offpolicy.n_step_transitions`
+        returns, discounts: ``[B]`` as :func:`moolib.agents.math.offpolicy.n_step_transitions`
             gives them.
         q_online_next, q_target_next: ``[B, A]`` both networks' Q-values of the
             observations the transitions bootstrap from.
@@ -129,7 +129,7 @@ def loss(
             ``t`` and ``t + m``), ``action`` ``[B]``, and the transitions'
             ``return`` and ``discount`` ``[B]``.
         weights: ``[B]`` importance weights
-            (:func:`moolib.agents.offpolicy.importance_weights`).
+            (:func:`moolib.agents.math.offpolicy.importance_weights`).
     """
     batch_size = batch["action"].shape[0]
     # One online pass over both observations (one larger batch rather than two calls).
