@@ -48,6 +48,7 @@ setup(
         "moolib.agents",
         "moolib.agents.math",
         "moolib.agents.nets",
+        "moolib.agents.runtime",
         "moolib.conf",
         "moolib.envs",
         "moolib.launch",

@@ -1,7 +1,7 @@
 """A2C: advantage actor-critic with n-step returns.
 
 The same acting, batching and data-parallel machinery as IMPALA
-(``moolib.agents.training``); only the loss differs. The unrolls are treated as
+(``moolib.agents.runtime.onpolicy``); only the loss differs. The unrolls are treated as
 on-policy: no importance weights, so keep the actors close to the learner
 (small ``num_actor_batches``, a learner step per batch).
 """
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .nets.models import make_actor_critic
 from .registry import ActorCriticConfig, register_agent
-from .training import OnPolicyRuntime
+from .runtime.onpolicy import OnPolicyRuntime
 
 
 @dataclass(frozen=True)

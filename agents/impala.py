@@ -9,7 +9,7 @@ import torch
 from .math import vtrace
 from .nets.models import make_actor_critic
 from .registry import ActorCriticConfig, register_agent
-from .training import OnPolicyRuntime
+from .runtime.onpolicy import OnPolicyRuntime
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,10 @@
 """Ape-X and R2D2 registered as agents: each spec joins its settings, loss, network
 and acting (``moolib.agents.qlearning``) to the runtime that trains them
-(``moolib.agents.offpolicy_run``). A module of its own because that runtime builds
+(``moolib.agents.runtime.offpolicy``). A module of its own because that runtime builds
 on ``qlearning``: registering there would make the two import each other."""
 
 from __future__ import annotations
 
-from .offpolicy_run import OffPolicyRuntime
 from .qlearning import (
     ApexActing,
     ApexConfig,
@@ -17,6 +16,7 @@ from .qlearning import (
     r2d2_loss,
 )
 from .registry import register_agent
+from .runtime.offpolicy import OffPolicyRuntime
 
 register_agent(
     "apex",

@@ -3,7 +3,7 @@ what an actor does with each env step.
 
 The math is in :mod:`moolib.agents.math.offpolicy`, :mod:`moolib.agents.math.apex` and
 :mod:`moolib.agents.math.r2d2`; the runtime that runs actors and the learner is
-:mod:`moolib.agents.offpolicy_run`. This module joins the two: for each agent,
+:mod:`moolib.agents.runtime.offpolicy`. This module joins the two: for each agent,
 how to build the network (the one definition that learner and actors both
 build), how an actor batch turns env steps into replay items with their initial
 priorities (``ApexActing``, ``R2D2Acting``), and how the learner takes its loss
@@ -292,7 +292,7 @@ class ApexActing:
 
     @staticmethod
     def evaluator(model: nn.Module) -> Callable[[torch.Tensor, float, bool, int], torch.Tensor]:
-        """Q-values of one env's steps as ``offpolicy_run.evaluate`` plays them:
+        """Q-values of one env's steps as ``runtime.offpolicy.evaluate`` plays them:
         ``q(state, reward, done, prev_action)`` for a state batch of 1."""
         return lambda state, reward, done, prev_action: model(state)
 
@@ -365,7 +365,7 @@ class R2D2Acting:
 
     @staticmethod
     def evaluator(model: nn.Module) -> Callable[[torch.Tensor, float, bool, int], torch.Tensor]:
-        """Q-values of one env's steps as ``offpolicy_run.evaluate`` plays them, the
+        """Q-values of one env's steps as ``runtime.offpolicy.evaluate`` plays them, the
         LSTM state carried from step to step, the inputs an actor gives the network."""
         core = model.initial_state(1)
 

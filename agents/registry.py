@@ -153,7 +153,7 @@ class AgentConfig(_Checks):
 @dataclass(frozen=True)
 class ActorCriticConfig(AgentConfig):
     """The settings of the on-policy actor-critic agents (V-trace, A2C), trained on
-    unrolls by ``moolib.agents.training.Trainer``."""
+    unrolls by ``moolib.agents.runtime.onpolicy.Trainer``."""
 
     unroll_length: int  # env steps in one unroll (plus one to bootstrap)
     virtual_batch_size: int  # unrolls summed over all peers before each optimizer step
@@ -161,7 +161,7 @@ class ActorCriticConfig(AgentConfig):
     entropy_cost: float  # weight of the entropy bonus
     # thread: learning on a thread of its own beside the acting thread; inline: the
     # acting thread learns between its steps; auto: inline on a CPU for the MLP and
-    # tiny networks, thread otherwise (moolib.agents.training.learner_mode).
+    # tiny networks, thread otherwise (moolib.agents.runtime.onpolicy.learner_mode).
     learner: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self) -> None:
@@ -176,8 +176,8 @@ class ActorCriticConfig(AgentConfig):
 class Runtime:
     """What trains an agent's runs, and how a run's processes are laid out: the
     launcher starts, names and counts them by asking the agent's runtime, never by
-    telling agents apart. Subclassed by ``moolib.agents.training.OnPolicyRuntime``
-    and ``moolib.agents.offpolicy_run.OffPolicyRuntime``."""
+    telling agents apart. Subclassed by ``moolib.agents.runtime.onpolicy.OnPolicyRuntime``
+    and ``moolib.agents.runtime.offpolicy.OffPolicyRuntime``."""
 
     name: ClassVar[str]  # as logged and tested: onpolicy, offpolicy
     # The scaling key that counts the run's processes: peers (alike, each acting and

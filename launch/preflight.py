@@ -500,7 +500,7 @@ def check_extras(cfg: RunConfig) -> None:
     """The optional packages the run of ``cfg`` uses are installed (the env's are
     checked by making it)."""
     if cfg.wandb.enabled:
-        from moolib.agents.logger import import_wandb
+        from moolib.agents.runtime.logger import import_wandb
 
         try:
             import_wandb()

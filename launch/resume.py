@@ -330,7 +330,7 @@ def checkpoint_state(savedir: Path) -> tuple[dict, str | None] | None:
     saying which files were passed over and which is used. None without a
     checkpoint; ConfigError when none is intact, or when there is none but the logs
     went past step 0 (nothing is written then)."""
-    from moolib.agents import checkpoint
+    from moolib.agents.runtime import checkpoint
 
     try:
         loaded = checkpoint.load_latest(Path(savedir))

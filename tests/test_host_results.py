@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from moolib.agents.host_results import HostResults
+from moolib.agents.runtime.host_results import HostResults
 
 
 def test_on_a_cpu_results_are_handed_over_at_once():

@@ -25,13 +25,27 @@ ALLOWED = {
     "moolib.conf": {"moolib", "moolib.envs"},
     "moolib.agents.nets": set(),
     "moolib.agents.math": {"moolib.agents.nets"},
-    "moolib.agents": {"moolib", "moolib.envs", "moolib.agents.math", "moolib.agents.nets"},
+    "moolib.agents": {
+        "moolib",
+        "moolib.envs",
+        "moolib.agents.math",
+        "moolib.agents.nets",
+        "moolib.agents.runtime",
+    },
+    "moolib.agents.runtime": {
+        "moolib",
+        "moolib.envs",
+        "moolib.agents",
+        "moolib.agents.math",
+        "moolib.agents.nets",
+    },
     "moolib.launch": {
         "moolib",
         "moolib.envs",
         "moolib.conf",
         "moolib.agents",
         "moolib.agents.nets",
+        "moolib.agents.runtime",
     },
 }
 
@@ -186,7 +200,7 @@ def test_the_graph_sees_the_imports():
     assert "moolib.replay_rpc" in graph["moolib.replay"]
     assert "moolib.agents.registry" in graph["moolib.agents.qlearning"]  # relative import
     assert "moolib.envs.registry" in graph["moolib.agents.run_config"]  # inside a function
-    assert "moolib.envs" in graph["moolib.agents.offpolicy_run"]
+    assert "moolib.envs" in graph["moolib.agents.runtime.offpolicy"]
     assert "moolib._core" in graph["moolib.rpc"]  # compiled
     assert package_of("moolib.envs.atari") == "moolib.envs"
     assert package_of("moolib.replay") == "moolib"

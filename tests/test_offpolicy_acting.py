@@ -162,7 +162,7 @@ def test_a_restarted_actor_loop_counts_once():
     """The learner's ``actors`` column counts actor loops by their index in the run: a
     loop restarted in a new process (a new Rpc name) replaces its predecessor at once
     instead of counting beside it until that one goes stale."""
-    from moolib.agents.offpolicy_run import _Reports
+    from moolib.agents.runtime.offpolicy import _Reports
 
     reports = _Reports()
     reports.add("learner-actor0-100", 0, 10, [])

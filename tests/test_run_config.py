@@ -164,6 +164,7 @@ def test_only_the_edges_import_omegaconf():
         "moolib.agents",
         "moolib.agents.math",
         "moolib.agents.nets",
+        "moolib.agents.runtime",
         "moolib.launch",
         "moolib.conf",
     ):

@@ -47,15 +47,16 @@ import torch
 import moolib
 from moolib._cpus import task_cores
 
-from . import checkpoint, run_config
+from .. import run_config
+from ..math.apex import epsilon_schedule
+from ..math.offpolicy import epsilon_greedy, importance_weights
+from ..qlearning import QConfig, make_acting, make_qnet
+from ..registry import Runtime, get_agent
+from ..run_config import ProcessScalingConfig, RunConfig
+from . import checkpoint
 from .host_results import HostResults
 from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
-from .math.apex import epsilon_schedule
-from .math.offpolicy import epsilon_greedy, importance_weights
-from .qlearning import QConfig, make_acting, make_qnet
-from .registry import Runtime, get_agent
-from .run_config import ProcessScalingConfig, RunConfig
-from .training import (
+from .onpolicy import (
     GroupLostError,
     PeerInfo,
     env_detail,

@@ -43,6 +43,9 @@ import torch
 import moolib
 from moolib._cpus import task_cores
 
+from ..nets.models import resolve_network
+from ..registry import Runtime, get_agent, set_default_runtime
+from ..run_config import RunConfig
 from . import checkpoint
 from .logger import (
     Clock,
@@ -53,10 +56,7 @@ from .logger import (
     guard_log_handlers,
     start_banner,
 )
-from .nets.models import resolve_network
 from .policy_slots import PolicySlots
-from .registry import Runtime, get_agent, set_default_runtime
-from .run_config import RunConfig
 
 log = logging.getLogger("moolib.agents")
 
