@@ -13,7 +13,7 @@ import statistics
 import pytest
 from helpers.offpolicy_learning import SMALL, final, greedy_history, learned
 from helpers.run_util import check_ok, run
-from moolib.agents.runtime.offpolicy import evaluate
+from moolib.agents.offpolicy_run import evaluate
 
 # The run's budget is its env steps; its deadline is only a net for a hung run. Its
 # learner samples 8 sequences per inserted one, and under a CI run's full load (three
