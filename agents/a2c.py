@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from .nets.models import make_actor_critic
 from .registry import ActorCriticConfig, register_agent
-from .runtime.onpolicy import OnPolicyRuntime
 
 
 @dataclass(frozen=True)
@@ -35,11 +34,11 @@ def n_step_returns(
     return returns
 
 
-@register_agent("a2c", A2CConfig, make_network=make_actor_critic, runtime=OnPolicyRuntime)
+@register_agent("a2c", A2CConfig, make_network=make_actor_critic, runtime="onpolicy")
 def compute_loss(
     cfg: A2CConfig, outputs: dict, batch: dict
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The A2C loss of one batch of T+1-step unrolls (see ``impala.compute_loss``
+    """The A2C loss of one batch of T+1-step unrolls (see ``vtrace.compute_loss``
     for the layout)."""
     rewards = batch["reward"][1:]
     if cfg.reward_clip:

@@ -37,7 +37,7 @@ ACTIONS = 4
 
 
 def _config(hidden: int):
-    from moolib.agents.qlearning import ApexConfig
+    from moolib.agents.apex import ApexConfig
     from moolib.agents.registry import OptimizerConfig
 
     return ApexConfig(
@@ -76,8 +76,9 @@ def _acting_loop(
     hidden: int, seconds: float, start: float, out: object, torch_threads: int = 1
 ) -> None:
     """One actor loop: acts on recorded observations until ``start + seconds``."""
+    from moolib.agents.apex import ApexActing
     from moolib.agents.math.apex import epsilon_schedule
-    from moolib.agents.qlearning import ApexActing, make_qnet
+    from moolib.agents.runtime.offpolicy import make_qnet
 
     torch.set_num_threads(torch_threads)
     cfg = _config(hidden)
@@ -134,7 +135,7 @@ def _learner_step(hidden: int, device: str = "cpu") -> object:
     (loss, backward, clipping, centered RMSProp), on the network ``agent=apex
     env=breakout`` builds, on ``device``."""
     from moolib.agents.math import apex
-    from moolib.agents.qlearning import make_qnet
+    from moolib.agents.runtime.offpolicy import make_qnet
 
     cfg = _config(hidden)
     model = make_qnet(cfg, OBS, ACTIONS).to(device)

@@ -78,7 +78,7 @@ import time
 from pathlib import Path
 
 import torch
-from moolib.agents import impala
+from moolib.agents import vtrace
 from moolib.agents.nets.models import create_model
 from moolib.agents.run_config import RunConfig
 
@@ -163,7 +163,7 @@ def limits(case: dict, device: str, seconds: float) -> tuple[float, float]:
         opt.zero_grad()
         inputs = {k: batch[k] for k in ("state", "reward", "done", "prev_action")}
         outputs, _ = model(inputs, ())
-        loss, _ = impala.compute_loss(Cfg, outputs, batch)
+        loss, _ = vtrace.compute_loss(Cfg, outputs, batch)
         loss.backward()
         opt.step()
 

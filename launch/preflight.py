@@ -317,7 +317,7 @@ def replay_warmup_notes(job: Job, cfg: RunConfig) -> list[str]:
     """A note when an off-policy run ends before its learner starts: the steps it has
     left do not fill the replay to ``agent.min_replay_size``. A note, not an error: a
     short run that only tests the plumbing is a fair thing to ask for."""
-    from moolib.agents.qlearning import QConfig
+    from moolib.agents.registry import QConfig
 
     agent = cfg.agent
     if not isinstance(agent, QConfig):

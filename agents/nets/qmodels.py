@@ -25,12 +25,13 @@ and never resets it itself; it keeps, per step, the state it acted with
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import CoreState, create_model, scale_observations, unroll_lstm
+from .models import CoreState, create_model, resolve_network, scale_observations, unroll_lstm
 
 __all__ = ["DuelingHead", "DuelingQNet", "RecurrentQNet", "Torso", "create_torso"]
 
@@ -211,3 +212,26 @@ class RecurrentQNet(nn.Module):
             self.core, core_input.view(num_steps, batch_size, -1), inputs["done"], core_state
         )
         return self.head(core_output), core_state
+
+
+def _torso(cfg: Any, obs_shape: Sequence[int]) -> nn.Module:
+    return create_torso(
+        obs_shape,
+        network=resolve_network(cfg.network, tuple(obs_shape)),
+        hidden_size=cfg.hidden_size,
+    )
+
+
+def make_dueling_qnet(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+    """Ape-X's network: a dueling Q-head on the torso ``cfg`` names."""
+    return DuelingQNet(_torso(cfg, obs_shape), num_actions, head_hidden_size=cfg.hidden_size)
+
+
+def make_recurrent_qnet(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+    """R2D2's network: the torso, an LSTM, and a dueling Q-head."""
+    return RecurrentQNet(
+        _torso(cfg, obs_shape),
+        num_actions,
+        lstm_size=cfg.hidden_size,
+        head_hidden_size=cfg.hidden_size,
+    )

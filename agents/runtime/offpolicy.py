@@ -39,10 +39,12 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 import moolib
 from moolib._cpus import task_cores
@@ -50,8 +52,7 @@ from moolib._cpus import task_cores
 from .. import run_config
 from ..math.apex import epsilon_schedule
 from ..math.offpolicy import epsilon_greedy, importance_weights
-from ..qlearning import QConfig, make_acting, make_qnet
-from ..registry import Runtime, get_agent
+from ..registry import QConfig, Runtime, get_agent, register_runtime
 from ..run_config import ProcessScalingConfig, RunConfig
 from . import checkpoint
 from .host_results import HostResults
@@ -123,6 +124,19 @@ def _typed(cfg: RunConfig) -> QConfig:
     if not isinstance(agent, QConfig):
         raise TypeError(f"agent {agent.name} is not an off-policy agent")
     return agent
+
+
+def make_qnet(cfg: QConfig, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+    """The agent's Q-network, as its spec builds it: the one definition the learner
+    and every actor build."""
+    return get_agent(cfg.name).make_network(cfg, obs_shape, num_actions)
+
+
+def make_acting(cfg: QConfig, epsilons: torch.Tensor, model: nn.Module) -> Any:
+    """The acting state of one actor batch of the agent ``cfg`` describes (its spec's)."""
+    acting = get_agent(cfg.name).acting
+    assert acting is not None, f"{cfg.name} does not act off-policy"
+    return acting(cfg, epsilons, model)
 
 
 def _env_factory(cfg: RunConfig) -> tuple[Any, tuple[int, ...], int]:
@@ -837,6 +851,7 @@ def _mean(values: list) -> float:
     return sum(values) / len(values)
 
 
+@register_runtime
 class OffPolicyRuntime(Runtime):
     """One learner (rank 0, serving the replay) and ``scaling.actors`` actor processes
     (ranks 1..) feeding it: the Q-learning agents' runtime."""

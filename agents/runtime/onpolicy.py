@@ -44,7 +44,7 @@ import moolib
 from moolib._cpus import task_cores
 
 from ..nets.models import resolve_network
-from ..registry import Runtime, get_agent, set_default_runtime
+from ..registry import Runtime, get_agent, register_runtime
 from ..run_config import RunConfig
 from . import checkpoint
 from .logger import (
@@ -242,7 +242,7 @@ class PeerInfo:
     broker: str  # address of the broker
 
 
-@set_default_runtime
+@register_runtime
 class OnPolicyRuntime(Runtime):
     """Actors and a data-parallel learner in every peer (``Trainer``), ``scaling.peers``
     of them: the actor-critic agents' runtime, and the default."""

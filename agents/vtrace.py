@@ -1,4 +1,5 @@
-"""IMPALA: the V-trace actor-critic loss (Espeholt et al., 2018)."""
+"""The agent ``vtrace``: IMPALA's V-trace actor-critic loss (Espeholt et al., 2018);
+the V-trace math is ``moolib.agents.math.vtrace``."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .math import vtrace
+from .math import vtrace as vtrace_math
 from .nets.models import make_actor_critic
 from .registry import ActorCriticConfig, register_agent
-from .runtime.onpolicy import OnPolicyRuntime
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class VTraceConfig(ActorCriticConfig):
         self.check_number("clip_pg_rho_threshold", 0.0)
 
 
-@register_agent("vtrace", VTraceConfig, make_network=make_actor_critic, runtime=OnPolicyRuntime)
+@register_agent("vtrace", VTraceConfig, make_network=make_actor_critic, runtime="onpolicy")
 def compute_loss(
     cfg: VTraceConfig, outputs: dict, batch: dict
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -43,7 +43,7 @@ def compute_loss(
         rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
     # Discounting stops where an episode ended: the step after it starts anew.
     discounts = (~batch["done"][1:]).float() * cfg.discounting
-    returns = vtrace.vtrace_from_logits(
+    returns = vtrace_math.vtrace_from_logits(
         behavior_logits=batch["policy_logits"][:-1],
         target_logits=outputs["policy_logits"][:-1],
         actions=batch["action"][:-1],
@@ -54,11 +54,11 @@ def compute_loss(
         clip_rho_threshold=cfg.clip_rho_threshold,
         clip_pg_rho_threshold=cfg.clip_pg_rho_threshold,
     )
-    pg_loss = vtrace.policy_gradient_loss(
+    pg_loss = vtrace_math.policy_gradient_loss(
         outputs["policy_logits"][:-1], batch["action"][:-1], returns.pg_advantages
     )
-    baseline_loss = vtrace.baseline_loss(returns.vs - outputs["baseline"][:-1])
-    entropy_loss = vtrace.entropy_loss(outputs["policy_logits"][:-1])
+    baseline_loss = vtrace_math.baseline_loss(returns.vs - outputs["baseline"][:-1])
+    entropy_loss = vtrace_math.entropy_loss(outputs["policy_logits"][:-1])
     total = pg_loss + cfg.baseline_cost * baseline_loss + cfg.entropy_cost * entropy_loss
     return total, {
         "total_loss": total.item(),
