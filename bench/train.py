@@ -456,7 +456,7 @@ def apex_run(
 def _pool_maker(cfg: RunConfig) -> object:
     """What builds the env pool moolib-run builds for ``cfg`` (on-policy peers and
     off-policy actor loops alike): ``agents/training.py``'s ``make_envs``."""
-    from moolib.agents.runtime.onpolicy import make_envs
+    from moolib.agents.runtime.base import make_envs
 
     return lambda: make_envs(cfg)
 

@@ -55,16 +55,20 @@ from ..math.offpolicy import epsilon_greedy, importance_weights
 from ..registry import QConfig, Runtime, get_agent, register_runtime
 from ..run_config import ProcessScalingConfig, RunConfig
 from . import checkpoint
-from .host_results import HostResults
-from .logger import Clock, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
-from .onpolicy import (
+from .base import (
     GroupLostError,
+    LostContact,
     PeerInfo,
-    env_detail,
+    RunLog,
+    Runner,
     learning_rate,
     make_envs,
     make_optimizer,
+    mean_of,
+    param_sum,
 )
+from .host_results import HostResults
+from .logger import Clock
 
 log = logging.getLogger("moolib.agents")
 
@@ -207,18 +211,17 @@ class ActorLoop:
     def _wait_for_learner(self, stop: threading.Event) -> bool:
         """Waits until the learner has published weights (and so serves the replay);
         False if stopped or the learner stayed unreachable for lost_group_timeout."""
-        deadline = time.monotonic() + float(self.cfg.lost_group_timeout)
+        contact = LostContact(float(self.cfg.lost_group_timeout))
         while not stop.is_set():
             try:
                 if self.weights.fetch_into(self.model):
                     return True
             except moolib.RpcError:
                 pass
-            if time.monotonic() > deadline:
-                raise GroupLostError(
-                    f"actor loop {self.index}: the learner {self.learner} did not answer in "
-                    f"{self.cfg.lost_group_timeout} s (lost_group_timeout); stopping"
-                )
+            contact.check(
+                f"actor loop {self.index}: the learner {self.learner} did not answer in "
+                f"{self.cfg.lost_group_timeout} s (lost_group_timeout); stopping"
+            )
             stop.wait(0.2)
         return False
 
@@ -243,7 +246,7 @@ class ActorLoop:
             unreported = 0
             episodes: list[tuple[float, float, int]] = []
             last_report = time.monotonic()
-            last_answer = time.monotonic()
+            contact = LostContact(float(self.cfg.lost_group_timeout))
             b = 0
             while not stop.is_set():
                 env_out = futures[b].result()
@@ -285,14 +288,13 @@ class ActorLoop:
                     try:
                         if self._report(unreported, episodes):
                             return
-                        last_answer = now
+                        contact.heard()
                         unreported, episodes = 0, []
                     except moolib.RpcError as e:
-                        if now - last_answer > float(self.cfg.lost_group_timeout):
-                            raise GroupLostError(
-                                f"actor loop {self.index}: the learner {self.learner} is "
-                                f"gone ({e}); stopping"
-                            ) from None
+                        contact.check(
+                            f"actor loop {self.index}: the learner {self.learner} is "
+                            f"gone ({e}); stopping"
+                        )
                     last_report = now
                 b = (b + 1) % nb
         finally:
@@ -446,21 +448,16 @@ def _episode_columns(episodes: list) -> dict[str, Any]:
     return row
 
 
-class Learner:
+class Learner(Runner):
     """The learner of an off-policy run (see the module doc)."""
 
     def __init__(self, cfg: RunConfig, peer: PeerInfo) -> None:
-        self.cfg = cfg
-        self.peer = peer
+        super().__init__(cfg, peer)
         self.agent = _typed(cfg)
         agent = self.agent
-        self.device = cfg.torch_device()
         # The new priorities and published weights of a step, read one step later on
         # a GPU so that the host never waits for the step it just queued.
         self.host = HostResults(self.device)
-        self.loss_fn = get_agent(agent.name).compute_loss
-        if cfg.seed is not None:
-            torch.manual_seed(cfg.seed)
         cores = task_cores()
         if cfg.torch_threads != "auto":
             threads = int(cfg.torch_threads)
@@ -470,36 +467,25 @@ class Learner:
         else:
             threads = max(1, cores // 2)
         torch.set_num_threads(threads)
-        self.banner = start_banner(
-            cfg,
-            peers=1,  # the learner; the actors are on the next line
-            rank=peer.rank,
-            device=self.device,
-            savedir=peer.savedir,
-            broker=peer.broker,
-            env_detail=env_detail(cfg),
-        )
         actors = num_actor_processes(cfg)
         where = f"{actors} actor processes" if actors else "threads of the learner's process"
-        self.banner += (
-            f"\n  actors   {agent.actor_loops} loop(s) of {agent.num_actor_batches}x"
-            f"{agent.actor_batch_size} envs, {where}"
+        self._announce(
+            peers=1,  # the learner; the actors are on the next line
+            more=f"\n  actors   {agent.actor_loops} loop(s) of {agent.num_actor_batches}x"
+            f"{agent.actor_batch_size} envs, {where}",
         )
-        print(self.banner, flush=True)
         _, obs_shape, num_actions = _env_factory(cfg)
         self.model = make_qnet(agent, obs_shape, num_actions).to(self.device)
         self.target = copy.deepcopy(self.model)
         for p in self.target.parameters():
             p.requires_grad_(False)
         self.optimizer = make_optimizer(self.agent.optimizer, self.model.parameters())
-        self.steps = 0  # env steps the actors took, all of them
+        # self.steps: env steps the actors took, all of them.
         self.updates = 0  # learner steps
-        self.elapsed = 0.0
         # R2D2's episodes reported while its replay is empty (_warn_if_no_sequence_fits).
         self.longest_episode = 0
         self.episodes_seen = 0
         self.warned_short = False
-        self.wandb_id: str | None = None
         self.replay: moolib.Replay | None = None
         self._restore()
         if self.replay is None:
@@ -552,28 +538,17 @@ class Learner:
             "steps": self.steps,
             "updates": self.updates,
             "model_version": self.updates,
-            "param_sum": math.fsum(
-                float(p.detach().double().sum()) for p in self.model.parameters()
-            ),
+            "param_sum": param_sum(self.model),
             "elapsed": self.elapsed,
-            "wandb_ids": {str(self.peer.rank): self.wandb_id} if self.wandb_id else {},
             "replay": REPLAY_FILE if self.agent.save_replay else None,
         }
 
-    def _restore(self) -> None:
-        loaded = checkpoint.load_latest(self.peer.savedir)
-        if loaded is None:
-            return
-        if loaded.skipped:
-            log.warning("%s", checkpoint.describe_fallback(loaded))
-        state = loaded.state
+    def _resume(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.target.load_state_dict(state.get("target", state["model"]))
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
         self.updates = int(state.get("updates", state["model_version"]))
-        self.elapsed = float(state.get("elapsed", 0.0))
-        self.wandb_id = dict(state.get("wandb_ids", {})).get(str(self.peer.rank))
         replay_path = self.peer.savedir / REPLAY_FILE
         agent = self.agent
         if agent.save_replay and state.get("replay") and replay_path.exists():
@@ -584,29 +559,18 @@ class Learner:
                 samples_per_insert=agent.samples_per_insert or None,
             )
             log.info("replay restored from %s: %d items", replay_path, self.replay.size())
-        log.info("resumed from %s at step %d", loaded.path, self.steps)
 
     def _save(self, final: bool = False) -> None:
         """Writes a checkpoint (and the replay first, if configured); a failed write
         is logged and training goes on, but the ``final`` one raises
         ``checkpoint.FinalWriteError``."""
         self.host.hand_over()  # the last step's priorities, into the replay saved
-        try:
-            if self.agent.save_replay and self.replay is not None:
-                self.replay.save(self.peer.savedir / REPLAY_FILE)
-            path = checkpoint.save(
-                self.peer.savedir, self._state(), self.steps, history=self.cfg.checkpoint_history
-            )
-        except checkpoint.StaleWriteError as e:
-            log.warning("skipped a stale checkpoint write at step %d: %s", self.steps, e)
-            return
-        except OSError as e:
-            message = checkpoint.write_failure(self.peer.savedir, self.steps, e, final)
-            if final:
-                raise checkpoint.FinalWriteError(message) from None
-            log.error("%s", message)
-            return
-        log.info("checkpoint at step %d: %s", self.steps, path)
+        self._save_checkpoint(self._checkpoint_state(), final)
+
+    def _write_beside_checkpoint(self) -> None:
+        """The replay, which the checkpoint names (with ``save_replay``)."""
+        if self.agent.save_replay and self.replay is not None:
+            self.replay.save(self.peer.savedir / REPLAY_FILE)
 
     # -- the loop ------------------------------------------------------------
 
@@ -665,15 +629,7 @@ class Learner:
         returns the last log row."""
         cfg = self.cfg
         stop = stop or threading.Event()
-        guard_log_handlers()
-        logger = TsvLog(self.peer.logdir / "logs.tsv", columns=COLUMNS)
-        progress = Progress(
-            int(cfg.total_steps), prefix="[learner] ", log_path=self.peer.logdir / "progress.log"
-        )
-        progress.record(self.banner)
-        wandb_run = Wandb.for_run(cfg, f"{cfg.name}-learner", self.peer.logdir, self.wandb_id)
-        if wandb_run is not None:
-            self.wandb_id = wandb_run.run_id
+        run_log = RunLog(self, "learner", columns=COLUMNS)
 
         # scaling=single: the actors are threads of this process.
         actor_stop = threading.Event()
@@ -710,7 +666,7 @@ class Learner:
         row: dict[str, Any] = {}
         ended = False  # trained to total_steps, or stopped: the actors may end too
         try:
-            progress.start(last["time"], self.steps)
+            run_log.start(last["time"], self.steps)
             while self.steps < int(cfg.total_steps) and not stop.is_set():
                 if actor_errors:
                     raise actor_errors[0]
@@ -718,10 +674,7 @@ class Learner:
                 self.steps += self.reports.take_steps()
                 if clock() - last["time"] >= float(cfg.log_interval):
                     row = self._log_row(stats, last, clock())
-                    logger.write(row)
-                    progress.update(row, self._filling(row))
-                    if wandb_run:
-                        wandb_run.log(row)
+                    run_log.write(row, self._filling(row))
                     stats = {}
                 if time.monotonic() - last_checkpoint >= float(cfg.checkpoint_interval):
                     self.elapsed = clock()
@@ -734,10 +687,7 @@ class Learner:
             steps, episodes = self.reports.pending()
             if not row or self.steps + steps != last["steps"] or episodes:
                 row = self._log_row(stats, last, clock())
-                logger.write(row)
-                progress.update(row, self._filling(row))
-                if wandb_run:
-                    wandb_run.log(row)
+                run_log.write(row, self._filling(row))
             self.elapsed = clock()
             ended = True  # even if the final checkpoint fails: the actors stop
             self._save(final=True)
@@ -759,10 +709,7 @@ class Learner:
                 actor_thread.join(timeout=60)
             if actor_rpc is not None:
                 actor_rpc.close()
-            progress.close()
-            logger.close()
-            if wandb_run:
-                wandb_run.close()
+            run_log.close()
             if ended:
                 self._linger_for_actors()
             self.publisher.close()
@@ -801,15 +748,13 @@ class Learner:
             "replay_size": info["size"],
             "actors": live,
             "model_version": self.updates,
-            "param_sum": math.fsum(
-                float(p.detach().double().sum()) for p in self.model.parameters()
-            ),
+            "param_sum": param_sum(self.model),
             "time": now,
         }
         row.update(_episode_columns(episodes))
         self._warn_if_no_sequence_fits(episodes, info["inserts"])
         for k, values in stats.items():
-            row[k] = _mean(values)
+            row[k] = mean_of(values)
         last.update(
             time=now,
             steps=self.steps,
@@ -841,16 +786,6 @@ class Learner:
                 log.warning("%s", why)
 
 
-def _mean(values: list) -> float:
-    """The mean of a log column's values: numbers, or a step's 0-d tensors (on the
-    learner's device, averaged there)."""
-    if not values:
-        return math.nan
-    if isinstance(values[0], torch.Tensor):
-        return float(torch.stack(values).double().mean())
-    return sum(values) / len(values)
-
-
 @register_runtime
 class OffPolicyRuntime(Runtime):
     """One learner (rank 0, serving the replay) and ``scaling.actors`` actor processes
@@ -869,8 +804,7 @@ class OffPolicyRuntime(Runtime):
     def make_runner(cls, cfg: RunConfig, rank: int, broker: str) -> Learner | Actor:
         """Rank 0 is the learner, ranks 1.. the actor processes (actor ``rank - 1``)."""
         if rank == 0:
-            savedir = Path(cfg.savedir)
-            return Learner(cfg, PeerInfo(rank, savedir, cls.logdir(savedir, rank, cfg), broker))
+            return Learner(cfg, PeerInfo.of(cls, cfg, rank, broker))
         return Actor(cfg, rank - 1, broker)
 
 
