@@ -1,4 +1,4 @@
-"""HostResults: a learner step's results reach host callbacks (agents/host_results.py)."""
+"""HostResults: a learner step's results reach host callbacks (agents/runtime/host_results.py)."""
 
 import pytest
 import torch
