@@ -43,7 +43,16 @@ setup(
     python_requires=">=3.10",
     # The toolkit's top-level folders install inside the moolib namespace, so
     # their generic names (envs, agents, ...) cannot collide with other packages.
-    packages=["moolib", "moolib.agents", "moolib.conf", "moolib.envs", "moolib.launch"],
+    packages=[
+        "moolib",
+        "moolib.agents",
+        "moolib.agents.math",
+        "moolib.agents.nets",
+        "moolib.agents.runtime",
+        "moolib.conf",
+        "moolib.envs",
+        "moolib.launch",
+    ],
     package_dir={
         "moolib.agents": "agents",
         "moolib.conf": "conf",

@@ -1,7 +1,7 @@
 """A2C: advantage actor-critic with n-step returns.
 
 The same acting, batching and data-parallel machinery as IMPALA
-(``moolib.agents.training``); only the loss differs. The unrolls are treated as
+(``moolib.agents.runtime.onpolicy``); only the loss differs. The unrolls are treated as
 on-policy: no importance weights, so keep the actors close to the learner
 (small ``num_actor_batches``, a learner step per batch).
 """
@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .models import make_actor_critic
+from .nets.models import make_actor_critic
 from .registry import ActorCriticConfig, register_agent
-from .training import OnPolicyRuntime
 
 
 @dataclass(frozen=True)
@@ -35,11 +34,11 @@ def n_step_returns(
     return returns
 
 
-@register_agent("a2c", A2CConfig, make_network=make_actor_critic, runtime=OnPolicyRuntime)
+@register_agent("a2c", A2CConfig, make_network=make_actor_critic, runtime="onpolicy")
 def compute_loss(
     cfg: A2CConfig, outputs: dict, batch: dict
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The A2C loss of one batch of T+1-step unrolls (see ``impala.compute_loss``
+    """The A2C loss of one batch of T+1-step unrolls (see ``vtrace.compute_loss``
     for the layout)."""
     rewards = batch["reward"][1:]
     if cfg.reward_clip:

@@ -1,145 +1,153 @@
-"""Ape-X DQN's math (Horgan et al., 2018): the actors' epsilons, their initial
-priorities, and the learner's prioritized double-Q n-step loss.
-
-The network is :class:`moolib.agents.qmodels.DuelingQNet`; the n-step transitions
-and targets are :mod:`moolib.agents.offpolicy`'s. An actor acts epsilon-greedily
-with its own epsilon (:func:`epsilon_schedule`), cuts its steps into n-step
-transitions (:func:`moolib.agents.offpolicy.n_step_transitions`) and sends them
-to the replay with :func:`initial_priorities`; the learner samples a batch with
-its sampling probabilities, weighs it (:func:`moolib.agents.offpolicy.importance_weights`),
-takes :func:`loss` and writes the priorities it returns back. Gradients are then
-clipped by norm (``grad_norm_clipping``, 40 in the paper) as every agent's are.
-"""
+"""The agent ``apex``: Ape-X DQN (Horgan et al., 2018), trained by the off-policy
+runtime (``moolib.agents.runtime.offpolicy``). Its settings, its loss on a sampled
+batch, and what an actor does with each env step (``ApexActing``: n-step
+transitions with initial priorities for the replay). The math is
+``moolib.agents.math.apex`` and ``moolib.agents.math.offpolicy``; the network is
+``moolib.agents.nets.qmodels.make_dueling_qnet``."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from .offpolicy import double_q_bootstrap, n_step_targets
+from moolib.config_checks import ConfigError
 
-__all__ = ["ApexLoss", "epsilon_schedule", "initial_priorities", "loss", "td_errors"]
-
-
-def epsilon_schedule(
-    num_actors: int, epsilon: float = 0.4, alpha: float = 7.0, dtype: torch.dtype = torch.float64
-) -> torch.Tensor:
-    """The actors' exploration rates ``eps_i = eps^(1 + alpha i / (N - 1))``, ``[N]``.
-
-    ``N`` counts every acting env of the run (all envs of all actors of all peers):
-    env ``i`` of the run takes entry ``i``. With ``N = 1`` the one actor gets ``eps``.
-    """
-    if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
-        raise ValueError(f"num_actors must be a positive integer, got {num_actors!r}")
-    if not 0.0 <= epsilon <= 1.0:
-        raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
-    if num_actors == 1:
-        return torch.tensor([epsilon], dtype=dtype)
-    exponents = 1.0 + alpha * torch.arange(num_actors, dtype=torch.float64) / (num_actors - 1)
-    return torch.pow(torch.tensor(epsilon, dtype=torch.float64), exponents).to(dtype)
+from .math import apex as apex_math
+from .math.offpolicy import epsilon_greedy, n_step_transitions
+from .nets.qmodels import make_dueling_qnet
+from .registry import QConfig, register_agent
 
 
-@torch.no_grad()
-def initial_priorities(
-    q_values: torch.Tensor,
-    actions: torch.Tensor,
-    rewards: torch.Tensor,
-    dones: torch.Tensor,
-    *,
-    n: int,
-    discount: float,
-) -> torch.Tensor:
-    """An actor's priorities ``|delta_t|`` ``[T, B]`` for the transitions of its rollout.
+@dataclass(frozen=True)
+class ApexConfig(QConfig):
+    """Ape-X DQN's settings (``conf/agent/apex.yaml``)."""
 
-    As in the paper, the actor uses its own network as both the online and the
-    target network of the double-Q target (it has the Q-values of every step it
-    acted on, so this costs no extra forward pass).
+    # Steps each env buffers before its n-step transitions are made, prioritized and
+    # sent (the last n_step - 1 wait for the next window, to have full returns).
+    actor_buffer_size: int
 
-    Args:
-        q_values: ``[T + 1, B, A]``, the actor's Q-values of observations 0..T.
-        actions: ``[T, B]`` the actions taken at observations 0..T-1.
-        rewards, dones: ``[T, B]`` per transition (see :mod:`moolib.agents.offpolicy`).
-        n, discount: window and gamma; the windows (and so the priorities) are those of
-            :func:`moolib.agents.offpolicy.n_step_transitions` on the same rollout.
-    """
-    if q_values.shape[0] != rewards.shape[0] + 1:
-        raise ValueError(
-            f"q_values must cover T + 1 = {rewards.shape[0] + 1} observations, "
-            f"got {q_values.shape[0]}"
+    item_name: ClassVar[str] = "transitions"
+
+    def replay_dedup(self, obs_shape: Sequence[int]) -> tuple[str, ...]:
+        """Image states: a transition's next state is a later transition's state (and
+        its frames overlap its neighbours'), so both are stored once."""
+        return ("state", "next_state") if len(obs_shape) == 3 else ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_int("actor_buffer_size")
+        if self.use_lstm:
+            raise ConfigError("agent.use_lstm must be false for apex (use agent=r2d2 for memory)")
+
+
+def _clip(rewards: torch.Tensor, clip: float) -> torch.Tensor:
+    return rewards.clamp(-clip, clip) if clip > 0 else rewards
+
+
+class ApexActing:
+    """One actor batch of Ape-X: acts epsilon-greedily, keeps the last
+    ``actor_buffer_size + n_step`` steps of its ``B`` envs, and every
+    ``actor_buffer_size`` steps returns their n-step transitions with initial
+    priorities from the actor's own TD errors (``apex_math.initial_priorities``).
+
+    Buffers are preallocated once; a step copies the env's output into them (it is
+    a view of shared memory the next env step overwrites)."""
+
+    def __init__(
+        self, cfg: ApexConfig, epsilons: torch.Tensor, model: nn.Module | None = None
+    ) -> None:
+        # model: unused (Ape-X's network keeps no state across steps), taken as every
+        # agent's acting is made: acting(cfg, epsilons, model).
+        self.cfg = cfg
+        self.epsilons = epsilons
+        self.batch_size = len(epsilons)
+        self.n = cfg.n_step
+        self.length = cfg.actor_buffer_size + cfg.n_step  # steps held
+        self.pos = 0
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def _allocate(self, state: torch.Tensor, num_actions: int) -> None:
+        s, b = self.length, self.batch_size
+        self.buffers = {
+            "state": torch.empty((s, *state.shape), dtype=state.dtype),
+            "q": torch.empty((s, b, num_actions)),
+            "action": torch.empty((s, b), dtype=torch.int64),
+            "reward": torch.empty((s, b)),
+            "done": torch.empty((s, b), dtype=torch.bool),
+        }
+
+    @staticmethod
+    def evaluator(model: nn.Module) -> Callable[[torch.Tensor, float, bool, int], torch.Tensor]:
+        """Q-values of one env's steps as ``runtime.offpolicy.evaluate`` plays them:
+        ``q(state, reward, done, prev_action)`` for a state batch of 1."""
+        return lambda state, reward, done, prev_action: model(state)
+
+    @torch.no_grad()
+    def step(self, env_out: dict, model: nn.Module) -> tuple[torch.Tensor, Any]:
+        """Acts on one env step; returns the actions and, when the buffer is full,
+        ``(items, priorities)`` for the replay (else None)."""
+        state = env_out["state"]
+        q = model(state)
+        action = epsilon_greedy(q, self.epsilons)
+        if not self.buffers:
+            self._allocate(state, q.shape[-1])
+        buf, t = self.buffers, self.pos
+        buf["state"][t].copy_(state)
+        buf["q"][t].copy_(q)
+        buf["action"][t].copy_(action)
+        buf["reward"][t].copy_(env_out["reward"])
+        buf["done"][t].copy_(env_out["done"])
+        self.pos += 1
+        if self.pos < self.length:
+            return action, None
+        return action, self._transitions()
+
+    def _transitions(self) -> tuple[dict, torch.Tensor]:
+        buf, n, cfg = self.buffers, self.n, self.cfg
+        # Transition t goes from observation t to t + 1: its reward and done arrive
+        # with observation t + 1.
+        rewards = _clip(buf["reward"][1:], cfg.reward_clip)
+        dones = buf["done"][1:]
+        priorities = apex_math.initial_priorities(
+            buf["q"], buf["action"][:-1], rewards, dones, n=n, discount=cfg.discounting
         )
-    bootstrap = double_q_bootstrap(q_values[1:], q_values[1:])
-    targets = n_step_targets(rewards, dones, bootstrap, n=n, discount=discount)
-    taken = q_values[:-1].gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-    return (targets - taken).abs()
+        returns, discounts, steps = n_step_transitions(
+            rewards, dones, n=n, discount=cfg.discounting
+        )
+        keep = self.length - n  # transitions whose window is whole
+        b = self.batch_size
+        envs = torch.arange(b).expand(keep, b)
+        nxt = torch.arange(keep)[:, None] + steps[:keep]
+        items = {
+            "state": buf["state"][:keep].flatten(0, 1).clone(),
+            "action": buf["action"][:keep].flatten(),
+            "return": returns[:keep].flatten(),
+            "discount": discounts[:keep].flatten(),
+            "next_state": buf["state"][nxt, envs].flatten(0, 1),
+        }
+        prios = priorities[:keep].flatten()
+        # The last n steps start the next window.
+        for v in buf.values():
+            v[:n] = v[keep:].clone()
+        self.pos = n
+        return items, prios
 
 
-def td_errors(
-    q: torch.Tensor,
-    actions: torch.Tensor,
-    returns: torch.Tensor,
-    discounts: torch.Tensor,
-    q_online_next: torch.Tensor,
-    q_target_next: torch.Tensor,
-) -> torch.Tensor:
-    """``delta = G - Q(s, a)`` ``[B]`` of a batch of n-step transitions, differentiable
-    in ``q``; ``G = returns + discounts * Q_target(s', argmax_a Q_online(s', a))``.
-
-    Args:
-        q: ``[B, A]`` online Q-values of the transitions' first observations.
-        actions: ``[B]`` the actions taken there.
-        returns, discounts: ``[B]`` as :func:`moolib.agents.offpolicy.n_step_transitions`
-            gives them.
-        q_online_next, q_target_next: ``[B, A]`` both networks' Q-values of the
-            observations the transitions bootstrap from.
-    """
-    with torch.no_grad():
-        targets = returns + discounts * double_q_bootstrap(q_online_next, q_target_next)
-    taken = q.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-    return targets - taken
-
-
-class ApexLoss(NamedTuple):
-    """Output of :func:`loss`.
-
-    Attributes:
-        loss: the scalar to differentiate.
-        priorities: ``[B]`` ``|delta|``, the sampled items' new priorities (no grad).
-        td_errors: ``[B]`` ``delta`` (no grad), for logs.
-    """
-
-    loss: torch.Tensor
-    priorities: torch.Tensor
-    td_errors: torch.Tensor
-
-
-def loss(
-    online: nn.Module,
-    target: nn.Module,
-    batch: dict[str, torch.Tensor],
-    weights: torch.Tensor,
-) -> ApexLoss:
-    """Ape-X's learner loss on a sampled batch: ``mean_i w_i delta_i^2 / 2``.
-
-    Args:
-        online: the network being trained (a :class:`DuelingQNet`).
-        target: its periodically updated copy.
-        batch: ``state`` and ``next_state`` ``[B, *observation_shape]`` (the observations
-            ``t`` and ``t + m``), ``action`` ``[B]``, and the transitions'
-            ``return`` and ``discount`` ``[B]``.
-        weights: ``[B]`` importance weights
-            (:func:`moolib.agents.offpolicy.importance_weights`).
-    """
-    batch_size = batch["action"].shape[0]
-    # One online pass over both observations (one larger batch rather than two calls).
-    q_both = online(torch.cat([batch["state"], batch["next_state"]]))
-    q, q_online_next = q_both[:batch_size], q_both[batch_size:].detach()
-    with torch.no_grad():
-        q_target_next = target(batch["next_state"])
-    delta = td_errors(
-        q, batch["action"], batch["return"], batch["discount"], q_online_next, q_target_next
-    )
-    value = (weights.to(delta.dtype) * 0.5 * delta.pow(2)).mean()
-    detached = delta.detach()
-    return ApexLoss(value, detached.abs(), detached)
+@register_agent(
+    "apex", ApexConfig, make_network=make_dueling_qnet, acting=ApexActing, runtime="offpolicy"
+)
+def compute_loss(cfg: ApexConfig, nets: dict, batch: dict) -> tuple[torch.Tensor, dict]:
+    """Ape-X's loss on a sampled batch: ``nets`` holds ``online`` and ``target``;
+    ``batch`` the sampled ``items`` and their importance ``weights``. The stats carry
+    the new ``priorities`` beside the logged numbers, all tensors on the learner's
+    device (reading them on the host would wait for the step)."""
+    out = apex_math.loss(nets["online"], nets["target"], batch["items"], batch["weights"])
+    return out.loss, {
+        "priorities": out.priorities,
+        "total_loss": out.loss.detach(),
+        "mean_abs_td": out.priorities.detach().mean(),
+    }

@@ -16,7 +16,9 @@ An agent is one module of ``moolib.agents`` plus one YAML file in
     def compute_loss(cfg: MyConfig, outputs: dict, batch: dict) -> tuple[Tensor, dict]: ...
 
 The spec (``AgentSpec``) carries everything that differs between agents: settings,
-loss, network, acting and the runtime that trains it. The trainers and
+loss, network, acting and the runtime that trains it, by name (``runtime="onpolicy"``,
+the default, or ``"offpolicy"``: the module ``moolib.agents.runtime.<name>``, imported
+when a run asks for it, never to register an agent). The trainers and
 ``moolib-run`` look agents up here and ask their spec; nothing lists them, and
 nothing tells them apart by name.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +43,7 @@ from moolib.config_checks import (
     check_number,
 )
 
-from .models import NETWORKS, make_actor_critic
+from .nets.models import NETWORKS, make_actor_critic
 
 LossFn = Callable[[Any, dict, dict], tuple[Any, dict[str, float]]]
 # (cfg, observation shape, number of actions) -> the agent's torch network
@@ -104,7 +107,7 @@ class OptimizerConfig(_Checks):
 class AgentConfig(_Checks):
     """The settings every agent has (keys of every ``conf/agent/*.yaml``). An agent's
     own config subclasses it (or the config of its family: ``ActorCriticConfig``,
-    ``moolib.agents.qlearning.QConfig``), adding its fields and their checks.
+    ``QConfig``), adding its fields and their checks.
 
     ``retired_keys`` names keys an agent's configs once carried and no longer
     read: a savedir written then still resumes (its ``config.yaml`` has them), and
@@ -153,7 +156,7 @@ class AgentConfig(_Checks):
 @dataclass(frozen=True)
 class ActorCriticConfig(AgentConfig):
     """The settings of the on-policy actor-critic agents (V-trace, A2C), trained on
-    unrolls by ``moolib.agents.training.Trainer``."""
+    unrolls by ``moolib.agents.runtime.onpolicy.Trainer``."""
 
     unroll_length: int  # env steps in one unroll (plus one to bootstrap)
     virtual_batch_size: int  # unrolls summed over all peers before each optimizer step
@@ -161,7 +164,7 @@ class ActorCriticConfig(AgentConfig):
     entropy_cost: float  # weight of the entropy bonus
     # thread: learning on a thread of its own beside the acting thread; inline: the
     # acting thread learns between its steps; auto: inline on a CPU for the MLP and
-    # tiny networks, thread otherwise (moolib.agents.training.learner_mode).
+    # tiny networks, thread otherwise (moolib.agents.runtime.onpolicy.learner_mode).
     learner: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self) -> None:
@@ -173,13 +176,84 @@ class ActorCriticConfig(AgentConfig):
         self.check_number("entropy_cost", 0.0)
 
 
+@dataclass(frozen=True)
+class QConfig(AgentConfig):
+    """Settings Ape-X and R2D2 share. The actor-critic keys their configs carried
+    before the schema was split per family (``unroll_length``,
+    ``virtual_batch_size``, ``baseline_cost``, ``entropy_cost``) are retired: a
+    savedir holding them resumes, and they are ignored."""
+
+    retired_keys: ClassVar[frozenset[str]] = frozenset(
+        {"unroll_length", "virtual_batch_size", "baseline_cost", "entropy_cost"}
+    )
+
+    actor_loops: int  # actor loops (threads) per actor process, each with its own envs
+    epsilon: float  # eps of the actors' eps_i = eps^(1 + epsilon_alpha i / (N - 1))
+    epsilon_alpha: float  # alpha of the same
+    weight_sync: int  # steps of each env between fetches of the learner's weights
+    publish_interval: int  # learner steps between publications of its weights
+    n_step: int  # rewards in each return before bootstrapping
+    target_update: int  # learner steps between copies of the online net to the target
+    replay_capacity: int  # items in the replay; the oldest is evicted past it
+    priority_exponent: float  # alpha: P(i) is proportional to p_i^alpha
+    importance_sampling_exponent: float  # beta of w_i = (N P(i))^-beta / max w
+    min_replay_size: int  # items in the replay before the learner samples
+    # Reverb's rate limit: items sampled per item inserted, kept within error_buffer of
+    # it (0: no limit; the learner samples as fast as it can, actors never wait).
+    samples_per_insert: float
+    save_replay: bool  # checkpoints include the replay (resumes keep the experience)
+
+    # What the replay holds, for messages about its fill.
+    item_name: ClassVar[str] = "items"
+
+    def steps_per_item(self) -> int:
+        """Env steps (of one env) that make one replay item: what converts the
+        replay's warm-up, ``min_replay_size`` items, into the run's steps."""
+        return 1
+
+    def replay_dedup(self, obs_shape: Sequence[int]) -> tuple[str, ...]:
+        """The item leaves the replay stores once per distinct frame (``moolib.Replay``'s
+        ``dedup``): none here."""
+        return ()
+
+    def episodes_too_short(self, longest: int, seen: int) -> str | None:
+        """Why the replay stays empty when none of ``seen`` episodes lasted more than
+        ``longest`` steps; None where such episodes still make items."""
+        return None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in (
+            "actor_loops",
+            "weight_sync",
+            "publish_interval",
+            "n_step",
+            "target_update",
+            "replay_capacity",
+            "min_replay_size",
+        ):
+            self.check_int(name)
+        self.check_number("epsilon", 0.0, 1.0)
+        self.check_number("epsilon_alpha", 0.0)
+        self.check_number("priority_exponent", 0.0)
+        self.check_number("importance_sampling_exponent", 0.0, 1.0)
+        self.check_number("samples_per_insert", 0.0)
+        self.check_bool("save_replay")
+        if self.min_replay_size > self.replay_capacity:
+            raise ConfigError(
+                f"agent.min_replay_size ({self.min_replay_size}) must not exceed "
+                f"agent.replay_capacity ({self.replay_capacity}): the learner would never start"
+            )
+
+
 class Runtime:
     """What trains an agent's runs, and how a run's processes are laid out: the
     launcher starts, names and counts them by asking the agent's runtime, never by
-    telling agents apart. Subclassed by ``moolib.agents.training.OnPolicyRuntime``
-    and ``moolib.agents.offpolicy_run.OffPolicyRuntime``."""
+    telling agents apart. Subclassed by ``moolib.agents.runtime.onpolicy.OnPolicyRuntime``
+    and ``moolib.agents.runtime.offpolicy.OffPolicyRuntime``, each registered
+    (``register_runtime``) under the name of its module."""
 
-    name: ClassVar[str]  # as logged and tested: onpolicy, offpolicy
+    name: ClassVar[str]  # its module's in moolib.agents.runtime: onpolicy, offpolicy
     # The scaling key that counts the run's processes: peers (alike, each acting and
     # learning) or actors (actor processes beside one learner, rank 0).
     processes: ClassVar[str]
@@ -217,27 +291,50 @@ class AgentSpec:
     the one definition learners, actors and checks build. ``acting``: the off-policy
     actors' per-batch acting state, made as ``acting(cfg, epsilons, model)`` (None:
     the agent acts by sampling its policy, as the on-policy runtime does).
-    ``runtime``: what trains it (see ``Runtime``)."""
+    ``runtime_name``: the runtime that trains it, by name; ``runtime``: that
+    runtime (see ``Runtime``), its module imported when first asked for."""
 
     name: str
     config: type[AgentConfig]
     compute_loss: LossFn
     make_network: NetworkFn = make_actor_critic
     acting: Callable[..., Any] | None = None
-    # None until the registry resolves it: the on-policy runtime, which registers
-    # itself as the default (this module cannot import it: it imports this one).
-    runtime: type[Runtime] | None = None
+    runtime_name: str = "onpolicy"
+
+    @property
+    def runtime(self) -> type[Runtime]:
+        """The runtime that trains the agent (see ``runtime_named``)."""
+        return runtime_named(self.runtime_name)
 
 
 _AGENTS: dict[str, AgentSpec] = {}
 _discovered = False
-_default_runtime: list[type[Runtime]] = []
+_RUNTIMES: dict[str, type[Runtime]] = {}
 
 
-def set_default_runtime(runtime: type[Runtime]) -> type[Runtime]:
-    """Class decorator: ``runtime`` trains the agents registered without one."""
-    _default_runtime[:] = [runtime]
+def register_runtime(runtime: type[Runtime]) -> type[Runtime]:
+    """Class decorator: ``runtime`` is the one named ``runtime.name``, the name of the
+    module of ``moolib.agents.runtime`` that defines it (``runtime_named`` imports that
+    module to find it)."""
+    module = runtime.__module__.rpartition(".")[2]
+    if runtime.name != module:
+        raise ValueError(f"runtime {runtime.name!r} must be defined in a module of that name")
+    _RUNTIMES[runtime.name] = runtime
     return runtime
+
+
+def _runtime_module(name: str) -> str:
+    return f"{__package__ or 'moolib.agents'}.runtime.{name}"
+
+
+def runtime_named(name: str) -> type[Runtime]:
+    """The runtime registered as ``name``; its module, ``moolib.agents.runtime.<name>``,
+    is imported on the first call (so an agent that names it imports no runtime)."""
+    if name not in _RUNTIMES:
+        importlib.import_module(_runtime_module(name))
+    if name not in _RUNTIMES:
+        raise ValueError(f"{_runtime_module(name)} registers no runtime named {name!r}")
+    return _RUNTIMES[name]
 
 
 def register_agent(
@@ -246,15 +343,20 @@ def register_agent(
     *,
     make_network: NetworkFn = make_actor_critic,
     acting: Callable[..., Any] | None = None,
-    runtime: type[Runtime] | None = None,
+    runtime: str = "onpolicy",
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering ``compute_loss(cfg, outputs, batch) -> (loss, stats)``
     as agent ``name`` (the ``name:`` of its YAML), with settings ``config``, network
-    ``make_network``, and ``acting`` and ``runtime`` (see ``AgentSpec``; the default:
-    the on-policy actor-critic agents'). An off-policy agent's loss takes the online
-    and target networks and a sampled batch instead of outputs."""
-    if runtime is not None and not (isinstance(runtime, type) and issubclass(runtime, Runtime)):
-        raise ValueError(f"runtime must be a subclass of Runtime, got {runtime!r}")
+    ``make_network``, ``acting`` and the runtime named ``runtime`` (see ``AgentSpec``;
+    the defaults: the on-policy actor-critic agents'). An off-policy agent's loss
+    takes the online and target networks and a sampled batch instead of outputs."""
+    # Checked without importing the runtime: that waits until a run needs it.
+    if (
+        not isinstance(runtime, str)
+        or not runtime.isidentifier()
+        or importlib.util.find_spec(_runtime_module(runtime)) is None
+    ):
+        raise ValueError(f"runtime must name a module of moolib.agents.runtime, got {runtime!r}")
 
     def register(loss: LossFn) -> LossFn:
         known = _AGENTS.get(name)
@@ -269,14 +371,16 @@ def register_agent(
 
 
 def _discover() -> None:
-    """Imports every module of ``moolib.agents`` once, so each registers its agents."""
+    """Imports every module of ``moolib.agents`` once, so each registers its agents;
+    not its packages (the math, the networks and the runtimes define no agent)."""
     global _discovered
     if _discovered:
         return
     _discovered = True
     package = importlib.import_module(__package__ or "moolib.agents")
     for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{module.name}")
+        if not module.ispkg:
+            importlib.import_module(f"{package.__name__}.{module.name}")
 
 
 def agent_names() -> list[str]:
@@ -290,17 +394,12 @@ def get_agent(name: str) -> AgentSpec:
     _discover()
     if name not in _AGENTS:
         raise ConfigError(f"agent.name must be one of {', '.join(agent_names())}; got {name!r}")
-    spec = _AGENTS[name]
-    if spec.runtime is None:
-        spec = _AGENTS[name] = dataclasses.replace(spec, runtime=_default_runtime[0])
-    return spec
+    return _AGENTS[name]
 
 
 def runtime_of_agent(name: str) -> type[Runtime]:
     """The runtime that trains agent ``name``."""
-    runtime = get_agent(name).runtime
-    assert runtime is not None
-    return runtime
+    return get_agent(name).runtime
 
 
 def runtime_of(cfg: Any) -> type[Runtime]:

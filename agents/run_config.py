@@ -238,7 +238,7 @@ class RunConfig:
     group: str | None  # the experiment's group; None until launch.config.prepare sets it
     savedir: str | None  # where config, logs and checkpoints go; set by prepare
     device: str  # auto, cpu, cuda or cuda:N (see torch_device)
-    torch_threads: int | str  # torch's threads per peer, or auto (training.torch_threads)
+    torch_threads: int | str  # torch's threads per peer, or auto (runtime.onpolicy.torch_threads)
     seed: int | None
     total_steps: int  # env steps learned from, summed over all peers
     log_interval: float  # seconds between logs.tsv rows and progress lines

@@ -37,7 +37,7 @@ ACTIONS = 4
 
 
 def _config(hidden: int):
-    from moolib.agents.qlearning import ApexConfig
+    from moolib.agents.apex import ApexConfig
     from moolib.agents.registry import OptimizerConfig
 
     return ApexConfig(
@@ -76,8 +76,9 @@ def _acting_loop(
     hidden: int, seconds: float, start: float, out: object, torch_threads: int = 1
 ) -> None:
     """One actor loop: acts on recorded observations until ``start + seconds``."""
-    from moolib.agents.apex import epsilon_schedule
-    from moolib.agents.qlearning import ApexActing, make_qnet
+    from moolib.agents.apex import ApexActing
+    from moolib.agents.math.apex import epsilon_schedule
+    from moolib.agents.runtime.offpolicy import make_qnet
 
     torch.set_num_threads(torch_threads)
     cfg = _config(hidden)
@@ -133,8 +134,8 @@ def _learner_step(hidden: int, device: str = "cpu") -> object:
     """Ape-X's learner step without the replay: ``step(items, weights) -> priorities``
     (loss, backward, clipping, centered RMSProp), on the network ``agent=apex
     env=breakout`` builds, on ``device``."""
-    from moolib.agents import apex
-    from moolib.agents.qlearning import make_qnet
+    from moolib.agents.math import apex
+    from moolib.agents.runtime.offpolicy import make_qnet
 
     cfg = _config(hidden)
     model = make_qnet(cfg, OBS, ACTIONS).to(device)
@@ -204,7 +205,7 @@ def compute_limit(
 
 def learner(hidden: int, batch_size: int, seconds: float, capacity: int) -> tuple[float, float]:
     """(learner steps/s on a full replay, learner steps/s on one fixed batch)."""
-    from moolib.agents.offpolicy import importance_weights
+    from moolib.agents.math.offpolicy import importance_weights
 
     import moolib
 

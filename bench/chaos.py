@@ -319,7 +319,7 @@ class Soak:
     def monitor(self) -> None:
         """Every second: new log rows (stamped with this soak's clock), the checkpoint;
         every 5 s: the processes' RSS, descriptors and threads."""
-        from moolib.agents import checkpoint
+        from moolib.agents.runtime import checkpoint
 
         seen_rows: dict[int, int] = {}
         ckpt_stat: tuple | None = None

@@ -13,7 +13,7 @@ the same machine (each limit measured right after the runs):
   the cores its own process and its env workers kept busy meanwhile (CPU
   seconds per second, from /proc);
 - the EnvPool limit: the ``moolib.EnvPool`` moolib-run builds for that config
-  (``agents/training.py``'s ``make_envs``: the same env factory and options,
+  (``agents/runtime/base.py``'s ``make_envs``: the same env factory and options,
   ``num_actor_cpus`` worker processes, ``num_actor_batches`` batches of
   ``actor_batch_size`` envs), stepped double-buffered (a batch steps while the
   other is in flight) with random actions and nothing else, in env steps/s;
@@ -78,13 +78,13 @@ import time
 from pathlib import Path
 
 import torch
-from moolib.agents import impala
-from moolib.agents.models import create_model
+from moolib.agents import vtrace
+from moolib.agents.nets.models import create_model
 from moolib.agents.run_config import RunConfig
 
 ORIGINAL_MOOLIB_VTRACE_BREAKOUT_CPU_SPS = 63.0
 
-# The loop-limit run's overrides: the tiny network (agents/models.py: one layer of width
+# The loop-limit run's overrides: the tiny network (agents/nets/models.py: one layer of width
 # 16 on frames subsampled to 8x8 cells), whose forward and backward cost almost nothing
 # beside the env step. (An MLP of width 16 on whole 84x84x4 frames does not: its
 # 451k multiply-adds per frame, forward and backward, cost about a quarter of a core at
@@ -163,7 +163,7 @@ def limits(case: dict, device: str, seconds: float) -> tuple[float, float]:
         opt.zero_grad()
         inputs = {k: batch[k] for k in ("state", "reward", "done", "prev_action")}
         outputs, _ = model(inputs, ())
-        loss, _ = impala.compute_loss(Cfg, outputs, batch)
+        loss, _ = vtrace.compute_loss(Cfg, outputs, batch)
         loss.backward()
         opt.step()
 
@@ -455,8 +455,8 @@ def apex_run(
 
 def _pool_maker(cfg: RunConfig) -> object:
     """What builds the env pool moolib-run builds for ``cfg`` (on-policy peers and
-    off-policy actor loops alike): ``agents/training.py``'s ``make_envs``."""
-    from moolib.agents.training import make_envs
+    off-policy actor loops alike): ``agents/runtime/base.py``'s ``make_envs``."""
+    from moolib.agents.runtime.base import make_envs
 
     return lambda: make_envs(cfg)
 
@@ -536,7 +536,7 @@ def report_apex(args: argparse.Namespace) -> None:
     agent = cfg.agent
     hidden = int(agent.hidden_size)
     # The learner's torch threads with scaling=single: the cores less the env workers
-    # and the actor loops (offpolicy_run.Learner).
+    # and the actor loops (runtime.offpolicy.Learner).
     cores = len(os.sched_getaffinity(0))
     limit_seconds = min(15.0, args.apex_seconds / 3)
     print(

@@ -197,7 +197,7 @@ def final_checkpoint_line(savedir: Path, peer_logs: dict[Path, int]) -> str | No
     this run's output in it starts) said that it wrote the savedir's checkpoint as it is
     now: the final one, which the leader writes and which peer 0's terminal, when peer 0
     did not lead, only says it did not write. None when none of them wrote it."""
-    from moolib.agents import checkpoint
+    from moolib.agents.runtime import checkpoint
 
     try:
         step = checkpoint.verify(savedir / checkpoint.LATEST)["steps"]

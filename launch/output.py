@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from moolib.agents.logger import StreamStandIn
+from moolib.agents.runtime.logger import StreamStandIn
 
 __all__ = ["quiet_when_closed"]
 

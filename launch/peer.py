@@ -102,8 +102,8 @@ def train(cfg: RunConfig, rank: int, broker: str, stop: threading.Event) -> dict
     exits with ``EXIT_GROUP_LOST`` when the peer lost its group for good, with 2
     when the group's peers have different models, and with 1 when the run's final
     checkpoint could not be written."""
-    from moolib.agents.checkpoint import FinalWriteError
-    from moolib.agents.training import GroupLostError
+    from moolib.agents.runtime.base import GroupLostError
+    from moolib.agents.runtime.checkpoint import FinalWriteError
 
     import moolib
 

@@ -317,7 +317,7 @@ def replay_warmup_notes(job: Job, cfg: RunConfig) -> list[str]:
     """A note when an off-policy run ends before its learner starts: the steps it has
     left do not fill the replay to ``agent.min_replay_size``. A note, not an error: a
     short run that only tests the plumbing is a fair thing to ask for."""
-    from moolib.agents.qlearning import QConfig
+    from moolib.agents.registry import QConfig
 
     agent = cfg.agent
     if not isinstance(agent, QConfig):
@@ -473,7 +473,7 @@ def check_env_name(job: Job) -> None:
 def check_network(cfg: RunConfig, shape: tuple[int, ...]) -> None:
     """``agent.network`` takes the env's observations (of ``shape``): the convolutional
     networks need images, large enough for their convolutions."""
-    from moolib.agents.models import observations_unfit, resolve_network
+    from moolib.agents.nets.models import observations_unfit, resolve_network
 
     network = resolve_network(cfg.agent.network, shape)
     unfit = observations_unfit(network, shape)
@@ -500,7 +500,7 @@ def check_extras(cfg: RunConfig) -> None:
     """The optional packages the run of ``cfg`` uses are installed (the env's are
     checked by making it)."""
     if cfg.wandb.enabled:
-        from moolib.agents.logger import import_wandb
+        from moolib.agents.runtime.logger import import_wandb
 
         try:
             import_wandb()

@@ -2,7 +2,7 @@
 run (steps, time, final mean return, savedir, the ``moolib-plot`` command that plots it) and
 the lists of choices in ``moolib-run --help``.
 
-The start banner and the progress line are the peers' (``moolib.agents.logger``): they know
+The start banner and the progress line are the peers' (``moolib.agents.runtime.logger``): they know
 the device they run on and the broker they joined. The summary is the launcher's: it is
 printed once every peer of the run is done, from the logs they left in the savedir.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moolib.agents.logger import format_duration
+from moolib.agents.runtime.logger import format_duration
 from omegaconf import OmegaConf
 
 from . import plot

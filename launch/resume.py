@@ -330,7 +330,7 @@ def checkpoint_state(savedir: Path) -> tuple[dict, str | None] | None:
     saying which files were passed over and which is used. None without a
     checkpoint; ConfigError when none is intact, or when there is none but the logs
     went past step 0 (nothing is written then)."""
-    from moolib.agents import checkpoint
+    from moolib.agents.runtime import checkpoint
 
     try:
         loaded = checkpoint.load_latest(Path(savedir))
@@ -369,7 +369,7 @@ def check_model_fits(
     """Raises ConfigError when the model that ``agent`` (the resume's checked settings)
     builds cannot load the checkpoint (another network, width, LSTM, observation shape
     or number of actions)."""
-    from moolib.agents.models import resolve_network
+    from moolib.agents.nets.models import resolve_network
     from moolib.agents.registry import get_agent
 
     model = get_agent(agent.name).make_network(agent, obs_shape, num_actions)

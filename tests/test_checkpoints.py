@@ -33,7 +33,7 @@ from helpers.run_util import (
     snapshot,
     wait_for,
 )
-from moolib.agents import checkpoint
+from moolib.agents.runtime import checkpoint
 
 
 def disk_steps(path: Path) -> int:

@@ -1,8 +1,8 @@
-"""HostResults: a learner step's results reach host callbacks (agents/host_results.py)."""
+"""HostResults: a learner step's results reach host callbacks (agents/runtime/host_results.py)."""
 
 import pytest
 import torch
-from moolib.agents.host_results import HostResults
+from moolib.agents.runtime.host_results import HostResults
 
 
 def test_on_a_cpu_results_are_handed_over_at_once():

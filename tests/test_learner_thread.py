@@ -39,9 +39,9 @@ from helpers.run_util import (
     session_pids,
     wait_for,
 )
-from moolib.agents.policy_slots import PolicySlots
 from moolib.agents.registry import agent_config
-from moolib.agents.training import learner_mode
+from moolib.agents.runtime.onpolicy import learner_mode
+from moolib.agents.runtime.policy_slots import PolicySlots
 
 from moolib.config_checks import ConfigError
 

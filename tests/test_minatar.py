@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from moolib.agents import models
+from moolib.agents.nets import models
 from moolib.envs import create_env, create_envpool, list_envs
 from moolib.envs.minatar import MINATAR_GAMES, MinAtarEnv
 from moolib.launch import config as config_lib

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moolib.agents import models
+from moolib.agents.nets import models
 
 NUM_ACTIONS = 4
 # Small frames and widths keep the equivalence tests fast; the shape test uses 84x84.

@@ -12,8 +12,10 @@ import math
 
 import pytest
 import torch
-from moolib.agents.qlearning import ApexActing, ApexConfig, R2D2Acting, R2D2Config, make_qnet
+from moolib.agents.apex import ApexActing, ApexConfig
+from moolib.agents.r2d2 import R2D2Acting, R2D2Config
 from moolib.agents.registry import OptimizerConfig
+from moolib.agents.runtime.offpolicy import make_qnet
 
 OPT = OptimizerConfig("adam", 1e-3, 0.9, 0.999, 1e-8, 0.99, 0.0)
 COMMON = dict(
@@ -162,7 +164,7 @@ def test_a_restarted_actor_loop_counts_once():
     """The learner's ``actors`` column counts actor loops by their index in the run: a
     loop restarted in a new process (a new Rpc name) replaces its predecessor at once
     instead of counting beside it until that one goes stale."""
-    from moolib.agents.offpolicy_run import _Reports
+    from moolib.agents.runtime.offpolicy import _Reports
 
     reports = _Reports()
     reports.add("learner-actor0-100", 0, 10, [])

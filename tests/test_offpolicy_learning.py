@@ -15,7 +15,8 @@ import subprocess
 import pytest
 from helpers.offpolicy_learning import LEARN_TIMEOUT, SMALL, greedy_history, learned
 from helpers.run_util import check_ok, plot_cmd, read_logs, run, run_env
-from moolib.agents.offpolicy_run import COLUMNS, evaluate
+from moolib.agents.offpolicy_run import evaluate
+from moolib.agents.runtime.offpolicy import COLUMNS
 
 
 @pytest.mark.timeout(LEARN_TIMEOUT + 60)

@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from moolib.agents import apex, models, offpolicy, qmodels, r2d2
+from moolib.agents.math import apex, offpolicy, r2d2
+from moolib.agents.nets import models, qmodels
 
 NUM_ACTIONS = 4
 

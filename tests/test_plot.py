@@ -12,7 +12,7 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-from moolib.agents.logger import COLUMNS
+from moolib.agents.runtime.logger import COLUMNS
 from moolib.launch import plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

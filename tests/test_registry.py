@@ -125,7 +125,7 @@ def _read_tsv(path: Path) -> tuple[list[str], list[dict]]:
 
 @pytest.mark.parametrize("agent", ONPOLICY)
 def test_every_agent_builds_and_takes_a_learner_step(compose_config, agent, tmp_path):
-    from moolib.agents.training import PeerInfo, Trainer
+    from moolib.agents.runtime.onpolicy import PeerInfo, Trainer
     from moolib.launch.local import EmbeddedBroker
 
     cfg = compose_config(f"agent={agent}", "env=cartpole", *TINY)

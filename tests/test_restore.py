@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moolib.agents import checkpoint
-from moolib.agents.models import create_model, resolve_network
-from moolib.agents.training import PeerInfo, Trainer, make_envs
+from moolib.agents.nets.models import create_model, resolve_network
+from moolib.agents.runtime import checkpoint
+from moolib.agents.runtime.onpolicy import PeerInfo, Trainer, make_envs
 from moolib.launch import config as config_lib
 from moolib.launch.local import EmbeddedBroker
 
@@ -141,12 +141,12 @@ def test_a_trainer_that_cannot_restore_leaves_nothing_running(
     """A savedir whose every checkpoint is damaged refuses to start (rather than
     train from scratch over them), and the env workers and the accumulator's Rpc
     it had started by then are closed, not left to the garbage collector."""
-    from moolib.agents import training
+    from moolib.agents.runtime import onpolicy
 
     cfg = config_lib.prepare(compose_config(*SMALL, "device=cpu"), tmp_path)
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
     pools, closed = [], []
-    make_envs, close = training.make_envs, training.moolib.Accumulator.close
+    make_envs, close = onpolicy.make_envs, onpolicy.moolib.Accumulator.close
 
     def recorded_envs(cfg):
         made = make_envs(cfg)
@@ -157,8 +157,8 @@ def test_a_trainer_that_cannot_restore_leaves_nothing_running(
         closed.append(accumulator)
         close(accumulator)
 
-    monkeypatch.setattr(training, "make_envs", recorded_envs)
-    monkeypatch.setattr(training.moolib.Accumulator, "close", recorded_close)
+    monkeypatch.setattr(onpolicy, "make_envs", recorded_envs)
+    monkeypatch.setattr(onpolicy.moolib.Accumulator, "close", recorded_close)
     broker = EmbeddedBroker()
     try:
         peer = PeerInfo(rank=0, savedir=tmp_path, logdir=tmp_path, broker=broker.address)

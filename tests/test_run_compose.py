@@ -129,11 +129,11 @@ def test_every_env_config_composes(tmp_path):
 def test_auto_torch_threads_follow_the_cores_a_peer_may_use(
     compose_config, monkeypatch, overrides, slurm_cpus, expected
 ):
-    from moolib.agents import training
+    from moolib.agents.runtime import onpolicy
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     if slurm_cpus:
         monkeypatch.setenv("SLURM_CPUS_PER_TASK", slurm_cpus)
     cfg = compose_config("agent=a2c", "env=cartpole", "agent.num_actor_cpus=1", *overrides)
-    assert training.torch_threads(config_lib.validate(cfg)) == expected
+    assert onpolicy.torch_threads(config_lib.validate(cfg)) == expected

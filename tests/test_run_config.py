@@ -158,7 +158,16 @@ OMEGACONF_EDGES = {
 
 def test_only_the_edges_import_omegaconf():
     found = set()
-    for package in ("moolib", "moolib.envs", "moolib.agents", "moolib.launch", "moolib.conf"):
+    for package in (
+        "moolib",
+        "moolib.envs",
+        "moolib.agents",
+        "moolib.agents.math",
+        "moolib.agents.nets",
+        "moolib.agents.runtime",
+        "moolib.launch",
+        "moolib.conf",
+    ):
         spec = importlib.util.find_spec(package)
         assert spec is not None and spec.submodule_search_locations
         folder = Path(next(iter(spec.submodule_search_locations)))

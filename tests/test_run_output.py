@@ -36,7 +36,7 @@ from helpers.run_util import (
     screen_lines,
     wait_for,
 )
-from moolib.agents.logger import Progress
+from moolib.agents.runtime.logger import Progress
 from moolib.envs.minatar import MINATAR_GAMES
 
 CONF = Path(next(iter(moolib.conf.__path__)))

@@ -206,7 +206,7 @@ def test_sigterm_to_the_whole_group_stops_an_offpolicy_run_with_a_checkpoint(tmp
 def _record_rows(monkeypatch, stop: threading.Event | None = None) -> list[dict]:
     """The rows written to logs.tsv from now on, in order; with ``stop``, which is set as
     the first row with finished episodes is written: a Ctrl-C right after a log row."""
-    from moolib.agents.logger import TsvLog
+    from moolib.agents.runtime.logger import TsvLog
 
     written: list[dict] = []
     write = TsvLog.write
@@ -244,7 +244,7 @@ def _check_the_last_real_row_stays(savedir: Path, written: list[dict], stopped_a
 def test_ctrl_c_right_after_a_row_leaves_that_row_the_last_word(
     compose_config, tmp_path, monkeypatch
 ):
-    from moolib.agents.training import PeerInfo, Trainer
+    from moolib.agents.runtime.onpolicy import PeerInfo, Trainer
 
     stop = threading.Event()
     written = _record_rows(monkeypatch, stop)
@@ -269,7 +269,7 @@ def test_ctrl_c_right_after_a_row_and_a_learner_step_leaves_that_row_the_last_wo
 ):
     """Ape-X's learner: stopped by the first learner step after a row with episodes (its
     losses are new, its actors' steps not reported yet)."""
-    from moolib.agents.offpolicy_run import Learner
+    from moolib.agents.runtime.offpolicy import Learner
     from moolib.launch.peer import make_trainer
 
     stop = threading.Event()

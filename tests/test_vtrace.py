@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from moolib.agents import vtrace
+from moolib.agents.math import vtrace
 
 CLIPS = [(1.0, 1.0), (None, None), (0.5, 2.0), (2.0, None)]
 CLIP_IDS = ["clip1-1", "noclip", "clip0.5-2", "clip2-none"]

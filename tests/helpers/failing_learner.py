@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import sys
 
-from moolib.agents import training
+from moolib.agents.runtime import onpolicy
 from moolib.launch.run import main
 
-_learn = training.Trainer._learn
+_learn = onpolicy.Trainer._learn
 
 
-def _failing(self: training.Trainer, stats: dict, wait: bool = True) -> bool:
+def _failing(self: onpolicy.Trainer, stats: dict, wait: bool = True) -> bool:
     if self.accumulator.model_version() >= 3:
         raise RuntimeError("injected learner failure at model version 3")
     return _learn(self, stats, wait)
 
 
 if __name__ == "__main__":
-    training.Trainer._learn = _failing
+    onpolicy.Trainer._learn = _failing
     sys.argv[0] = "moolib-run"
     main()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from moolib.agents import checkpoint
 from moolib.agents.offpolicy_run import evaluate
+from moolib.agents.runtime import checkpoint
 
 from helpers.run_util import read_logs
 

@@ -359,7 +359,7 @@ def peers_and_workers(sid: int) -> tuple[list[int], list[int], dict[int, str]]:
 
 # What every logs.tsv row carries (docs/toolkit.md, "What a run writes"), which users'
 # scripts and ``moolib-plot --metric`` read by name: a contract, so a literal, kept here
-# once. Not agents/logger.py's COLUMNS: a column renamed or dropped there must fail the
+# once. Not agents/runtime/logger.py's COLUMNS: a column renamed or dropped there must fail the
 # test of a run's header, not change what it expects.
 DOCUMENTED_COLUMNS = {
     "step",

@@ -1,7 +1,7 @@
 """Q-networks for the value-based agents: Ape-X's dueling network and R2D2's recurrent one.
 
 Both sit on a :class:`Torso`, the observation encoder of one of the actor-critic
-networks of :mod:`moolib.agents.models` (the IMPALA Atari nets, the MLP, or any
+networks of :mod:`moolib.agents.nets.models` (the IMPALA Atari nets, the MLP, or any
 network ``create_model`` knows): the torso is defined once, there, and taken from
 it here, so a network added there is a Q-network torso too. Any module with
 ``observation_shape`` and ``output_size`` attributes that maps
@@ -19,25 +19,26 @@ R2D2 (Kapturowski et al., 2019), with the same inputs as the actor-critic nets
 The LSTM state is zeroed before a step whose observation starts an episode
 (``done``), as in the actor-critic nets, so an actor passes back the state it got
 and never resets it itself; it keeps, per step, the state it acted with
-(:class:`moolib.agents.r2d2.SequenceSplitter` stores it at each sequence start).
+(:class:`moolib.agents.math.r2d2.SequenceSplitter` stores it at each sequence start).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import CoreState, create_model, scale_observations, unroll_lstm
+from .models import CoreState, create_model, resolve_network, scale_observations, unroll_lstm
 
 __all__ = ["DuelingHead", "DuelingQNet", "RecurrentQNet", "Torso", "create_torso"]
 
 
 class Torso(nn.Module):
     """An observation encoder ``[N, *observation_shape] -> [N, output_size]``: the torso
-    of an actor-critic network of :mod:`moolib.agents.models`, with its input scaling.
+    of an actor-critic network of :mod:`moolib.agents.nets.models`, with its input scaling.
 
     Args:
         layers: the torso's layers (taking scaled float observations).
@@ -211,3 +212,26 @@ class RecurrentQNet(nn.Module):
             self.core, core_input.view(num_steps, batch_size, -1), inputs["done"], core_state
         )
         return self.head(core_output), core_state
+
+
+def _torso(cfg: Any, obs_shape: Sequence[int]) -> nn.Module:
+    return create_torso(
+        obs_shape,
+        network=resolve_network(cfg.network, tuple(obs_shape)),
+        hidden_size=cfg.hidden_size,
+    )
+
+
+def make_dueling_qnet(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+    """Ape-X's network: a dueling Q-head on the torso ``cfg`` names."""
+    return DuelingQNet(_torso(cfg, obs_shape), num_actions, head_hidden_size=cfg.hidden_size)
+
+
+def make_recurrent_qnet(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+    """R2D2's network: the torso, an LSTM, and a dueling Q-head."""
+    return RecurrentQNet(
+        _torso(cfg, obs_shape),
+        num_actions,
+        lstm_size=cfg.hidden_size,
+        head_hidden_size=cfg.hidden_size,
+    )

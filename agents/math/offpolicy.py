@@ -1,7 +1,7 @@
 """The math Ape-X and R2D2 share: n-step double-Q targets, value rescaling,
 prioritized replay's importance weights, epsilon-greedy acting.
 
-Layout: time-major like :mod:`moolib.agents.vtrace`, in *transition* form. Step
+Layout: time-major like :mod:`moolib.agents.math.vtrace`, in *transition* form. Step
 ``t`` of a stream of ``T + 1`` observations is the transition from observation
 ``t`` to ``t + 1``: ``rewards[t]`` is the reward its action earned and ``dones[t]``
 is true when the episode ended with it (in the EnvPool layout, where the reward

@@ -29,12 +29,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,20 +41,22 @@ import torch
 import moolib
 from moolib._cpus import task_cores
 
-from . import checkpoint
-from .logger import (
-    Clock,
-    EpisodeStats,
-    Progress,
-    TsvLog,
-    Wandb,
-    guard_log_handlers,
-    start_banner,
+from ..nets.models import resolve_network
+from ..registry import Runtime, register_runtime
+from ..run_config import RunConfig
+from .base import (
+    LostContact,
+    PeerInfo,
+    RunLog,
+    Runner,
+    learning_rate,
+    make_envs,
+    make_optimizer,
+    mean_of,
+    param_sum,
 )
-from .models import resolve_network
+from .logger import Clock, EpisodeStats
 from .policy_slots import PolicySlots
-from .registry import Runtime, get_agent, set_default_runtime
-from .run_config import RunConfig
 
 log = logging.getLogger("moolib.agents")
 
@@ -70,10 +70,6 @@ _SWITCH_INTERVAL = 0.0005
 # Keys of an unroll step: the env's output and what the actor did with it.
 _ENV_KEYS = ("state", "reward", "done", "prev_action")
 _ACTOR_KEYS = ("action", "policy_logits", "baseline")
-
-
-class GroupLostError(RuntimeError):
-    """The peer was out of its group (no broker, or not a member) for too long."""
 
 
 # Networks whose learner step is mostly Python (a few hundred small torch calls, each
@@ -108,89 +104,6 @@ def torch_threads(cfg: RunConfig) -> int:
     if cfg.scaling.name == "local":  # the peers share this machine
         cores //= max(1, cfg.scaling.peers)
     return max(1, cores - cfg.agent.num_actor_cpus)
-
-
-def env_detail(cfg: RunConfig) -> str:
-    """What steps the env, for the start banner: ALE's version, say, which moolib-run prints
-    there once instead of ALE's own banner in every env process."""
-    from importlib import metadata
-
-    from moolib.envs import find_env_spec
-    from moolib.envs.registry import find_backend
-
-    backend = find_backend(cfg.env.backend)
-    spec = find_env_spec(cfg.env.name)
-    if backend is not None:
-        distribution, shown = backend.library
-    elif spec is not None and spec.library is not None:
-        distribution, shown = spec.library
-    else:
-        return cfg.env.backend
-    try:
-        version = metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        version = "?"
-    return f"{shown} {version}"
-
-
-def make_envs(cfg: RunConfig) -> tuple[Any, tuple[int, ...], int]:
-    """The actors' env pool, the observation shape and the number of actions. Its envs
-    are made afresh at every start and resume, and decorrelated then
-    (``env.decorrelate_steps``)."""
-    from moolib.envs import DEFAULT_BACKEND, actor_pool
-
-    agent = cfg.agent
-    if cfg.env.decorrelate_steps and cfg.env.backend != DEFAULT_BACKEND:
-        log.info(
-            "env.backend=%s steps its envs in its own code: they start without "
-            "env.decorrelate_steps' random actions",
-            cfg.env.backend,
-        )
-    return actor_pool(
-        cfg.env.name,
-        cfg.env.backend,
-        cfg.env.option_values(),
-        batch_size=agent.actor_batch_size,
-        num_batches=agent.num_actor_batches,
-        num_workers=agent.num_actor_cpus,
-        decorrelate_steps=cfg.env.decorrelate_steps,
-    )
-
-
-def make_optimizer(opt: Any, params: Any) -> torch.optim.Optimizer:
-    """The optimizer an agent's ``optimizer`` settings name (adam or rmsprop) over ``params``.
-
-    Both step all parameters in a few ``torch._foreach_*`` calls (torch picks that only
-    on CUDA by default): every torch call gives up the GIL, and with the learner on
-    its own thread a call per parameter and per operation hands it to the acting
-    thread and back each time (a third of A2C's CartPole steps, on two cores)."""
-    if opt.name == "adam":
-        return torch.optim.Adam(
-            params,
-            lr=opt.learning_rate,
-            betas=(opt.beta1, opt.beta2),
-            eps=opt.epsilon,
-            foreach=True,
-        )
-    if opt.name == "rmsprop":
-        return torch.optim.RMSprop(
-            params,
-            lr=opt.learning_rate,
-            alpha=opt.alpha,
-            momentum=opt.momentum,
-            eps=opt.epsilon,
-            centered=opt.centered,
-            foreach=True,
-        )
-    raise ValueError(f"agent.optimizer.name must be adam or rmsprop, got {opt.name!r}")
-
-
-def learning_rate(opt: Any, steps: int, total_steps: int) -> float:
-    """The learning rate after ``steps`` of ``total_steps``: ``opt.learning_rate``, decayed
-    linearly to 0 unless ``opt.schedule`` is constant (as Ape-X and R2D2 keep it)."""
-    if opt.schedule == "constant":
-        return float(opt.learning_rate)
-    return opt.learning_rate * max(0.0, 1.0 - steps / total_steps)
 
 
 class Unroll:
@@ -232,17 +145,7 @@ class Unroll:
         self.t = 1
 
 
-@dataclass
-class PeerInfo:
-    """Where this peer stands in its experiment."""
-
-    rank: int
-    savedir: Path  # the experiment's folder (checkpoints, config)
-    logdir: Path  # this peer's logs
-    broker: str  # address of the broker
-
-
-@set_default_runtime
+@register_runtime
 class OnPolicyRuntime(Runtime):
     """Actors and a data-parallel learner in every peer (``Trainer``), ``scaling.peers``
     of them: the actor-critic agents' runtime, and the default."""
@@ -258,33 +161,17 @@ class OnPolicyRuntime(Runtime):
     @classmethod
     def make_runner(cls, cfg: RunConfig, rank: int, broker: str) -> Trainer:
         """The Trainer of peer ``rank``."""
-        savedir = Path(cfg.savedir)
-        peer = PeerInfo(rank, savedir, cls.logdir(savedir, rank, cfg), broker)
-        return Trainer(cfg, peer)
+        return Trainer(cfg, PeerInfo.of(cls, cfg, rank, broker))
 
 
-class Trainer:
+class Trainer(Runner):
     """One peer's training loop (see the module doc)."""
 
     def __init__(self, cfg: RunConfig, peer: PeerInfo) -> None:
-        self.cfg = cfg
+        super().__init__(cfg, peer)
         self.agent = cfg.agent
-        self.peer = peer
-        self.device = cfg.torch_device()
         torch.set_num_threads(torch_threads(cfg))
-        self.banner = start_banner(
-            cfg,
-            rank=peer.rank,
-            device=self.device,
-            savedir=peer.savedir,
-            broker=peer.broker,
-            env_detail=env_detail(cfg),
-        )
-        print(self.banner, flush=True)
-        if cfg.seed is not None:
-            torch.manual_seed(cfg.seed + peer.rank)
-        self.spec = get_agent(self.agent.name)
-        self.loss_fn = self.spec.compute_loss
+        self._announce()
 
         self.envs, obs_shape, self.num_actions = make_envs(cfg)
         try:
@@ -322,12 +209,8 @@ class Trainer:
         # Env steps of this process's gradients offered to the group: what the group did
         # not apply of them (rounds a membership change failed) is counted, not lost.
         self.offered_steps = 0
-        self.steps = 0  # env steps learned from, group-wide
+        # self.steps: env steps learned from, group-wide.
         self.total_steps = int(cfg.total_steps)
-        self.wandb_id: str | None = None
-        # wandb run ids by peer rank, as the checkpoint keeps them.
-        self.wandb_ids: dict[str, str] = {}
-        self.elapsed = 0.0
         self._restore()
         # Between the threads of the loop (see run).
         self.policy = PolicySlots(self.model, self.accumulator.model_version())
@@ -336,7 +219,6 @@ class Trainer:
         self._learner_done = threading.Event()
         self._learner_error: BaseException | None = None
         self.learner = learner_mode(self.agent, self.device, tuple(obs_shape))
-        self._lost_group_timeout = float(cfg.lost_group_timeout)
         self._checkpoint_interval = float(cfg.checkpoint_interval)
         # Where the acting thread's CUDA work (and the Batcher's copies) is queued.
         self._act_stream = (
@@ -355,10 +237,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "steps": self.steps,
             "model_version": self.accumulator.model_version(),
-            # Equal on peers that hold identical parameters at equal versions.
-            "param_sum": math.fsum(
-                float(p.detach().double().sum()) for p in self.model.parameters()
-            ),
+            "param_sum": param_sum(self.model),
             "elapsed": self.elapsed,
         }
 
@@ -367,22 +246,9 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
 
-    def _restore(self) -> None:
-        """Resumes from the experiment's newest intact checkpoint, if any."""
-        # A damaged checkpoint.pt falls back to the newest intact history entry; when
-        # none is intact this raises rather than train from scratch over them.
-        loaded = checkpoint.load_latest(self.peer.savedir)
-        if loaded is None:
-            return
-        if loaded.skipped:
-            log.warning("%s", checkpoint.describe_fallback(loaded))
-        state = loaded.state
+    def _resume(self, state: dict) -> None:
         self._load(state)
         self.accumulator.set_model_version(int(state["model_version"]))
-        self.elapsed = float(state.get("elapsed", 0.0))
-        self.wandb_ids = dict(state.get("wandb_ids", {}))
-        self.wandb_id = self.wandb_ids.get(str(self.peer.rank))
-        log.info("resumed from %s at step %d", loaded.path, self.steps)
 
     def _may_write(self) -> bool:
         # Only the leader of the group as it is now: not a peer that is out of it, nor
@@ -403,36 +269,9 @@ class Trainer:
             return False
         # Writing a large checkpoint to a slow filesystem may outlast the group timeout.
         with self.accumulator.group.keepalive():
-            return self._write_checkpoint(final)
-
-    def _write_checkpoint(self, final: bool) -> bool:
-        state = self._state()
-        state["lineage"] = self.accumulator.lineage()
-        if self.wandb_id:
-            self.wandb_ids[str(self.peer.rank)] = self.wandb_id
-        state["wandb_ids"] = dict(self.wandb_ids)
-        try:
-            path = checkpoint.save(
-                self.peer.savedir,
-                state,
-                self.steps,
-                history=self.cfg.checkpoint_history,
-                may_write=self._may_write,
-            )
-        except checkpoint.StaleWriteError as e:
-            log.warning("skipped a stale checkpoint write at step %d: %s", self.steps, e)
-            return False
-        except checkpoint.NotAllowedError:
-            log.info("step %d: not writing a checkpoint: no longer the leader", self.steps)
-            return False
-        except OSError as e:
-            message = checkpoint.write_failure(self.peer.savedir, self.steps, e, final)
-            if final:
-                raise checkpoint.FinalWriteError(message) from None
-            log.error("%s", message)
-            return False
-        log.info("checkpoint at step %d: %s", self.steps, path)
-        return True
+            state = self._checkpoint_state()
+            state["lineage"] = self.accumulator.lineage()
+            return self._save_checkpoint(state, final, may_write=self._may_write)
 
     def _save_final(self) -> None:
         """The end-of-run checkpoint: written by the leader alone. A group that is
@@ -554,12 +393,11 @@ class Trainer:
         acc = self.accumulator
         acc.update()
         if acc.group.active():
-            self._in_group_time = time.monotonic()
-        elif time.monotonic() - self._in_group_time > self._lost_group_timeout:
-            # Acting with nobody to learn with wastes the machine.
-            raise GroupLostError(
+            self._in_group.heard()
+        else:
+            self._in_group.check(
                 f"peer {self.peer.rank} has been out of its group for "
-                f"{self._lost_group_timeout:g} s (lost_group_timeout): the broker at "
+                f"{self._in_group.timeout:g} s (lost_group_timeout): the broker at "
                 f"{self.peer.broker} is gone or unreachable; stopping"
             )
         if acc.wants_state():
@@ -589,10 +427,7 @@ class Trainer:
         An exception of the learner thread ends the run and is raised here."""
         agent = self.agent
         stop = stop or threading.Event()
-        guard_log_handlers()
         rows = _Rows(self, Clock(self.elapsed))
-        if rows.wandb_run is not None:
-            self.wandb_id = rows.wandb_run.run_id
 
         nb = agent.num_actor_batches
         unrolls = [Unroll(agent.unroll_length) for _ in range(nb)]
@@ -616,7 +451,8 @@ class Trainer:
             rows.start()
             sys.setswitchinterval(_SWITCH_INTERVAL)
             # The learner's clocks: of its checkpoints, and of its group last seen active.
-            self._checkpoint_time = self._in_group_time = time.monotonic()
+            self._checkpoint_time = time.monotonic()
+            self._in_group = LostContact(float(self.cfg.lost_group_timeout))
             inline = self.learner == "inline"
             if inline:
                 # While the actors wait for room, the acting thread learns.
@@ -703,18 +539,10 @@ class _Rows:
     which a row holds from taking them until it is written."""
 
     def __init__(self, trainer: Trainer, clock: Clock) -> None:
-        cfg, peer = trainer.cfg, trainer.peer
         self.trainer = trainer
         self.clock = clock
-        self.interval = float(cfg.log_interval)
-        self.logger = TsvLog(peer.logdir / "logs.tsv")
-        self.progress = Progress(
-            cfg.total_steps, prefix=f"[peer {peer.rank}] ", log_path=peer.logdir / "progress.log"
-        )
-        self.progress.record(trainer.banner)
-        self.wandb_run = Wandb.for_run(
-            cfg, f"{cfg.name}-peer{peer.rank}", peer.logdir, trainer.wandb_id
-        )
+        self.interval = float(trainer.cfg.log_interval)
+        self.log = RunLog(trainer, f"peer {trainer.peer.rank}")
         self.episodes = EpisodeStats()
         self.lock = threading.Lock()
         self.stats: dict[str, list] = {}  # the learner's, since the last row
@@ -722,7 +550,7 @@ class _Rows:
         self._time, self._steps, self._env_steps = clock(), trainer.steps, trainer.env_steps
 
     def start(self) -> None:
-        self.progress.start(self._time, self._steps)
+        self.log.start(self._time, self._steps)
 
     def maybe_write(self) -> None:
         """Writes a row if ``log_interval`` has passed since the last one."""
@@ -751,8 +579,7 @@ class _Rows:
             # The version the actors acted with last: behind model_version by the
             # updates the learner made since they took the front slot.
             "actor_model_version": t.actor_version,
-            # Equal on peers that hold identical parameters at equal versions.
-            "param_sum": math.fsum(float(p.detach().double().sum()) for p in t.model.parameters()),
+            "param_sum": param_sum(t.model),
             "peers": len(t.accumulator.group.members()) if t.accumulator.connected() else 0,
             # This process's totals: env steps acted, and those offered as gradients.
             "env_steps": t.env_steps,
@@ -760,19 +587,13 @@ class _Rows:
             "time": now,
         }
         for k, values in self.stats.items():
-            row[k] = sum(values) / len(values) if values else math.nan
+            row[k] = mean_of(values)
         with self.lock:
             row.update(self.episodes.take())
-            self.logger.write(row)
-            self.progress.update(row)
-            if self.wandb_run:
-                self.wandb_run.log(row)
+            self.log.write(row)
             self.last = row
         self.stats = {}
         self._time, self._steps, self._env_steps = now, t.steps, t.env_steps
 
     def close(self) -> None:
-        self.progress.close()
-        self.logger.close()
-        if self.wandb_run:
-            self.wandb_run.close()
+        self.log.close()
