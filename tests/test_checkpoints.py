@@ -332,7 +332,12 @@ def test_a_paused_leader_does_not_write_stale_state_on_waking(tmp_path):
                     return rank
             return None
 
-        rank = wait_for(lambda: (leader(),) if leader() is not None else None, 60, "a leader")[0]
+        def leader_found() -> tuple[int] | None:
+            # One read: the newest checkpoint may change between two.
+            rank = leader()
+            return None if rank is None else (rank,)
+
+        rank = wait_for(leader_found, 60, "a leader")[0]
         other = 1 - rank
         stopped = peer_pid(r.pid, rank)
         os.kill(stopped, signal.SIGSTOP)
