@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import acc_trainer
-from helpers.util import DEADLINE, HELPERS, REPO, child_env, stop_process, wait_for
+from helpers.util import DEADLINE, HELPERS, REPO, child_env, freeze, stop_process, wait_for
 
 import moolib
 
@@ -508,7 +508,7 @@ def test_a_member_that_stops_calling_update_is_dropped_then_rejoins(cluster, how
     wait_all(trainers, step_at_least(5, members=4), "5 steps with 4 members")
     stuck, others = trainers[3], trainers[:3]
     if how == "sigstop":
-        stuck.proc.send_signal(signal.SIGSTOP)
+        freeze(stuck.proc.pid)
     else:
         stuck.send("pause")
         stuck.wait(lambda e: e["event"] == "paused", what="the loop paused")
@@ -614,7 +614,7 @@ def test_peers_that_trained_apart_are_reconciled_when_they_meet(cluster):
 
     def alone_one_step(t, other):
         since = len(t.events)
-        other.proc.send_signal(signal.SIGSTOP)
+        freeze(other.proc.pid)
         t.send("stop_at 6")
         step = t.wait(
             lambda e: e["event"] == "step" and e["members"] == 1, since=since, what="a step alone"
@@ -625,7 +625,7 @@ def test_peers_that_trained_apart_are_reconciled_when_they_meet(cluster):
     try:
         step_a = alone_one_step(a, b)
         # a stops before b wakes: b must not rejoin a in between.
-        a.proc.send_signal(signal.SIGSTOP)
+        freeze(a.proc.pid)
         b.proc.send_signal(signal.SIGCONT)
         step_b = alone_one_step(b, a)
     finally:

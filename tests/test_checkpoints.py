@@ -33,6 +33,7 @@ from helpers.run_util import (
     snapshot,
     wait_for,
 )
+from helpers.util import freeze
 from moolib.agents.runtime import checkpoint
 
 
@@ -340,7 +341,7 @@ def test_a_paused_leader_does_not_write_stale_state_on_waking(tmp_path):
         rank = wait_for(leader_found, 60, "a leader")[0]
         other = 1 - rank
         stopped = peer_pid(r.pid, rank)
-        os.kill(stopped, signal.SIGSTOP)
+        freeze(stopped)
         paused_at = disk_steps(latest)
         marks = {k: len(out()) for k, out in outputs.items()}
         # The other peer leads on alone and checkpoints further.

@@ -21,7 +21,7 @@ from helpers.group_util import (
     sync_peers,
     wait_members,
 )
-from helpers.util import DEADLINE, process_usage, wait_for
+from helpers.util import DEADLINE, freeze, process_usage, wait_for
 
 import moolib
 
@@ -176,7 +176,7 @@ def test_a_stopped_member_stays_until_the_group_timeout_then_leaves(peers, extra
     timeout = 8.0
     join([p0, p1, victim], "hung", timeout=timeout)
     before = wait_members([p0, p1, victim], "hung", {"gp0", "gp1", "hung"})
-    victim.proc.send_signal(signal.SIGSTOP)
+    freeze(victim.proc.pid)
     try:
         stopped = time.monotonic()
         # Well within the timeout, the stopped member is still listed.

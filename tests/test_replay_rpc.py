@@ -10,14 +10,13 @@ from __future__ import annotations
 import functools
 import gc
 import os
-import signal
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from helpers.util import HELPERS, PeerProcess, kill_process, stop_process, wait_for
+from helpers.util import HELPERS, PeerProcess, freeze, kill_process, stop_process, wait_for
 
 import moolib
 
@@ -274,7 +273,7 @@ def test_an_insert_in_flight_when_its_shard_dies_raises(tmp_path, make_rpc):
         assert (client.insert({"x": torch.ones(4)}) >> 56).eq(0).all()
         assert (client.insert({"x": torch.ones(4)}) >> 56).eq(1).all()
         # Stopped, the shard takes the next insert's request but never answers.
-        doomed.proc.send_signal(signal.SIGSTOP)
+        freeze(doomed.proc.pid)
         result = []
 
         def insert():

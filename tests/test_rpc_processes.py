@@ -18,6 +18,7 @@ from helpers.util import (
     assert_same,
     client_of,
     connections,
+    freeze,
     module_server,
     peer_entry,
     sample_payload,
@@ -243,7 +244,7 @@ def test_a_peer_slow_to_shake_hands_is_dialed_once(make_rpc, spawn_peer, hub):
     assert probe.sync(name, "name") == name  # the hub knows C
     a = make_rpc("slow-a-" + moolib.create_uid()[:6], transports=["tcp"], timeout=DEADLINE)
     a.connect(hub.address)
-    os.kill(c.pid, signal.SIGSTOP)
+    freeze(c.pid)
     try:
         future = a.async_(name, "name")
         time.sleep(3)

@@ -55,6 +55,28 @@ def stop_process(proc):
         return kill_process(proc)
 
 
+def freeze(pid: int) -> None:
+    """SIGSTOPs ``pid`` and returns once every thread of it is stopped.
+
+    The kernel stops each thread when it next runs, not when kill() returns: on a
+    loaded machine a process can still answer a request sent right after.
+    """
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    state = f.read().rpartition(")")[2].split()[0]
+            except FileNotFoundError:
+                continue  # a thread that exited
+            if state not in ("T", "t"):
+                return False
+        return True
+
+    wait_for(stopped, what=f"process {pid} stopped")
+
+
 def process_usage(pid: int) -> dict:
     """A process's open descriptors, threads and resident size (KiB), from /proc."""
     usage = {"fds": len(os.listdir(f"/proc/{pid}/fd"))}
