@@ -50,8 +50,12 @@ Changed only to match the shared work:
 - ``min_time_s_per_iteration=1`` (IMPALA's default 10) so that ``train()`` returns
   often enough for the runner to stop on time: it sets only how results are reported.
 
-CartPole (the ``--check`` task) runs these Atari settings too. The tuning sweep
-scales ``lr`` and ``train_batch_size_per_learner``.
+CartPole runs RLlib's tuned CartPole example where there is one:
+rllib/tuned_examples/appo/cartpole_appo.py for ``--algo appo`` (APPO's defaults but
+2 iterations of the circular buffer per batch, value coefficient 0.05, no entropy
+bonus, the default network of two 256-unit layers shared by policy and value);
+IMPALA has none on the new API stack, so it runs its Atari settings on a 64x64 MLP.
+The tuning sweep scales ``lr`` and ``train_batch_size_per_learner``.
 """
 
 from __future__ import annotations
@@ -100,6 +104,12 @@ TRAINING: dict[str, dict] = {
         "entropy_coeff": [[0, 0.02], [3_000_000, 0.0]],
     },
 }
+# rllib/tuned_examples/appo/cartpole_appo.py's ``.training`` (APPO's defaults else).
+CARTPOLE_APPO = {
+    "circular_buffer_iterations_per_batch": 2,
+    "vf_loss_coeff": 0.05,
+    "entropy_coeff": 0.0,
+}
 # The examples' aggregator actors per learner (pong_appo.py's ``.learners``).
 AGGREGATORS = {"appo": 2, "impala": 0}
 BATCH_KEY = "train_batch_size_per_learner"
@@ -131,7 +141,7 @@ def make(config: dict) -> gymnasium.Env:
     return env
 
 
-def model(task: str) -> DefaultModelConfig:
+def model(task: str, algo: str) -> DefaultModelConfig:
     """The shared network class for the task."""
     if task == "breakout":
         return DefaultModelConfig(
@@ -147,7 +157,18 @@ def model(task: str) -> DefaultModelConfig:
             head_fcnet_hiddens=[],
             vf_share_layers=True,
         )
+    if algo == "appo":  # cartpole_appo.py: the default network, shared
+        return DefaultModelConfig(vf_share_layers=True)
     return DefaultModelConfig(fcnet_hiddens=[64, 64], vf_share_layers=False)
+
+
+def training(task: str, algo: str) -> tuple[dict, dict]:
+    """The ``.training`` settings the runner gives, and RLlib's defaults of the keys the
+    sweep scales where the runner gives none."""
+    if task == "cartpole" and algo == "appo":
+        defaults = APPOConfig()
+        return CARTPOLE_APPO, {"lr": defaults.lr, BATCH_KEY: defaults.train_batch_size_per_learner}
+    return TRAINING[algo], {}
 
 
 def trained_per_sampled(result: dict) -> float | None:
@@ -197,11 +218,12 @@ def main() -> None:
             num_cpus_per_learner=threads,
             num_aggregator_actors_per_learner=aggregators,
         )
-        .rl_module(model_config=model(args.task))
+        .rl_module(model_config=model(args.task, args.algo))
         .reporting(min_time_s_per_iteration=1)
         .debugging(seed=args.seed)
     )
-    changed = common.tuned(TRAINING[args.algo], args, "lr", BATCH_KEY)
+    given, defaults = training(args.task, args.algo)
+    changed = common.tuned(given, args, "lr", BATCH_KEY, defaults)
     config = config.training(**changed)
     algo = config.build_algo()
     result: dict = {}

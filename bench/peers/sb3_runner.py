@@ -1,14 +1,19 @@
 """Stable-Baselines3 on one of bench/peers.py's tasks (run with SB3's own venv).
 
-PPO (or A2C) with ``SubprocVecEnv``, rl-baselines3-zoo's published settings for
-Atari (for Breakout and MinAtar) and for CartPole-v1; changed only to match the
+PPO (or A2C), rl-baselines3-zoo's published settings for Atari (for Breakout and
+MinAtar; A2C with its ``RMSpropTFLike`` optimizer, eps 1e-5) and for CartPole-v1,
+without the zoo's linear schedules of PPO's CartPole learning rate and clip (a run
+here has no planned length to decay over); the zoo's ``DummyVecEnv`` (every env
+in the learner's process) for the score, and ``SubprocVecEnv`` for the throughput
+from pixels, where SB3's docs advise it for envs that cost more to step than a
+process hop (Breakout's emulator and preprocessing). Changed only to match the
 shared work: the envs are bench/peers/common.py's (gymnasium's Atari
 preprocessing, as moolib's, instead of SB3's AtariWrapper, which adds episodic
 life, fire-on-reset and reward clipping on the env side), the network is the
 shallow IMPALA one (16 8x8/4, 32 4x4/2, 256 units) for Breakout and the MinAtar
 paper's (16 3x3/1, 128 units) for MinAtar, and torch's threads are the cores less
 the env processes. SubprocVecEnv runs one process per env (it cannot put several
-envs in one process), so ``--envs`` processes step the envs here.
+envs in one process), so ``--envs`` processes step the envs in the throughput.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import stable_baselines3
 import torch
 from stable_baselines3 import A2C, PPO
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.sb2_compat.rmsprop_tf_like import RMSpropTFLike
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
-from stable_baselines3.common.vec_env import SubprocVecEnv
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 from torch import nn
 
 ALGOS = ("ppo", "a2c")
@@ -102,7 +108,7 @@ def settings(task: str, algo: str) -> tuple[dict, dict]:
         )
     else:
         hp = dict(ent_coef=0.01, vf_coef=0.25)
-        policy["optimizer_class"] = torch.optim.RMSprop
+        policy["optimizer_class"] = RMSpropTFLike
         policy["optimizer_kwargs"] = dict(eps=1e-5)
     return hp, policy
 
@@ -112,7 +118,8 @@ def main() -> None:
     args = common.parse_args(ALGOS)
     meter = common.Meter(args)
     torch.set_num_threads(common.learner_threads(args.procs))
-    envs = SubprocVecEnv(
+    vec_env = SubprocVecEnv if args.mode == "throughput" else DummyVecEnv
+    envs = vec_env(
         [
             functools.partial(common.make_env, args.task, args.seed * 1000 + i)
             for i in range(args.envs)
@@ -140,7 +147,8 @@ def main() -> None:
         version=stable_baselines3.__version__,
         torch=torch.__version__,
         algo=args.algo.upper(),
-        env_processes=args.envs,
+        env_processes=args.envs if vec_env is SubprocVecEnv else 0,
+        vec_env=vec_env.__name__,
         settings=hp,
     )
 
