@@ -52,6 +52,7 @@ setup(
         "moolib.conf",
         "moolib.envs",
         "moolib.launch",
+        "moolib.launch.scaling",
     ],
     package_dir={
         "moolib.agents": "agents",

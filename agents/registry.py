@@ -246,6 +246,36 @@ class QConfig(AgentConfig):
             )
 
 
+@dataclass(frozen=True)
+class ProcessGroup:
+    """Processes of a run that do the same work, as a runtime lays them out: the
+    launchers start, restart, name and place them from this alone (``scaling=local``'s
+    one supervisor; ``scaling=slurm``'s jobs, one job array per group)."""
+
+    role: str  # what logs and jobs call one: peer, learner, actor
+    first_rank: int
+    count: int
+    # The scaling key that sets ``count`` (peers, actors); None: one, always.
+    key: str | None
+    # The run ends when these processes have ended (a learner); else when all have.
+    ends_run: bool
+    # After an unplanned end while the run goes on: "crashed" starts it again when it
+    # was killed by a signal or exited with 1 after running a while; "failed" when it
+    # exited with anything but 0; "never" does not.
+    restart: str
+    # Whether it trains on the run's device (gets the GPUs on SLURM); else CPUs only.
+    uses_device: bool
+
+    @property
+    def ranks(self) -> range:
+        """The ranks of the group's processes."""
+        return range(self.first_rank, self.first_rank + self.count)
+
+    def name_of(self, rank: int) -> str:
+        """``peer 2``, ``actor 0``; a group of one by design: its role (``learner``)."""
+        return self.role if self.key is None else f"{self.role} {rank - self.first_rank}"
+
+
 class Runtime:
     """What trains an agent's runs, and how a run's processes are laid out: the
     launcher starts, names and counts them by asking the agent's runtime, never by
@@ -257,18 +287,25 @@ class Runtime:
     # The scaling key that counts the run's processes: peers (alike, each acting and
     # learning) or actors (actor processes beside one learner, rank 0).
     processes: ClassVar[str]
+    # What the run's processes are, for messages: "peers", "actor processes beside its
+    # learner".
+    processes_described: ClassVar[str]
+    # Where its training logs are, for messages ({savedir} filled in).
+    training_logs: ClassVar[str]
 
     @classmethod
-    def has_learner(cls) -> bool:
-        """Whether rank 0 is a learner of its own and the other ranks its actors."""
-        return cls.processes == "actors"
+    def process_groups(cls, cfg: Any) -> tuple[ProcessGroup, ...]:
+        """The processes the run ``cfg`` (a ``RunConfig``) needs when they are processes
+        of their own (``scaling=local``, ``scaling=slurm``), rank 0 first."""
+        raise NotImplementedError
 
     @classmethod
-    def role(cls, rank: int) -> str:
+    def role(cls, cfg: Any, rank: int) -> str:
         """How logs and job names call process ``rank``: ``peer 2``, ``learner``, ``actor 0``."""
-        if not cls.has_learner():
-            return f"peer {rank}"
-        return "learner" if rank == 0 else f"actor {rank - 1}"
+        for group in cls.process_groups(cfg):
+            if rank in group.ranks:
+                return group.name_of(rank)
+        raise ValueError(f"the run has no process of rank {rank}")
 
     @classmethod
     def logdir(cls, savedir: Path, rank: int, cfg: Any) -> Path:

@@ -15,11 +15,13 @@ this machine) is here too, once: ``resolve_device``.
 from __future__ import annotations
 
 import dataclasses
-import shlex
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import importlib
+import importlib.util
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from moolib.config_checks import (
     ConfigError,
@@ -55,17 +57,6 @@ def resolve_device(value: object, *, cuda_here: bool = True) -> torch.device:
     if cuda_here and device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={value}: CUDA is not available on this machine")
     return device
-
-
-def check_peer_prefix(value: object) -> None:
-    """Raises ConfigError unless ``value`` (``scaling.peer_prefix``) is a string a shell
-    would split into words (quotes closed)."""
-    if not isinstance(value, str):
-        raise ConfigError(f"scaling.peer_prefix must be a string of words, got {value!r}")
-    try:
-        shlex.split(value)
-    except ValueError as e:
-        raise ConfigError(f"scaling.peer_prefix {value!r} cannot be split into words: {e}") from e
 
 
 def env_name_error(name: str, follows: str, key: str = "game") -> ConfigError:
@@ -152,11 +143,48 @@ class EnvConfig:
 @dataclass(frozen=True)
 class ScalingConfig:
     """``scaling=single`` (``conf/scaling/single.yaml``): one peer, in this process, with
-    an embedded broker. ``LocalScalingConfig`` and ``SlurmScalingConfig`` (both
-    ``ProcessScalingConfig``) add the keys of the other modes."""
+    an embedded broker. The other modes' settings subclass it (``ProcessScalingConfig``),
+    each in its mode's module of ``moolib.launch.scaling``; what a runtime or the
+    launcher needs to know of the mode it asks of the settings, never of the name."""
 
-    name: str  # the scaling mode: single, local or slurm
+    name: str  # the scaling mode: a module of moolib.launch.scaling (single, local, slurm)
     peers: int  # peer processes of an on-policy run, in all
+
+    # Whether the run's processes share this machine (its cores are split between its
+    # peers) and are reached on its loopback; a mode across machines says False.
+    on_this_machine: ClassVar[bool] = True
+
+    @property
+    def listen_address(self) -> str:
+        """Where a process of the run that serves others (a replay) listens."""
+        return "127.0.0.1:0" if self.on_this_machine else "0.0.0.0:0"
+
+    @property
+    def actor_processes(self) -> int:
+        """Actor processes beside an off-policy run's learner: none here (its actors are
+        threads of the learner's process)."""
+        return 0
+
+    @property
+    def follows_run(self) -> bool:
+        """Whether moolib-run trains (or follows the training) until the run ends, rather
+        than handing it to a scheduler and returning."""
+        return True
+
+    def broker_wait(self, run: RunConfig) -> tuple[float, str]:
+        """Seconds to wait for a given broker to answer, and the setting that says so."""
+        return float(run.group_timeout), "group_timeout"
+
+    def check(self, run: RunConfig) -> None:
+        """Raises ConfigError naming the first bad ``scaling`` key of ``run`` (``peers`` is
+        checked >= 1 before)."""
+        if self.peers != 1:
+            # The lone peer would take itself for one of several: a share of the cores,
+            # a peer<k>/ log.
+            raise ConfigError(
+                f"scaling.peers={self.peers} with scaling=single, which runs one peer: "
+                "scaling=local runs several on this machine, scaling=slurm on SLURM"
+            )
 
 
 @dataclass(frozen=True)
@@ -166,53 +194,77 @@ class ProcessScalingConfig(ScalingConfig):
     # Off-policy agents: actor processes beside the one learner (peers is not used).
     actors: int
 
-
-@dataclass(frozen=True)
-class LocalScalingConfig(ProcessScalingConfig):
-    """``scaling=local``: a broker and the peer processes on this machine."""
-
-    # Words put before each peer's command, {rank} replaced by its rank (e.g.
-    # "ip netns exec ns{rank}", "taskset -c {rank}"); "" for none. A savedir's
-    # config.yaml from before this key has none: "".
-    peer_prefix: str = field(default="", kw_only=True)
-
-
-@dataclass(frozen=True)
-class SlurmScalingConfig(ProcessScalingConfig):
-    """``scaling=slurm``: a broker job and the peer jobs (one array) on SLURM, through
-    submitit. The sbatch settings' null is the cluster's default."""
-
-    wait: bool  # follow the jobs until the peers end
-    partition: str | None
-    time: int  # minutes per job; a peer that reaches it is requeued
-    nodes: int
-    tasks_per_node: int  # one peer per task
-    cpus_per_task: int
-    gpus_per_task: int | None
-    mem: str | None  # e.g. 64G
-    constraint: str | None
-    account: str | None
-    qos: str | None
-    # Any other sbatch option (free-form), e.g. {exclude: "node[1-3]"}.
-    additional_parameters: Mapping[str, Any]
-    max_failures: int  # requeues of a job after its tasks failed
-    array_parallelism: int | None  # peer jobs running at once (None: all)
-    broker_cpus: int
-    broker_mem: str | None
-    broker_host: str | None  # the hostname peers reach the broker by (None: its node's)
-    broker_timeout: float  # seconds the launcher waits for the broker job to answer
-
     @property
-    def peers_per_job(self) -> int:
-        """Peers (actor processes, for an off-policy run) in one job of the array."""
-        return self.nodes * self.tasks_per_node
+    def actor_processes(self) -> int:
+        """``scaling.actors``: processes of their own."""
+        return self.actors
+
+    def check(self, run: RunConfig) -> None:
+        """The process count the run's runtime reads (``peers`` or ``actors``) >= 1."""
+        check_int_at_least(f"scaling.{run.processes}", getattr(self, run.processes))
 
 
-SCALINGS: dict[str, type[ScalingConfig]] = {
-    "single": ScalingConfig,
-    "local": LocalScalingConfig,
-    "slurm": SlurmScalingConfig,
-}
+# (cfg, config_path, stop) -> exit status; stop: moolib.launch.peer.StopSignal, an Event.
+StartFn = Callable[["RunConfig", Path, Any], int]
+
+
+@dataclass(frozen=True)
+class ScalingSpec:
+    """A registered scaling mode: what ``scaling=NAME`` runs.
+
+    ``config``: its settings' dataclass (``ScalingConfig`` or a subclass).
+    ``start(cfg, config_path, stop)``: trains the run (its config saved at
+    ``config_path``) in this mode, or hands it to a scheduler; returns the exit status.
+    ``check_machine(cfg)``: raises ConfigError when this machine cannot start the run
+    (before anything is made), or None."""
+
+    name: str
+    config: type[ScalingConfig]
+    start: StartFn
+    check_machine: Callable[[RunConfig], None] | None = None
+
+
+_SCALING_PACKAGE = "moolib.launch.scaling"
+_SCALINGS: dict[str, ScalingSpec] = {}
+
+
+def register_scaling(
+    name: str,
+    config: type[ScalingConfig],
+    *,
+    check_machine: Callable[[RunConfig], None] | None = None,
+) -> Callable[[StartFn], StartFn]:
+    """Decorator registering ``start`` as scaling mode ``name``, from the module of
+    ``moolib.launch.scaling`` of that name (``scaling_spec`` imports it to find it)."""
+
+    def register(start: StartFn) -> StartFn:
+        module = start.__module__.rpartition(".")[2]
+        if module != name:
+            raise ValueError(f"scaling mode {name!r} must be registered by a module of that name")
+        _SCALINGS[name] = ScalingSpec(name, config, start, check_machine)
+        return start
+
+    return register
+
+
+def scaling_names() -> list[str]:
+    """The scaling modes: the modules of ``moolib.launch.scaling``, sorted."""
+    spec = importlib.util.find_spec(_SCALING_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations))
+
+
+def scaling_spec(name: object) -> ScalingSpec:
+    """The scaling mode ``name`` (``scaling.name``); its module is imported on the first
+    call (the launcher is above this module: nothing here imports it by name). Raises
+    ConfigError naming the modes for any other value."""
+    check_choice("scaling.name", name, tuple(scaling_names()))
+    if name not in _SCALINGS:
+        importlib.import_module(f"{_SCALING_PACKAGE}.{name}")
+    if name not in _SCALINGS:
+        raise ValueError(f"{_SCALING_PACKAGE}.{name} registers no scaling mode {name!r}")
+    return _SCALINGS[str(name)]
 
 
 @dataclass(frozen=True)
@@ -233,7 +285,7 @@ class RunConfig:
 
     agent: AgentConfig  # the agent's typed settings (moolib.agents.registry)
     env: EnvConfig
-    scaling: ScalingConfig  # LocalScalingConfig or SlurmScalingConfig by scaling.name
+    scaling: ScalingConfig  # the settings' class of the mode scaling.name (scaling_spec)
     name: str  # the run's name (wandb runs are <name>-peer<rank>)
     group: str | None  # the experiment's group; None until launch.config.prepare sets it
     savedir: str | None  # where config, logs and checkpoints go; set by prepare
@@ -267,15 +319,14 @@ class RunConfig:
 
         agent = agent_config(values.get("agent"))  # type: ignore[arg-type]
         scaling = values.get("scaling")
-        name = scaling.get("name") if isinstance(scaling, Mapping) else None
-        check_choice("scaling.name", name, tuple(SCALINGS))
+        spec = scaling_spec(scaling.get("name") if isinstance(scaling, Mapping) else None)
         return build_config(
             cls,
             values,
             "",
             agent=lambda _: agent,
             env=lambda v: build_config(EnvConfig, v, "env"),
-            scaling=lambda v: build_config(SCALINGS[str(name)], v, "scaling"),
+            scaling=lambda v: build_config(spec.config, v, "scaling"),
             wandb=lambda v: build_config(WandbConfig, v, "wandb"),
         )
 
@@ -304,15 +355,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         for key in ("total_steps", "checkpoint_history"):
             check_int_at_least(key, getattr(self, key))
-        scaling = self.scaling
-        check_int_at_least("scaling.peers", scaling.peers)
-        if scaling.name == "single" and scaling.peers != 1:
-            # The lone peer would take itself for one of several: a share of the cores,
-            # a peer<k>/ log.
-            raise ConfigError(
-                f"scaling.peers={scaling.peers} with scaling=single, which runs one peer: "
-                "scaling=local runs several on this machine, scaling=slurm on SLURM"
-            )
+        check_int_at_least("scaling.peers", self.scaling.peers)
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ConfigError(f"seed must be null or an integer >= 0, got {seed!r}")
@@ -337,36 +380,12 @@ class RunConfig:
 
         check_choice("env.backend", self.env.backend, backend_names())
         check_choice("wandb.mode", self.wandb.mode, ("auto", "online", "offline", "disabled"))
-        if isinstance(scaling, ProcessScalingConfig):
-            check_int_at_least(f"scaling.{self.processes}", getattr(scaling, self.processes))
-        if isinstance(scaling, LocalScalingConfig):
-            check_peer_prefix(scaling.peer_prefix)
-        if isinstance(scaling, SlurmScalingConfig):
-            self._check_slurm(scaling)
+        self.scaling.check(self)
         if self.device != "auto":
-            # On SLURM the peers run on other nodes: this one (a login node) may have no GPU.
-            resolve_device(self.device, cuda_here=scaling.name != "slurm")
+            # Across machines (SLURM) the peers run on other nodes: this one (a login
+            # node) may have no GPU.
+            resolve_device(self.device, cuda_here=self.scaling.on_this_machine)
         self.env.check()
-
-    def _check_slurm(self, scaling: SlurmScalingConfig) -> None:
-        for key in ("time", "nodes", "tasks_per_node", "cpus_per_task", "broker_cpus"):
-            check_int_at_least(f"scaling.{key}", getattr(scaling, key))
-        # Off-policy runs spread their actor processes over the array's jobs (the
-        # learner has a job of its own); the others their peers.
-        what = self.processes
-        count = getattr(scaling, what)
-        if count % scaling.peers_per_job:
-            raise ConfigError(
-                f"scaling.{what} ({count}) must be a multiple of the {what} per job, "
-                f"scaling.nodes x scaling.tasks_per_node ({scaling.peers_per_job})"
-            )
-        check_flag("scaling.wait", scaling.wait)
-        if scaling.gpus_per_task is not None:
-            check_int_at_least("scaling.gpus_per_task", scaling.gpus_per_task, 0)
-        check_number("scaling.broker_timeout", scaling.broker_timeout, 1.0)
-        check_int_at_least("scaling.max_failures", scaling.max_failures, 0)
-        if scaling.array_parallelism is not None:
-            check_int_at_least("scaling.array_parallelism", scaling.array_parallelism)
 
 
 def save(cfg: RunConfig, savedir: Path) -> Path:

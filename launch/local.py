@@ -1,4 +1,5 @@
-"""``scaling=local``: a broker and N peer processes on this machine."""
+"""Runs on this machine: a broker and the run's processes (``scaling=local``), or its one
+peer in this process (``scaling=single``)."""
 
 from __future__ import annotations
 
@@ -132,66 +133,6 @@ def _start_peer(
         )
 
 
-def run_offpolicy(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
-    """An off-policy run on this machine: a learner process (rank 0, serving the replay)
-    and ``scaling.actors`` actor processes (ranks 1..). An actor that dies while the
-    learner runs (killed, crashed) is started again and rejoins; the run ends with the
-    learner. Returns the learner's exit status (0 when it finished cleanly)."""
-    from moolib.agents.registry import runtime_of
-
-    runtime = runtime_of(cfg)
-    broker = None if cfg.broker else EmbeddedBroker()
-    address = cfg.broker or broker.address
-    savedir = Path(cfg.savedir)
-    parent_r, parent_w = os.pipe()
-    actors: dict[int, subprocess.Popen] = {}
-    learner: subprocess.Popen | None = None
-    interrupted = False
-
-    def start_actor(index: int) -> subprocess.Popen:
-        logdir = runtime.logdir(savedir, index + 1, cfg)
-        logdir.mkdir(parents=True, exist_ok=True)
-        with open(logdir / "stdout.log", "ab") as out:
-            return _start_peer(config_path, index + 1, address, parent_r, out, prefix)
-
-    prefix = cfg.scaling.peer_prefix
-    try:
-        learner = _start_peer(config_path, 0, address, parent_r, prefix=prefix)
-        for index in range(cfg.scaling.actors):
-            actors[index] = start_actor(index)
-        signalled = False
-        while learner.poll() is None:
-            if stop.is_set() and not signalled:
-                for p in (learner, *actors.values()):
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGTERM)
-                signalled = True
-            if not signalled:
-                for index, p in list(actors.items()):
-                    code = p.poll()
-                    if code is not None and code != 0:
-                        print(
-                            f"moolib-run: actor {index} exited with code {code}; starting it again",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        actors[index] = start_actor(index)
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        interrupted = True
-        raise
-    finally:
-        os.close(parent_r)
-        stop_processes([p for p in (learner, *actors.values()) if p is not None], interrupted)
-        if broker:
-            broker.close()
-        os.close(parent_w)
-    code = learner.returncode if learner is not None else 1
-    if code:
-        print(f"moolib-run: the learner exited with code {code}", file=sys.stderr)
-    return 1 if code else 0
-
-
 def final_checkpoint_line(savedir: Path, peer_logs: dict[Path, int]) -> str | None:
     """The line in which a peer that logs to a file (``peer_logs``: each file and where
     this run's output in it starts) said that it wrote the savedir's checkpoint as it is
@@ -241,79 +182,97 @@ def restart_verdict(code: int, ran_for: float) -> str:
     return "exited with code 1; starting it again"
 
 
+def _verdict(policy: str, code: int, ran_for: float) -> str:
+    """``restart_verdict`` for a process of a group that restarts as ``policy`` says
+    (``ProcessGroup.restart``)."""
+    if policy == "crashed":
+        return restart_verdict(code, ran_for)
+    if policy == "failed" and code != 0:
+        return f"exited with code {code}; starting it again"
+    return ""
+
+
 def run(cfg: RunConfig, config_path: Path, stop: threading.Event) -> int:
-    """Starts the peers (and a broker unless ``cfg.broker`` names one); waits for
-    them. A peer killed by a signal or crashed (exit 1) while others still run is
-    started again and rejoins. ``stop`` (Ctrl-C/SIGTERM) is passed on to every peer. Returns 0 when
-    every peer finished cleanly."""
+    """Starts the run's processes as its runtime lays them out (``process_groups``) and
+    a broker unless ``cfg.broker`` names one; waits for them. One that ends while the
+    run goes on is started again as its group says (a crashed peer rejoins the group,
+    which hands it the leader's model; a failed actor rejoins its learner). ``stop``
+    (Ctrl-C/SIGTERM) is passed on to every process. The run ends with the processes
+    of a group that ends it (the learner), else with all. Returns 0 when those
+    finished cleanly."""
     from moolib.agents.registry import runtime_of
 
     runtime = runtime_of(cfg)
-    if runtime.has_learner():
-        return run_offpolicy(cfg, config_path, stop)
+    groups = runtime.process_groups(cfg)
+    group_of = {rank: g for g in groups for rank in g.ranks}
+    enders = [rank for rank, g in group_of.items() if g.ends_run] or list(group_of)
     broker = None if cfg.broker else EmbeddedBroker()
     address = cfg.broker or broker.address
     savedir = Path(cfg.savedir)
-    # Peer 0 prints the start banner (broker, peers, savedir, device) on this terminal.
-    procs: list[subprocess.Popen] = []
-    # Each peer holds the read end of this pipe and stops when it closes: when
-    # this process ends, however (kill -9 included), no peer acts on alone.
+    procs: dict[int, subprocess.Popen] = {}
+    # Each process holds the read end of this pipe and stops when it closes: when
+    # this process ends, however (kill -9 included), none acts on alone.
     parent_r, parent_w = os.pipe()
     interrupted = False
-    # Where each peer logging to a file (not this terminal) starts writing in it.
+    # Where each process logging to a file (not this terminal) starts writing in it.
     peer_logs: dict[Path, int] = {}
 
     def start(rank: int) -> subprocess.Popen:
         logdir = runtime.logdir(savedir, rank, cfg)
         logdir.mkdir(parents=True, exist_ok=True)
         if rank == 0:
-            # Peer 0 draws the progress line here; the others log to files.
+            # Rank 0 draws the progress line here; the others log to files.
             return _start_peer(config_path, rank, address, parent_r, None, prefix)
         with open(logdir / "stdout.log", "ab") as out:
             peer_logs.setdefault(logdir / "stdout.log", out.tell())
             return _start_peer(config_path, rank, address, parent_r, out, prefix)
 
+    def ended() -> bool:
+        return all(procs[rank].poll() is not None for rank in enders)
+
     prefix = cfg.scaling.peer_prefix
     started: dict[int, float] = {}
-    given_up: set[int] = set()
+    settled: set[int] = set()  # ended, and not to be started again
     try:
-        for rank in range(cfg.scaling.peers):
-            procs.append(start(rank))
+        for rank in group_of:
+            procs[rank] = start(rank)
             started[rank] = time.monotonic()
         signalled = False
-        while any(p.poll() is None for p in procs):
+        while not ended():
             if stop.is_set() and not signalled:
-                for p in procs:
+                for p in procs.values():
                     if p.poll() is None:
                         p.send_signal(signal.SIGTERM)
                 signalled = True
             if not signalled:
-                for rank, p in enumerate(procs):
+                for rank, p in procs.items():
                     code = p.poll()
-                    if code is None or rank in given_up or all(q.poll() is not None for q in procs):
+                    if code is None or rank in settled:
                         continue
-                    verdict = restart_verdict(code, time.monotonic() - started[rank])
+                    ran_for = time.monotonic() - started[rank]
+                    verdict = _verdict(group_of[rank].restart, code, ran_for)
                     if verdict:
-                        print(f"moolib-run: peer {rank} {verdict}", file=sys.stderr, flush=True)
+                        who = runtime.role(cfg, rank)
+                        print(f"moolib-run: {who} {verdict}", file=sys.stderr, flush=True)
                     if verdict.endswith("starting it again"):
                         procs[rank] = start(rank)
                         started[rank] = time.monotonic()
-                    elif verdict:
-                        given_up.add(rank)
+                    else:
+                        settled.add(rank)
             time.sleep(0.1)
     except KeyboardInterrupt:
         interrupted = True
         raise
     finally:
         os.close(parent_r)
-        stop_processes(procs, interrupted)
+        stop_processes(list(procs.values()), interrupted)
         if broker:
             broker.close()
         os.close(parent_w)
     line = final_checkpoint_line(savedir, peer_logs)
     if line:
         print(line, flush=True)
-    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
+    failed = [(rank, procs[rank].returncode) for rank in enders if procs[rank].returncode]
     for rank, code in failed:
-        print(f"moolib-run: peer {rank} exited with code {code}", file=sys.stderr)
+        print(f"moolib-run: {runtime.role(cfg, rank)} exited with code {code}", file=sys.stderr)
     return 1 if failed else 0

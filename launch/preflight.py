@@ -21,12 +21,8 @@ pre-flight only decides whether the run may start.
 from __future__ import annotations
 
 import difflib
-import functools
 import json
-import os
 import re
-import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +33,7 @@ from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException, MissingConfigException
-from moolib.agents.run_config import SlurmScalingConfig
+from moolib.agents.run_config import scaling_spec
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
@@ -300,17 +296,21 @@ def unused_scaling_keys(job: Job, cfg: RunConfig) -> list[str]:
     from moolib.agents.registry import agent_names, runtime_of, runtime_of_agent
 
     runtime = runtime_of(cfg)
-    offpolicy = runtime.has_learner()
-    unused, used = ("peers", "actors") if offpolicy else ("actors", "peers")
+    used = runtime.processes
     given = {o.key_or_group for o in parse_overrides(job.lines)}
-    if f"scaling.{unused}" not in given or not hasattr(cfg.scaling, used):
+    if not hasattr(cfg.scaling, used):
         return []
-    runs = "actor processes beside its learner" if offpolicy else "peers"
-    readers = " and ".join(n for n in agent_names() if runtime_of_agent(n).processes == unused)
-    return [
-        f"scaling.{unused} is not used by agent={cfg.agent.name}, which runs "
-        f"scaling.{used}={getattr(cfg.scaling, used)} {runs} (scaling.{unused} is for {readers})"
-    ]
+    said = []
+    for unused in sorted({runtime_of_agent(n).processes for n in agent_names()} - {used}):
+        if f"scaling.{unused}" not in given:
+            continue
+        readers = " and ".join(n for n in agent_names() if runtime_of_agent(n).processes == unused)
+        said.append(
+            f"scaling.{unused} is not used by agent={cfg.agent.name}, which runs "
+            f"scaling.{used}={getattr(cfg.scaling, used)} {runtime.processes_described} "
+            f"(scaling.{unused} is for {readers})"
+        )
+    return said
 
 
 def replay_warmup_notes(job: Job, cfg: RunConfig) -> list[str]:
@@ -435,13 +435,10 @@ def check_broker(cfg: RunConfig) -> None:
         return
     from .local import check_broker as probe
 
-    scaling = cfg.scaling
-    slurm = isinstance(scaling, SlurmScalingConfig)
-    timeout = float(scaling.broker_timeout if slurm else cfg.group_timeout)
+    timeout, which = cfg.scaling.broker_wait(cfg)
     try:
         probe(str(address), timeout)
     except TimeoutError as e:
-        which = "scaling.broker_timeout" if slurm else "group_timeout"
         raise ConfigError(
             f"broker={address}: no broker answered there within {timeout:g} s ({which}); start "
             "one there (moolib-broker HOST:PORT) or leave broker unset to start one with the run"
@@ -508,64 +505,14 @@ def check_extras(cfg: RunConfig) -> None:
             raise ConfigError(str(e)) from e
 
 
-# The SLURM commands a launch needs first: submitit's executor refuses to start without
-# srun, and sbatch submits the jobs.
-SLURM_COMMANDS = ("sbatch", "srun")
-
-
-# How long SLURM's controller may take to answer ``sinfo`` (a busy one is slow).
-SLURM_ANSWER_SECONDS = 30.0
-
-
-@functools.cache
-def _sinfo_failure(slurm_conf: str | None) -> str | None:
-    """Why ``sinfo`` failed here with ``SLURM_CONF`` as given (its last line), or None
-    when it answered or is not installed; asked once for all the points of a sweep."""
-    if shutil.which("sinfo") is None:
-        return None
-    try:
-        answer = subprocess.run(
-            ["sinfo", "--noheader", "--format=%P"],
-            capture_output=True,
-            text=True,
-            timeout=SLURM_ANSWER_SECONDS,
-        )
-    except subprocess.TimeoutExpired:
-        return f"no answer in {SLURM_ANSWER_SECONDS:.0f} s"
-    if answer.returncode == 0:
-        return None
-    lines = (answer.stderr or answer.stdout).strip().splitlines()
-    return lines[-1] if lines else f"exit {answer.returncode}"
-
-
-def check_slurm(cfg: RunConfig) -> None:
-    """With ``scaling=slurm``: SLURM's commands are on this machine's PATH, and its
-    controller answers (``sinfo``, where installed): SLURM's client packages without a
-    cluster configured would otherwise fail in sbatch, after the savedir is made."""
-    if not isinstance(cfg.scaling, SlurmScalingConfig):
-        return
-    missing = [name for name in SLURM_COMMANDS if shutil.which(name) is None]
-    if missing:
-        raise ConfigError(
-            f"scaling=slurm: no SLURM on this machine ({' and '.join(missing)} not found on "
-            "PATH); launch from a machine of the cluster (a login node), or train here with "
-            "scaling=single or scaling=local"
-        )
-    said = _sinfo_failure(os.environ.get("SLURM_CONF"))
-    if said is not None:
-        raise ConfigError(
-            f"scaling=slurm: SLURM does not answer on this machine (sinfo: {said}); check "
-            "that its controller runs and SLURM_CONF or /etc/slurm names it, or train here "
-            "with scaling=single or scaling=local"
-        )
-
-
 def check_can_start(job: Job, cfg: RunConfig) -> None:
     """The checks that look at the machine around the run of ``cfg`` (the job's checked
     config): the packages it needs, SLURM's commands (``scaling=slurm``), its savedir
     (writable, no other run in it), its broker."""
     check_extras(cfg)
-    check_slurm(cfg)
+    check_machine = scaling_spec(cfg.scaling.name).check_machine
+    if check_machine is not None:
+        check_machine(cfg)
     check_savedir(job.savedir)
     savedir_lock.check_free(job.savedir)
     check_broker(cfg)

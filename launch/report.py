@@ -158,7 +158,6 @@ def _print_summary(started: float, exit_code: int) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from moolib.agents import run_config
-    from moolib.agents.run_config import SlurmScalingConfig
 
     hydra_cfg = HydraConfig.get()
     savedir = Path(hydra_cfg.runtime.output_dir)
@@ -168,7 +167,7 @@ def _print_summary(started: float, exit_code: int) -> None:
         return
     # A run that did not train now (a config error, a finished run, SLURM jobs just
     # submitted) has nothing to sum up.
-    if isinstance(cfg.scaling, SlurmScalingConfig) and not cfg.scaling.wait:
+    if not cfg.scaling.follows_run:
         return
     if not _logs_written_since(savedir, started):
         return

@@ -27,11 +27,12 @@ from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from moolib.agents.run_config import scaling_spec
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import config as config_lib
-from . import local, output, preflight, report, savedir_lock
+from . import output, preflight, report, savedir_lock
 from . import resume as resume_lib
 from .config import ConfigError, RunConfig
 from .peer import stop_on_signals
@@ -126,27 +127,7 @@ def _start(job: preflight.Job, final: RunConfig, savedir: Path) -> int:
     stop = stop_on_signals()
     if _interrupted:
         raise KeyboardInterrupt
-    mode = final.scaling.name
-    code = 0
-    if mode == "local":
-        code = local.run(final, config_path, stop)
-    elif mode == "slurm":
-        from . import slurm  # submitit is only needed here
-
-        try:
-            launched = slurm.launch(final, config_path, stop)
-        except (RuntimeError, TimeoutError) as e:
-            if stop.is_set():
-                print(f"moolib-run: {e}", file=sys.stderr)
-                sys.exit(stop.exit_code)
-            print(f"moolib-run: error: {e}", file=sys.stderr)
-            sys.exit(1)
-        if final.scaling.wait:
-            code = slurm.follow(launched, stop)
-    elif mode == "single":
-        local.run_single(final, stop)
-    else:
-        _fail(f"scaling.name {mode!r} is not one of single, local, slurm")
+    code = scaling_spec(final.scaling.name).start(final, config_path, stop)
     if stop.is_set():
         # Stopped before total_steps (after its last checkpoint, or by cancelling
         # SLURM jobs): say so in the exit status, and end a sweep here rather than

@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import Any
 
 import submitit
-from moolib.agents.run_config import RunConfig, SlurmScalingConfig
+from moolib.agents.registry import ProcessGroup
+from moolib.agents.run_config import RunConfig
 
 from .jobs import ACTIVE_STATES, cancel_jobs, job_states, raise_if_stuck
 from .local import check_broker
@@ -86,9 +87,9 @@ def _requeue_on_failure(executor: submitit.SlurmExecutor, folder: Path, max_fail
     )
 
 
-def _scaling(cfg: RunConfig) -> SlurmScalingConfig:
-    """The run's SLURM settings (a run comes here with scaling=slurm)."""
-    assert isinstance(cfg.scaling, SlurmScalingConfig), cfg.scaling
+def _scaling(cfg: RunConfig) -> Any:
+    """The run's SLURM settings (``moolib.launch.scaling.slurm.SlurmScalingConfig``: a
+    run comes here with scaling=slurm)."""
     return cfg.scaling
 
 
@@ -237,8 +238,9 @@ def _submit_all(
 ) -> Launched:
     from moolib.agents.registry import runtime_of
 
-    # A learner with actor processes (off-policy) or alike peers: jobs laid out to match.
-    offpolicy = runtime_of(cfg).has_learner()
+    # The jobs are laid out as the runtime lays out the run's processes.
+    runtime = runtime_of(cfg)
+    groups = runtime.process_groups(cfg)
     savedir = Path(cfg.savedir).resolve()
     folder = savedir / SLURM_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -270,8 +272,9 @@ def _submit_all(
             gpus_per_task=None,
             **({"mem": s.broker_mem} if s.broker_mem else {}),
         )
-        # The broker serves until every peer finished; an off-policy run's until its learner did.
-        finishers = 1 if offpolicy else int(s.peers)
+        # The broker serves until every process that ends the run finished (a learner),
+        # else until all did.
+        finishers = sum(g.count for g in groups if g.ends_run) or sum(g.count for g in groups)
         broker_job = _submit(
             "broker job",
             executor.submit,
@@ -293,41 +296,21 @@ def _submit_all(
     said = f"moolib-run: broker at {address}" + (
         f" (job {broker_job.job_id})" if broker_job else ""
     )
-    if offpolicy:
-        # One learner (rank 0: it serves the replay) in a job of its own, with the
-        # GPU; the actor processes (ranks 1..) in the array, on CPUs.
-        learner_executor = _executor(cfg, folder)
-        learner_executor.update_parameters(
-            job_name=f"{cfg.name}-learner", nodes=1, ntasks_per_node=1
-        )
-        learner = _submit(
-            "learner job",
-            learner_executor.submit,
-            PeerJob(),
-            str(config_path),
-            0,
-            token,
-            broker_arg,
-        )
-        submitted.append(learner)
-        entry["learner"] = {"job_id": learner.job_id}
-        record_jobs(savedir, entry)
-        jobs = _submit_array(
-            cfg, folder, config_path, token, broker_arg, "actors", gpus_per_task=None
-        )
-        submitted.extend(jobs)
-        entry["actors"] = _array_entry(jobs, per_job, "actors")
-        said += f"; learner job {learner.job_id}; " + _describe_array(jobs, per_job, "actor")
-        logs = f"{savedir}/logs.tsv (the learner's); actors' output in the SLURM logs"
-        jobs = [learner, *jobs]
-    else:
-        jobs = _submit_array(cfg, folder, config_path, token, broker_arg, "peers")
-        submitted.extend(jobs)
-        entry["peers"] = _array_entry(jobs, per_job, "peers")
-        said += "; " + _describe_array(jobs, per_job, "peer")
-        logs = f"{savedir}/peer<rank>/logs.tsv"
+    jobs: list[submitit.Job] = []
+    for group in groups:
+        submitted_now = _submit_group(cfg, folder, config_path, token, broker_arg, group, groups)
+        submitted.extend(submitted_now)
+        jobs.extend(submitted_now)
+        if group.key is None:  # a process of its own: one job
+            entry[group.role] = {"job_id": submitted_now[0].job_id}
+            said += f"; {group.role} job {submitted_now[0].job_id}"
+            record_jobs(savedir, entry)
+        else:
+            entry[group.key] = _array_entry(submitted_now, per_job, group.key)
+            said += "; " + _describe_array(submitted_now, per_job, group.role)
+    logs = runtime.training_logs.format(savedir=savedir)
     record_jobs(savedir, entry)
-    _check_not_stuck(jobs, "learner or actor job" if offpolicy else "peer job")
+    _check_not_stuck(jobs, " or ".join(f"{g.role} job" for g in groups))
     print(
         f"{said}\n"
         f"moolib-run: savedir {savedir} (must be on a shared filesystem, mounted at this path "
@@ -340,37 +323,49 @@ def _submit_all(
     return Launched(jobs, broker_job)
 
 
-def _submit_array(
+def _submit_group(
     cfg: RunConfig,
     folder: Path,
     config_path: Path,
     token: str,
     broker: str | None,
-    what: str,
-    **params: Any,
+    group: ProcessGroup,
+    groups: tuple[ProcessGroup, ...],
 ) -> list[submitit.Job]:
-    """Submits ``scaling.<what>`` peers (``peers``, or an off-policy run's ``actors``,
-    ranks 1..) as one job array, ``scaling.peers_per_job`` of them per job."""
+    """Submits the processes of ``group``: one of its own (``key`` None: a learner) as a
+    job of one task, a counted group as one job array of ``scaling.peers_per_job``
+    processes per job. A group that does not use the run's device gets no GPU. Jobs
+    are named for the run, and for their role when the run has several groups."""
     s = _scaling(cfg)
-    count = getattr(s, what)
     executor = _executor(cfg, folder)
+    name = cfg.name if len(groups) == 1 else f"{cfg.name}-{group.role}"
+    gpus = {} if group.uses_device else {"gpus_per_task": None}
+    if group.key is None:
+        executor.update_parameters(job_name=name, nodes=1, ntasks_per_node=1, **gpus)
+        job = _submit(
+            f"{group.role} job",
+            executor.submit,
+            PeerJob(),
+            str(config_path),
+            0,
+            token,
+            broker,
+            group.first_rank,
+        )
+        return [job]
     executor.update_parameters(
-        job_name=cfg.name if what == "peers" else f"{cfg.name}-actor",
-        array_parallelism=int(s.array_parallelism or count),
-        **params,
+        job_name=name, array_parallelism=int(s.array_parallelism or group.count), **gpus
     )
-    indices = list(range(count // s.peers_per_job))
-    first_rank = 0 if what == "peers" else 1
-    n = len(indices)
+    n = group.count // s.peers_per_job
     return _submit(
-        f"{what} job array ({n} jobs)",
+        f"{group.key} job array ({n} jobs)",
         executor.map_array,
         PeerJob(),
         [str(config_path)] * n,
-        indices,
+        list(range(n)),
         [token] * n,
         [broker] * n,
-        [first_rank] * n,
+        [group.first_rank] * n,
     )
 
 

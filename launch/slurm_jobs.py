@@ -156,7 +156,7 @@ class PeerJob(_RequeueableJob):
         rank = first_rank + index * env.num_tasks + env.global_rank
         from moolib.agents.registry import runtime_of
 
-        who = runtime_of(cfg).role(rank)  # named as moolib-jobs names their jobs
+        who = runtime_of(cfg).role(cfg, rank)  # named as moolib-jobs names their jobs
         logging.basicConfig(level=logging.INFO, format=f"[{who}] %(message)s")
         savedir = Path(cfg.savedir)
         use_auth_key(savedir, launch)

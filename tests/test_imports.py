@@ -48,6 +48,13 @@ ALLOWED = {
         "moolib.agents.nets",
         "moolib.agents.runtime",
     },
+    # The scaling modes, one module each, on the launcher they start runs with.
+    "moolib.launch.scaling": {
+        "moolib",
+        "moolib.envs",
+        "moolib.agents",
+        "moolib.launch",
+    },
 }
 
 

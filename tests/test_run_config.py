@@ -13,16 +13,11 @@ import pytest
 import yaml
 from moolib.agents import run_config
 from moolib.agents.registry import AgentConfig
-from moolib.agents.run_config import (
-    EnvConfig,
-    LocalScalingConfig,
-    RunConfig,
-    ScalingConfig,
-    SlurmScalingConfig,
-    WandbConfig,
-)
+from moolib.agents.run_config import EnvConfig, RunConfig, ScalingConfig, WandbConfig
 from moolib.launch import config as config_lib
 from moolib.launch.config import ConfigError
+from moolib.launch.scaling.local import LocalScalingConfig
+from moolib.launch.scaling.slurm import SlurmScalingConfig
 
 CASES = [
     ("agent=vtrace", "env=breakout", "scaling=single"),

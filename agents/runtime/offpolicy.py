@@ -52,8 +52,8 @@ from moolib._cpus import task_cores
 from .. import run_config
 from ..math.apex import epsilon_schedule
 from ..math.offpolicy import epsilon_greedy, importance_weights
-from ..registry import QConfig, Runtime, get_agent, register_runtime
-from ..run_config import ProcessScalingConfig, RunConfig
+from ..registry import ProcessGroup, QConfig, Runtime, get_agent, register_runtime
+from ..run_config import RunConfig
 from . import checkpoint
 from .base import (
     GroupLostError,
@@ -117,9 +117,7 @@ def learner_name(group: str) -> str:
 def num_actor_processes(cfg: RunConfig) -> int:
     """Actor processes of the run: ``scaling.actors`` beside the learner, or none when the
     actors are threads of the learner's process (``scaling=single``)."""
-    if not isinstance(cfg.scaling, ProcessScalingConfig):
-        return 0
-    return cfg.scaling.actors
+    return cfg.scaling.actor_processes
 
 
 def _typed(cfg: RunConfig) -> QConfig:
@@ -500,8 +498,7 @@ class Learner(Runner):
         self.reports = _Reports()
         self.rpc = moolib.Rpc()
         self.rpc.set_name(learner_name(str(cfg.group)))
-        listen = "0.0.0.0:0" if cfg.scaling.name == "slurm" else "127.0.0.1:0"
-        self.rpc.listen(listen)
+        self.rpc.listen(cfg.scaling.listen_address)
         self.rpc.connect(peer.broker)
         self.replay.serve(self.rpc, "replay")
         self.publisher = moolib.Publisher(self.rpc, "weights")
@@ -793,6 +790,16 @@ class OffPolicyRuntime(Runtime):
 
     name = "offpolicy"
     processes = "actors"
+    processes_described = "actor processes beside its learner"
+    training_logs = "{savedir}/logs.tsv (the learner's); actors' output in the SLURM logs"
+
+    @classmethod
+    def process_groups(cls, cfg: RunConfig) -> tuple[ProcessGroup, ...]:
+        """The learner (rank 0: the run ends with it, on the run's device) and
+        ``scaling.actors`` actor processes on CPUs, each started again whenever it fails."""
+        learner = ProcessGroup("learner", 0, 1, None, True, "never", True)
+        actors = ProcessGroup("actor", 1, cfg.scaling.actors, "actors", False, "failed", False)
+        return (learner, actors)
 
     @classmethod
     def logdir(cls, savedir: Path, rank: int, cfg: RunConfig) -> Path:

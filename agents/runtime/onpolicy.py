@@ -42,7 +42,7 @@ import moolib
 from moolib._cpus import task_cores
 
 from ..nets.models import resolve_network
-from ..registry import Runtime, register_runtime
+from ..registry import ProcessGroup, Runtime, register_runtime
 from ..run_config import RunConfig
 from .base import (
     LostContact,
@@ -101,7 +101,7 @@ def torch_threads(cfg: RunConfig) -> int:
     if cfg.torch_threads != "auto":
         return int(cfg.torch_threads)
     cores = task_cores()
-    if cfg.scaling.name == "local":  # the peers share this machine
+    if cfg.scaling.on_this_machine:  # the peers share its cores
         cores //= max(1, cfg.scaling.peers)
     return max(1, cores - cfg.agent.num_actor_cpus)
 
@@ -152,6 +152,14 @@ class OnPolicyRuntime(Runtime):
 
     name = "onpolicy"
     processes = "peers"
+    processes_described = "peers"
+    training_logs = "{savedir}/peer<rank>/logs.tsv"
+
+    @classmethod
+    def process_groups(cls, cfg: RunConfig) -> tuple[ProcessGroup, ...]:
+        """``scaling.peers`` alike peers; one that crashes is started again and rejoins."""
+        peers = ProcessGroup("peer", 0, cfg.scaling.peers, "peers", False, "crashed", True)
+        return (peers,)
 
     @classmethod
     def logdir(cls, savedir: Path, rank: int, cfg: RunConfig) -> Path:
