@@ -50,6 +50,7 @@ setup(
         "moolib.agents.nets",
         "moolib.agents.runtime",
         "moolib.conf",
+        "moolib.conf.schema",
         "moolib.envs",
         "moolib.launch",
         "moolib.launch.scaling",

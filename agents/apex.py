@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from moolib.conf.checks import ConfigError
 from torch import nn
-
-from moolib.config_checks import ConfigError
 
 from .math import apex as apex_math
 from .math.offpolicy import epsilon_greedy, n_step_transitions

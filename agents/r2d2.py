@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from moolib.conf.checks import ConfigError
 from torch import nn
-
-from moolib.config_checks import ConfigError
 
 from .math import r2d2 as r2d2_math
 from .math.offpolicy import epsilon_greedy

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from moolib.config_checks import (
+from moolib.conf.checks import (
     ConfigError,
     build_config,
     check_choice,
@@ -441,14 +441,14 @@ def runtime_of_agent(name: str) -> type[Runtime]:
 
 def runtime_of(cfg: Any) -> type[Runtime]:
     """The runtime that trains the run ``cfg`` (a ``RunConfig``: this module is below
-    ``moolib.agents.run_config``, which imports it) describes."""
+    ``moolib.conf.schema.run_config``, which imports it) describes."""
     return runtime_of_agent(cfg.agent.name)
 
 
 def agent_config(values: Mapping[str, Any]) -> AgentConfig:
     """The typed, checked settings of the agent that ``values`` (a run config's ``agent``
     keys, as plain Python) describe; the ``agent`` of a ``RunConfig``
-    (``moolib.agents.run_config``), which builds it. Raises ConfigError naming the key,
+    (``moolib.conf.schema.run_config``), which builds it. Raises ConfigError naming the key,
     and for settings that are not a mapping."""
     if not isinstance(values, Mapping):
         raise ConfigError(f"agent must be a mapping of settings, got {values!r}")

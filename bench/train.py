@@ -80,7 +80,7 @@ from pathlib import Path
 import torch
 from moolib.agents import vtrace
 from moolib.agents.nets.models import create_model
-from moolib.agents.run_config import RunConfig
+from moolib.conf.schema.run_config import RunConfig
 
 ORIGINAL_MOOLIB_VTRACE_BREAKOUT_CPU_SPS = 63.0
 

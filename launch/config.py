@@ -1,6 +1,6 @@
 """Checks a composed moolib-run config and fills in what is decided at launch.
 
-Hydra already refuses unknown keys; the typed config (``moolib.agents.run_config``)
+Hydra already refuses unknown keys; the typed config (``moolib.conf.schema.run_config``)
 catches values of the wrong type or out of range, naming the key, before any
 process starts. What comes out of here is a ``RunConfig``: the rest of the run
 never sees the DictConfig.
@@ -13,10 +13,9 @@ import datetime
 import secrets
 from pathlib import Path
 
-from moolib.agents.run_config import CONFIG_FILE, RunConfig, env_name_error, load, save
+from moolib.conf.checks import ConfigError, check_flag, check_int_at_least, one_line
+from moolib.conf.schema.run_config import CONFIG_FILE, RunConfig, env_name_error, load, save
 from omegaconf import DictConfig, OmegaConf
-
-from moolib.config_checks import ConfigError, check_flag, check_int_at_least, one_line
 
 # Importable from here too (moolib.launch.config.ConfigError, ...), where they lived first.
 __all__ = [

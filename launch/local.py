@@ -20,7 +20,7 @@ from moolib import _signals
 from .peer import train
 
 if TYPE_CHECKING:
-    from moolib.agents.run_config import RunConfig
+    from moolib.conf.schema.run_config import RunConfig
 
 
 class EmbeddedBroker:

@@ -26,7 +26,7 @@ from . import config as config_lib
 from . import output
 
 if TYPE_CHECKING:
-    from moolib.agents.run_config import RunConfig
+    from moolib.conf.schema.run_config import RunConfig
 
 # Seconds a peer whose launcher is gone has to finish its step and checkpoint.
 ORPHAN_GRACE = 20.0

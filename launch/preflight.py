@@ -33,7 +33,7 @@ from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException, MissingConfigException
-from moolib.agents.run_config import scaling_spec
+from moolib.conf.schema.scaling import scaling_spec
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 

@@ -157,7 +157,7 @@ def _logs_written_since(savedir: Path, started: float) -> bool:
 def _print_summary(started: float, exit_code: int) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from moolib.agents import run_config
+    from moolib.conf.schema import run_config
 
     hydra_cfg = HydraConfig.get()
     savedir = Path(hydra_cfg.runtime.output_dir)

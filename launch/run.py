@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from moolib.agents.run_config import scaling_spec
+from moolib.conf.schema.scaling import scaling_spec
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 

@@ -56,7 +56,7 @@ from typing import Any
 
 import submitit
 from moolib.agents.registry import ProcessGroup
-from moolib.agents.run_config import RunConfig
+from moolib.conf.schema.run_config import RunConfig
 
 from .jobs import ACTIVE_STATES, cancel_jobs, job_states, raise_if_stuck
 from .local import check_broker

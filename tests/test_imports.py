@@ -17,13 +17,17 @@ from pathlib import Path
 
 # Package -> the packages its modules may import. The core library knows nothing
 # of the toolkit; envs build on the core; agents train on envs; launch runs
-# agents. conf is the Hydra config (data) and its helpers, which read the env
-# suites to register their games; only launch reads it. Inside agents: the
-# networks, then the math, then the agents and their registry, then the runtimes.
+# agents. conf is the Hydra config (data), its helpers, which read the env suites
+# to register their games, and the checks of settings the agents use; conf.schema,
+# the run's typed settings, sits above the agents (it holds theirs) and below the
+# runtimes (they read it). Inside agents: the networks, then the math, then the
+# agents and their registry, then the runtimes.
 ALLOWED = {
     "moolib": set(),
     "moolib.envs": {"moolib"},
     "moolib.conf": {"moolib", "moolib.envs"},
+    # The run's typed settings: above the agents, whose settings they hold.
+    "moolib.conf.schema": {"moolib", "moolib.envs", "moolib.conf", "moolib.agents"},
     "moolib.agents.nets": set(),
     "moolib.agents.math": {"moolib.agents.nets"},
     "moolib.agents": {
@@ -32,10 +36,13 @@ ALLOWED = {
         "moolib.agents.math",
         "moolib.agents.nets",
         "moolib.agents.runtime",  # offpolicy_run alone (test_no_agent_imports_a_runtime)
+        "moolib.conf",
     },
     "moolib.agents.runtime": {
         "moolib",
         "moolib.envs",
+        "moolib.conf",
+        "moolib.conf.schema",
         "moolib.agents",
         "moolib.agents.math",
         "moolib.agents.nets",
@@ -44,6 +51,7 @@ ALLOWED = {
         "moolib",
         "moolib.envs",
         "moolib.conf",
+        "moolib.conf.schema",
         "moolib.agents",
         "moolib.agents.nets",
         "moolib.agents.runtime",
@@ -52,6 +60,8 @@ ALLOWED = {
     "moolib.launch.scaling": {
         "moolib",
         "moolib.envs",
+        "moolib.conf",
+        "moolib.conf.schema",
         "moolib.agents",
         "moolib.launch",
     },
@@ -207,7 +217,7 @@ def test_the_graph_sees_the_imports():
     graph = import_graph()
     assert "moolib.replay_rpc" in graph["moolib.replay"]
     assert "moolib.agents.registry" in graph["moolib.agents.apex"]  # relative import
-    assert "moolib.envs.registry" in graph["moolib.agents.run_config"]  # inside a function
+    assert "moolib.envs.registry" in graph["moolib.conf.schema.run_config"]  # inside a function
     assert "moolib.envs" in graph["moolib.agents.runtime.offpolicy"]
     assert "moolib._core" in graph["moolib.rpc"]  # compiled
     assert package_of("moolib.envs.atari") == "moolib.envs"

@@ -42,8 +42,7 @@ from helpers.run_util import (
 from moolib.agents.registry import agent_config
 from moolib.agents.runtime.onpolicy import learner_mode
 from moolib.agents.runtime.policy_slots import PolicySlots
-
-from moolib.config_checks import ConfigError
+from moolib.conf.checks import ConfigError
 
 HELPERS = Path(__file__).parent / "helpers"
 CARTPOLE = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=0.5", "torch_threads=1"]

@@ -1,4 +1,4 @@
-"""The run's typed config (``moolib.agents.run_config.RunConfig``): built once from the
+"""The run's typed config (``moolib.conf.schema.run_config.RunConfig``): built once from the
 composed config, written to the savedir and read back unchanged, checked the same way
 however it is made, and the only config the modules after the checks see."""
 
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from moolib.agents import run_config
 from moolib.agents.registry import AgentConfig
-from moolib.agents.run_config import EnvConfig, RunConfig, ScalingConfig, WandbConfig
+from moolib.conf.schema import run_config
+from moolib.conf.schema.run_config import EnvConfig, RunConfig, WandbConfig
+from moolib.conf.schema.scaling import ScalingConfig
 from moolib.launch import config as config_lib
 from moolib.launch.config import ConfigError
 from moolib.launch.scaling.local import LocalScalingConfig
@@ -141,7 +142,7 @@ def test_a_saved_config_with_an_unknown_or_missing_key_is_refused(compose_config
 # Modules that read Hydra's or the savedir's config as such: the edges. Every other
 # module of the toolkit takes the typed RunConfig and never imports omegaconf.
 OMEGACONF_EDGES = {
-    "moolib.agents.run_config",  # save and load of <savedir>/config.yaml
+    "moolib.conf.schema.run_config",  # save and load of <savedir>/config.yaml
     "moolib.conf",  # the Hydra config's helpers
     "moolib.launch.config",  # DictConfig -> RunConfig
     "moolib.launch.preflight",  # composes and plans each job
@@ -161,7 +162,9 @@ def test_only_the_edges_import_omegaconf():
         "moolib.agents.nets",
         "moolib.agents.runtime",
         "moolib.launch",
+        "moolib.launch.scaling",
         "moolib.conf",
+        "moolib.conf.schema",
     ):
         spec = importlib.util.find_spec(package)
         assert spec is not None and spec.submodule_search_locations

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from moolib.conf.schema.run_config import RunConfig
 
 from ..registry import Runtime, get_agent
-from ..run_config import RunConfig
 from . import checkpoint
 from .logger import COLUMNS, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from moolib._extras import import_extra
 
 if TYPE_CHECKING:
-    from ..run_config import RunConfig
+    from moolib.conf.schema.run_config import RunConfig
 
 # Columns of logs.tsv, in order. A resumed run appends to the same file.
 COLUMNS = (

@@ -44,16 +44,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from moolib.conf.schema import run_config
+from moolib.conf.schema.run_config import RunConfig
 from torch import nn
 
 import moolib
 from moolib._cpus import task_cores
 
-from .. import run_config
 from ..math.apex import epsilon_schedule
 from ..math.offpolicy import epsilon_greedy, importance_weights
 from ..registry import ProcessGroup, QConfig, Runtime, get_agent, register_runtime
-from ..run_config import RunConfig
 from . import checkpoint
 from .base import (
     GroupLostError,

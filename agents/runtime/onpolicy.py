@@ -37,13 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from moolib.conf.schema.run_config import RunConfig
 
 import moolib
 from moolib._cpus import task_cores
 
 from ..nets.models import resolve_network
 from ..registry import ProcessGroup, Runtime, register_runtime
-from ..run_config import RunConfig
 from .base import (
     LostContact,
     PeerInfo,

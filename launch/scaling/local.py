@@ -6,9 +6,9 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moolib.agents.run_config import ProcessScalingConfig, RunConfig, register_scaling
-
-from moolib.config_checks import ConfigError
+from moolib.conf.checks import ConfigError
+from moolib.conf.schema.run_config import RunConfig
+from moolib.conf.schema.scaling import ProcessScalingConfig, register_scaling
 
 from ..peer import StopSignal
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moolib.agents.run_config import RunConfig, ScalingConfig, register_scaling
+from moolib.conf.schema.run_config import RunConfig
+from moolib.conf.schema.scaling import ScalingConfig, register_scaling
 
 from ..peer import StopSignal
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from moolib.agents.run_config import ProcessScalingConfig, RunConfig, register_scaling
-
-from moolib.config_checks import ConfigError, check_flag, check_int_at_least, check_number
+from moolib.conf.checks import ConfigError, check_flag, check_int_at_least, check_number
+from moolib.conf.schema.run_config import RunConfig
+from moolib.conf.schema.scaling import ProcessScalingConfig, register_scaling
 
 from ..peer import StopSignal
 
