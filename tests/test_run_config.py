@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import importlib.util
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 from moolib.agents.registry import AgentConfig
-from moolib.conf.schema import run_config
+from moolib.conf.schema import run_config, scaling
 from moolib.conf.schema.run_config import EnvConfig, RunConfig, WandbConfig
 from moolib.conf.schema.scaling import ScalingConfig
 from moolib.launch import config as config_lib
@@ -150,6 +153,55 @@ OMEGACONF_EDGES = {
     "moolib.launch.resume",  # merges the command line into a saved config
     "moolib.launch.run",  # Hydra's entry point
 }
+
+
+# A scaling mode of a user's: settings with a key of their own, and a start.
+MODE = """
+from dataclasses import dataclass
+
+from moolib.conf.checks import check_int_at_least
+from moolib.conf.schema.scaling import ScalingConfig, register_scaling
+
+
+@dataclass(frozen=True)
+class MineConfig(ScalingConfig):
+    lanes: int
+
+    def check(self, run):
+        super().check(run)
+        check_int_at_least("scaling.lanes", self.lanes)
+
+
+started = []
+
+
+@register_scaling("mine", MineConfig)
+def start(cfg, config_path, stop):
+    started.append((cfg.scaling.lanes, config_path))
+    return 0
+"""
+
+
+def test_a_new_scaling_mode_is_one_module(compose_config, tmp_path, monkeypatch):
+    """A module in moolib.launch.scaling is a mode: found by its name, its settings built
+    and checked as the run's scaling, its start the one the launcher calls."""
+    (tmp_path / "mine.py").write_text(MODE)
+    package = importlib.import_module("moolib.launch.scaling")
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    monkeypatch.setattr(scaling, "_SCALINGS", dict(scaling._SCALINGS))
+    monkeypatch.delitem(sys.modules, "moolib.launch.scaling.mine", raising=False)
+    assert scaling.scaling_names() == ["local", "mine", "single", "slurm"]
+    values = config_lib.prepare(compose_config("agent=a2c", "env=cartpole"), tmp_path).to_dict()
+    values["scaling"] = {"name": "mine", "peers": 1, "lanes": 2}
+    cfg = RunConfig.from_dict(values)
+    assert type(cfg.scaling).__name__ == "MineConfig" and cfg.scaling.lanes == 2
+    with pytest.raises(ConfigError, match=r"^scaling.lanes must be a positive integer, got 0"):
+        RunConfig.from_dict({**values, "scaling": {**values["scaling"], "lanes": 0}})
+    with pytest.raises(ConfigError, match=r"^scaling.name must be one of local, mine, single"):
+        RunConfig.from_dict({**values, "scaling": {"name": "theirs", "peers": 1}})
+    path = tmp_path / "config.yaml"
+    assert scaling.scaling_spec("mine").start(cfg, path, threading.Event()) == 0
+    assert sys.modules["moolib.launch.scaling.mine"].started == [(2, path)]
 
 
 def test_only_the_edges_import_omegaconf():

@@ -13,7 +13,6 @@ name.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,10 +134,8 @@ def register_scaling(
 
 def scaling_names() -> list[str]:
     """The scaling modes: the modules of ``moolib.launch.scaling``, sorted."""
-    spec = importlib.util.find_spec(_SCALING_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    return sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations))
+    package = importlib.import_module(_SCALING_PACKAGE)  # its __init__ holds no code
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__))
 
 
 def scaling_spec(name: object) -> ScalingSpec:
