@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 from . import _core
 from . import errors as errors  # moolib.errors, with `import moolib` alone
 from ._checks import check_int as _check_int
-from .accumulator import Accumulator, ModelMismatchError
+from .accumulator import Accumulator
 from .batcher import Batcher
 from .envpool import EnvPool, EnvStepperFuture
-from .errors import RpcError
+from .errors import ModelMismatchError, ReplayError, RpcError, ShardUnavailableError
 from .group import AllReduce, Broker, Group
 from .publish import Publisher, Subscriber
-from .replay_rpc import ReplayClient, ReplayError, ShardUnavailableError
+from .replay_rpc import ReplayClient
 from .rpc import Future, Queue, Rpc, set_auth_key
 
 if TYPE_CHECKING:

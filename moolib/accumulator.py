@@ -36,17 +36,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._checks import check_int
-from .errors import MembershipChangedError
+from .errors import MembershipChangedError, ModelMismatchError
 from .group import Group
 from .rpc import Rpc
 
-__all__ = ["Accumulator", "ModelMismatchError"]
+__all__ = ["Accumulator"]
 
 log = logging.getLogger("moolib")
-
-
-class ModelMismatchError(RuntimeError):
-    """Peers of one group hold models of different layouts (see Accumulator.update)."""
 
 
 def _next_lineage(lineage: int, sync_id: int) -> int:

@@ -1,10 +1,13 @@
-"""The errors of calls and collectives: one class per kind of failure.
+"""The errors of moolib: one class per kind of failure.
 
-Every class derives from :class:`RpcError` (itself a ``RuntimeError``, as in
-the original moolib), so ``except moolib.RpcError`` still catches them all;
-catch a subclass to handle one kind of failure. The core reports each failure
-as a code (moolib/core/error.h) and the binding raises the class registered for
-that code here; the message is for people, and nothing in moolib decides by it.
+The errors of calls and collectives derive from :class:`RpcError` (itself a
+``RuntimeError``, as in the original moolib), so ``except moolib.RpcError``
+still catches them all; catch a subclass to handle one kind of failure. The
+core reports each failure as a code (moolib/core/error.h) and the binding
+raises the class registered for that code here; the message is for people,
+and nothing in moolib decides by it. The errors of a ``ReplayClient``
+(:class:`ReplayError`) and of an ``Accumulator`` whose peers hold other models
+(:class:`ModelMismatchError`) are ``RuntimeError``s of their own.
 docs/errors.md says what to do about each.
 """
 
@@ -19,10 +22,13 @@ __all__ = [
     "ConnectionLostError",
     "FunctionNotDefinedError",
     "MembershipChangedError",
+    "ModelMismatchError",
     "RemoteError",
+    "ReplayError",
     "RpcCancelledError",
     "RpcError",
     "RpcTimeoutError",
+    "ShardUnavailableError",
     "SharedMemoryUnavailableError",
 ]
 
@@ -81,6 +87,21 @@ class AuthenticationError(RpcError):
     refused at authentication: the keys differ, or only one side has one
     (``MOOLIB_AUTH_KEY``, ``moolib.set_auth_key``). Raised once the call's
     timeout has passed, as the timeout it replaces."""
+
+
+class ModelMismatchError(RuntimeError):
+    """Peers of one group hold models of different layouts (see Accumulator.update)."""
+
+
+class ReplayError(RuntimeError):
+    """A replay shard could not be reached or refused a call; names the peer."""
+
+
+class ShardUnavailableError(ReplayError):
+    """A shard did not answer (its connection was lost, it is not linked, it
+    timed out): raised for a call in flight to it when it went (an insert then
+    may or may not be in its table), and for a call that no live shard can
+    serve. A shard that is down is left out until it answers again."""
 
 
 # The names are the core's (moolib/core/error.h, errorCodeName); a failure

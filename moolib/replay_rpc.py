@@ -39,7 +39,7 @@ import numpy as np
 from . import nest
 from ._checks import check_seconds, check_served
 from ._core import ShmRegion
-from .errors import RemoteError, RpcError
+from .errors import RemoteError, ReplayError, RpcError, ShardUnavailableError
 from .rpc import Rpc
 
 if TYPE_CHECKING:
@@ -69,17 +69,6 @@ _FREE_SEGMENTS = 4
 _MEMFD_NAME = "moolib-replay"
 # Segments (each an open fd) a client has at most, held samples included.
 _MAX_SEGMENTS = 64
-
-
-class ReplayError(RuntimeError):
-    """A replay shard could not be reached or refused a call; names the peer."""
-
-
-class ShardUnavailableError(ReplayError):
-    """A shard did not answer (its connection was lost, it is not linked, it
-    timed out): raised for a call in flight to it when it went (an insert then
-    may or may not be in its table), and for a call that no live shard can
-    serve. A shard that is down is left out until it answers again."""
 
 
 def _refused(error: RpcError) -> bool:
