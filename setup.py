@@ -54,6 +54,7 @@ setup(
         "moolib.envs",
         "moolib.launch",
         "moolib.launch.scaling",
+        "moolib.replay",
     ],
     package_dir={
         "moolib.agents": "agents",

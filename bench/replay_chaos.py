@@ -92,7 +92,7 @@ def shard_main(args: argparse.Namespace) -> None:
     """Serves one table; restores it from ``--checkpoint`` where the file exists."""
     started = now()
     import moolib
-    import moolib.replay  # torch: part of the process's start, not of the restore
+    import moolib.replay.table  # torch: part of the process's start, not of the restore
 
     rpc = moolib.Rpc()
     rpc.set_name(f"shard{args.index}")
@@ -154,7 +154,7 @@ def client_main(args: argparse.Namespace) -> None:
     )
     # Paid before the clock starts: torch's import (the client's tensors) and
     # the first connection to every shard.
-    import moolib.replay_schema  # noqa: F401
+    import moolib.replay.schema  # noqa: F401
 
     deadline = now() + 600
     for i in range(len(ports)):

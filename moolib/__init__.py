@@ -19,7 +19,7 @@ from .envpool import EnvPool, EnvStepperFuture
 from .errors import ModelMismatchError, ReplayError, RpcError, ShardUnavailableError
 from .group import AllReduce, Broker, Group
 from .publish import Publisher, Subscriber
-from .replay_rpc import ReplayClient
+from .replay import ReplayClient
 from .rpc import Future, Queue, Rpc, set_auth_key
 
 if TYPE_CHECKING:
@@ -52,16 +52,14 @@ __all__ = [
     "set_max_threads",
 ]
 
-# moolib.replay works on torch tensors throughout; it is imported on first use so that
-# `import moolib` (env workers, the broker, moolib.envs) does not pay torch's import.
-_LAZY = {"Replay": "replay", "ReplaySample": "replay"}
-
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    # moolib.replay imports its torch modules on first use, so that `import moolib`
+    # (env workers, the broker, moolib.envs) does not pay torch's import.
+    if name in ("Replay", "ReplaySample"):
+        from . import replay
 
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        value = getattr(replay, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,11 @@ from pathlib import Path
 # runtimes (they read it). Inside agents: the networks, then the math, then the
 # agents and their registry, then the runtimes.
 ALLOWED = {
-    "moolib": set(),
+    # The core library; its __init__ alone imports moolib.replay, for the names
+    # it exports (test_only_the_library_package_imports_the_replay).
+    "moolib": {"moolib.replay"},
+    # The replay table and its RPC side, on the library's Rpc, errors and nests.
+    "moolib.replay": {"moolib"},
     "moolib.envs": {"moolib"},
     "moolib.conf": {"moolib", "moolib.envs"},
     # The run's typed settings: above the agents, whose settings they hold.
@@ -215,13 +219,14 @@ def _shown(graph: dict[str, dict[str, int]], loop: list[str]) -> str:
 def test_the_graph_sees_the_imports():
     # The checks below would pass on an empty graph; these edges are known to be there.
     graph = import_graph()
-    assert "moolib.replay_rpc" in graph["moolib.replay"]
+    assert "moolib.replay.server" in graph["moolib.replay.table"]
     assert "moolib.agents.registry" in graph["moolib.agents.apex"]  # relative import
     assert "moolib.envs.registry" in graph["moolib.conf.schema.run_config"]  # inside a function
     assert "moolib.envs" in graph["moolib.agents.runtime.offpolicy"]
     assert "moolib._core" in graph["moolib.rpc"]  # compiled
     assert package_of("moolib.envs.atari") == "moolib.envs"
-    assert package_of("moolib.replay") == "moolib"
+    assert package_of("moolib.replay.table") == "moolib.replay"
+    assert package_of("moolib.rpc") == "moolib"
 
 
 def test_no_module_imports_itself_around_a_loop():
@@ -243,19 +248,31 @@ def test_packages_import_only_the_layers_below():
     assert not wrong, "\n".join(wrong)
 
 
+def imports_into(package: str, target: str, allowed: str) -> list[str]:
+    """The imports of ``target``'s modules by ``package``'s modules other than ``allowed``."""
+    graph = import_graph()
+    return [
+        f"{module} (line {line}) imports {imported}"
+        for module, edges in sorted(graph.items())
+        if package_of(module) == package and module != allowed
+        for imported, line in sorted(edges.items())
+        if package_of(imported) == target
+    ]
+
+
 def test_no_agent_imports_a_runtime():
     # An agent names its runtime (register_agent(..., runtime="offpolicy")) and the
     # registry imports that when a run needs it: finding the agents imports none.
     # moolib.agents.offpolicy_run hands out the off-policy runtime's evaluate, on
     # the path docs/toolkit.md gives it.
-    graph = import_graph()
-    wrong = [
-        f"{module} (line {line}) imports {target}"
-        for module, edges in sorted(graph.items())
-        if package_of(module) == "moolib.agents" and module != "moolib.agents.offpolicy_run"
-        for target, line in sorted(edges.items())
-        if package_of(target) == "moolib.agents.runtime"
-    ]
+    wrong = imports_into("moolib.agents", "moolib.agents.runtime", "moolib.agents.offpolicy_run")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_the_library_package_imports_the_replay():
+    # moolib exports ReplayClient and the lazy Replay; no other module of the
+    # library builds on the replay, which builds on them.
+    wrong = imports_into("moolib", "moolib.replay", "moolib")
     assert not wrong, "\n".join(wrong)
 
 

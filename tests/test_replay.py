@@ -471,11 +471,11 @@ def test_a_loaded_table_keeps_the_items_key_order(tmp_path):
     assert list(items) == ["b", "a"] and list(items["a"]) == ["y", "x"]
     # A layout written before the order was kept loads with sorted keys; an
     # order that does not match the layout is refused.
-    layout = loaded._schema.to_json()
-    older = moolib.replay._Schema.from_json({k: v for k, v in layout.items() if k != "order"})
+    layout = loaded.schema.to_json()
+    older = moolib.replay.schema.Schema.from_json({k: v for k, v in layout.items() if k != "order"})
     assert list(older.structure) == ["a", "b"]
     with pytest.raises(ValueError, match="key order does not match its layout"):
-        moolib.replay._Schema.from_json({**layout, "order": {"d": [["b", None]]}})
+        moolib.replay.schema.Schema.from_json({**layout, "order": {"d": [["b", None]]}})
 
 
 def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
@@ -767,4 +767,4 @@ def test_keys_stay_below_the_shard_bits():
     replay = moolib.Replay(4, selector="uniform")
     keys = replay.insert({"x": torch.zeros(10)})
     assert keys.max().item() < 2**48 and keys.dtype == torch.int64
-    assert math.isclose(replay._mass(), 4.0)
+    assert math.isclose(replay.priority_mass(), 4.0)

@@ -416,7 +416,7 @@ def test_a_table_that_cannot_map_the_clients_memory_sends_samples_as_replies(mak
     def elsewhere(pid, fd, *args, **kwargs):
         raise FileNotFoundError(f"/proc/{pid}/fd/{fd}")  # as for a client on another host
 
-    monkeypatch.setattr(moolib.replay_rpc.ShmRegion, "open_peer", staticmethod(elsewhere))
+    monkeypatch.setattr(moolib.replay.segments.ShmRegion, "open_peer", staticmethod(elsewhere))
     replay, client = shm_pair(make_rpc)
     replay.insert(rows(0, 32))
     s = client.sample(8)
@@ -427,7 +427,7 @@ def test_a_table_that_cannot_map_the_clients_memory_sends_samples_as_replies(mak
 
 def test_a_segment_the_table_let_go_is_mapped_again(make_rpc, monkeypatch):
     # Every new mapping drops the others (idle for more than 0 s).
-    monkeypatch.setattr(moolib.replay_rpc, "_SEGMENT_IDLE", 0.0)
+    monkeypatch.setattr(moolib.replay.segments, "_SEGMENT_IDLE", 0.0)
     replay, client = shm_pair(make_rpc, capacity=16)
     replay.insert(rows(0, 16))
     a = client.sample(16)
@@ -464,7 +464,7 @@ def test_prefetch_draws_the_next_batch_before_sample_returns(make_rpc):
 
 
 def test_held_samples_beyond_the_segment_bound_come_as_replies(make_rpc, monkeypatch):
-    monkeypatch.setattr(moolib.replay_rpc, "_MAX_SEGMENTS", 3)
+    monkeypatch.setattr(moolib.replay.segments, "_MAX_SEGMENTS", 3)
     replay, client = shm_pair(make_rpc, capacity=16)
     replay.insert(rows(0, 16))
     held = [client.sample(4) for _ in range(5)]

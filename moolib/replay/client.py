@@ -1,74 +1,51 @@
-"""The replay table over RPC: serving a ``Replay`` and the sharded ``ReplayClient``.
-
-A served table answers four functions under its name. Rate-limited waits run
-on the serving peer, but never longer than half the caller's RPC timeout per
-call: a call that has to wait longer returns what it did so far (the keys it
-inserted, the items it sampled) and the client asks again for the rest. So a
-long wait never looks like a dead peer, and nothing done before a wait ends is
-done twice or lost.
+"""The sharded ``ReplayClient``: inserts into and samples from replay tables
+served by other peers (moolib/replay/server.py).
 
 Keys returned by a ``ReplayClient`` carry the shard in their top bits, so
 ``update_priorities`` routes each key back to the table that holds it.
 
 Sampling on one host skips the RPC payload: the client owns shared memory
-segments (memfd) that the serving peer maps once (through ``/proc/<pid>/fd``,
-checked by a random token), and a sample call only names a segment and where
-each leaf's rows go. The table gathers the items straight into the client's
-memory (one copy, as in process), the reply is a few numbers, and the
-returned tensors are views of the segment, which goes back to the client's
-pool when the last of them is freed. Where the segment cannot be mapped (the
-peers are on different hosts or in different pid namespaces) the client falls
-back to samples sent as RPC replies.
+segments (moolib/replay/segments.py) that the serving peer maps once, and a
+sample call only names a segment and where each leaf's rows go. The table
+gathers the items straight into the client's memory (one copy, as in
+process), the reply is a few numbers, and the returned tensors are views of
+the segment, which goes back to the client's pool when the last of them is
+freed. Inserts go the other way through the same segments. Where the segment
+cannot be mapped (the peers are on different hosts or in different pid
+namespaces) the client falls back to items sent as RPC payloads and replies.
 """
 
 from __future__ import annotations
 
 import collections
-import mmap
 import os
 import random
-import secrets
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import nest
-from ._checks import check_seconds, check_served
-from ._core import ShmRegion
-from .errors import RemoteError, ReplayError, RpcError, ShardUnavailableError
-from .rpc import Rpc
+from .. import nest
+from .._checks import check_seconds
+from ..errors import RemoteError, ReplayError, RpcError, ShardUnavailableError
+from ..rpc import Rpc
+from .segments import Segment, SegmentPool, segment_layout
 
 if TYPE_CHECKING:
-    from .replay_schema import ReplaySample, _Schema
+    from .schema import ReplaySample
 
-__all__ = ["ReplayClient", "ReplayError", "ShardUnavailableError", "serve"]
+__all__ = ["ReplayClient"]
 
 # A client key: shard index in the top bits, the table's own key (56 bits:
 # its incarnation, then its insertion counter) below.
 _SHARD_SHIFT = 56
 _LOCAL_MASK = (1 << _SHARD_SHIFT) - 1
 _MAX_SHARDS = 1 << (63 - _SHARD_SHIFT)
-# A shared-memory call's answer where the table's layout is not the one the
-# client laid its rows out for.
-_OTHER_LAYOUT = "other layout"
 # A shard that is down is asked whether it is back (its ``info``) this often.
 _PROBE_EVERY = 0.2
-# The serving peer unmaps a client's segment unused for this long (its client
-# may be gone); a client that comes back maps it again.
-_SEGMENT_IDLE = 30.0
-# Every leaf's rows start at a multiple of this in a segment: aligned for
-# every dtype, and on separate cache lines. The first _ALIGN bytes are the
-# segment's token, never rows.
-_ALIGN = 64
-# Free segments a client keeps for its next samples.
-_FREE_SEGMENTS = 4
-_MEMFD_NAME = "moolib-replay"
-# Segments (each an open fd) a client has at most, held samples included.
-_MAX_SEGMENTS = 64
 
 
 def _refused(error: RpcError) -> bool:
@@ -81,207 +58,6 @@ def _refused(error: RpcError) -> bool:
 
 class _LayoutChanged(ReplayError):
     """A shard's table no longer has the layout this client learned from it."""
-
-
-class _Mapped:
-    """The serving side's mappings of its clients' shared memory segments."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        # Ids start where a table of an earlier life of this peer (or another
-        # serving peer) is unlikely to have been: a client naming a mapping it
-        # made there must meet no mapping here, least of all another client's.
-        self._next_id = secrets.randbits(48) << 8
-        # id -> [uint8 array over the mapping, last use (monotonic)]
-        self._segments: dict[int, list] = {}
-
-    def attach(self, pid: int, fd: int, size: int, token: bytes) -> int | None:
-        """Maps the client's segment; None where it is not this host's (or not
-        the segment the client means: the token differs)."""
-        pid, fd, size = int(pid), int(fd), int(size)
-        if not (0 < pid < 1 << 32 and 0 <= fd < 1 << 31 and size > 0):
-            return None
-        try:
-            # Only the client's replay segments, never another file it holds.
-            region = ShmRegion.open_peer(pid, fd, _MEMFD_NAME, size, writable=True)
-        except OSError:
-            return None
-        view = np.frombuffer(region, dtype=np.uint8)  # keeps the mapping
-        if view[: len(token)].tobytes() != token:
-            return None
-        now = time.monotonic()
-        with self._lock:
-            # Unused mappings of clients that may be gone go first; dropping
-            # one never unmaps memory a sample is writing (its views hold it).
-            for sid in [k for k, v in self._segments.items() if now - v[1] > _SEGMENT_IDLE]:
-                del self._segments[sid]
-            self._next_id += 1
-            self._segments[self._next_id] = [view, now]
-            return self._next_id
-
-    def get(self, sid: int) -> np.ndarray | None:
-        with self._lock:
-            entry = self._segments.get(sid)
-            if entry is None:
-                return None
-            entry[1] = time.monotonic()
-            return entry[0]
-
-    def detach(self, ids: list[int]) -> None:
-        with self._lock:
-            for sid in ids:
-                self._segments.pop(sid, None)
-
-
-class ServedTable(Protocol):
-    """What ``serve`` asks of the table it serves, a ``moolib.Replay``: named here
-    because ``moolib.replay`` imports this module (for ``Replay.serve``), so this
-    one does not import it back."""
-
-    _schema: _Schema | None
-
-    def _insert_some(self, items: Any, priorities: Any, wait: float) -> Any: ...
-    def _insert_into(self, leaves: list, priorities: Any, keys: Any, wait: float) -> int: ...
-    def _sample_some(self, batch_size: int, wait: float) -> ReplaySample: ...
-    def _sample_into(
-        self, batch_size: int, outs: list, keys: Any, probs: Any, wait: float
-    ) -> tuple[int, int]: ...
-    def update_priorities(self, keys: Any, priorities: Any) -> int: ...
-    def _update_priorities_raw(self, keys: Any, priorities: Any) -> int: ...
-    def _mass(self) -> float: ...
-    def info(self) -> dict: ...
-
-
-def serve(replay: ServedTable, rpc: Rpc, name: str) -> None:
-    """Defines ``name/insert``, ``name/sample``, ``name/update_priorities`` and
-    ``name/info`` on ``rpc``, answered by ``replay`` (and ``name/layout``,
-    ``name/attach``, ``name/sample_into``, ``name/detach``, with which a
-    ``ReplayClient`` on this host samples into its shared memory)."""
-    check_served("Replay.serve", rpc, name)
-    mapped = _Mapped()
-
-    def insert(items: Any, priorities: Any, wait: float) -> Any:
-        return replay._insert_some(items, priorities, wait)
-
-    def sample(batch_size: int, wait: float) -> tuple:
-        return tuple(replay._sample_some(batch_size, wait)), replay._mass()
-
-    def update_priorities(keys: Any, priorities: Any) -> int:
-        return replay.update_priorities(keys, priorities)
-
-    def update_priorities_raw(keys: bytes, priorities: bytes) -> int:
-        return replay._update_priorities_raw(keys, priorities)
-
-    def outputs(sid: int, rows: list, sizes: list, count: int) -> list | None:
-        view = mapped.get(sid)
-        if view is None:
-            return None
-        if len(rows) != len(sizes):
-            raise ValueError(f"replay: {len(rows)} offsets for {len(sizes)} leaves")
-        outs = []
-        for start, item_bytes in zip(rows, sizes, strict=True):
-            end = start + count * item_bytes
-            if start < 0 or end > len(view):
-                raise ValueError(
-                    f"replay: bytes [{start}, {end}) outside the segment of {len(view)}"
-                )
-            outs.append(view[start:end])
-        return outs
-
-    def insert_from(
-        sid: int,
-        rows: list,
-        prioritized: bool,
-        count: int,
-        wait: float,
-        layout: str | None = None,
-    ) -> int | str | None:
-        """Inserts ``count`` items from segment ``sid``: ``rows`` holds the byte
-        offset of each leaf's rows, then the priorities' and the keys' (written
-        here). Returns how many went in; None: the segment is not mapped;
-        ``_OTHER_LAYOUT``: the items are in a layout (``layout``, a digest)
-        that is not this table's."""
-        schema = _layout_of(replay, layout)
-        if schema is None:
-            return _OTHER_LAYOUT
-        views = outputs(sid, rows, [*schema.item_bytes, 8, 8], count)
-        if views is None:
-            return None
-        prio = views[-2] if prioritized else None
-        return replay._insert_into(views[:-2], prio, views[-1], wait)
-
-    def layout() -> dict | None:
-        schema = replay._schema
-        return None if schema is None else schema.to_json()
-
-    def sample_into(
-        sid: int,
-        rows: list,
-        count: int,
-        wait: float,
-        keys: bytes | None = None,
-        priorities: bytes | None = None,
-        layout: str | None = None,
-    ) -> tuple | str | None:
-        """Samples ``count`` items into segment ``sid``: ``rows`` holds the byte
-        offset where each leaf's rows start, then the keys' and the
-        probabilities'. None: the segment is not mapped (attach it again);
-        ``_OTHER_LAYOUT``: the client's rows are laid out for items
-        (``layout``, a digest) that are not this table's.
-        ``keys`` and ``priorities`` (int64 and float64 bytes): a priority
-        update the client deferred, applied before the draw, as if it had
-        been its own call just before."""
-        if keys is not None:
-            replay._update_priorities_raw(keys, priorities)
-        schema = _layout_of(replay, layout)
-        if schema is None:
-            return _OTHER_LAYOUT
-        outs = outputs(sid, rows, [*schema.item_bytes, 8, 8], count)
-        if outs is None:
-            return None
-        done, size = replay._sample_into(count, outs[:-2], outs[-2], outs[-1], wait)
-        return done, size, replay._mass()
-
-    rpc.define(f"{name}/insert", insert)
-    rpc.define(f"{name}/sample", sample)
-    rpc.define(f"{name}/update_priorities", update_priorities)
-    rpc.define(f"{name}/info", replay.info)
-    rpc.define(f"{name}/layout", layout)
-    rpc.define(f"{name}/attach", mapped.attach)
-    rpc.define(f"{name}/sample_into", sample_into)
-    rpc.define(f"{name}/detach", mapped.detach)
-    rpc.define(f"{name}/insert_from", insert_from)
-    rpc.define(f"{name}/update_priorities_raw", update_priorities_raw)
-
-
-def _layout_of(replay: ServedTable, layout: str | None) -> Any:
-    """The table's layout for a shared-memory call made for ``layout`` (a
-    digest); None where the table has another one, or none yet (its peer
-    restarted with a fresh table, say): the client then learns it anew."""
-    schema = replay._schema
-    if layout is not None:
-        return schema if schema is not None and schema.digest == layout else None
-    if schema is None:
-        raise RuntimeError("replay: shared memory calls before the table has items")
-    return schema
-
-
-class _Segment:
-    """A client's shared memory for samples: a memfd it maps, and the ids under
-    which serving peers mapped it."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        # Sealed: the serving peer maps it only so (ShmRegion.open_peer), as a region
-        # that could shrink under it would fault there.
-        self.region = ShmRegion.create(_MEMFD_NAME, size, sealed=True)
-        self.view = np.frombuffer(self.region, dtype=np.uint8)
-        self.token = os.urandom(16)
-        self.ids: dict[int, int] = {}  # shard index -> the serving peer's id
-
-    def close(self) -> None:
-        """Closes the fd (the memory lives while a mapping or view does)."""
-        self.region.close()
 
 
 class _Shard:
@@ -300,7 +76,7 @@ class _Shard:
         self.probed_at = 0.0
         # Whether it maps this client's segments: None until tried.
         self.shared: bool | None = None
-        # Its table's item layout (a _Schema), once learned from it: a
+        # Its table's item layout (a Schema), once learned from it: a
         # table without items has none yet, whatever the other shards hold.
         self.layout: Any = None
 
@@ -328,7 +104,7 @@ class _Pending:
         self.offsets = offsets
         self.nbytes = nbytes
         self.sizes = sizes
-        self.segment: _Segment
+        self.segment: Segment
         self.futures: list[Any] = []
         # The deferred priority update each shard's call carries (or Nones).
         self.updates: list[tuple[Any, Any]] = []
@@ -365,7 +141,7 @@ class _InsertCall:
         self.future: Any = None  # the call in flight, if any
         # Through shared memory: the segment, where each leaf's rows (then
         # the priorities' and keys') start in it, and their bytes per item.
-        self.segment: _Segment | None = None
+        self.segment: Segment | None = None
         self.offsets: list[int] = []
         self.sizes: list[int] = []
         self.prioritized = False
@@ -451,18 +227,12 @@ class ReplayClient:
         # sampled into shared memory takes its structure (every shard drawn
         # from has the same, checked).
         self._schema: Any = None
-        # Segments no sample uses; a sample's tensors give theirs back when
-        # freed (any thread), so these are deques, not lists under a lock.
-        self._free: collections.deque[_Segment] = collections.deque()
-        self._unmap: collections.deque[tuple[int, int]] = collections.deque()
         self._prefetch = bool(prefetch)
-        self._open_segments = 0
         self._pending: _Pending | None = None
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
         self._max_inflight = int(max_inflight)
-        # Each in-flight insert holds a segment: the pool keeps that many.
-        self._keep_free = _FREE_SEGMENTS + self._max_inflight
+        self._segments = SegmentPool(self._max_inflight)
         self._inflight: collections.deque[_InsertCall] = collections.deque()
         # Deferred priority updates: shard index -> (int64 keys, float64
         # priorities) as bytes, sent with that shard's next sample call.
@@ -594,7 +364,7 @@ class ReplayClient:
             self._send_insert(call)
         except BaseException:
             if call.segment is not None:
-                self._give_back(call.segment)  # nothing was sent from it
+                self._segments.give_back(call.segment)  # nothing was sent from it
             raise
         with self._lock:
             self._inflight.append(call)
@@ -648,7 +418,7 @@ class ReplayClient:
         segments it may; nothing was sent."""
         import torch
 
-        from .replay_schema import _bytes_view
+        from .schema import bytes_view
 
         shard = call.shard
         schema = shard.layout
@@ -668,25 +438,25 @@ class ReplayClient:
                 p = p.detach().cpu()
             if p.numel() != n:
                 raise ValueError(f"replay insert: {p.numel()} priorities for a batch of {n} items")
-        offsets, nbytes, sizes = self._layout(n, schema)
-        segment = self._lease(nbytes)
+        offsets, nbytes, sizes = segment_layout(schema.item_bytes, n)
+        segment = self._segments.lease(nbytes)
         if segment is None:
             return False
         try:
             if self._attach(shard, segment) is None:
-                self._give_back(segment)
+                self._segments.give_back(segment)
                 return False
             view = segment.view
             # numpy's copy is one memcpy; torch's copy_ splits a large one
             # over its threads, which wait for each other on a busy machine
             # (6x slower for an Atari batch in bench/replay.py).
             for t, o, b in zip(leaves, offsets, sizes, strict=False):
-                np.copyto(view[o : o + n * b], _bytes_view(t).reshape(-1).view(np.uint8))
+                np.copyto(view[o : o + n * b], bytes_view(t).reshape(-1).view(np.uint8))
             if prioritized:
                 prio_rows = view[offsets[-2] : offsets[-2] + n * 8].view(np.float64)
                 np.copyto(prio_rows, p.reshape(-1).numpy())
         except BaseException:
-            self._drop(segment)
+            self._segments.drop(segment)
             raise
         call.n = n
         call.segment = segment
@@ -766,10 +536,10 @@ class ReplayClient:
         except BaseException:
             if segment is not None:
                 # A call that failed (a timeout) may still be reading it: never reused.
-                self._drop(segment)
+                self._segments.drop(segment)
             raise
         if segment is not None:
-            self._give_back(segment)
+            self._segments.give_back(segment)
         return keys | (shard.index << _SHARD_SHIFT) if shard.index else keys
 
     def _to_payload(self, call: _InsertCall) -> None:
@@ -795,15 +565,15 @@ class ReplayClient:
             o = call.offsets[-1]
             call.keys.append(whole[o : o + call.start * 8].view(torch.int64).clone())
         call.segment = None
-        self._give_back(segment)
+        self._segments.give_back(segment)
 
     def _learn_layout(self, shard: _Shard) -> None:
         """Asks ``shard`` for its table's layout (none while it has no items)."""
-        from .replay_schema import _Schema
+        from .schema import Schema
 
         layout = self._call(shard, "layout")
         if layout is not None:
-            shard.layout = _Schema.from_json(layout)
+            shard.layout = Schema.from_json(layout)
             if self._schema is None:
                 self._schema = shard.layout
 
@@ -828,7 +598,7 @@ class ReplayClient:
         """One try at a sample from the shards live now."""
         import torch
 
-        from .replay_schema import ReplaySample
+        from .schema import ReplaySample
 
         if self._shared_memory:
             self._flush_unmap()
@@ -913,80 +683,25 @@ class ReplayClient:
         schema = self._schema
         for shard, layout in zip(live, layouts, strict=True):
             if layout.digest != schema.digest:
-                from .replay_schema import _describe
+                from .schema import describe
 
                 raise ReplayError(
                     f"replay shards hold items of different layouts: {shard.describe()} "
-                    f"stores {_describe(layout.skeleton)} of dtypes {layout.dtypes} and "
+                    f"stores {describe(layout.skeleton)} of dtypes {layout.dtypes} and "
                     f"shapes {layout.shapes}, this client's first shard with items "
-                    f"{_describe(schema.skeleton)} of dtypes {schema.dtypes} and shapes "
+                    f"{describe(schema.skeleton)} of dtypes {schema.dtypes} and shapes "
                     f"{schema.shapes}"
                 )
         return True
 
-    def _layout(self, batch_size: int, schema: Any = None) -> tuple[list[int], int, list[int]]:
-        """Where each leaf's rows, the keys and the probabilities start in a
-        segment for ``batch_size`` items (of ``schema``, default the shards'
-        common one), the bytes it needs, and each one's bytes per item."""
-        offsets = []
-        # The first bytes hold the token a serving peer checks when it maps the
-        # segment, which may happen mid-call (a restarted peer maps it again
-        # while another shard's rows, or an insert's, are already there).
-        end = _ALIGN
-        sizes = [*(schema or self._schema).item_bytes, 8, 8]
-        for item_bytes in sizes:
-            offsets.append(end)
-            end = -(-(end + batch_size * item_bytes) // _ALIGN) * _ALIGN
-        return offsets, max(end, 16), sizes
-
-    def _lease(self, nbytes: int) -> _Segment | None:
-        """A segment of at least ``nbytes`` for one call; None when this client
-        already has _MAX_SEGMENTS open (samples held by the caller keep theirs):
-        that call goes through RPC payloads, and no fd limit is reached."""
-        while True:
-            try:
-                segment = self._free.pop()
-            except IndexError:
-                if self._open_segments >= _MAX_SEGMENTS:
-                    return None
-                # Whole pages, and room for a slightly larger batch later.
-                size = -(-(nbytes + nbytes // 8) // mmap.PAGESIZE) * mmap.PAGESIZE
-                self._open_segments += 1
-                return _Segment(size)
-            if segment.size >= nbytes:
-                return segment
-            self._drop(segment)
-
-    def _give_back(self, segment: _Segment) -> None:
-        self._free.append(segment)
-        while len(self._free) > self._keep_free:
-            try:
-                self._drop(self._free.popleft())
-            except IndexError:
-                break
-
-    def _drop(self, segment: _Segment) -> None:
-        self._unmap.extend(segment.ids.items())
-        segment.close()
-        # Not under a lock (this runs in finalizers, on any thread): the
-        # count may be off by a race, and it is only a bound.
-        self._open_segments -= 1
-
     def _flush_unmap(self) -> None:
-        by_shard: dict[int, list[int]] = {}
-        while self._unmap:
-            try:
-                index, sid = self._unmap.popleft()
-            except IndexError:
-                break
-            by_shard.setdefault(index, []).append(sid)
-        for index, ids in by_shard.items():
+        for index, ids in self._segments.unmapped().items():
             try:
                 self._call(self._shards[index], "detach", ids)
             except ReplayError:
                 pass  # a shard that is gone holds nothing; one that is back expires them
 
-    def _attach(self, shard: _Shard, segment: _Segment) -> int | None:
+    def _attach(self, shard: _Shard, segment: Segment) -> int | None:
         sid = segment.ids.get(shard.index)
         if sid is None:
             segment.view[: len(segment.token)] = np.frombuffer(segment.token, dtype=np.uint8)
@@ -1026,15 +741,16 @@ class ReplayClient:
             return None
         counts = self._split(batch_size, live)
         deadline = time.monotonic() + self._timeout
-        pending = _Pending(batch_size, live, counts, deadline, *self._layout(batch_size))
-        segment = self._lease(pending.nbytes)
+        layout = segment_layout(self._schema.item_bytes, batch_size)
+        pending = _Pending(batch_size, live, counts, deadline, *layout)
+        segment = self._segments.lease(pending.nbytes)
         if segment is None:
             return None
         pending.segment = segment
         try:
             for shard in live:
                 if self._attach(shard, pending.segment) is None:
-                    self._give_back(pending.segment)
+                    self._segments.give_back(pending.segment)
                     return None
             row = 0
             for shard, count in zip(live, counts, strict=True):
@@ -1063,7 +779,7 @@ class ReplayClient:
                 pending.futures.append(future)
                 row += count
         except BaseException:
-            self._drop(pending.segment)  # an asked part may still be written
+            self._segments.drop(pending.segment)  # an asked part may still be written
             raise
         return pending
 
@@ -1075,7 +791,7 @@ class ReplayClient:
         is in, and returns the batch."""
         import torch
 
-        from .replay_schema import ReplaySample
+        from .schema import ReplaySample
 
         segment = pending.segment
         try:
@@ -1138,7 +854,7 @@ class ReplayClient:
                 row += count
         except BaseException:
             # A call that failed (a timeout) may still write into it: never reused.
-            self._drop(segment)
+            self._segments.drop(segment)
             raise
         if then is not None:
             then()
@@ -1146,7 +862,7 @@ class ReplayClient:
         offsets = pending.offsets
         # The segment comes back to this client when the last view of it is freed.
         base = segment.view[: pending.nbytes]
-        weakref.finalize(base, self._give_back, segment)
+        weakref.finalize(base, self._segments.give_back, segment)
         whole = torch.from_numpy(base)
         schema = self._schema
         outs = [

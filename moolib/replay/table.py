@@ -3,7 +3,7 @@
 The table itself (priorities, sum tree, item bytes, content-addressed frames,
 rate limiter, checkpoints) lives in the C++ core (moolib/core/replay.h); this
 module maps nests of tensors onto it: it learns the item layout from the first
-insert (moolib/replay_schema.py), checks every later insert against it (naming
+insert (moolib/replay/schema.py), checks every later insert against it (naming
 the leaf that differs), and hands the core one flat byte view per leaf, so the
 insert and sample paths make no per-item Python objects. docs/architecture.md
 ("Replay") has the design.
@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _core, nest
-from .replay_rpc import serve
-from .replay_schema import ReplaySample, _bytes_view, _Schema
+from .. import _core, nest
+from .schema import ReplaySample, Schema, bytes_view
+from .server import serve
 
-__all__ = ["Replay", "ReplaySample"]
+__all__ = ["Replay"]
 
 _SELECTORS = ("uniform", "prioritized", "fifo")
 _LOAD_OVERRIDES = ("alpha", "min_size", "samples_per_insert", "error_buffer", "seed", "timeout")
@@ -54,6 +54,11 @@ class Replay:
     ``(S, *frame)`` whose frames are stored once each, shared by every item
     and leaf holding the same bytes: stacked Atari frames cost about one frame
     per transition.
+
+    ``serve`` answers other peers' ``ReplayClient``s through the methods of
+    ``moolib.replay.server.ServedTable``: ``insert_some``, ``sample_some``,
+    ``insert_from_buffers``, ``sample_into_buffers``,
+    ``update_priorities_from_bytes`` and ``priority_mass``, besides those above.
     """
 
     def __init__(
@@ -90,10 +95,10 @@ class Replay:
         self._core = core
         self._dedup = dedup
         self._timeout = float(timeout)
-        self._schema: _Schema | None = None
+        self._schema: Schema | None = None
         self._schema_lock = threading.Lock()
 
-    def _meta(self, schema: _Schema | None) -> bytes:
+    def _meta(self, schema: Schema | None) -> bytes:
         meta = {
             "dedup": list(self._dedup),
             "timeout": self._timeout,
@@ -117,7 +122,7 @@ class Replay:
         if schema is None:
             with self._schema_lock:
                 if self._schema is None:
-                    learned = _Schema.learn(items, self._dedup)
+                    learned = Schema.learn(items, self._dedup)
                     self._core.set_schema(learned.item_bytes, learned.frames, self._meta(learned))
                     self._schema = learned
                 schema = self._schema
@@ -135,7 +140,7 @@ class Replay:
             prio = p.contiguous().numpy()
         keys = torch.empty(n, dtype=torch.int64)
         done, waited, _ = self._core.insert(
-            [_bytes_view(t) for t in tensors], prio, keys.numpy(), wait
+            [bytes_view(t) for t in tensors], prio, keys.numpy(), wait
         )
         return keys[:done], waited
 
@@ -154,12 +159,12 @@ class Replay:
             raise TimeoutError(waited)
         return keys
 
-    def _insert_some(self, items: Any, priorities: Any, wait: float) -> torch.Tensor:
+    def insert_some(self, items: Any, priorities: Any, wait: float) -> torch.Tensor:
         """Inserts what the rate limiter lets through within ``wait`` seconds;
         returns those items' keys (a prefix of the batch)."""
         return self._insert(items, priorities, max(0.0, float(wait)))[0]
 
-    def _insert_into(self, leaves: list, priorities: Any, keys: Any, wait: float) -> int:
+    def insert_from_buffers(self, leaves: list, priorities: Any, keys: Any, wait: float) -> int:
         """Inserts from caller buffers in the table's layout (one per leaf, the
         items' bytes back to back; priorities as float64 or None), writing the
         keys to ``keys`` (int64); waits on the rate limiter at most ``wait``
@@ -204,7 +209,7 @@ class Replay:
             items = nest.pack_as(schema.structure, outs)
         return ReplaySample(items, keys[:done], probs[:done], int(size)), waited
 
-    def _sample_into(
+    def sample_into_buffers(
         self, batch_size: int, outs: list, keys: Any, probs: Any, wait: float
     ) -> tuple[int, int]:
         """Samples up to ``batch_size`` items straight into caller buffers (one
@@ -231,7 +236,7 @@ class Replay:
             raise TimeoutError(waited)
         return s
 
-    def _sample_some(self, batch_size: int, wait: float) -> ReplaySample:
+    def sample_some(self, batch_size: int, wait: float) -> ReplaySample:
         """Samples what the rate limiter lets through within ``wait`` seconds
         (possibly nothing)."""
         return self._sample(int(batch_size), max(0.0, float(wait)))[0]
@@ -250,7 +255,7 @@ class Replay:
             return 0
         return int(self._core.update_priorities(k.numpy(), p.contiguous().numpy()))
 
-    def _update_priorities_raw(self, keys: Any, priorities: Any) -> int:
+    def update_priorities_from_bytes(self, keys: Any, priorities: Any) -> int:
         """update_priorities from buffers of int64 keys and float64 priorities."""
         k = np.frombuffer(keys, dtype=np.int64)
         p = np.frombuffer(priorities, dtype=np.float64)
@@ -272,7 +277,13 @@ class Replay:
         """The most items the table holds; the oldest is evicted past it."""
         return int(self._core.config()["capacity"])
 
-    def _mass(self) -> float:
+    @property
+    def schema(self) -> Schema | None:
+        """The item layout learned from the first insert (None before it): the
+        leaves' names, dtypes and shapes, in the order the table stores them."""
+        return self._schema
+
+    def priority_mass(self) -> float:
         """The sum of p**alpha over the items (prioritized), else the size."""
         return float(self._core.priority_mass())
 
@@ -355,7 +366,7 @@ class Replay:
         try:
             meta = json.loads(core.meta().decode())
             dedup = tuple(meta["dedup"])
-            schema = _Schema.from_json(meta["schema"]) if meta["schema"] else None
+            schema = Schema.from_json(meta["schema"]) if meta["schema"] else None
             timeout = float(meta["timeout"])
             stored = (
                 [(b, f) for b, f in zip(schema.item_bytes, schema.frames, strict=True)]

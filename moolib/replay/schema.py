@@ -2,8 +2,9 @@
 leaves the core stores (learned from a table's first insert, checked at every
 later one), and ``ReplaySample``, the batch a sample returns.
 
-Shared by the table (``moolib.replay``) and its RPC side (``moolib.replay_rpc``),
-which lays a sample's leaves out in a client's shared memory by the same layout.
+Shared by the table (``moolib.replay.table``), the serving peer
+(``moolib.replay.server``) and its clients (``moolib.replay.client``), which lay a
+sample's leaves out in shared memory by the same layout.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import nest
+from .. import nest
 
-__all__ = ["ReplaySample"]
+__all__ = ["ReplaySample", "Schema", "bytes_view", "describe"]
 
 
 class ReplaySample(NamedTuple):
@@ -62,13 +63,13 @@ def _walk(x: Any, path: tuple, leaves: list, paths: list) -> Any:
     return None
 
 
-def _describe(s: Any) -> str:
+def describe(s: Any) -> str:
     """A skeleton as Python-like text: {'a': [*, *], 'b': (*,)}."""
     if s is None:
         return "*"
     if "d" in s:
-        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in s["d"]) + "}"
-    inner = ", ".join(_describe(v) for v in s.get("l", s.get("t", [])))
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in s["d"]) + "}"
+    inner = ", ".join(describe(v) for v in s.get("l", s.get("t", [])))
     if "l" in s:
         return f"[{inner}]"
     return f"({inner},)" if len(s["t"]) == 1 else f"({inner})"
@@ -114,7 +115,7 @@ _NUMPY_DTYPES = frozenset(
 )
 
 
-def _bytes_view(t: torch.Tensor) -> Any:
+def bytes_view(t: torch.Tensor) -> Any:
     """A buffer over the leaf's bytes, without a copy when it is already a
     contiguous CPU tensor."""
     if t.device.type != "cpu":
@@ -135,7 +136,7 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-class _Schema:
+class Schema:
     """The item layout learned from the first insert."""
 
     def __init__(
@@ -167,7 +168,7 @@ class _Schema:
         self._checks = list(zip(dtypes, shapes, strict=True))
 
     @classmethod
-    def learn(cls, items: Any, dedup: Sequence[str]) -> _Schema:
+    def learn(cls, items: Any, dedup: Sequence[str]) -> Schema:
         leaves: list = []
         paths: list = []
         skeleton = _walk(items, (), leaves, paths)
@@ -230,7 +231,7 @@ class _Schema:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> _Schema:
+    def from_json(cls, d: dict) -> Schema:
         schema = cls(
             d["skeleton"],
             list(d["names"]),
@@ -286,8 +287,8 @@ class _Schema:
                 raise ValueError(
                     "replay item structure differs from the table's: the same leaves "
                     "in other containers (a list where the table has a tuple, or the "
-                    f"reverse); the table stores {_describe(self.skeleton)}, given "
-                    f"{_describe(skeleton)}"
+                    f"reverse); the table stores {describe(self.skeleton)}, given "
+                    f"{describe(skeleton)}"
                 )
             wrong = [
                 f"{what} leaves {names}"
