@@ -169,6 +169,9 @@ class Schema:
 
     @classmethod
     def learn(cls, items: Any, dedup: Sequence[str]) -> Schema:
+        """The layout of a batch of ``items`` (every leaf a tensor or numpy
+        array with a leading batch dimension), with ``dedup`` the dotted names
+        of the leaves whose frames are stored once each."""
         leaves: list = []
         paths: list = []
         skeleton = _walk(items, (), leaves, paths)
@@ -219,6 +222,7 @@ class Schema:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def to_json(self) -> dict:
+        """The layout as JSON-able data: a checkpoint's metadata, a shard's answer."""
         return {
             "skeleton": self.skeleton,
             "names": self.names,
@@ -232,6 +236,8 @@ class Schema:
 
     @classmethod
     def from_json(cls, d: dict) -> Schema:
+        """The layout ``to_json`` wrote (refused, ``ValueError``, where its key order
+        does not match it)."""
         schema = cls(
             d["skeleton"],
             list(d["names"]),
