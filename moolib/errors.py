@@ -6,7 +6,8 @@ still catches them all; catch a subclass to handle one kind of failure. The
 core reports each failure as a code (moolib/core/error.h) and the binding
 raises the class registered for that code here; the message is for people,
 and nothing in moolib decides by it. The errors of a ``ReplayClient``
-(:class:`ReplayError`) and of an ``Accumulator`` whose peers hold other models
+(:class:`ReplayError`, and its subclasses that are also a ``TimeoutError`` or
+a ``ConnectionError``) and of an ``Accumulator`` whose peers hold other models
 (:class:`ModelMismatchError`) are ``RuntimeError``s of their own.
 docs/errors.md says what to do about each.
 """
@@ -25,9 +26,11 @@ __all__ = [
     "ModelMismatchError",
     "RemoteError",
     "ReplayError",
+    "ReplayTimeoutError",
     "RpcCancelledError",
     "RpcError",
     "RpcTimeoutError",
+    "ShardTimeoutError",
     "ShardUnavailableError",
     "SharedMemoryUnavailableError",
 ]
@@ -94,14 +97,32 @@ class ModelMismatchError(RuntimeError):
 
 
 class ReplayError(RuntimeError):
-    """A replay shard could not be reached or refused a call; names the peer."""
+    """A ``ReplayClient`` call failed; names the peer. Raised itself where a
+    shard refused the call (a NaN priority, an item of another layout: the
+    shard stays in use); the subclasses say when it timed out or a shard is
+    down. The error it comes from, if any (the call's ``RemoteError``,
+    ``RpcTimeoutError``, ...), is its ``__cause__``."""
 
 
-class ShardUnavailableError(ReplayError):
+class ReplayTimeoutError(ReplayError, TimeoutError):
+    """A replay call gave up waiting: the tables' rate limiting (``min_size``,
+    ``samples_per_insert``) held an insert or a sample past the client's
+    ``timeout`` (the message says how far it got; the items inserted so far
+    stay), or, as ``ShardTimeoutError``, a shard did not reply within the
+    Rpc's timeout."""
+
+
+class ShardUnavailableError(ReplayError, ConnectionError):
     """A shard did not answer (its connection was lost, it is not linked, it
     timed out): raised for a call in flight to it when it went (an insert then
     may or may not be in its table), and for a call that no live shard can
     serve. A shard that is down is left out until it answers again."""
+
+
+class ShardTimeoutError(ShardUnavailableError, ReplayTimeoutError):
+    """A shard did not reply within the Rpc's timeout (``Rpc.set_timeout``):
+    it is down, and left out as any unavailable shard, until it answers
+    again. Its ``__cause__`` is the call's ``RpcTimeoutError``."""
 
 
 # The names are the core's (moolib/core/error.h, errorCodeName); a failure

@@ -77,7 +77,13 @@ def client(make_rpc, server):
 
 # Not failures of a call or collective: a ReplayClient's, and an Accumulator's peers
 # holding other models.
-NOT_RPC = {"ModelMismatchError", "ReplayError", "ShardUnavailableError"}
+NOT_RPC = {
+    "ModelMismatchError",
+    "ReplayError",
+    "ReplayTimeoutError",
+    "ShardTimeoutError",
+    "ShardUnavailableError",
+}
 
 
 def test_every_class_is_a_documented_rpc_error():
@@ -92,6 +98,13 @@ def test_every_class_is_a_documented_rpc_error():
     assert issubclass(errors.RpcTimeoutError, TimeoutError)
     assert issubclass(errors.ConnectionLostError, ConnectionError)
     assert issubclass(errors.RpcCancelledError, concurrent.futures.CancelledError)
+    # A replay call's failure keeps its kind: a timeout, a shard that is gone.
+    assert issubclass(errors.ReplayTimeoutError, errors.ReplayError)
+    assert issubclass(errors.ReplayTimeoutError, TimeoutError)
+    assert issubclass(errors.ShardUnavailableError, errors.ReplayError)
+    assert issubclass(errors.ShardUnavailableError, ConnectionError)
+    assert issubclass(errors.ShardTimeoutError, errors.ShardUnavailableError)
+    assert issubclass(errors.ShardTimeoutError, errors.ReplayTimeoutError)
 
 
 # ---------------------------------------------------------------------------

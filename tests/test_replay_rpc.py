@@ -237,6 +237,7 @@ def test_a_killed_shard_is_left_out_and_used_again_once_back(tmp_path, make_rpc)
         ):
             kind, e = _in_thread(call, "a call only the dead shard could serve")
             assert kind == "raised" and isinstance(e, moolib.ShardUnavailableError), e
+            assert isinstance(e, ConnectionError) and isinstance(e, moolib.ReplayError), e
             assert "doomed" in str(e)
         again = replay_peer(
             tmp_path, "doomed", "--serve", "table", "--selector", "uniform", "--listen", address
@@ -288,6 +289,9 @@ def test_an_insert_in_flight_when_its_shard_dies_raises(tmp_path, make_rpc):
         kill_process(doomed.proc)
         wait_for(lambda: result, what="the insert in flight to fail")
         assert isinstance(result[0], moolib.ShardUnavailableError), result
+        assert isinstance(result[0], ConnectionError) and not isinstance(result[0], TimeoutError)
+        # The Rpc's error it comes from is kept, class and all.
+        assert isinstance(result[0].__cause__, moolib.errors.ConnectionLostError), result
         assert "connection was lost" in str(result[0])
         keys = _in_thread(lambda: client.insert({"x": torch.ones(4)}), "the next insert")[1]
         assert (keys >> 56).eq(1).all()
@@ -338,6 +342,28 @@ def test_a_sample_waits_past_the_rpc_timeout_for_min_size(make_rpc):
     t.join(timeout=60)
     assert result["sample"].items["x"].tolist() == [0, 1, 2, 3]
     assert replay.info()["samples"] == 4
+
+
+def test_a_call_that_times_out_is_a_replay_error_and_a_timeout_error(make_rpc):
+    rpc, replay = served(make_rpc, None, min_size=10)
+    client_rpc = make_rpc("client", timeout=1)
+    client_rpc.connect(rpc.address)
+    # The rate limiter holds the sample past the client's timeout.
+    client = moolib.ReplayClient(client_rpc, ("server", "table"), timeout=1)
+    with pytest.raises(moolib.errors.ReplayTimeoutError, match="sample of 4 timed out") as info:
+        client.sample(4)
+    assert isinstance(info.value, moolib.ReplayError) and isinstance(info.value, TimeoutError)
+    assert not isinstance(info.value, ConnectionError)  # the shard is there
+    # A shard that never replies: its Rpc timeout is the cause, and the shard is down.
+    nobody = moolib.ReplayClient(client_rpc, ("nobody", "table"), timeout=1)
+    with pytest.raises(moolib.ReplayError, match="'nobody'") as info:
+        nobody.info()
+    error = info.value
+    assert isinstance(error, TimeoutError) and isinstance(error, moolib.ShardUnavailableError)
+    assert isinstance(error, ConnectionError) and type(error) is moolib.errors.ShardTimeoutError
+    assert isinstance(error.__cause__, moolib.errors.RpcTimeoutError), repr(error.__cause__)
+    with pytest.raises(moolib.ShardUnavailableError, match="no replay shard is reachable"):
+        nobody.sample(1)
 
 
 def replay_mappings() -> list[tuple[int, int]]:

@@ -30,7 +30,14 @@ import numpy as np
 
 from .. import nest
 from .._checks import check_seconds
-from ..errors import RemoteError, ReplayError, RpcError, ShardUnavailableError
+from ..errors import (
+    RemoteError,
+    ReplayError,
+    ReplayTimeoutError,
+    RpcError,
+    ShardTimeoutError,
+    ShardUnavailableError,
+)
 from ..rpc import Rpc
 from .segments import Segment, SegmentPool, segment_layout
 
@@ -250,18 +257,21 @@ class ReplayClient:
         try:
             result = self._rpc.sync(shard.peer, f"{shard.name}/{fn}", *args)
         except RpcError as e:
-            raise self._failed(shard, fn, e) from None
+            raise self._failed(shard, fn, e) from e
         shard.answered = True
         return result
 
     def _failed(self, shard: _Shard, fn: str, error: RpcError) -> ReplayError:
-        """The error to raise for ``shard``'s failed call to ``fn``. Only a
-        shard that did not answer is left out; one that refused the call
-        (bad input) is healthy and stays in use."""
+        """The error to raise (from ``error``) for ``shard``'s failed call to
+        ``fn``. Only a shard that did not answer is left out; one that refused
+        the call (bad input) is healthy and stays in use."""
+        message = f"{shard.describe()}: {fn} failed: {error}"
         if _refused(error):
-            return ReplayError(f"{shard.describe()}: {fn} failed: {error}")
+            return ReplayError(message)
         self._set_down(shard)
-        return ShardUnavailableError(f"{shard.describe()}: {fn} failed: {error}")
+        if isinstance(error, TimeoutError):
+            return ShardTimeoutError(message)
+        return ShardUnavailableError(message)
 
     def _set_down(self, shard: _Shard) -> None:
         shard.down = True
@@ -426,9 +436,7 @@ class ReplayClient:
             leaves, n = schema.flatten(items)
         except (ValueError, TypeError) as e:
             # As the shard would have refused it (the same text, naming the leaf).
-            raise ReplayError(
-                f"{shard.describe()}: insert failed: {type(e).__name__}: {e}"
-            ) from None
+            raise ReplayError(f"{shard.describe()}: insert failed: {type(e).__name__}: {e}") from e
         if n <= 0:
             raise ValueError(f"replay insert of {n} items: a batch needs at least one")
         prioritized = priorities is not None
@@ -500,7 +508,7 @@ class ReplayClient:
                     try:
                         result = future.result()
                     except RpcError as e:
-                        raise self._failed(shard, fn, e) from None
+                        raise self._failed(shard, fn, e) from e
                     shard.answered = True
                 else:
                     fn, args = self._insert_args(call)
@@ -640,11 +648,7 @@ class ReplayClient:
                     parts.append((shard, items, keys, probs))
                     got += len(keys)
                 elif time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"{shard.describe()}: sample of {count} timed out after "
-                        f"{self._timeout:.1f} s ({got} sampled; the rate limiter waits "
-                        "for inserts)"
-                    )
+                    raise _sample_timeout(shard, count, got, self._timeout)
         total_mass = sum(s.mass for s in live)
         # One part (one shard, one call) is already the batch: no copy.
         try:
@@ -654,7 +658,7 @@ class ReplayClient:
             raise ReplayError(
                 f"replay shards hold items of different layouts: the items of {drawn} "
                 f"do not stack ({e})"
-            ) from None
+            ) from e
         keys = torch.cat([torch.as_tensor(p[2]) | (p[0].index << _SHARD_SHIFT) for p in parts])
         # An item's probability in the union: its shard's share of the mass
         # times its probability within the shard.
@@ -813,7 +817,7 @@ class ReplayClient:
                                 # made since). One the table refused would
                                 # only be refused again.
                                 self._restore_update(shard.index, pending.updates[i])
-                            raise error from None
+                            raise error from e
                         shard.answered = True
                         future = None
                     else:
@@ -846,11 +850,7 @@ class ReplayClient:
                     done, shard.size, shard.mass = result
                     got += done
                     if got < count and not done and time.monotonic() >= pending.deadline:
-                        raise TimeoutError(
-                            f"{shard.describe()}: sample of {count} timed out after "
-                            f"{self._timeout:.1f} s ({got} sampled; the rate limiter waits "
-                            "for inserts)"
-                        )
+                        raise _sample_timeout(shard, count, got, self._timeout)
                 row += count
         except BaseException:
             # A call that failed (a timeout) may still write into it: never reused.
@@ -1027,10 +1027,17 @@ def _union_size(live: list[_Shard]) -> int:
     return sum(s.size for s in live)
 
 
-def _insert_timeout(shard: _Shard, n: int, done: int, timeout: float) -> TimeoutError:
-    return TimeoutError(
+def _insert_timeout(shard: _Shard, n: int, done: int, timeout: float) -> ReplayTimeoutError:
+    return ReplayTimeoutError(
         f"{shard.describe()}: insert of {n} items timed out after {timeout:.1f} s with "
         f"{done} inserted (the rate limiter waits for samplers)"
+    )
+
+
+def _sample_timeout(shard: _Shard, n: int, done: int, timeout: float) -> ReplayTimeoutError:
+    return ReplayTimeoutError(
+        f"{shard.describe()}: sample of {n} timed out after {timeout:.1f} s ({done} sampled; "
+        "the rate limiter waits for inserts)"
     )
 
 

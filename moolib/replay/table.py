@@ -376,7 +376,7 @@ class Replay:
             if stored != [tuple(x) for x in core.layout()]:
                 raise ValueError("its layout does not match its items")
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-            raise ValueError(f"replay checkpoint {os.fspath(path)} has bad metadata: {e}") from None
+            raise ValueError(f"replay checkpoint {os.fspath(path)} has bad metadata: {e}") from e
         self = cls.__new__(cls)
         self._setup(core, dedup, float(overrides.get("timeout", timeout)))
         self._schema = schema
