@@ -90,10 +90,18 @@ def serve(replay: ServedTable, rpc: Rpc, name: str) -> None:
     def update_priorities_raw(keys: bytes, priorities: bytes) -> int:
         return replay.update_priorities_from_bytes(keys, priorities)
 
-    def outputs(sid: int, rows: list, sizes: list, count: int) -> list | None:
+    def segment_rows(sid: int, rows: list, count: int, layout: str | None) -> list | str | None:
+        """Views of ``count`` items' rows in segment ``sid``: each leaf's, then
+        two of 8 bytes an item, starting where ``rows`` says. None: the segment
+        is not mapped; ``_OTHER_LAYOUT``: the rows are laid out for items
+        (``layout``, a digest) that are not this table's."""
+        schema = _layout_of(replay, layout)
+        if schema is None:
+            return _OTHER_LAYOUT
         view = mapped.get(sid)
         if view is None:
             return None
+        sizes = [*schema.item_bytes, 8, 8]
         if len(rows) != len(sizes):
             raise ValueError(f"replay: {len(rows)} offsets for {len(sizes)} leaves")
         outs = []
@@ -119,12 +127,9 @@ def serve(replay: ServedTable, rpc: Rpc, name: str) -> None:
         here). Returns how many went in; None: the segment is not mapped;
         ``_OTHER_LAYOUT``: the items are in a layout (``layout``, a digest)
         that is not this table's."""
-        schema = _layout_of(replay, layout)
-        if schema is None:
-            return _OTHER_LAYOUT
-        views = outputs(sid, rows, [*schema.item_bytes, 8, 8], count)
-        if views is None:
-            return None
+        views = segment_rows(sid, rows, count, layout)
+        if not isinstance(views, list):
+            return views
         prio = views[-2] if prioritized else None
         return replay.insert_from_buffers(views[:-2], prio, views[-1], wait)
 
@@ -151,12 +156,9 @@ def serve(replay: ServedTable, rpc: Rpc, name: str) -> None:
         been its own call just before."""
         if keys is not None:
             replay.update_priorities_from_bytes(keys, priorities)
-        schema = _layout_of(replay, layout)
-        if schema is None:
-            return _OTHER_LAYOUT
-        outs = outputs(sid, rows, [*schema.item_bytes, 8, 8], count)
-        if outs is None:
-            return None
+        outs = segment_rows(sid, rows, count, layout)
+        if not isinstance(outs, list):
+            return outs
         done, size = replay.sample_into_buffers(count, outs[:-2], outs[-2], outs[-1], wait)
         return done, size, replay.priority_mass()
 
