@@ -12,6 +12,9 @@ from helpers.util import TRANSPORT_IDS, TRANSPORTS, PeerSpawner
 
 import moolib
 
+# MOOLIB_TEST_CPU_REPORT=FILE: each test's CPU seconds (tests/helpers/cpu_report.py).
+pytest_plugins = ["helpers.cpu_report"]
+
 # A shell runs background commands (`cmd &`) with SIGINT ignored, and children
 # inherit that: the Ctrl-C tests' processes would then never see their SIGINT.
 # A handler (unlike SIG_IGN) is reset on exec, so children start as from a terminal.
