@@ -389,11 +389,7 @@ Replay::Replay(const ReplayConfig& config, uint64_t seed) : config_(config), rng
   validate(config_);
   priorities_.assign(size_t(config_.capacity), 0.0);
   incarnations_.assign(size_t(config_.capacity), 0);
-  if (config_.selector == ReplaySelector::kPrioritized) {
-    treeLeaves_ = 1;
-    while (treeLeaves_ < config_.capacity) treeLeaves_ *= 2;
-    tree_.assign(size_t(2 * treeLeaves_), 0.0);
-  }
+  if (config_.selector == ReplaySelector::kPrioritized) tree_.emplace(config_.capacity);
 }
 
 Replay::~Replay() { close(); }
@@ -541,54 +537,14 @@ double Replay::weight(double priority) const {
   return config_.alpha == 1.0 ? priority : std::pow(priority, config_.alpha);
 }
 
-void Replay::setLeafLocked(int64_t slot, double value) {
-  if (!tree_.empty()) tree_[size_t(treeLeaves_ + slot)] = value;
-}
-
-void Replay::setTreeLocked(int64_t slot, double value) {
-  setLeafLocked(slot, value);
-  fixParentsLocked(slot, 1);
-}
-
-void Replay::fixParentsLocked(int64_t first, int64_t count) {
-  if (tree_.empty() || count <= 0) return;
-  // Parents are recomputed from their children, never adjusted by a delta,
-  // so rounding errors do not accumulate over millions of updates. A run of
-  // n consecutive slots (a batch insert) costs O(n + log capacity) this way.
-  auto fix = [this](int64_t lo, int64_t hi) {
-    lo += treeLeaves_;
-    hi += treeLeaves_;
-    while (lo > 1) {
-      lo /= 2;
-      hi /= 2;
-      for (int64_t i = lo; i <= hi; ++i) {
-        tree_[size_t(i)] = tree_[size_t(2 * i)] + tree_[size_t(2 * i + 1)];
-      }
-    }
-  };
-  if (count >= config_.capacity) {
-    fix(0, config_.capacity - 1);
-    return;
-  }
-  int64_t end = first + count;
-  if (end <= config_.capacity) {
-    fix(first, end - 1);
-  } else {
-    fix(first, config_.capacity - 1);
-    fix(0, end - config_.capacity - 1);
-  }
-}
-
 void Replay::rebuildTreeLocked() {
-  if (tree_.empty()) return;
-  std::fill(tree_.begin(), tree_.end(), 0.0);
+  if (!tree_) return;
+  tree_->clear();
   for (int64_t k = head_; k < tail_; ++k) {
     int64_t slot = k % config_.capacity;
-    tree_[size_t(treeLeaves_ + slot)] = weight(priorities_[size_t(slot)]);
+    tree_->setLeaf(slot, weight(priorities_[size_t(slot)]));
   }
-  for (int64_t i = treeLeaves_ - 1; i >= 1; --i) {
-    tree_[size_t(i)] = tree_[size_t(2 * i)] + tree_[size_t(2 * i + 1)];
-  }
+  tree_->rebuild();
 }
 
 int64_t Replay::keyLocked(int64_t counter) const {
@@ -604,7 +560,7 @@ void Replay::evictOldestLocked() {
     evictedIds_.insert(evictedIds_.end(), ids, ids + leaves_[j].frames);
   }
   // Its slot is written again by the insert that evicts it.
-  setLeafLocked(slot, 0.0);
+  if (tree_) tree_->setLeaf(slot, 0.0);
   ++head_;
   ++evictions_;
 }
@@ -629,7 +585,7 @@ void Replay::putLocked(int64_t slot, const std::vector<const uint8_t*>& src, con
   evictedIds_.clear();
   priorities_[size_t(slot)] = priority;
   // The caller fixes the parents once for the whole run it inserted.
-  setLeafLocked(slot, weight(priority));
+  if (tree_) tree_->setLeaf(slot, weight(priority));
 }
 
 void Replay::copyOutLocked(int64_t slot, const std::vector<ReplaySpan>& outs, int64_t index) {
@@ -741,14 +697,14 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
   // The sum tree's parents over the slots this call filled since it last
   // released the lock: fixed before every release, an exception included.
   struct Run {
-    Replay& table;
+    std::optional<replay::SumTree>& tree;
     int64_t first = 0, count = 0;
     void flush() {
-      table.fixParentsLocked(first, count);
+      if (tree) tree->fixParents(first, count);
       count = 0;
     }
     ~Run() { flush(); }
-  } run{*this};
+  } run{tree_};
   while (progress.done < n) {
     checkOpenLocked();
     if (canInsertLocked()) {
@@ -790,26 +746,13 @@ int64_t Replay::drawLocked(double* probability) {
     *probability = 1.0 / double(size);
     return head_ + int64_t(r);
   }
-  double total = tree_[1];
+  double total = tree_->total();
   if (!(total > 0)) {
     throw std::invalid_argument(
         "replay sample: every item has priority 0, so none can be drawn by priority");
   }
-  double u = double(rng_() >> 11) * 0x1.0p-53 * total;
-  int64_t i = 1;
-  while (i < treeLeaves_) {
-    double left = tree_[size_t(2 * i)], right = tree_[size_t(2 * i + 1)];
-    // Rounding can leave u just past the last positive leaf: never descend
-    // into a subtree of zero weight.
-    if ((u < left && left > 0) || !(right > 0)) {
-      i = 2 * i;
-    } else {
-      u -= left;
-      i = 2 * i + 1;
-    }
-  }
-  int64_t slot = i - treeLeaves_;
-  *probability = tree_[size_t(i)] / total;
+  int64_t slot = tree_->find(double(rng_() >> 11) * 0x1.0p-53 * total);
+  *probability = tree_->leaf(slot) / total;
   int64_t headSlot = head_ % config_.capacity;
   return head_ + (slot - headSlot + config_.capacity) % config_.capacity;
 }
@@ -883,7 +826,7 @@ int64_t Replay::updatePriorities(int64_t n, const int64_t* keys, const double* p
     // Another incarnation's key: an item that table lost, never this one.
     if ((key >> kReplayCounterBits) != incarnations_[size_t(slot)]) continue;
     priorities_[size_t(slot)] = priorities[i];
-    setTreeLocked(slot, weight(priorities[i]));
+    if (tree_) tree_->set(slot, weight(priorities[i]));
     ++updated;
   }
   return updated;
@@ -927,8 +870,7 @@ int64_t Replay::size() const {
 
 double Replay::priorityMass() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!tree_.empty()) return tree_[1];
-  return double(tail_ - head_);
+  return tree_ ? tree_->total() : double(tail_ - head_);
 }
 
 ReplayInfo Replay::info() const {
@@ -939,7 +881,7 @@ ReplayInfo Replay::info() const {
   r.inserts = inserts_;
   r.samples = samples_;
   r.evictions = evictions_;
-  r.priorityMass = tree_.empty() ? double(r.size) : tree_[1];
+  r.priorityMass = tree_ ? tree_->total() : double(r.size);
   r.frames = liveFrames_;
   r.frameBytes = liveFrameBytes_;
   r.waitingInserters = waitingInserters_;
@@ -948,8 +890,8 @@ ReplayInfo Replay::info() const {
   // What the live items take: their dense bytes and frame ids, the distinct
   // frames with their bookkeeping (record, hash-map node), the priority
   // (plus its sum-tree share) and the incarnation.
-  int64_t perItem = int64_t(sizeof(double) + sizeof(uint16_t)) +
-                    (tree_.empty() ? 0 : 2 * int64_t(sizeof(double)));
+  int64_t perItem =
+      int64_t(sizeof(double) + sizeof(uint16_t)) + (tree_ ? 2 * int64_t(sizeof(double)) : 0);
   for (auto& l : leaves_) perItem += l.frames == 0 ? l.itemBytes : l.frames * 4;
   r.storedBytes = r.size * perItem + liveFrameBytes_ +
                   liveFrames_ * int64_t(sizeof(Frame) + 2 * sizeof(void*) + 16);

@@ -15,10 +15,13 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+#include "replay/sum_tree.h"
 
 namespace moolib {
 
@@ -155,10 +158,6 @@ class Replay {
   uint32_t internFrame(const uint8_t* data, uint32_t bytes, uint64_t hash);
   void releaseFrame(uint32_t id);
 
-  void setLeafLocked(int64_t slot, double value);
-  void setTreeLocked(int64_t slot, double value);
-  // Recomputes the sum tree above `count` slots from `first` (wrapping).
-  void fixParentsLocked(int64_t first, int64_t count);
   int64_t drawLocked(double* probability);
   double weight(double priority) const;
   void rebuildTreeLocked();
@@ -191,9 +190,8 @@ class Replay {
   uint32_t incarnation_ = 0;            // the high bits of the keys this table hands out
   std::vector<double> priorities_;      // per slot
   std::vector<uint16_t> incarnations_;  // per slot: the incarnation that inserted it
-  // Sum tree over slots of priority^alpha: leaves at [treeLeaves_, 2 * treeLeaves_).
-  std::vector<double> tree_;
-  int64_t treeLeaves_ = 0;
+  // Over the slots' priority^alpha; prioritized tables only.
+  std::optional<replay::SumTree> tree_;
 };
 
 // A 64-bit hash of a byte string, for content addressing (equal bytes are
