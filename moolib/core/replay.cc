@@ -1,12 +1,5 @@
 #include "replay.h"
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <openssl/evp.h>
-#include <signal.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -18,15 +11,18 @@
 
 #include "error.h"
 #include "loop.h"
+#include "replay/checkpoint.h"
 
 namespace moolib {
 
+using replay::ByteWriter;
+using replay::CheckpointReader;
+using replay::CheckpointWriter;
+using replay::kCheckpointMagic;
+using replay::kCheckpointVersion;
+
 namespace {
 
-constexpr char kMagic[8] = {'M', 'O', 'O', 'R', 'E', 'P', 'L', '\0'};
-// 2: the table's incarnation, and each item's.
-constexpr uint32_t kVersion = 2;
-constexpr size_t kDigestBytes = 32;
 // Dense storage is allocated in chunks of about this many bytes per leaf, so
 // a table's memory follows its size, not its capacity.
 constexpr int64_t kChunkBytes = 4 << 20;
@@ -88,252 +84,6 @@ bool waitTurn(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, i
   --waiting;
   return !(timedOut && !closed && !can());
 }
-
-struct MdCtxFree {
-  void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
-};
-using MdCtx = std::unique_ptr<EVP_MD_CTX, MdCtxFree>;
-
-MdCtx newSha256() {
-  MdCtx ctx(EVP_MD_CTX_new());
-  MOO_ENFORCE(ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1,
-              "replay checkpoint: SHA-256 is not available");
-  return ctx;
-}
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-
- private:
-  int fd_;
-};
-
-// Bytes in a checkpoint's encoding, in memory: what a save copies under the lock.
-class ByteWriter {
- public:
-  void write(const void* data, size_t n) {
-    auto* p = static_cast<const uint8_t*>(data);
-    bytes_.insert(bytes_.end(), p, p + n);
-  }
-  template <typename T>
-  void put(T v) {
-    write(&v, sizeof(v));
-  }
-  void putString(const std::string& s) {
-    put<uint64_t>(s.size());
-    write(s.data(), s.size());
-  }
-  void reserve(size_t n) { bytes_.reserve(n); }
-  const uint8_t* data() const { return bytes_.data(); }
-  size_t size() const { return bytes_.size(); }
-
- private:
-  std::vector<uint8_t> bytes_;
-};
-
-std::pair<std::string, std::string> splitPath(const std::string& path) {
-  auto slash = path.rfind('/');
-  if (slash == std::string::npos) return {".", path};
-  return {slash == 0 ? "/" : path.substr(0, slash), path.substr(slash + 1)};
-}
-
-// Where a file is written before it is renamed to `path`: its writer's pid
-// in the name tells whose it is.
-std::string temporaryFor(const std::string& path) {
-  return concat(path, ".tmp.", ::getpid(), ".", std::random_device{}());
-}
-
-// Removes the temporaries of `path` (as temporaryFor names them) whose
-// writer is dead: left by a process killed while it wrote. Another file,
-// or one of a live process, is never touched.
-void removeStaleTemporaries(const std::string& path) {
-  auto [dir, base] = splitPath(path);
-  std::string prefix = base + ".tmp.";
-  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), ::closedir);
-  if (!d) return;
-  std::vector<std::string> stale;
-  while (dirent* e = ::readdir(d.get())) {
-    std::string name = e->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    // "<pid>.<number>", digits only.
-    std::string rest = name.substr(prefix.size());
-    auto dot = rest.find('.');
-    auto digits = [](const std::string& s) {
-      return !s.empty() && s.size() <= 10 &&
-             std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
-    };
-    if (dot == std::string::npos || !digits(rest.substr(0, dot)) || !digits(rest.substr(dot + 1)))
-      continue;
-    long pid = std::stol(rest.substr(0, dot));
-    if (pid <= 0 || pid == ::getpid()) continue;
-    if (::kill(pid_t(pid), 0) == -1 && errno == ESRCH) stale.push_back(dir + "/" + name);
-  }
-  for (auto& p : stale) ::unlink(p.c_str());
-}
-
-// Renames a written and fsynced `tmp` to `path`, durably: the rename is on
-// disk only once the directory is synced.
-void renameDurably(const std::string& tmp, const std::string& path) {
-  MOO_ENFORCE(::rename(tmp.c_str(), path.c_str()) == 0, "replay checkpoint: rename ", tmp, " to ",
-              path, ": ", std::strerror(errno));
-  Fd d(::open(splitPath(path).first.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (d.get() >= 0) ::fsync(d.get());
-}
-
-// The incarnation file next to a checkpoint: the last incarnation a load of
-// it began, written before that table hands out a key.
-constexpr char kIncarnationTag[] = "moolib replay incarnation ";
-
-uint64_t readIncarnation(const std::string& file) {
-  Fd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) {
-    MOO_ENFORCE(errno == ENOENT, "replay checkpoint: ", file, ": ", std::strerror(errno));
-    return 0;
-  }
-  char buf[64];
-  ssize_t n = ::read(fd.get(), buf, sizeof(buf));
-  std::string text(buf, size_t(std::max<ssize_t>(n, 0)));
-  std::string tag = kIncarnationTag;
-  std::string number = text.substr(std::min(text.size(), tag.size()));
-  if (!number.empty() && number.back() == '\n') number.pop_back();
-  if (text.compare(0, tag.size(), tag) != 0 || number.empty() || number.size() > 5 ||
-      !std::all_of(number.begin(), number.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    throw std::invalid_argument(concat("replay checkpoint: ", file, " is corrupt"));
-  }
-  return std::stoull(number);
-}
-
-void writeIncarnation(const std::string& file, uint64_t incarnation) {
-  removeStaleTemporaries(file);
-  std::string tmp = temporaryFor(file);
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
-  MOO_ENFORCE(fd.get() >= 0, "replay checkpoint: cannot create ", tmp, ": ", std::strerror(errno));
-  try {
-    std::string text = concat(kIncarnationTag, incarnation, "\n");
-    MOO_ENFORCE(::write(fd.get(), text.data(), text.size()) == ssize_t(text.size()) &&
-                    ::fsync(fd.get()) == 0,
-                "replay checkpoint: writing ", tmp, ": ", std::strerror(errno));
-    ::close(fd.release());
-    renameDurably(tmp, file);
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
-}
-
-// Buffered writes to a file that hash everything written.
-class CheckpointWriter {
- public:
-  CheckpointWriter(int fd, std::string path) : fd_(fd), path_(std::move(path)), md_(newSha256()) {
-    buf_.reserve(1 << 20);
-  }
-  void write(const void* data, size_t n) {
-    EVP_DigestUpdate(md_.get(), data, n);
-    raw(data, n);
-  }
-  template <typename T>
-  void put(T v) {
-    write(&v, sizeof(v));
-  }
-  void finish() {
-    unsigned char digest[EVP_MAX_MD_SIZE];
-    unsigned int len = 0;
-    EVP_DigestFinal_ex(md_.get(), digest, &len);
-    raw(digest, len);
-    flush();
-  }
-
- private:
-  void raw(const void* data, size_t n) {
-    auto* p = static_cast<const uint8_t*>(data);
-    if (buf_.size() + n > buf_.capacity()) flush();
-    if (n >= buf_.capacity()) {
-      writeAll(p, n);
-      return;
-    }
-    buf_.insert(buf_.end(), p, p + n);
-  }
-  void flush() {
-    writeAll(buf_.data(), buf_.size());
-    buf_.clear();
-  }
-  void writeAll(const uint8_t* p, size_t n) {
-    while (n > 0) {
-      ssize_t r = ::write(fd_, p, n);
-      if (r < 0 && errno == EINTR) continue;
-      MOO_ENFORCE(r > 0, "replay checkpoint: writing ", path_, ": ", std::strerror(errno));
-      p += r;
-      n -= size_t(r);
-    }
-  }
-  int fd_;
-  std::string path_;
-  MdCtx md_;
-  std::vector<uint8_t> buf_;
-};
-
-// Reads a checkpoint whose digest was already checked, bounds-checking every
-// length against what is left of the file.
-class CheckpointReader {
- public:
-  CheckpointReader(int fd, std::string path, uint64_t payload)
-      : fd_(fd), path_(std::move(path)), left_(payload) {}
-  [[noreturn]] void corrupt(const std::string& what) const {
-    throw std::invalid_argument("replay checkpoint " + path_ + " is corrupt: " + what);
-  }
-  void read(void* data, uint64_t n) {
-    if (n > left_) corrupt("it ends before its contents do");
-    left_ -= n;
-    auto* p = static_cast<uint8_t*>(data);
-    while (n > 0) {
-      if (pos_ == len_) {
-        ssize_t r = ::read(fd_, buf_, sizeof(buf_));
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) corrupt("it ends before its contents do");
-        pos_ = 0;
-        len_ = size_t(r);
-      }
-      size_t take = std::min<uint64_t>(n, len_ - pos_);
-      std::memcpy(p, buf_ + pos_, take);
-      pos_ += take;
-      p += take;
-      n -= take;
-    }
-  }
-  template <typename T>
-  T get() {
-    T v;
-    read(&v, sizeof(v));
-    return v;
-  }
-  std::string getString(uint64_t limit, const char* what) {
-    auto n = get<uint64_t>();
-    if (n > limit || n > left_) corrupt(concat(what, " of ", n, " bytes"));
-    std::string s(n, '\0');
-    read(s.data(), n);
-    return s;
-  }
-  uint64_t left() const { return left_; }
-
- private:
-  int fd_;
-  std::string path_;
-  uint64_t left_;
-  uint8_t buf_[1 << 16];
-  size_t pos_ = 0, len_ = 0;
-};
 
 }  // namespace
 
@@ -899,11 +649,7 @@ ReplayInfo Replay::info() const {
 }
 
 void Replay::save(const std::string& path) const {
-  removeStaleTemporaries(path);
-  std::string tmp = temporaryFor(path);
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
-  MOO_ENFORCE(fd.get() >= 0, "replay checkpoint: cannot create ", tmp, ": ", std::strerror(errno));
-  try {
+  replay::writeAtomically(path, [this](int fd, const std::string& tmp) {
     // The state is copied under the lock (one consistent state; memcpy and
     // frame references, no hashing or I/O), then hashed and written without
     // it, so samples and inserts wait for the copy, not for the disk.
@@ -912,8 +658,8 @@ void Replay::save(const std::string& path) const {
     std::vector<uint32_t> frameBytes;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      head.write(kMagic, sizeof(kMagic));
-      head.put<uint32_t>(kVersion);
+      head.write(kCheckpointMagic, sizeof(kCheckpointMagic));
+      head.put<uint32_t>(kCheckpointVersion);
       head.put<uint32_t>(0);
       head.put<int64_t>(config_.capacity);
       head.put<int32_t>(int32_t(config_.selector));
@@ -969,7 +715,7 @@ void Replay::save(const std::string& path) const {
         }
       }
     }
-    CheckpointWriter w(fd.get(), tmp);
+    CheckpointWriter w(fd, tmp);
     w.write(head.data(), head.size());
     w.put<uint64_t>(frames.size());
     for (size_t i = 0; i < frames.size(); ++i) {
@@ -978,14 +724,7 @@ void Replay::save(const std::string& path) const {
     }
     w.write(items.data(), items.size());
     w.finish();
-    MOO_ENFORCE(::fsync(fd.get()) == 0, "replay checkpoint: fsync ", tmp, ": ",
-                std::strerror(errno));
-    ::close(fd.release());
-    renameDurably(tmp, path);
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
+  });
 }
 
 std::unique_ptr<Replay> Replay::load(const std::string& path) {
@@ -996,65 +735,26 @@ std::unique_ptr<Replay> Replay::load(const std::string& path) {
     throw std::invalid_argument("replay checkpoint " + path +
                                 " is corrupt: it asks for more memory than there is");
   }
-  removeStaleTemporaries(path);
+  replay::removeStaleTemporaries(path);
   // A new incarnation, on disk before this table hands out a key: one that
   // died after loading the same checkpoint used the one before.
   std::string file = path + ".incarnation";
-  uint64_t next = std::max<uint64_t>(table->incarnation_, readIncarnation(file)) + 1;
+  uint64_t next = std::max<uint64_t>(table->incarnation_, replay::readIncarnation(file)) + 1;
   if (next > kReplayMaxIncarnation) {
     throw std::invalid_argument(concat("replay checkpoint ", path, " was loaded ",
                                        kReplayMaxIncarnation,
                                        " times: no incarnation is left for its keys"));
   }
-  writeIncarnation(file, next);
+  replay::writeIncarnation(file, next);
   table->incarnation_ = uint32_t(next);
   return table;
 }
 
 std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  MOO_ENFORCE(fd.get() >= 0, "replay checkpoint ", path, ": ", std::strerror(errno));
-  struct stat st;
-  MOO_ENFORCE(::fstat(fd.get(), &st) == 0, "replay checkpoint ", path, ": ", std::strerror(errno));
-  uint64_t fileSize = uint64_t(st.st_size);
-  auto refuse = [&](const std::string& why) {
-    throw std::invalid_argument("replay checkpoint " + path + " " + why);
-  };
-  if (fileSize < sizeof(kMagic) + kDigestBytes)
-    refuse(concat("is truncated (", fileSize, " bytes)"));
-  char magic[sizeof(kMagic)];
-  if (::pread(fd.get(), magic, sizeof(magic), 0) != ssize_t(sizeof(magic)) ||
-      std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) {
-    refuse("is not a moolib replay checkpoint");
-  }
-  {
-    // The digest covers everything before it: checked before anything is parsed.
-    MdCtx md = newSha256();
-    std::vector<uint8_t> buf(1 << 20);
-    uint64_t left = fileSize - kDigestBytes, off = 0;
-    while (left > 0) {
-      ssize_t r = ::pread(fd.get(), buf.data(), size_t(std::min<uint64_t>(left, buf.size())), off);
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) refuse("could not be read");
-      EVP_DigestUpdate(md.get(), buf.data(), size_t(r));
-      left -= uint64_t(r);
-      off += uint64_t(r);
-    }
-    unsigned char digest[EVP_MAX_MD_SIZE], stored[kDigestBytes];
-    unsigned int len = 0;
-    EVP_DigestFinal_ex(md.get(), digest, &len);
-    if (::pread(fd.get(), stored, kDigestBytes, off_t(fileSize - kDigestBytes)) !=
-            ssize_t(kDigestBytes) ||
-        len != kDigestBytes || std::memcmp(digest, stored, kDigestBytes) != 0) {
-      refuse("is damaged or truncated: its SHA-256 checksum does not match");
-    }
-  }
-  CheckpointReader r(fd.get(), path, fileSize - kDigestBytes);
-  char skip[sizeof(kMagic)];
-  r.read(skip, sizeof(skip));
+  CheckpointReader r(path);
   // Version 1 predates incarnations: its table and items are incarnation 0.
   uint32_t version = r.get<uint32_t>();
-  if (version != 1 && version != kVersion) r.corrupt("unknown format version");
+  if (version != 1 && version != kCheckpointVersion) r.corrupt("unknown format version");
   r.get<uint32_t>();
   ReplayConfig c;
   c.capacity = r.get<int64_t>();
