@@ -23,27 +23,6 @@ using replay::kCheckpointVersion;
 
 namespace {
 
-// Dense storage is allocated in chunks of about this many bytes per leaf, so
-// a table's memory follows its size, not its capacity.
-constexpr int64_t kChunkBytes = 4 << 20;
-
-uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-uint64_t mix(uint64_t h) {
-  h ^= h >> 33;
-  h *= 0xff51afd7ed558ccdULL;
-  h ^= h >> 33;
-  h *= 0xc4ceb9fe1a85ec53ULL;
-  h ^= h >> 33;
-  return h;
-}
-
-uint64_t load64(const uint8_t* p) {
-  uint64_t w;
-  std::memcpy(&w, p, 8);
-  return w;
-}
-
 std::string fmt(double x) {
   std::ostringstream ss;
   ss << x;
@@ -87,26 +66,6 @@ bool waitTurn(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, i
 
 }  // namespace
 
-uint64_t replayHash(const uint8_t* p, size_t n) {
-  constexpr uint64_t k1 = 0x9E3779B97F4A7C15ULL, k2 = 0xC2B2AE3D27D4EB4FULL,
-                     k3 = 0x165667B19E3779F9ULL;
-  // Four independent lanes keep the multiplier busy; a frame of Atari is
-  // hashed at memory speed.
-  uint64_t a = k1 ^ n, b = k2, c = k3, d = k1 ^ k2;
-  size_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    a = rotl(a ^ (load64(p + i) * k2), 31) * k1;
-    b = rotl(b ^ (load64(p + i + 8) * k2), 31) * k1;
-    c = rotl(c ^ (load64(p + i + 16) * k2), 31) * k1;
-    d = rotl(d ^ (load64(p + i + 24) * k2), 31) * k1;
-  }
-  for (; i + 8 <= n; i += 8) a = rotl(a ^ (load64(p + i) * k2), 27) * k3;
-  uint64_t last = 0;
-  std::memcpy(&last, p + i, n - i);
-  a ^= last * k3;
-  return mix(a + rotl(b, 7) + rotl(c, 12) + rotl(d, 18));
-}
-
 void Replay::validate(const ReplayConfig& c) {
   auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
   if (c.capacity <= 0) bad(concat("replay capacity must be positive, got ", c.capacity));
@@ -135,7 +94,8 @@ void Replay::validate(const ReplayConfig& c) {
   }
 }
 
-Replay::Replay(const ReplayConfig& config, uint64_t seed) : config_(config), rng_(seed) {
+Replay::Replay(const ReplayConfig& config, uint64_t seed)
+    : config_(config), rng_(seed), store_(config.capacity) {
   validate(config_);
   priorities_.assign(size_t(config_.capacity), 0.0);
   incarnations_.assign(size_t(config_.capacity), 0);
@@ -156,44 +116,12 @@ void Replay::checkOpenLocked() const { MOO_ENFORCE(!closed_, "replay table is cl
 void Replay::setSchema(const std::vector<ReplayLeaf>& leaves, const std::string& meta) {
   std::lock_guard<std::mutex> lock(mutex_);
   checkOpenLocked();
-  if (hasSchema_) {
-    bool same = leaves.size() == leaves_.size();
-    for (size_t i = 0; same && i < leaves.size(); ++i) {
-      same = leaves[i].itemBytes == leaves_[i].itemBytes && leaves[i].frames == leaves_[i].frames;
-    }
-    if (!same) throw std::invalid_argument("replay items changed layout after the first insert");
-    return;
-  }
-  if (leaves.empty()) throw std::invalid_argument("a replay item needs at least one leaf");
-  int64_t largest = 1;
-  for (auto& l : leaves) {
-    if (l.itemBytes <= 0) throw std::invalid_argument("replay leaves must have at least one byte");
-    if (l.frames < 0 || (l.frames > 0 && l.itemBytes % l.frames != 0)) {
-      throw std::invalid_argument("a dedup leaf must split into whole frames");
-    }
-    if (l.frames == 0) largest = std::max(largest, l.itemBytes);
-  }
-  leaves_ = leaves;
-  meta_ = meta;
-  chunkItems_ = std::clamp<int64_t>(kChunkBytes / largest, 1, config_.capacity);
-  chunks_.clear();
-  chunks_.resize(leaves_.size());
-  ids_.clear();
-  ids_.resize(leaves_.size());
-  int64_t chunks = (config_.capacity + chunkItems_ - 1) / chunkItems_;
-  for (size_t j = 0; j < leaves_.size(); ++j) {
-    if (leaves_[j].frames == 0) {
-      chunks_[j].resize(size_t(chunks));
-    } else {
-      ids_[j].assign(size_t(config_.capacity * leaves_[j].frames), kNoFrame);
-    }
-  }
-  hasSchema_ = true;
+  if (store_.setLayout(leaves)) meta_ = meta;
 }
 
 bool Replay::hasSchema() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return hasSchema_;
+  return store_.hasLayout();
 }
 
 void Replay::setMeta(const std::string& meta) {
@@ -204,83 +132,6 @@ void Replay::setMeta(const std::string& meta) {
 std::string Replay::meta() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return meta_;
-}
-
-uint8_t* Replay::denseSlot(size_t leaf, int64_t slot) {
-  auto& chunk = chunks_[leaf][size_t(slot / chunkItems_)];
-  if (!chunk) chunk = std::make_unique<uint8_t[]>(size_t(chunkItems_ * leaves_[leaf].itemBytes));
-  return chunk.get() + (slot % chunkItems_) * leaves_[leaf].itemBytes;
-}
-
-const uint8_t* Replay::denseSlotConst(size_t leaf, int64_t slot) const {
-  return chunks_[leaf][size_t(slot / chunkItems_)].get() +
-         (slot % chunkItems_) * leaves_[leaf].itemBytes;
-}
-
-uint32_t* Replay::frameIds(size_t leaf, int64_t slot) {
-  return ids_[leaf].data() + slot * leaves_[leaf].frames;
-}
-
-uint32_t Replay::internFrame(const uint8_t* data, uint32_t bytes, uint64_t hash) {
-  auto it = frameByHash_.find(hash);
-  if (it != frameByHash_.end()) {
-    for (uint32_t id = it->second; id != kNoFrame; id = frames_[id].nextSameHash) {
-      Frame& f = frames_[id];
-      if (f.bytes == bytes && std::memcmp(f.data.get(), data, bytes) == 0) {
-        ++f.refs;
-        return id;
-      }
-    }
-  }
-  uint32_t id;
-  if (!freeFrames_.empty()) {
-    id = freeFrames_.back();
-    freeFrames_.pop_back();
-  } else {
-    MOO_ENFORCE(frames_.size() < kNoFrame, "replay: too many distinct frames");
-    id = uint32_t(frames_.size());
-    frames_.emplace_back();
-  }
-  Frame& f = frames_[id];
-  // A recycled frame keeps its buffer when the size matches.
-  // Reused only where no save in progress still holds it.
-  if (!f.data || f.bytes != bytes || f.data.use_count() > 1) {
-    f.data = std::shared_ptr<uint8_t[]>(std::make_unique<uint8_t[]>(bytes));
-  }
-  std::memcpy(f.data.get(), data, bytes);
-  f.hash = hash;
-  f.bytes = bytes;
-  f.refs = 1;
-  if (it != frameByHash_.end()) {
-    f.nextSameHash = it->second;
-    it->second = id;
-  } else {
-    f.nextSameHash = kNoFrame;
-    frameByHash_.emplace(hash, id);
-  }
-  ++liveFrames_;
-  liveFrameBytes_ += bytes;
-  return id;
-}
-
-void Replay::releaseFrame(uint32_t id) {
-  Frame& f = frames_[id];
-  if (--f.refs > 0) return;
-  auto it = frameByHash_.find(f.hash);
-  if (it->second == id) {
-    if (f.nextSameHash == kNoFrame) {
-      frameByHash_.erase(it);
-    } else {
-      it->second = f.nextSameHash;
-    }
-  } else {
-    uint32_t prev = it->second;
-    while (frames_[prev].nextSameHash != id) prev = frames_[prev].nextSameHash;
-    frames_[prev].nextSameHash = f.nextSameHash;
-  }
-  --liveFrames_;
-  liveFrameBytes_ -= f.bytes;
-  freeFrames_.push_back(id);
 }
 
 double Replay::weight(double priority) const {
@@ -303,55 +154,11 @@ int64_t Replay::keyLocked(int64_t counter) const {
 
 void Replay::evictOldestLocked() {
   int64_t slot = head_ % config_.capacity;
-  evictedIds_.clear();
-  for (size_t j = 0; j < leaves_.size(); ++j) {
-    if (leaves_[j].frames == 0) continue;
-    uint32_t* ids = frameIds(j, slot);
-    evictedIds_.insert(evictedIds_.end(), ids, ids + leaves_[j].frames);
-  }
+  store_.evict(slot);
   // Its slot is written again by the insert that evicts it.
   if (tree_) tree_->setLeaf(slot, 0.0);
   ++head_;
   ++evictions_;
-}
-
-void Replay::putLocked(int64_t slot, const std::vector<const uint8_t*>& src, const uint64_t* hashes,
-                       double priority) {
-  for (size_t j = 0; j < leaves_.size(); ++j) {
-    const ReplayLeaf& l = leaves_[j];
-    if (l.frames == 0) {
-      std::memcpy(denseSlot(j, slot), src[j], size_t(l.itemBytes));
-      continue;
-    }
-    uint32_t frameBytes = uint32_t(l.itemBytes / l.frames);
-    uint32_t* ids = frameIds(j, slot);
-    for (int64_t f = 0; f < l.frames; ++f) {
-      ids[f] = internFrame(src[j] + f * frameBytes, frameBytes, *hashes++);
-    }
-  }
-  // The evicted item's frames go after the new item took its own, so a frame
-  // both share is kept rather than freed and copied again.
-  for (uint32_t id : evictedIds_) releaseFrame(id);
-  evictedIds_.clear();
-  priorities_[size_t(slot)] = priority;
-  // The caller fixes the parents once for the whole run it inserted.
-  if (tree_) tree_->setLeaf(slot, weight(priority));
-}
-
-void Replay::copyOutLocked(int64_t slot, const std::vector<ReplaySpan>& outs, int64_t index) {
-  for (size_t j = 0; j < leaves_.size(); ++j) {
-    const ReplayLeaf& l = leaves_[j];
-    uint8_t* dst = outs[j].data + index * l.itemBytes;
-    if (l.frames == 0) {
-      std::memcpy(dst, denseSlotConst(j, slot), size_t(l.itemBytes));
-      continue;
-    }
-    int64_t frameBytes = l.itemBytes / l.frames;
-    const uint32_t* ids = frameIds(j, slot);
-    for (int64_t f = 0; f < l.frames; ++f) {
-      std::memcpy(dst + f * frameBytes, frames_[ids[f]].data.get(), size_t(frameBytes));
-    }
-  }
 }
 
 bool Replay::canInsertLocked() const {
@@ -413,8 +220,8 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
   {
     std::lock_guard<std::mutex> lock(mutex_);
     checkOpenLocked();
-    MOO_ENFORCE(hasSchema_, "replay insert before the item layout was set");
-    layout = leaves_;
+    MOO_ENFORCE(store_.hasLayout(), "replay insert before the item layout was set");
+    layout = store_.layout();
   }
   MOO_ENFORCE(leaves.size() == layout.size(), "replay insert: ", leaves.size(),
               " leaves, expected ", layout.size());
@@ -424,20 +231,8 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
                 " has ", leaves[j].size, " bytes, expected ", n * layout[j].itemBytes);
     framesPerItem += size_t(layout[j].frames);
   }
-  // Hashing is most of the cost of a dedup insert; it needs no lock.
-  std::vector<uint64_t> hashes(framesPerItem * size_t(n));
-  if (framesPerItem > 0) {
-    uint64_t* h = hashes.data();
-    for (int64_t i = 0; i < n; ++i) {
-      for (size_t j = 0; j < layout.size(); ++j) {
-        int64_t frames = layout[j].frames;
-        if (frames == 0) continue;
-        int64_t frameBytes = layout[j].itemBytes / frames;
-        const uint8_t* item = leaves[j].data + i * layout[j].itemBytes;
-        for (int64_t f = 0; f < frames; ++f) *h++ = replayHash(item + f * frameBytes, frameBytes);
-      }
-    }
-  }
+  // Hashed before the lock is taken: it is most of the cost of a dedup insert.
+  std::vector<uint64_t> hashes = replay::ItemStore::hashFrames(layout, leaves, n);
 
   TimePoint deadline = deadlineAfter(waitSeconds);
   ReplayProgress progress;
@@ -465,8 +260,11 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
       if (tail_ - head_ == config_.capacity) evictOldestLocked();
       int64_t slot = tail_ % config_.capacity;
       if (run.count++ == 0) run.first = slot;
-      putLocked(slot, src, hashes.data() + size_t(i) * framesPerItem,
-                priorities ? priorities[i] : 1.0);
+      store_.put(slot, src, hashes.data() + size_t(i) * framesPerItem);
+      double priority = priorities ? priorities[i] : 1.0;
+      priorities_[size_t(slot)] = priority;
+      // The run's parents are fixed once, when the lock is released.
+      if (tree_) tree_->setLeaf(slot, weight(priority));
       incarnations_[size_t(slot)] = uint16_t(incarnation_);
       keysOut[i] = keyLocked(tail_);
       ++tail_;
@@ -518,14 +316,15 @@ ReplayProgress Replay::sample(int64_t n, const std::vector<ReplaySpan>& outs, in
   while (progress.done < n) {
     checkOpenLocked();
     if (canSampleLocked()) {
-      if (outs.size() != leaves_.size()) {
+      const std::vector<ReplayLeaf>& layout = store_.layout();
+      if (outs.size() != layout.size()) {
         progress.needOutputs = true;
         break;
       }
       if (progress.done == 0) {
-        for (size_t j = 0; j < leaves_.size(); ++j) {
-          MOO_ENFORCE(outs[j].size == size_t(n * leaves_[j].itemBytes), "replay sample: output ", j,
-                      " has ", outs[j].size, " bytes, expected ", n * leaves_[j].itemBytes);
+        for (size_t j = 0; j < layout.size(); ++j) {
+          MOO_ENFORCE(outs[j].size == size_t(n * layout[j].itemBytes), "replay sample: output ", j,
+                      " has ", outs[j].size, " bytes, expected ", n * layout[j].itemBytes);
         }
       }
       int64_t i = progress.done;
@@ -537,7 +336,7 @@ ReplayProgress Replay::sample(int64_t n, const std::vector<ReplaySpan>& outs, in
       } else {
         key = drawLocked(&p);
       }
-      copyOutLocked(key % config_.capacity, outs, i);
+      store_.copyOut(key % config_.capacity, outs, i);
       keysOut[i] = keyLocked(key);
       probsOut[i] = p;
       ++samples_;
@@ -610,7 +409,7 @@ ReplayConfig Replay::config() const {
 
 std::vector<ReplayLeaf> Replay::layout() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return leaves_;
+  return store_.layout();
 }
 
 int64_t Replay::size() const {
@@ -632,19 +431,17 @@ ReplayInfo Replay::info() const {
   r.samples = samples_;
   r.evictions = evictions_;
   r.priorityMass = tree_ ? tree_->total() : double(r.size);
-  r.frames = liveFrames_;
-  r.frameBytes = liveFrameBytes_;
+  r.frames = store_.frames();
+  r.frameBytes = store_.frameBytes();
   r.waitingInserters = waitingInserters_;
   r.waitingSamplers = waitingSamplers_;
   r.incarnation = incarnation_;
   // What the live items take: their dense bytes and frame ids, the distinct
   // frames with their bookkeeping (record, hash-map node), the priority
   // (plus its sum-tree share) and the incarnation.
-  int64_t perItem =
-      int64_t(sizeof(double) + sizeof(uint16_t)) + (tree_ ? 2 * int64_t(sizeof(double)) : 0);
-  for (auto& l : leaves_) perItem += l.frames == 0 ? l.itemBytes : l.frames * 4;
-  r.storedBytes = r.size * perItem + liveFrameBytes_ +
-                  liveFrames_ * int64_t(sizeof(Frame) + 2 * sizeof(void*) + 16);
+  int64_t perItem = int64_t(sizeof(double) + sizeof(uint16_t)) +
+                    (tree_ ? 2 * int64_t(sizeof(double)) : 0) + store_.bytesPerItem();
+  r.storedBytes = r.size * perItem + store_.frameStorageBytes();
   return r;
 }
 
@@ -654,8 +451,7 @@ void Replay::save(const std::string& path) const {
     // frame references, no hashing or I/O), then hashed and written without
     // it, so samples and inserts wait for the copy, not for the disk.
     ByteWriter head, items;
-    std::vector<std::shared_ptr<const uint8_t[]>> frames;
-    std::vector<uint32_t> frameBytes;
+    replay::FrameSnapshot frames;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       head.write(kCheckpointMagic, sizeof(kCheckpointMagic));
@@ -677,51 +473,26 @@ void Replay::save(const std::string& path) const {
       rng << rng_;
       head.putString(rng.str());
       head.putString(meta_);
-      head.put<uint8_t>(hasSchema_ ? 1 : 0);
-      head.put<uint64_t>(leaves_.size());
-      size_t perItem = sizeof(double) + sizeof(uint16_t);
-      for (auto& l : leaves_) {
+      const std::vector<ReplayLeaf>& leaves = store_.layout();
+      head.put<uint8_t>(store_.hasLayout() ? 1 : 0);
+      head.put<uint64_t>(leaves.size());
+      for (auto& l : leaves) {
         head.put<int64_t>(l.itemBytes);
         head.put<int64_t>(l.frames);
-        perItem += size_t(l.frames == 0 ? l.itemBytes : l.frames * 4);
       }
-      // Frames are written once each, renumbered densely in order of first use.
-      std::unordered_map<uint32_t, uint32_t> renumber;
-      for (int64_t k = head_; k < tail_; ++k) {
-        int64_t slot = k % config_.capacity;
-        for (size_t j = 0; j < leaves_.size(); ++j) {
-          for (int64_t f = 0; f < leaves_[j].frames; ++f) {
-            uint32_t id = ids_[j][size_t(slot * leaves_[j].frames + f)];
-            if (renumber.emplace(id, uint32_t(frames.size())).second) {
-              frames.push_back(frames_[id].data);
-              frameBytes.push_back(frames_[id].bytes);
-            }
-          }
-        }
-      }
-      items.reserve(size_t(tail_ - head_) * perItem);
+      for (int64_t k = head_; k < tail_; ++k) store_.snapshotFrames(k % config_.capacity, frames);
+      items.reserve(size_t((tail_ - head_) *
+                           (int64_t(sizeof(double) + sizeof(uint16_t)) + store_.bytesPerItem())));
       for (int64_t k = head_; k < tail_; ++k) {
         int64_t slot = k % config_.capacity;
         items.put<double>(priorities_[size_t(slot)]);
         items.put<uint16_t>(incarnations_[size_t(slot)]);
-        for (size_t j = 0; j < leaves_.size(); ++j) {
-          if (leaves_[j].frames == 0) {
-            items.write(denseSlotConst(j, slot), size_t(leaves_[j].itemBytes));
-            continue;
-          }
-          for (int64_t f = 0; f < leaves_[j].frames; ++f) {
-            items.put<uint32_t>(renumber.at(ids_[j][size_t(slot * leaves_[j].frames + f)]));
-          }
-        }
+        store_.writeItem(slot, frames, items);
       }
     }
     CheckpointWriter w(fd, tmp);
     w.write(head.data(), head.size());
-    w.put<uint64_t>(frames.size());
-    for (size_t i = 0; i < frames.size(); ++i) {
-      w.put<uint32_t>(frameBytes[i]);
-      w.write(frames[i].get(), frameBytes[i]);
-    }
+    frames.write(w);
     w.write(items.data(), items.size());
     w.finish();
   });
@@ -825,23 +596,7 @@ std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
     if (nLeaves != 0 || tail != head) r.corrupt("items without a layout");
     t.meta_ = meta;
   }
-  uint64_t nFrames = r.get<uint64_t>();
-  if (nFrames > r.left() / 4) r.corrupt("bad frame count");
-  t.frames_.resize(nFrames);
-  for (uint64_t i = 0; i < nFrames; ++i) {
-    uint32_t bytes = r.get<uint32_t>();
-    if (bytes == 0 || bytes > r.left()) r.corrupt("bad frame size");
-    Frame& f = t.frames_[i];
-    f.bytes = bytes;
-    f.data = std::shared_ptr<uint8_t[]>(std::make_unique<uint8_t[]>(bytes));
-    r.read(f.data.get(), bytes);
-    f.hash = replayHash(f.data.get(), bytes);
-    auto [it, fresh] = t.frameByHash_.emplace(f.hash, uint32_t(i));
-    f.nextSameHash = fresh ? kNoFrame : it->second;
-    it->second = uint32_t(i);
-    t.liveFrameBytes_ += bytes;
-  }
-  t.liveFrames_ = int64_t(nFrames);
+  t.store_.readFrames(r);
   for (int64_t k = head; k < tail; ++k) {
     int64_t slot = k % c.capacity;
     double p = r.get<double>();
@@ -852,25 +607,10 @@ std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
       if (incarnation > t.incarnation_) r.corrupt("an item of a later incarnation");
       t.incarnations_[size_t(slot)] = incarnation;
     }
-    for (size_t j = 0; j < leaves.size(); ++j) {
-      if (leaves[j].frames == 0) {
-        r.read(t.denseSlot(j, slot), uint64_t(leaves[j].itemBytes));
-        continue;
-      }
-      uint64_t frameBytes = uint64_t(leaves[j].itemBytes / leaves[j].frames);
-      uint32_t* ids = t.frameIds(j, slot);
-      for (int64_t f = 0; f < leaves[j].frames; ++f) {
-        uint32_t id = r.get<uint32_t>();
-        if (id >= nFrames || t.frames_[id].bytes != frameBytes) r.corrupt("bad frame reference");
-        ids[f] = id;
-        ++t.frames_[id].refs;
-      }
-    }
+    t.store_.readItem(slot, r);
   }
   if (r.left() != 0) r.corrupt("trailing bytes");
-  for (auto& f : t.frames_) {
-    if (f.refs == 0) r.corrupt("unreferenced frame");
-  }
+  t.store_.checkFramesHeld(r);
   t.rebuildTreeLocked();
   return out;
 }

@@ -18,9 +18,9 @@
 #include <optional>
 #include <random>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
+#include "replay/item_store.h"
 #include "replay/sum_tree.h"
 
 namespace moolib {
@@ -41,20 +41,6 @@ struct ReplayConfig {
   // samplesPerInsert <= 0: no ratio is enforced (only minSize).
   double samplesPerInsert = 0;
   double errorBuffer = 0;
-};
-
-// One leaf of an item. A dedup leaf is `frames` frames of itemBytes / frames
-// bytes each, stored content-addressed (shared by every item and leaf that
-// holds the same frame).
-struct ReplayLeaf {
-  int64_t itemBytes = 0;
-  int64_t frames = 0;  // 0: stored densely
-};
-
-// A view of caller memory: n items of a leaf back to back.
-struct ReplaySpan {
-  uint8_t* data = nullptr;
-  size_t size = 0;
 };
 
 struct ReplayProgress {
@@ -130,33 +116,15 @@ class Replay {
  private:
   static std::unique_ptr<Replay> loadChecked(const std::string& path);
 
-  struct Frame {
-    uint64_t hash = 0;
-    uint32_t refs = 0;
-    uint32_t nextSameHash = 0;  // kNoFrame ends the chain
-    uint32_t bytes = 0;
-    // Shared with a save in progress, which writes it after the lock is released.
-    std::shared_ptr<uint8_t[]> data;
-  };
-  static constexpr uint32_t kNoFrame = UINT32_MAX;
-
   bool canInsertLocked() const;
   bool canSampleLocked() const;
   std::string insertWaitLocked(int64_t n, int64_t done, double waited) const;
   std::string sampleWaitLocked(int64_t n, int64_t done, double waited) const;
   void checkOpenLocked() const;
 
-  uint8_t* denseSlot(size_t leaf, int64_t slot);
-  const uint8_t* denseSlotConst(size_t leaf, int64_t slot) const;
-  uint32_t* frameIds(size_t leaf, int64_t slot);
   void evictOldestLocked();
   // The key of the live item of insertion counter `counter`.
   int64_t keyLocked(int64_t counter) const;
-  void putLocked(int64_t slot, const std::vector<const uint8_t*>& src, const uint64_t* hashes,
-                 double priority);
-  void copyOutLocked(int64_t slot, const std::vector<ReplaySpan>& outs, int64_t index);
-  uint32_t internFrame(const uint8_t* data, uint32_t bytes, uint64_t hash);
-  void releaseFrame(uint32_t id);
 
   int64_t drawLocked(double* probability);
   double weight(double priority) const;
@@ -169,21 +137,10 @@ class Replay {
   bool closed_ = false;
   int64_t waitingInserters_ = 0, waitingSamplers_ = 0;
   int64_t evictions_ = 0;
-  std::vector<uint32_t> evictedIds_;  // scratch: frames of the item an insert evicts
 
-  std::vector<ReplayLeaf> leaves_;
   std::string meta_;
-  bool hasSchema_ = false;
-  int64_t chunkItems_ = 1;
-  // Per leaf: dense storage in lazily allocated chunks of chunkItems_ slots,
-  // or for a dedup leaf, `frames` frame ids per slot.
-  std::vector<std::vector<std::unique_ptr<uint8_t[]>>> chunks_;
-  std::vector<std::vector<uint32_t>> ids_;
-
-  std::vector<Frame> frames_;
-  std::vector<uint32_t> freeFrames_;
-  std::unordered_map<uint64_t, uint32_t> frameByHash_;  // first frame of each hash chain
-  int64_t liveFrames_ = 0, liveFrameBytes_ = 0;
+  // The items' contents; it has a layout once the schema is set.
+  replay::ItemStore store_;
 
   int64_t head_ = 0, tail_ = 0;  // live keys: [head_, tail_)
   int64_t inserts_ = 0, samples_ = 0;
@@ -193,9 +150,5 @@ class Replay {
   // Over the slots' priority^alpha; prioritized tables only.
   std::optional<replay::SumTree> tree_;
 };
-
-// A 64-bit hash of a byte string, for content addressing (equal bytes are
-// still compared on a match).
-uint64_t replayHash(const uint8_t* data, size_t size);
 
 }  // namespace moolib
