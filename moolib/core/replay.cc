@@ -23,45 +23,8 @@ using replay::kCheckpointVersion;
 
 namespace {
 
-std::string fmt(double x) {
-  std::ostringstream ss;
-  ss << x;
-  return ss.str();
-}
-
-std::string seconds(double x) {
-  std::ostringstream ss;
-  ss.setf(std::ios::fixed);
-  ss.precision(1);
-  ss << x;
-  return ss.str();
-}
-
-TimePoint deadlineAfter(double seconds) {
-  if (!(seconds < 1e9)) return kForever;
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                            std::chrono::duration<double>(std::max(0.0, seconds)));
-}
-
-// One round of a rate-limited wait: false once the deadline has passed with
-// the table open and `can()` still false; true to look again. The first round
-// only enters the pool's BlockingRegion, unlocked (a pool worker hands its
-// pending work to others there), so a handler blocked here gets a spare.
-template <class Can>
-bool waitTurn(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, int64_t& waiting,
-              TimePoint deadline, std::optional<BlockingRegion>& blocking, const bool& closed,
-              Can can) {
-  if (Clock::now() >= deadline) return false;
-  if (!blocking) {
-    lock.unlock();
-    blocking.emplace();
-    lock.lock();
-    return true;
-  }
-  ++waiting;
-  bool timedOut = cv.wait_until(lock, deadline) == std::cv_status::timeout;
-  --waiting;
-  return !(timedOut && !closed && !can());
+replay::RateLimits limitsOf(const ReplayConfig& c) {
+  return {c.minSize, c.samplesPerInsert, c.errorBuffer};
 }
 
 }  // namespace
@@ -70,36 +33,22 @@ void Replay::validate(const ReplayConfig& c) {
   auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
   if (c.capacity <= 0) bad(concat("replay capacity must be positive, got ", c.capacity));
   if (!std::isfinite(c.alpha) || c.alpha < 0) {
-    bad("replay alpha must be finite and >= 0, got " + fmt(c.alpha));
+    bad(concat("replay alpha must be finite and >= 0, got ", c.alpha));
   }
-  if (c.minSize < 1) bad(concat("replay min_size must be at least 1, got ", c.minSize));
-  if (c.minSize > c.capacity) {
-    bad(concat("replay min_size ", c.minSize, " exceeds the capacity ", c.capacity,
-               ": sampling could never start"));
-  }
-  if (c.samplesPerInsert > 0) {
-    if (!std::isfinite(c.samplesPerInsert)) bad("replay samples_per_insert must be finite");
-    // Inserts need room diff + spi <= max_diff, samples diff - 1 >= min_diff:
-    // both can happen from some diff only if max_diff - min_diff >= spi + 1,
-    // and to keep every batch moving item by item we ask, as Reverb does,
-    // for 2 * max(1, spi).
-    double need = std::max(1.0, c.samplesPerInsert);
-    if (!std::isfinite(c.errorBuffer) || c.errorBuffer < need) {
-      bad("replay error_buffer " + fmt(c.errorBuffer) + " is too small for samples_per_insert " +
-          fmt(c.samplesPerInsert) + ": it must be at least max(1, samples_per_insert) = " +
-          fmt(need) + ", or inserts and samples could block each other for good");
-    }
-  } else if (c.samplesPerInsert < 0) {
-    bad("replay samples_per_insert must be positive, got " + fmt(c.samplesPerInsert));
-  }
+  replay::RateLimiter::validate(limitsOf(c), c.capacity);
 }
 
 Replay::Replay(const ReplayConfig& config, uint64_t seed)
-    : config_(config), rng_(seed), store_(config.capacity) {
-  validate(config_);
-  priorities_.assign(size_t(config_.capacity), 0.0);
-  incarnations_.assign(size_t(config_.capacity), 0);
-  if (config_.selector == ReplaySelector::kPrioritized) tree_.emplace(config_.capacity);
+    : capacity_(config.capacity),
+      selector_(config.selector),
+      alpha_(config.alpha),
+      limiter_(limitsOf(config)),
+      rng_(seed),
+      store_(config.capacity) {
+  validate(config);
+  priorities_.assign(size_t(capacity_), 0.0);
+  incarnations_.assign(size_t(capacity_), 0);
+  if (selector_ == ReplaySelector::kPrioritized) tree_.emplace(capacity_);
 }
 
 Replay::~Replay() { close(); }
@@ -107,8 +56,7 @@ Replay::~Replay() { close(); }
 void Replay::close() {
   std::lock_guard<std::mutex> lock(mutex_);
   closed_ = true;
-  insertCv_.notify_all();
-  sampleCv_.notify_all();
+  limiter_.wakeAll();
 }
 
 void Replay::checkOpenLocked() const { MOO_ENFORCE(!closed_, "replay table is closed"); }
@@ -135,74 +83,30 @@ std::string Replay::meta() const {
 }
 
 double Replay::weight(double priority) const {
-  return config_.alpha == 1.0 ? priority : std::pow(priority, config_.alpha);
+  return alpha_ == 1.0 ? priority : std::pow(priority, alpha_);
 }
 
 void Replay::rebuildTreeLocked() {
   if (!tree_) return;
   tree_->clear();
   for (int64_t k = head_; k < tail_; ++k) {
-    int64_t slot = k % config_.capacity;
+    int64_t slot = k % capacity_;
     tree_->setLeaf(slot, weight(priorities_[size_t(slot)]));
   }
   tree_->rebuild();
 }
 
 int64_t Replay::keyLocked(int64_t counter) const {
-  return int64_t(incarnations_[size_t(counter % config_.capacity)]) << kReplayCounterBits | counter;
+  return int64_t(incarnations_[size_t(counter % capacity_)]) << kReplayCounterBits | counter;
 }
 
 void Replay::evictOldestLocked() {
-  int64_t slot = head_ % config_.capacity;
+  int64_t slot = head_ % capacity_;
   store_.evict(slot);
   // Its slot is written again by the insert that evicts it.
   if (tree_) tree_->setLeaf(slot, 0.0);
   ++head_;
   ++evictions_;
-}
-
-bool Replay::canInsertLocked() const {
-  double spi = config_.samplesPerInsert;
-  if (spi <= 0 || tail_ - head_ < config_.minSize) return true;
-  double diff = double(inserts_) * spi - double(samples_);
-  double maxDiff = spi * double(config_.minSize) + config_.errorBuffer;
-  return diff + spi <= maxDiff + 1e-9 * std::max(1.0, std::abs(maxDiff));
-}
-
-bool Replay::canSampleLocked() const {
-  if (tail_ - head_ < config_.minSize) return false;
-  double spi = config_.samplesPerInsert;
-  if (spi <= 0) return true;
-  double diff = double(inserts_) * spi - double(samples_);
-  double minDiff = spi * double(config_.minSize) - config_.errorBuffer;
-  return diff - 1 >= minDiff - 1e-9 * std::max(1.0, std::abs(minDiff));
-}
-
-std::string Replay::insertWaitLocked(int64_t n, int64_t done, double waited) const {
-  double spi = config_.samplesPerInsert;
-  double maxDiff = spi * double(config_.minSize) + config_.errorBuffer;
-  double need = double(inserts_) * spi + spi - maxDiff;
-  return concat("replay insert of ", n, " waited ", seconds(waited), " s (", done,
-                " inserted): inserters are ahead of samplers: ", inserts_, " items inserted and ",
-                samples_, " sampled; samples_per_insert ", fmt(spi), " with error_buffer ",
-                fmt(config_.errorBuffer), " needs ", fmt(std::ceil(need)),
-                " samples before the next insert");
-}
-
-std::string Replay::sampleWaitLocked(int64_t n, int64_t done, double waited) const {
-  int64_t size = tail_ - head_;
-  std::string head =
-      concat("replay sample of ", n, " waited ", seconds(waited), " s (", done, " sampled): ");
-  if (size < config_.minSize) {
-    return head + concat(size, " items in the table, min_size ", config_.minSize);
-  }
-  double spi = config_.samplesPerInsert;
-  double minDiff = spi * double(config_.minSize) - config_.errorBuffer;
-  return head + concat("samplers are ahead of inserters: ", samples_, " items sampled for ",
-                       inserts_, " inserted; samples_per_insert ", fmt(spi), " with error_buffer ",
-                       fmt(config_.errorBuffer), " allows ",
-                       fmt(std::floor(double(inserts_) * spi - minDiff)),
-                       " samples until more items are inserted");
 }
 
 ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
@@ -212,8 +116,7 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
   for (int64_t i = 0; priorities && i < n; ++i) {
     if (!std::isfinite(priorities[i]) || priorities[i] < 0) {
       throw std::invalid_argument(concat("replay insert: the priority at batch index ", i, " is ",
-                                         fmt(priorities[i]),
-                                         "; priorities must be finite and >= 0"));
+                                         priorities[i], "; priorities must be finite and >= 0"));
     }
   }
   std::vector<ReplayLeaf> layout;
@@ -234,10 +137,9 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
   // Hashed before the lock is taken: it is most of the cost of a dedup insert.
   std::vector<uint64_t> hashes = replay::ItemStore::hashFrames(layout, leaves, n);
 
-  TimePoint deadline = deadlineAfter(waitSeconds);
+  replay::RateLimiter::Wait wait(waitSeconds);
   ReplayProgress progress;
   std::vector<const uint8_t*> src(layout.size());
-  std::optional<BlockingRegion> blocking;
   std::unique_lock<std::mutex> lock(mutex_);
   // The sum tree's parents over the slots this call filled since it last
   // released the lock: fixed before every release, an exception included.
@@ -252,13 +154,13 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
   } run{tree_};
   while (progress.done < n) {
     checkOpenLocked();
-    if (canInsertLocked()) {
+    if (limiter_.canInsert(tail_ - head_)) {
       int64_t i = progress.done;
       for (size_t j = 0; j < layout.size(); ++j) src[j] = leaves[j].data + i * layout[j].itemBytes;
       MOO_ENFORCE(tail_ < kReplayCounterMask, "replay insert: this table has used all of its ",
                   kReplayCounterMask, " keys");
-      if (tail_ - head_ == config_.capacity) evictOldestLocked();
-      int64_t slot = tail_ % config_.capacity;
+      if (tail_ - head_ == capacity_) evictOldestLocked();
+      int64_t slot = tail_ % capacity_;
       if (run.count++ == 0) run.first = slot;
       store_.put(slot, src, hashes.data() + size_t(i) * framesPerItem);
       double priority = priorities ? priorities[i] : 1.0;
@@ -268,28 +170,28 @@ ReplayProgress Replay::insert(int64_t n, const std::vector<ReplaySpan>& leaves,
       incarnations_[size_t(slot)] = uint16_t(incarnation_);
       keysOut[i] = keyLocked(tail_);
       ++tail_;
-      ++inserts_;
+      limiter_.inserted();
       ++progress.done;
       continue;
     }
     run.flush();
     // Samplers may be waiting for what this batch inserted so far.
-    sampleCv_.notify_all();
-    if (!waitTurn(lock, insertCv_, waitingInserters_, deadline, blocking, closed_,
-                  [this] { return canInsertLocked(); })) {
-      progress.waited = insertWaitLocked(n, progress.done, waitSeconds);
+    limiter_.wakeSamplers();
+    if (!limiter_.awaitInsert(lock, wait,
+                              [this] { return closed_ || limiter_.canInsert(tail_ - head_); })) {
+      progress.waited = limiter_.insertTimeout(n, progress.done, waitSeconds);
       break;
     }
   }
   run.flush();
   progress.size = tail_ - head_;
-  if (progress.done > 0) sampleCv_.notify_all();
+  if (progress.done > 0) limiter_.wakeSamplers();
   return progress;
 }
 
 int64_t Replay::drawLocked(double* probability) {
   int64_t size = tail_ - head_;
-  if (config_.selector == ReplaySelector::kUniform) {
+  if (selector_ == ReplaySelector::kUniform) {
     auto r = uint64_t((static_cast<unsigned __int128>(rng_()) * uint64_t(size)) >> 64);
     *probability = 1.0 / double(size);
     return head_ + int64_t(r);
@@ -301,21 +203,20 @@ int64_t Replay::drawLocked(double* probability) {
   }
   int64_t slot = tree_->find(double(rng_() >> 11) * 0x1.0p-53 * total);
   *probability = tree_->leaf(slot) / total;
-  int64_t headSlot = head_ % config_.capacity;
-  return head_ + (slot - headSlot + config_.capacity) % config_.capacity;
+  int64_t headSlot = head_ % capacity_;
+  return head_ + (slot - headSlot + capacity_) % capacity_;
 }
 
 ReplayProgress Replay::sample(int64_t n, const std::vector<ReplaySpan>& outs, int64_t* keysOut,
                               double* probsOut, double waitSeconds) {
   if (n <= 0)
     throw std::invalid_argument(concat("replay sample of ", n, " items: need at least 1"));
-  TimePoint deadline = deadlineAfter(waitSeconds);
+  replay::RateLimiter::Wait wait(waitSeconds);
   ReplayProgress progress;
-  std::optional<BlockingRegion> blocking;
   std::unique_lock<std::mutex> lock(mutex_);
   while (progress.done < n) {
     checkOpenLocked();
-    if (canSampleLocked()) {
+    if (limiter_.canSample(tail_ - head_)) {
       const std::vector<ReplayLeaf>& layout = store_.layout();
       if (outs.size() != layout.size()) {
         progress.needOutputs = true;
@@ -330,29 +231,29 @@ ReplayProgress Replay::sample(int64_t n, const std::vector<ReplaySpan>& outs, in
       int64_t i = progress.done;
       int64_t key;
       double p = 1.0;
-      if (config_.selector == ReplaySelector::kFifo) {
+      if (selector_ == ReplaySelector::kFifo) {
         // The oldest items in insertion order, round again if n > size.
         key = head_ + i % (tail_ - head_);
       } else {
         key = drawLocked(&p);
       }
-      store_.copyOut(key % config_.capacity, outs, i);
+      store_.copyOut(key % capacity_, outs, i);
       keysOut[i] = keyLocked(key);
       probsOut[i] = p;
-      ++samples_;
+      limiter_.sampled();
       ++progress.done;
       progress.size = tail_ - head_;
       continue;
     }
-    insertCv_.notify_all();
-    if (!waitTurn(lock, sampleCv_, waitingSamplers_, deadline, blocking, closed_,
-                  [this] { return canSampleLocked(); })) {
-      progress.waited = sampleWaitLocked(n, progress.done, waitSeconds);
+    limiter_.wakeInserters();
+    if (!limiter_.awaitSample(lock, wait,
+                              [this] { return closed_ || limiter_.canSample(tail_ - head_); })) {
+      progress.waited = limiter_.sampleTimeout(n, progress.done, waitSeconds, tail_ - head_);
       break;
     }
   }
   if (progress.size == 0) progress.size = tail_ - head_;
-  if (progress.done > 0) insertCv_.notify_all();
+  if (progress.done > 0) limiter_.wakeInserters();
   return progress;
 }
 
@@ -360,7 +261,7 @@ int64_t Replay::updatePriorities(int64_t n, const int64_t* keys, const double* p
   for (int64_t i = 0; i < n; ++i) {
     if (!std::isfinite(priorities[i]) || priorities[i] < 0) {
       throw std::invalid_argument(concat("replay update_priorities: the priority for key ", keys[i],
-                                         " is ", fmt(priorities[i]),
+                                         " is ", priorities[i],
                                          "; priorities must be finite and >= 0"));
     }
   }
@@ -371,7 +272,7 @@ int64_t Replay::updatePriorities(int64_t n, const int64_t* keys, const double* p
     int64_t key = keys[i];
     int64_t counter = key & kReplayCounterMask;
     if (key < 0 || counter < head_ || counter >= tail_) continue;
-    int64_t slot = counter % config_.capacity;
+    int64_t slot = counter % capacity_;
     // Another incarnation's key: an item that table lost, never this one.
     if ((key >> kReplayCounterBits) != incarnations_[size_t(slot)]) continue;
     priorities_[size_t(slot)] = priorities[i];
@@ -384,17 +285,17 @@ int64_t Replay::updatePriorities(int64_t n, const int64_t* keys, const double* p
 void Replay::reconfigure(double alpha, int64_t minSize, double samplesPerInsert,
                          double errorBuffer) {
   std::lock_guard<std::mutex> lock(mutex_);
-  ReplayConfig c = config_;
+  ReplayConfig c = configLocked();
   c.alpha = alpha;
   c.minSize = minSize;
   c.samplesPerInsert = samplesPerInsert;
   c.errorBuffer = errorBuffer;
   validate(c);
-  bool rebuild = c.alpha != config_.alpha;
-  config_ = c;
+  bool rebuild = c.alpha != alpha_;
+  alpha_ = c.alpha;
+  // Wakes every waiter: the new limits may let it go on.
+  limiter_.setLimits(limitsOf(c));
   if (rebuild) rebuildTreeLocked();
-  insertCv_.notify_all();
-  sampleCv_.notify_all();
 }
 
 void Replay::reseed(uint64_t seed) {
@@ -404,7 +305,18 @@ void Replay::reseed(uint64_t seed) {
 
 ReplayConfig Replay::config() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return config_;
+  return configLocked();
+}
+
+ReplayConfig Replay::configLocked() const {
+  ReplayConfig c;
+  c.capacity = capacity_;
+  c.selector = selector_;
+  c.alpha = alpha_;
+  c.minSize = limiter_.limits().minSize;
+  c.samplesPerInsert = limiter_.limits().samplesPerInsert;
+  c.errorBuffer = limiter_.limits().errorBuffer;
+  return c;
 }
 
 std::vector<ReplayLeaf> Replay::layout() const {
@@ -426,15 +338,15 @@ ReplayInfo Replay::info() const {
   std::lock_guard<std::mutex> lock(mutex_);
   ReplayInfo r;
   r.size = tail_ - head_;
-  r.capacity = config_.capacity;
-  r.inserts = inserts_;
-  r.samples = samples_;
+  r.capacity = capacity_;
+  r.inserts = limiter_.inserts();
+  r.samples = limiter_.samples();
   r.evictions = evictions_;
   r.priorityMass = tree_ ? tree_->total() : double(r.size);
   r.frames = store_.frames();
   r.frameBytes = store_.frameBytes();
-  r.waitingInserters = waitingInserters_;
-  r.waitingSamplers = waitingSamplers_;
+  r.waitingInserters = limiter_.waitingInserters();
+  r.waitingSamplers = limiter_.waitingSamplers();
   r.incarnation = incarnation_;
   // What the live items take: their dense bytes and frame ids, the distinct
   // frames with their bookkeeping (record, hash-map node), the priority
@@ -457,16 +369,17 @@ void Replay::save(const std::string& path) const {
       head.write(kCheckpointMagic, sizeof(kCheckpointMagic));
       head.put<uint32_t>(kCheckpointVersion);
       head.put<uint32_t>(0);
-      head.put<int64_t>(config_.capacity);
-      head.put<int32_t>(int32_t(config_.selector));
-      head.put<double>(config_.alpha);
-      head.put<int64_t>(config_.minSize);
-      head.put<double>(config_.samplesPerInsert);
-      head.put<double>(config_.errorBuffer);
+      const replay::RateLimits& limits = limiter_.limits();
+      head.put<int64_t>(capacity_);
+      head.put<int32_t>(int32_t(selector_));
+      head.put<double>(alpha_);
+      head.put<int64_t>(limits.minSize);
+      head.put<double>(limits.samplesPerInsert);
+      head.put<double>(limits.errorBuffer);
       head.put<int64_t>(head_);
       head.put<int64_t>(tail_);
-      head.put<int64_t>(inserts_);
-      head.put<int64_t>(samples_);
+      head.put<int64_t>(limiter_.inserts());
+      head.put<int64_t>(limiter_.samples());
       head.put<int64_t>(evictions_);
       head.put<uint32_t>(incarnation_);
       std::ostringstream rng;
@@ -480,11 +393,11 @@ void Replay::save(const std::string& path) const {
         head.put<int64_t>(l.itemBytes);
         head.put<int64_t>(l.frames);
       }
-      for (int64_t k = head_; k < tail_; ++k) store_.snapshotFrames(k % config_.capacity, frames);
+      for (int64_t k = head_; k < tail_; ++k) store_.snapshotFrames(k % capacity_, frames);
       items.reserve(size_t((tail_ - head_) *
                            (int64_t(sizeof(double) + sizeof(uint16_t)) + store_.bytesPerItem())));
       for (int64_t k = head_; k < tail_; ++k) {
-        int64_t slot = k % config_.capacity;
+        int64_t slot = k % capacity_;
         items.put<double>(priorities_[size_t(slot)]);
         items.put<uint16_t>(incarnations_[size_t(slot)]);
         store_.writeItem(slot, frames, items);
@@ -553,11 +466,11 @@ std::unique_ptr<Replay> Replay::loadChecked(const std::string& path) {
   Replay& t = *out;
   t.head_ = head;
   t.tail_ = tail;
-  t.inserts_ = r.get<int64_t>();
-  t.samples_ = r.get<int64_t>();
+  int64_t inserts = r.get<int64_t>(), samples = r.get<int64_t>();
   t.evictions_ = r.get<int64_t>();
-  if (t.inserts_ < tail || t.samples_ < 0 || t.evictions_ < 0 || tail > kReplayCounterMask)
+  if (inserts < tail || samples < 0 || t.evictions_ < 0 || tail > kReplayCounterMask)
     r.corrupt("bad counters");
+  t.limiter_.restore(inserts, samples);
   if (version >= 2) t.incarnation_ = r.get<uint32_t>();
   if (t.incarnation_ > kReplayMaxIncarnation) r.corrupt("bad incarnation");
   std::istringstream rng(r.getString(1 << 16, "random state"));

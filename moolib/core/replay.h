@@ -11,7 +11,6 @@
 // docs/architecture.md (section "Replay") explains the choices.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -21,6 +20,7 @@
 #include <vector>
 
 #include "replay/item_store.h"
+#include "replay/rate_limiter.h"
 #include "replay/sum_tree.h"
 
 namespace moolib {
@@ -116,10 +116,7 @@ class Replay {
  private:
   static std::unique_ptr<Replay> loadChecked(const std::string& path);
 
-  bool canInsertLocked() const;
-  bool canSampleLocked() const;
-  std::string insertWaitLocked(int64_t n, int64_t done, double waited) const;
-  std::string sampleWaitLocked(int64_t n, int64_t done, double waited) const;
+  ReplayConfig configLocked() const;
   void checkOpenLocked() const;
 
   void evictOldestLocked();
@@ -130,20 +127,24 @@ class Replay {
   double weight(double priority) const;
   void rebuildTreeLocked();
 
+  // One mutex for the table: every part below (the limiter, the item store,
+  // the sum tree) is called under it and holds no lock of its own, which
+  // keeps an item from being evicted while it is copied out and an insert,
+  // a sample and an update consistent with each other.
   mutable std::mutex mutex_;
-  std::condition_variable insertCv_, sampleCv_;
-  ReplayConfig config_;
+  const int64_t capacity_;
+  const ReplaySelector selector_;
+  double alpha_;
+  replay::RateLimiter limiter_;  // the other settings, the counters and the waits
   std::mt19937_64 rng_;
   bool closed_ = false;
-  int64_t waitingInserters_ = 0, waitingSamplers_ = 0;
   int64_t evictions_ = 0;
 
   std::string meta_;
   // The items' contents; it has a layout once the schema is set.
   replay::ItemStore store_;
 
-  int64_t head_ = 0, tail_ = 0;  // live keys: [head_, tail_)
-  int64_t inserts_ = 0, samples_ = 0;
+  int64_t head_ = 0, tail_ = 0;         // live keys: [head_, tail_)
   uint32_t incarnation_ = 0;            // the high bits of the keys this table hands out
   std::vector<double> priorities_;      // per slot
   std::vector<uint16_t> incarnations_;  // per slot: the incarnation that inserted it
