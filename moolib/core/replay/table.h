@@ -8,7 +8,13 @@
 // recognised by comparison. Its key is the counter with the incarnation of the
 // table that inserted it above (see kReplayCounterBits), so a table restored
 // from a checkpoint never hands out again the key of an item it lost.
-// docs/architecture.md (section "Replay") explains the choices.
+//
+// The table composes its parts, each in this folder: the item store
+// (item_store.h), the rate limiter (rate_limiter.h), the sum tree of a
+// prioritized table (sum_tree.h) and the checkpoint file (checkpoint.h). It
+// holds the one lock and calls them under it; it owns the keys, the
+// priorities and the draws. docs/architecture.md (section "The replay
+// table") explains the choices.
 #pragma once
 
 #include <cstdint>

@@ -1,16 +1,11 @@
-#include "replay.h"
+#include "replay/table.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <chrono>
 #include <cmath>
-#include <cstring>
-#include <optional>
 #include <sstream>
 #include <stdexcept>
 
 #include "error.h"
-#include "loop.h"
 #include "replay/checkpoint.h"
 
 namespace moolib {
