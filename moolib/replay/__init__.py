@@ -1,6 +1,6 @@
 """The replay table (Ape-X, R2D2) and its use over RPC, one module per part:
 
-- ``table``: ``Replay``, the table's Python API over the core (moolib/core/replay.h);
+- ``table``: ``Replay``, the table's Python API over the core (moolib/core/replay/table.h);
 - ``schema``: the item layout a table learns from its first insert, and
   ``ReplaySample``, the batch a sample returns;
 - ``server``: ``serve``, which answers other peers' clients for a table (any

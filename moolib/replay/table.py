@@ -1,7 +1,7 @@
 """A prioritized experience replay table (Ape-X, R2D2) with Reverb's rate limiter.
 
 The table itself (priorities, sum tree, item bytes, content-addressed frames,
-rate limiter, checkpoints) lives in the C++ core (moolib/core/replay.h); this
+rate limiter, checkpoints) lives in the C++ core (moolib/core/replay/table.h); this
 module maps nests of tensors onto it: it learns the item layout from the first
 insert (moolib/replay/schema.py), checks every later insert against it (naming
 the leaf that differs), and hands the core one flat byte view per leaf, so the

@@ -1,12 +1,11 @@
-// The binding of the replay table; moolib/replay.py adds the Python API
+// The binding of the replay table; moolib/replay/table.py adds the Python API
 // (nests, dtypes and shapes, errors that name leaves, timeouts).
-#include "replay.h"
-
 #include <pybind11/stl.h>
 
 #include "error.h"
 #include "python/gil.h"
 #include "python/segments.h"
+#include "replay/table.h"
 
 namespace moolib::binding {
 

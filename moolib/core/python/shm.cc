@@ -1,5 +1,5 @@
 // The binding of shared-memory regions (shm_region.h) for the Python users of
-// shared memory: the replay service's segments (moolib/replay_rpc.py) and
+// shared memory: the replay service's segments (moolib/replay/segments.py) and
 // EnvPool's region (moolib/envpool.py, moolib/_envpool_worker.py).
 #include "python/module.h"
 #include "shm_region.h"

@@ -1,5 +1,5 @@
 // A prioritized experience replay table (Ape-X, R2D2), with Reverb's rate
-// limiter; moolib/replay.py adds the Python API (nests, dtypes, shapes).
+// limiter; moolib/replay/table.py adds the Python API (nests, dtypes, shapes).
 //
 // The core sees an item as one fixed-size byte string per leaf. An item's
 // counter is its insertion counter, and eviction is strictly oldest first, so
@@ -8,17 +8,26 @@
 // recognised by comparison. Its key is the counter with the incarnation of the
 // table that inserted it above (see kReplayCounterBits), so a table restored
 // from a checkpoint never hands out again the key of an item it lost.
-// docs/architecture.md (section "Replay") explains the choices.
+//
+// The table composes its parts, each in this folder: the item store
+// (item_store.h), the rate limiter (rate_limiter.h), the sum tree of a
+// prioritized table (sum_tree.h) and the checkpoint file (checkpoint.h). It
+// holds the one lock and calls them under it; it owns the keys, the
+// priorities and the draws. docs/architecture.md (section "The replay
+// table") explains the choices.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
-#include <unordered_map>
 #include <vector>
+
+#include "replay/item_store.h"
+#include "replay/rate_limiter.h"
+#include "replay/sum_tree.h"
 
 namespace moolib {
 
@@ -38,20 +47,6 @@ struct ReplayConfig {
   // samplesPerInsert <= 0: no ratio is enforced (only minSize).
   double samplesPerInsert = 0;
   double errorBuffer = 0;
-};
-
-// One leaf of an item. A dedup leaf is `frames` frames of itemBytes / frames
-// bytes each, stored content-addressed (shared by every item and leaf that
-// holds the same frame).
-struct ReplayLeaf {
-  int64_t itemBytes = 0;
-  int64_t frames = 0;  // 0: stored densely
-};
-
-// A view of caller memory: n items of a leaf back to back.
-struct ReplaySpan {
-  uint8_t* data = nullptr;
-  size_t size = 0;
 };
 
 struct ReplayProgress {
@@ -127,77 +122,40 @@ class Replay {
  private:
   static std::unique_ptr<Replay> loadChecked(const std::string& path);
 
-  struct Frame {
-    uint64_t hash = 0;
-    uint32_t refs = 0;
-    uint32_t nextSameHash = 0;  // kNoFrame ends the chain
-    uint32_t bytes = 0;
-    // Shared with a save in progress, which writes it after the lock is released.
-    std::shared_ptr<uint8_t[]> data;
-  };
-  static constexpr uint32_t kNoFrame = UINT32_MAX;
-
-  bool canInsertLocked() const;
-  bool canSampleLocked() const;
-  std::string insertWaitLocked(int64_t n, int64_t done, double waited) const;
-  std::string sampleWaitLocked(int64_t n, int64_t done, double waited) const;
+  ReplayConfig configLocked() const;
   void checkOpenLocked() const;
 
-  uint8_t* denseSlot(size_t leaf, int64_t slot);
-  const uint8_t* denseSlotConst(size_t leaf, int64_t slot) const;
-  uint32_t* frameIds(size_t leaf, int64_t slot);
   void evictOldestLocked();
   // The key of the live item of insertion counter `counter`.
   int64_t keyLocked(int64_t counter) const;
-  void putLocked(int64_t slot, const std::vector<const uint8_t*>& src, const uint64_t* hashes,
-                 double priority);
-  void copyOutLocked(int64_t slot, const std::vector<ReplaySpan>& outs, int64_t index);
-  uint32_t internFrame(const uint8_t* data, uint32_t bytes, uint64_t hash);
-  void releaseFrame(uint32_t id);
 
-  void setLeafLocked(int64_t slot, double value);
-  void setTreeLocked(int64_t slot, double value);
-  // Recomputes the sum tree above `count` slots from `first` (wrapping).
-  void fixParentsLocked(int64_t first, int64_t count);
   int64_t drawLocked(double* probability);
   double weight(double priority) const;
   void rebuildTreeLocked();
 
+  // One mutex for the table: every part below (the limiter, the item store,
+  // the sum tree) is called under it and holds no lock of its own, which
+  // keeps an item from being evicted while it is copied out and an insert,
+  // a sample and an update consistent with each other.
   mutable std::mutex mutex_;
-  std::condition_variable insertCv_, sampleCv_;
-  ReplayConfig config_;
+  const int64_t capacity_;
+  const ReplaySelector selector_;
+  double alpha_;
+  replay::RateLimiter limiter_;  // the other settings, the counters and the waits
   std::mt19937_64 rng_;
   bool closed_ = false;
-  int64_t waitingInserters_ = 0, waitingSamplers_ = 0;
   int64_t evictions_ = 0;
-  std::vector<uint32_t> evictedIds_;  // scratch: frames of the item an insert evicts
 
-  std::vector<ReplayLeaf> leaves_;
   std::string meta_;
-  bool hasSchema_ = false;
-  int64_t chunkItems_ = 1;
-  // Per leaf: dense storage in lazily allocated chunks of chunkItems_ slots,
-  // or for a dedup leaf, `frames` frame ids per slot.
-  std::vector<std::vector<std::unique_ptr<uint8_t[]>>> chunks_;
-  std::vector<std::vector<uint32_t>> ids_;
+  // The items' contents; it has a layout once the schema is set.
+  replay::ItemStore store_;
 
-  std::vector<Frame> frames_;
-  std::vector<uint32_t> freeFrames_;
-  std::unordered_map<uint64_t, uint32_t> frameByHash_;  // first frame of each hash chain
-  int64_t liveFrames_ = 0, liveFrameBytes_ = 0;
-
-  int64_t head_ = 0, tail_ = 0;  // live keys: [head_, tail_)
-  int64_t inserts_ = 0, samples_ = 0;
+  int64_t head_ = 0, tail_ = 0;         // live keys: [head_, tail_)
   uint32_t incarnation_ = 0;            // the high bits of the keys this table hands out
   std::vector<double> priorities_;      // per slot
   std::vector<uint16_t> incarnations_;  // per slot: the incarnation that inserted it
-  // Sum tree over slots of priority^alpha: leaves at [treeLeaves_, 2 * treeLeaves_).
-  std::vector<double> tree_;
-  int64_t treeLeaves_ = 0;
+  // Over the slots' priority^alpha; prioritized tables only.
+  std::optional<replay::SumTree> tree_;
 };
-
-// A 64-bit hash of a byte string, for content addressing (equal bytes are
-// still compared on a match).
-uint64_t replayHash(const uint8_t* data, size_t size);
 
 }  // namespace moolib
