@@ -12,8 +12,9 @@ from helpers.util import TRANSPORT_IDS, TRANSPORTS, PeerSpawner
 
 import moolib
 
-# MOOLIB_TEST_CPU_REPORT=FILE: each test's CPU seconds (tests/helpers/cpu_report.py).
-pytest_plugins = ["helpers.cpu_report"]
+# MOOLIB_TEST_CPU_REPORT=FILE: each test's CPU seconds (tests/helpers/cpu_report.py);
+# the slow marker, and the long tests that lack it (tests/helpers/slow_check.py).
+pytest_plugins = ["helpers.cpu_report", "helpers.slow_check"]
 
 # A shell runs background commands (`cmd &`) with SIGINT ignored, and children
 # inherit that: the Ctrl-C tests' processes would then never see their SIGINT.

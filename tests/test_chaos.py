@@ -18,9 +18,12 @@ import sys
 import pytest
 from helpers.util import REPO, child_env
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"
+    ),
+]
 
 
 def test_a_short_chaos_soak_loses_nothing(tmp_path):

@@ -204,6 +204,7 @@ RSS_SLACK_KIB = 4 * 1024
 THREAD_SLACK = 2
 
 
+@pytest.mark.slow
 def test_nothing_grows_on_the_survivors_per_membership_change(broker, logs):
     """After 100 joins and leaves, each survivor's descriptors, threads and resident
     size are where they were after the first few."""

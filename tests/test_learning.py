@@ -18,6 +18,9 @@ import math
 import pytest
 from helpers.run_util import STOP_TIMEOUT, Run, read_logs, wait_for
 
+# Minutes on 2 cores: -m "not slow" leaves the file out of a quick run.
+pytestmark = pytest.mark.slow
+
 # CartPole-v1 is "solved" at a mean return of 195; a random policy gets about 22.
 SOLVED = 195.0
 # A row's mean over a handful of episodes at least (not one lucky episode).

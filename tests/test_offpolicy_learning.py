@@ -18,6 +18,9 @@ from helpers.run_util import check_ok, plot_cmd, read_logs, run, run_env
 from moolib.agents.offpolicy_run import evaluate
 from moolib.agents.runtime.offpolicy import COLUMNS
 
+# Minutes on 2 cores: -m "not slow" leaves the file out of a quick run.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(LEARN_TIMEOUT + 60)
 def test_apex_learns_cartpole(tmp_path):

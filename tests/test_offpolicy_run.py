@@ -192,6 +192,7 @@ def test_a_resume_may_set_a_key_only_its_agent_has_and_a_run_too_short_to_learn_
         ("r2d2", "cartpole-novel", []),
     ],
 )
+@pytest.mark.slow
 def test_local_run_and_resume(tmp_path, agent, env, extra):
     savedir = tmp_path / agent
     base = [

@@ -110,6 +110,7 @@ def run_from(site: Path, code: str, cwd: Path, wrap: list[str] | None = None):
     )
 
 
+@pytest.mark.slow
 def test_a_wheel_built_from_the_sdist_alone_works(site, tmp_path):
     names = {str(p.relative_to(site)) for p in site.rglob("*") if p.is_file()}
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
@@ -164,6 +165,7 @@ def assert_calls_work_and_ucx_is_off(ran) -> str:
     return status["why"]
 
 
+@pytest.mark.slow
 def test_the_core_builds_and_works_without_ucx_headers(sdist, tmp_path):
     # MOOLIB_UCX=0 compiles as a machine without libucx-dev does (the README's
     # install names only libssl-dev and g++), whether or not this one has them.

@@ -15,6 +15,9 @@ from helpers.offpolicy_learning import SMALL, final, greedy_history, learned
 from helpers.run_util import check_ok, run
 from moolib.agents.offpolicy_run import evaluate
 
+# Minutes on 2 cores: -m "not slow" leaves the file out of a quick run.
+pytestmark = pytest.mark.slow
+
 # The run's budget is its env steps; its deadline is only a net for a hung run. Its
 # learner samples 8 sequences per inserted one, and under a CI run's full load (three
 # test workers and more on 2 cores) the 150k steps ran at 100-200 steps/s: the 900 s

@@ -147,6 +147,7 @@ def test_every_agent_builds_and_takes_a_learner_step(compose_config, agent, tmp_
     assert 0 < float(row["grad_norm"]) < math.inf, row
 
 
+@pytest.mark.slow
 def test_every_env_option_composes_and_steps(compose_config):
     from moolib.envs import ATARI_GAMES, create_env
     from moolib.envs.minatar import MINATAR_GAMES

@@ -223,6 +223,7 @@ ONE_ARENA = {"MALLOC_ARENA_MAX": "1"}
 RSS_TOLERANCE_KIB = 5 * 1024
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ["server", "broker"])
 def test_long_lived_peer_forgets_departed_peers(role, tmp_path, make_rpc):
     args = ["--name", "srv", "--listen", "127.0.0.1:0"]

@@ -139,6 +139,7 @@ def check_png(path: Path) -> None:
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_plot_a_multi_peer_run_a_sweep_and_runs_side_by_side(tmp_path):
     local = tmp_path / "local"

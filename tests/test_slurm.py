@@ -30,6 +30,10 @@ from moolib.launch import jobs as jobs_lib  # noqa: E402 - needs submitit
 from moolib.launch import slurm as slurm_lib  # noqa: E402
 from moolib.launch import slurm_files, slurm_requeue  # noqa: E402
 
+# Each test waits on SLURM jobs (half a minute to minutes): -m "not slow" leaves the
+# file out of a quick run.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONF = Path(os.environ.get("MOOLIB_SLURM_BASE", "/tmp/moolib-slurm-ci")) / "etc/slurm.conf"
 HOW_TO_START = (
