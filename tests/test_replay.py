@@ -17,9 +17,11 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from helpers.util import run_script, wait_for
+from helpers.util import REPO, run_script, wait_for
 
 import moolib
+
+REPO_DATA = REPO / "tests" / "data"
 
 
 class Reference:
@@ -564,6 +566,75 @@ def test_an_empty_table_round_trips(tmp_path):
     assert loaded.size() == 0 and loaded.info()["dedup"] == ["obs"]
     loaded.insert({"obs": torch.zeros(3, 2, 4)})
     assert loaded.info()["frames"] == 1
+
+
+def _table_of_a_fixed_history(selector: str, dedup: tuple[str, ...], seed: int) -> moolib.Replay:
+    """The table tests/data/replay-format2-*.ckpt were saved from (2026-12-03, before
+    the core's replay was split into parts): inserts, samples and priority updates."""
+    replay = moolib.Replay(
+        64,
+        selector=selector,
+        alpha=0.7,
+        min_size=3,
+        samples_per_insert=0.5,
+        error_buffer=1000.0,
+        dedup=dedup,
+        seed=seed,
+    )
+    rng = np.random.default_rng(seed)
+    frames = rng.integers(0, 255, size=(40, 8, 8), dtype=np.uint8)
+    for start in range(0, 150, 10):
+        index = np.arange(start, start + 10) % 37
+        obs = torch.from_numpy(np.stack([frames[index + k] for k in range(2)], 1))
+        next_obs = torch.from_numpy(np.stack([frames[index + k + 1] for k in range(2)], 1))
+        reward = torch.arange(start, start + 10).float()
+        replay.insert({"obs": obs, "next_obs": next_obs, "reward": reward}, rng.uniform(0.1, 2, 10))
+        sample = replay.sample(7)
+        replay.update_priorities(sample.keys, rng.uniform(0, 3, 7))
+    return replay
+
+
+@pytest.mark.parametrize(
+    "name, selector, dedup, seed, sampled",
+    [
+        (
+            "prioritized-dedup",
+            "prioritized",
+            ("obs", "next_obs"),
+            5,
+            "9a7d69dad55d3abbbc827892872171c20b75e5699fce8451084d4d86dae3f572",
+        ),
+        (
+            "fifo-dense",
+            "fifo",
+            (),
+            10,
+            "a1830f33ebb75223c8bfc53f3b49a11eb483b0c49937e7e48975139adc20ae30",
+        ),
+    ],
+)
+def test_checkpoints_of_format_2_load_and_are_written_byte_for_byte(
+    tmp_path, name, selector, dedup, seed, sampled
+):
+    """A user's saved tables outlive the code that wrote them: a file written by an
+    earlier build loads, and samples the same items with the same probabilities, and
+    the same history saved now gives the same bytes (a change of format bumps the
+    version, and these files must still load)."""
+    old = tmp_path / "old.ckpt"
+    old.write_bytes((REPO_DATA / f"replay-format2-{name}.ckpt").read_bytes())
+    _table_of_a_fixed_history(selector, dedup, seed).save(tmp_path / "new.ckpt")
+    assert (tmp_path / "new.ckpt").read_bytes() == old.read_bytes()
+    loaded = moolib.Replay.load(old)
+    info = loaded.info()
+    assert (info["size"], info["inserts"], info["samples"], info["evictions"]) == (64, 150, 105, 86)
+    assert info["incarnation"] == 1 and info["dedup"] == list(dedup)
+    sample = loaded.sample(20)
+    digest = hashlib.sha256(
+        sample.keys.numpy().tobytes()
+        + sample.probabilities.numpy().tobytes()
+        + b"".join(v.numpy().tobytes() for v in sample.items.values())
+    )
+    assert digest.hexdigest() == sampled
 
 
 # Errors: precise, and nothing changes.
