@@ -19,6 +19,7 @@ import yaml
 from helpers.run_util import (
     DOCUMENTED_COLUMNS,
     QUICK,
+    assert_tensorboard_has_the_rows,
     check_ok,
     checkpoint_steps,
     history_steps,
@@ -30,7 +31,9 @@ from helpers.run_util import (
     run,
     run_quick,
     snapshot,
+    tensorboard_runs,
 )
+from moolib.agents.runtime.tensorboard_log import EVENT_FILES
 from moolib.launch import config as config_lib
 from moolib.launch import plot
 from omegaconf import OmegaConf
@@ -157,6 +160,33 @@ def test_wandb_offline_run_and_resume_keep_the_run_id(tmp_path):
     assert len(runs2) == 2
     assert {r.name.rsplit("-", 1)[1] for r in runs2} == {run_id}  # the same run, continued
     assert load_checkpoint(savedir / "checkpoint.pt")["wandb_ids"] == {"0": run_id}
+
+
+@pytest.mark.timeout(600)
+def test_tensorboard_has_the_rows_of_logs_tsv_and_a_resume_appends_its_own(tmp_path):
+    savedir = tmp_path / "tb"
+    # Rows every 0.2 s: a few in each of these short runs.
+    base = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=0.2"]
+    base += ["tensorboard.enabled=true", f"savedir={savedir}"]
+    check_ok(run([*base, "total_steps=2000"], tmp_path))
+    _, rows = read_logs(savedir / "logs.tsv")
+    first = sorted(savedir.glob(EVENT_FILES))
+    assert len(first) == 1, sorted(p.name for p in savedir.iterdir())
+    runs = tensorboard_runs(savedir)
+    assert list(runs) == ["."], runs.keys()  # one peer: its event file beside its logs.tsv
+    assert_tensorboard_has_the_rows(runs["."], rows)
+    # The step axis is the env steps, as logs.tsv's and the checkpoint's.
+    assert runs["."]["sps"][-1][0] == checkpoint_steps(savedir) >= 2000
+
+    out = check_ok(run([*base, "total_steps=4000"], tmp_path))
+    assert "resumed from" in out
+    _, more = read_logs(savedir / "logs.tsv")
+    assert len(more) > len(rows) and _same_rows(more[: len(rows)], rows)
+    files = sorted(savedir.glob(EVENT_FILES))
+    assert len(files) == 2 and first[0] in files  # a file of its own beside the first
+    runs = tensorboard_runs(savedir)
+    assert_tensorboard_has_the_rows(runs["."], more)
+    assert runs["."]["sps"][-1][0] == checkpoint_steps(savedir) >= 4000
 
 
 # -- a savedir owns its config; a finished run says so -------------------------------------
