@@ -33,7 +33,7 @@ from helpers.run_util import (
     snapshot,
     tensorboard_runs,
 )
-from moolib.agents.runtime.tensorboard_log import EVENT_FILES
+from moolib.agents.runtime.tensorboard_log import EVENT_FILES, TensorBoardLog
 from moolib.launch import config as config_lib
 from moolib.launch import plot
 from omegaconf import OmegaConf
@@ -187,6 +187,22 @@ def test_tensorboard_has_the_rows_of_logs_tsv_and_a_resume_appends_its_own(tmp_p
     runs = tensorboard_runs(savedir)
     assert_tensorboard_has_the_rows(runs["."], more)
     assert runs["."]["sps"][-1][0] == checkpoint_steps(savedir) >= 4000
+
+
+def test_tensorboard_hides_the_rows_a_killed_run_logged_past_its_checkpoint(tmp_path):
+    """A run killed at step 30 after a checkpoint at 20 resumes from 20: logs.tsv keeps
+    its row at 30, TensorBoard shows the resumed run's instead."""
+    columns = ("step", "sps", "time")
+    killed = TensorBoardLog(tmp_path, columns)
+    for step in (10, 20, 30):
+        killed.write({"step": step, "sps": 1.0, "time": step / 10})
+    killed.close()
+    resumed = TensorBoardLog(tmp_path, columns, resumed_at=20)
+    for step in (30, 40):
+        resumed.write({"step": step, "sps": 2.0, "time": step / 10})
+    resumed.close()
+    rows = [{"step": s, "sps": v, "time": s / 10} for s, v in ((10, 1), (20, 1), (30, 2), (40, 2))]
+    assert_tensorboard_has_the_rows(tensorboard_runs(tmp_path)["."], rows)
 
 
 # -- a savedir owns its config; a finished run says so -------------------------------------
