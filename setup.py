@@ -88,6 +88,8 @@ setup(
         "minatar": ["minatar>=1.0.15"],
         # wandb.enabled=true.
         "wandb": ["wandb"],
+        # tensorboard.enabled=true: torch writes the event files with it.
+        "tensorboard": ["tensorboard"],
         # The envpool library's C++ Atari: a second environment backend.
         "envpool": ["envpool"],
         # The build requirements too: tests/test_packaging.py builds a wheel
@@ -99,6 +101,7 @@ setup(
             "ruff",
             "minatar>=1.0.15",
             "wandb",
+            "tensorboard",
             "envpool",
             "setuptools>=64",
             "wheel",

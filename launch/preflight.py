@@ -496,13 +496,18 @@ def check_fits(job: Job, cfg: RunConfig) -> None:
 def check_extras(cfg: RunConfig) -> None:
     """The optional packages the run of ``cfg`` uses are installed (the env's are
     checked by making it)."""
-    if cfg.wandb.enabled:
-        from moolib.agents.runtime.logger import import_wandb
+    from moolib.agents.runtime.logger import import_wandb
+    from moolib.agents.runtime.tensorboard_log import import_tensorboard
 
-        try:
-            import_wandb()
-        except MissingExtraError as e:
-            raise ConfigError(str(e)) from e
+    for enabled, load in (
+        (cfg.wandb.enabled, import_wandb),
+        (cfg.tensorboard.enabled, import_tensorboard),
+    ):
+        if enabled:
+            try:
+                load()
+            except MissingExtraError as e:
+                raise ConfigError(str(e)) from e
 
 
 def check_can_start(job: Job, cfg: RunConfig) -> None:

@@ -18,11 +18,13 @@ import torch
 from helpers.run_util import (
     STOP_TIMEOUT,
     Run,
+    assert_tensorboard_has_the_rows,
     check_ok,
     peers_and_workers,
     read_logs,
     run,
     session_pids,
+    tensorboard_runs,
     wait_for,
 )
 
@@ -173,13 +175,13 @@ def test_a_resume_may_set_a_key_only_its_agent_has_and_a_run_too_short_to_learn_
     assert f"ends before the learner starts from step {steps:,} (the replay is not" in out
     assert "agent.n_step=2 (was 3)" in out, out[-3000:]
     steps = load_checkpoint(savedir / "checkpoint.pt")["steps"]
-    out = check_ok(
-        run(
-            [f"savedir={savedir}", f"total_steps={steps + 3000}", "agent.save_replay=true"],
-            tmp_path,
-        )
-    )
+    _, before = read_logs(savedir / "logs.tsv")
+    # TensorBoard too, turned on by a resume: the learner writes its rows from then on.
+    more = [f"total_steps={steps + 3000}", "agent.save_replay=true", "tensorboard.enabled=true"]
+    out = check_ok(run([f"savedir={savedir}", *more], tmp_path))
     assert "agent.save_replay=true (was false)" in out and "note:" not in out, out[-3000:]
+    _, rows = read_logs(savedir / "logs.tsv")
+    assert_tensorboard_has_the_rows(tensorboard_runs(savedir)["."], rows[len(before) :])
     assert (savedir / "replay.bin").exists()
     assert load_checkpoint(savedir / "checkpoint.pt")["updates"] > 0
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from moolib.agents.registry import AgentConfig
 from moolib.conf.schema import run_config, scaling
-from moolib.conf.schema.run_config import EnvConfig, RunConfig, WandbConfig
+from moolib.conf.schema.run_config import EnvConfig, RunConfig, TensorBoardConfig, WandbConfig
 from moolib.conf.schema.scaling import ScalingConfig
 from moolib.launch import config as config_lib
 from moolib.launch.config import ConfigError
@@ -66,6 +66,7 @@ def test_the_nested_settings_are_typed(compose_config):
     assert cfg.env.id is None and cfg.env.option_values()["noop_max"] == 30
     assert type(cfg.scaling) is ScalingConfig and cfg.scaling.peers == 1
     assert isinstance(cfg.wandb, WandbConfig) and cfg.wandb.enabled is False
+    assert isinstance(cfg.tensorboard, TensorBoardConfig) and cfg.tensorboard.enabled is False
     local = config_lib.validate(compose_config("env=cartpole", "scaling=local"))
     assert type(local.scaling) is LocalScalingConfig and local.scaling.actors == 2
     slurm = config_lib.validate(compose_config("scaling=slurm", "scaling.tasks_per_node=2"))
@@ -130,6 +131,16 @@ def test_a_saved_config_from_before_env_decorrelation_resumes_without_it(compose
     values = final.to_dict()
     del values["env"]["decorrelate_steps"]
     assert RunConfig.from_dict(values).env.decorrelate_steps == 0
+
+
+def test_a_saved_config_from_before_tensorboard_loads_with_it_off(compose_config, tmp_path):
+    composed = compose_config("agent=a2c", "env=cartpole", "tensorboard.enabled=true")
+    values = config_lib.prepare(composed, tmp_path).to_dict()
+    assert values["tensorboard"] == {"enabled": True}
+    with pytest.raises(ConfigError, match=r"^tensorboard.enabled must be true or false, got 1$"):
+        RunConfig.from_dict({**values, "tensorboard": {"enabled": 1}})
+    del values["tensorboard"]
+    assert RunConfig.from_dict(values).tensorboard.enabled is False
 
 
 def test_a_saved_config_with_an_unknown_or_missing_key_is_refused(compose_config, tmp_path):

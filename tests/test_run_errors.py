@@ -284,8 +284,14 @@ def test_a_network_that_cannot_take_the_observations_is_a_config_error(tmp_path,
             "the wandb package (for wandb.enabled=true) is not installed: "
             'pip install "moolib[wandb]"',
         ),
+        (
+            "tensorboard",
+            ["env=cartpole", "tensorboard.enabled=true"],
+            "the tensorboard package (for tensorboard.enabled=true) is not installed: "
+            'pip install "moolib[tensorboard]"',
+        ),
     ],
-    ids=["minatar", "wandb"],
+    ids=["minatar", "wandb", "tensorboard"],
 )
 def test_a_missing_extra_exits_2_naming_it(tmp_path, missing, overrides, message):
     # The launcher itself, in a Python where the extra's package cannot be imported

@@ -19,6 +19,7 @@ import yaml
 from helpers.run_util import (
     DOCUMENTED_COLUMNS,
     QUICK,
+    assert_tensorboard_has_the_rows,
     check_ok,
     checkpoint_steps,
     history_steps,
@@ -30,7 +31,9 @@ from helpers.run_util import (
     run,
     run_quick,
     snapshot,
+    tensorboard_runs,
 )
+from moolib.agents.runtime.tensorboard_log import EVENT_FILES, TensorBoardLog
 from moolib.launch import config as config_lib
 from moolib.launch import plot
 from omegaconf import OmegaConf
@@ -157,6 +160,49 @@ def test_wandb_offline_run_and_resume_keep_the_run_id(tmp_path):
     assert len(runs2) == 2
     assert {r.name.rsplit("-", 1)[1] for r in runs2} == {run_id}  # the same run, continued
     assert load_checkpoint(savedir / "checkpoint.pt")["wandb_ids"] == {"0": run_id}
+
+
+@pytest.mark.timeout(600)
+def test_tensorboard_has_the_rows_of_logs_tsv_and_a_resume_appends_its_own(tmp_path):
+    savedir = tmp_path / "tb"
+    # Rows every 0.2 s: a few in each of these short runs.
+    base = ["agent=a2c", "env=cartpole", "device=cpu", "log_interval=0.2"]
+    base += ["tensorboard.enabled=true", f"savedir={savedir}"]
+    check_ok(run([*base, "total_steps=2000"], tmp_path))
+    _, rows = read_logs(savedir / "logs.tsv")
+    first = sorted(savedir.glob(EVENT_FILES))
+    assert len(first) == 1, sorted(p.name for p in savedir.iterdir())
+    runs = tensorboard_runs(savedir)
+    assert list(runs) == ["."], runs.keys()  # one peer: its event file beside its logs.tsv
+    assert_tensorboard_has_the_rows(runs["."], rows)
+    # The step axis is the env steps, as logs.tsv's and the checkpoint's.
+    assert runs["."]["sps"][-1][0] == checkpoint_steps(savedir) >= 2000
+
+    out = check_ok(run([*base, "total_steps=4000"], tmp_path))
+    assert "resumed from" in out
+    _, more = read_logs(savedir / "logs.tsv")
+    assert len(more) > len(rows) and _same_rows(more[: len(rows)], rows)
+    files = sorted(savedir.glob(EVENT_FILES))
+    assert len(files) == 2 and first[0] in files  # a file of its own beside the first
+    runs = tensorboard_runs(savedir)
+    assert_tensorboard_has_the_rows(runs["."], more)
+    assert runs["."]["sps"][-1][0] == checkpoint_steps(savedir) >= 4000
+
+
+def test_tensorboard_hides_the_rows_a_killed_run_logged_past_its_checkpoint(tmp_path):
+    """A run killed at step 30 after a checkpoint at 20 resumes from 20: logs.tsv keeps
+    its row at 30, TensorBoard shows the resumed run's instead."""
+    columns = ("step", "sps", "time")
+    killed = TensorBoardLog(tmp_path, columns)
+    for step in (10, 20, 30):
+        killed.write({"step": step, "sps": 1.0, "time": step / 10})
+    killed.close()
+    resumed = TensorBoardLog(tmp_path, columns, resumed_at=20)
+    for step in (30, 40):
+        resumed.write({"step": step, "sps": 2.0, "time": step / 10})
+    resumed.close()
+    rows = [{"step": s, "sps": v, "time": s / 10} for s, v in ((10, 1), (20, 1), (30, 2), (40, 2))]
+    assert_tensorboard_has_the_rows(tensorboard_runs(tmp_path)["."], rows)
 
 
 # -- a savedir owns its config; a finished run says so -------------------------------------

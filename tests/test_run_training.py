@@ -24,7 +24,16 @@ from helpers.run_util import (
 )
 
 # The packages of the extras (and the test extra's), which the README's install lacks.
-EXTRA_PACKAGES = ("minatar", "pandas", "scipy", "seaborn", "wandb", "envpool", "pytest")
+EXTRA_PACKAGES = (
+    "minatar",
+    "pandas",
+    "scipy",
+    "seaborn",
+    "wandb",
+    "tensorboard",
+    "envpool",
+    "pytest",
+)
 
 
 # -- scaling=local -------------------------------------------------------------------------

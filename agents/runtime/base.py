@@ -5,10 +5,10 @@ The on-policy ``Trainer`` (every peer) and the off-policy ``Learner`` are both a
 checkpoint (``_resume`` loads the runtime's own part of it), writes checkpoints
 (a failed write is logged and training goes on; the final one raises), and keeps
 the wandb runs' ids in them. ``RunLog`` is a runner's log outputs: logs.tsv, the
-progress line and progress.log, wandb. ``LostContact`` raises ``GroupLostError``
-when a process has been cut off from its group (a peer) or its learner (an actor)
-for ``lost_group_timeout`` seconds. And the helpers both runtimes use: the actors'
-envs, the optimizer and its learning rate, the banner's env detail.
+progress line and progress.log, wandb, TensorBoard. ``LostContact`` raises
+``GroupLostError`` when a process has been cut off from its group (a peer) or its
+learner (an actor) for ``lost_group_timeout`` seconds. And the helpers both runtimes
+use: the actors' envs, the optimizer and its learning rate, the banner's env detail.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from moolib.conf.schema.run_config import RunConfig
 from ..registry import Runtime, get_agent
 from . import checkpoint
 from .logger import COLUMNS, Progress, TsvLog, Wandb, guard_log_handlers, start_banner
+from .tensorboard_log import TensorBoardLog
 
 log = logging.getLogger("moolib.agents")
 
@@ -279,8 +280,9 @@ class Runner:
 class RunLog:
     """A runner's log outputs, named after its ``role`` (``peer 0``, ``learner``):
     logs.tsv (``columns``), the progress line (``[peer 0] ...``) and progress.log,
-    which starts with the banner, and the wandb run (``<name>-peer0``), whose id the
-    runner keeps for its checkpoints."""
+    which starts with the banner, the wandb run (``<name>-peer0``), whose id the
+    runner keeps for its checkpoints, and the TensorBoard event file beside logs.tsv,
+    with logs.tsv's columns."""
 
     def __init__(self, runner: Runner, role: str, columns: tuple[str, ...] = COLUMNS) -> None:
         cfg, logdir = runner.cfg, runner.peer.logdir
@@ -290,6 +292,8 @@ class RunLog:
             int(cfg.total_steps), prefix=f"[{role}] ", log_path=logdir / "progress.log"
         )
         self.progress.record(runner.banner)
+        # The runner has resumed (its steps are the checkpoint's) before its log opens.
+        self.tensorboard = TensorBoardLog.for_run(cfg, logdir, self.tsv.columns, runner.steps)
         # A wandb run's name has no spaces.
         name = f"{cfg.name}-{role.replace(' ', '')}"
         self.wandb = Wandb.for_run(cfg, name, logdir, runner.wandb_id)
@@ -306,9 +310,14 @@ class RunLog:
         self.progress.update(row, note)
         if self.wandb:
             self.wandb.log(row)
+        if self.tensorboard:
+            self.tensorboard.write(row)
 
     def close(self) -> None:
+        """Flushes and closes every output."""
         self.progress.close()
         self.tsv.close()
+        if self.tensorboard:
+            self.tensorboard.close()
         if self.wandb:
             self.wandb.close()

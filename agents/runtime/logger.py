@@ -69,7 +69,7 @@ class TsvLog:
             self._writer.writerow(self.columns)
             self._file.flush()
 
-        self._failing = _WriteFailures(self.path)
+        self._failing = WriteFailures(self.path)
 
     def write(self, row: dict[str, Any]) -> None:
         """Writes ``row`` (missing columns stay empty) and flushes it. A row that cannot be
@@ -90,7 +90,7 @@ class TsvLog:
             self._failing.failed(e)
 
 
-class _WriteFailures:
+class WriteFailures:
     """Reports the failed writes of a log file once per run of failures, not per row: a
     full disk must neither end training nor flood the terminal."""
 
@@ -99,6 +99,7 @@ class _WriteFailures:
         self.failing = False
 
     def failed(self, e: OSError) -> None:
+        """A write failed with ``e``: logged unless the previous one failed too."""
         if not self.failing:
             self.failing = True
             logging.getLogger("moolib.agents").error(
@@ -109,6 +110,7 @@ class _WriteFailures:
             )
 
     def succeeded(self) -> None:
+        """A write succeeded: logged when it ends a run of failures."""
         if self.failing:
             self.failing = False
             logging.getLogger("moolib.agents").info("%s can be written again", self.path)
@@ -140,7 +142,7 @@ def format_duration(seconds: float) -> str:
     return _duration(seconds)
 
 
-def _finite(value: Any) -> float | None:
+def finite_number(value: Any) -> float | None:
     """``value`` as a float when it is a finite number, else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -277,12 +279,12 @@ class Progress:
         self._loss: float | None = None  # the last ones logged: an interval may have none
         self._saved: list[tuple[Any, Any]] = []
         self._log = None
-        self._stream_failing: _WriteFailures | None = None
+        self._stream_failing: WriteFailures | None = None
         if log_path is not None:
             log_path = Path(log_path)
             log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-            self._log_failing = _WriteFailures(log_path)
+            self._log_failing = WriteFailures(log_path)
 
     # -- what the line says ---------------------------------------------------------------
 
@@ -290,13 +292,13 @@ class Progress:
         """The parts of the line for one log row (see ``_render``), which joins the window
         that the SPS is taken over; ``note`` goes before the ETA."""
         step = float(row["step"])
-        now = _finite(row.get("time"))
+        now = finite_number(row.get("time"))
         if self._first_step is None:
             self._first_step = step
         if now is not None:
-            acted = (_finite(row.get("env_sps")) or 0.0) * self._since_last(now)
+            acted = (finite_number(row.get("env_sps")) or 0.0) * self._since_last(now)
             self._rows.append((now, step, acted))
-        ret = _finite(row.get("mean_episode_return"))
+        ret = finite_number(row.get("mean_episode_return"))
         if ret is not None:
             self._return = ret
         learned_sps, env_sps = self._rates(row)
@@ -308,7 +310,7 @@ class Progress:
             # Nothing learned over the window: say what the actors do instead of "SPS 0".
             state = "warming up" if step == self._first_step else "learner waiting"
             rate = f"{state}: acting {env_sps:,.0f} env steps/s"
-        loss = _finite(row.get("total_loss"))
+        loss = finite_number(row.get("total_loss"))
         if loss is not None:
             self._loss = loss
         if done:
@@ -347,7 +349,7 @@ class Progress:
             if t1 - t0 > 0:
                 acted = sum(a for _, _, a in list(self._rows)[1:])
                 return max(0.0, (s1 - s0) / (t1 - t0)), acted / (t1 - t0)
-        return _finite(row.get("sps")) or 0.0, _finite(row.get("env_sps")) or 0.0
+        return finite_number(row.get("sps")) or 0.0, finite_number(row.get("env_sps")) or 0.0
 
     # -- drawing ---------------------------------------------------------------------------
 
@@ -394,7 +396,7 @@ class Progress:
                 except OSError as e:
                     # A peer's output redirected to a full disk: the line is in progress.log.
                     if self._stream_failing is None:
-                        self._stream_failing = _WriteFailures(
+                        self._stream_failing = WriteFailures(
                             Path(getattr(self.stream, "name", "stdout"))
                         )
                     self._stream_failing.failed(e)

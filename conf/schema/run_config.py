@@ -148,6 +148,13 @@ class WandbConfig:
 
 
 @dataclass(frozen=True)
+class TensorBoardConfig:
+    """``tensorboard``: logs.tsv's numbers as TensorBoard event files beside it."""
+
+    enabled: bool
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A moolib-run run's settings (``conf/config.yaml`` and the groups it composes), in
     the order of ``config.yaml``. Built by ``from_dict``; ``__post_init__`` raises
@@ -171,6 +178,8 @@ class RunConfig:
     group_timeout: float  # seconds before a silent peer leaves the group
     lost_group_timeout: float  # seconds out of its group before a peer stops
     wandb: WandbConfig
+    # A config.yaml written before the setting existed has none: off.
+    tensorboard: TensorBoardConfig = TensorBoardConfig(enabled=False)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -199,6 +208,7 @@ class RunConfig:
             env=lambda v: build_config(EnvConfig, v, "env"),
             scaling=lambda v: build_config(spec.config, v, "scaling"),
             wandb=lambda v: build_config(WandbConfig, v, "wandb"),
+            tensorboard=lambda v: build_config(TensorBoardConfig, v, "tensorboard"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -234,6 +244,7 @@ class RunConfig:
             # It names the run's folder, its group and its wandb runs.
             raise ConfigError(f"name must be a non-empty string, got {self.name!r}")
         check_flag("wandb.enabled", self.wandb.enabled)
+        check_flag("tensorboard.enabled", self.tensorboard.enabled)
         # 0 would log every update: tens of thousands of lines a minute.
         for key in ("log_interval", "checkpoint_interval"):
             value = getattr(self, key)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import yaml
 
@@ -206,6 +207,34 @@ def read_logs(path: Path) -> tuple[list[str], list[dict[str, float]]]:
             {k: number(v) for k, v in zip(header, cells, strict=False)} for cells in reader if cells
         ]
     return header, rows
+
+
+def tensorboard_runs(folder: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """The scalars of the TensorBoard runs under ``folder``, as ``tensorboard --logdir
+    FOLDER`` finds them (a run per folder of event files: ``.``, ``peer1``), read with
+    TensorBoard's own reader: {run: {tag: [(step, value), ...] in the order written}}."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer(size_guidance={"scalars": 0})  # 0: every event, none sampled
+    mux.AddRunsFromDirectory(str(folder))
+    mux.Reload()
+    return {
+        run: {tag: [(e.step, e.value) for e in mux.Scalars(run, tag)] for tag in tags["scalars"]}
+        for run, tags in mux.Runs().items()
+    }
+
+
+def assert_tensorboard_has_the_rows(scalars: dict, rows: list[dict[str, float]]) -> None:
+    """``scalars`` (a run of ``tensorboard_runs``) holds exactly logs.tsv's ``rows``: a
+    tag per column (step aside), each the column's finite numbers at their rows' steps
+    (TensorBoard keeps them as 32-bit floats)."""
+    columns = {k for r in rows for k, v in r.items() if k != "step" and math.isfinite(v)}
+    assert set(scalars) == columns, (sorted(scalars), sorted(columns))
+    for tag in columns:
+        logged = [(int(r["step"]), r[tag]) for r in rows if math.isfinite(r.get(tag, math.nan))]
+        assert [s for s, _ in scalars[tag]] == [s for s, _ in logged], tag
+        values = [v for _, v in scalars[tag]]
+        assert values == pytest.approx([v for _, v in logged], rel=1e-6), tag
 
 
 def wait_for(cond, timeout: float, what: str, interval: float = 0.5, proc: Run | None = None):
