@@ -39,10 +39,13 @@ Two figures per row, each on the same machine in the same call:
   the same sweep for every row (``SWEEP``: its learning rate and batch size scaled)
   on ``--tuning-seed``, which is never scored.
 
-``--results FILE`` keeps every run (one JSON line, with the moolib commit and the
-load average around it) and takes the runs already there instead of running them
-again: hours of runs resume after a stop. A run that takes no env step in
-``--first-step-seconds``, or none for ``--stall-seconds``, is stopped and reported.
+``--results FILE`` keeps every run (one JSON line, with the moolib commit, the load
+average around it and the share of the CPU other processes took during it) and
+takes the runs already there instead of running them again: hours of runs resume
+after a stop. Each run waits for a quiet machine first, and a run during which
+other processes took more than ``--max-others`` of the CPU is run again. A run
+that takes no env step in ``--first-step-seconds``, or none for
+``--stall-seconds``, is stopped and reported.
 
 moolib's side is moolib-run with bench/train.py's helpers: its throughput is its
 actors' env steps/s from its logs.tsv (as ``run_sps`` reads them), the warm-up
@@ -621,16 +624,71 @@ def moolib_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+class OtherLoad:
+    """The share of the machine's CPU that processes other than this bench and the runs
+    it started took: /proc/stat's busy time less this process's CPU and its reaped
+    children's (each run is a child, reaped before its result is read). The load
+    average cannot say it: it counts the run itself, and a run's load lingers in it
+    for minutes after the run ends."""
+
+    def __init__(self) -> None:
+        self.cores = len(os.sched_getaffinity(0))
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def mark(self) -> tuple[float, float, float]:
+        """The machine's busy CPU seconds, this bench's own, and the time: now."""
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / self.tick  # less idle, iowait
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system
+        return busy, own, time.monotonic()
+
+    def share(self, since: tuple[float, float, float]) -> float:
+        """Of all cores' time since ``mark()`` gave ``since``, the share others took."""
+        busy, own, now = self.mark()
+        elapsed = max(now - since[2], 1e-6) * self.cores
+        return max(0.0, (busy - since[0]) - (own - since[1])) / elapsed
+
+    def wait_quiet(self, limit: float, window: float = 5.0, patience: float = 600.0) -> float:
+        """Waits until others took at most ``limit`` over ``window`` seconds, for up to
+        ``patience`` seconds (then runs anyway: the run's own share tells); the last
+        window's share."""
+        deadline = time.monotonic() + patience
+        while True:
+            since = self.mark()
+            time.sleep(window)
+            share = self.share(since)
+            if share <= limit or time.monotonic() >= deadline:
+                return share
+            print(f"  waiting for a quiet machine: others took {share:.0%} of the CPU", flush=True)
+
+
 class Results:
     """The runs of one comparison, one JSON line each (``--results``): what was run,
     its result, the moolib commit, when, and the load average before and after it.
     A run the file holds without an error is taken from it, not run again, so hours of
     runs resume after a stop (a failed one is run again); a file holding another
-    commit's runs is refused: one commit for the whole table."""
+    commit's runs is refused: one commit for the whole table.
 
-    def __init__(self, path: str | None, commit: str) -> None:
+    With ``max_others`` (a share of the CPU), each run first waits for the machine to
+    be that quiet, and a run during which other processes took more is recorded as
+    ``rerun`` and run again, up to ``reruns`` times; the last try is kept, marked
+    ``loaded`` if it was loaded too."""
+
+    def __init__(
+        self,
+        path: str | None,
+        commit: str,
+        max_others: float | None = None,
+        reruns: int = 2,
+        load: OtherLoad | None = None,
+    ) -> None:
         self.path = Path(path) if path else None
         self.commit = commit
+        self.max_others = max_others
+        self.reruns = reruns
+        self.load = load or OtherLoad()
         self.done: dict[str, dict] = {}
         if self.path is None or not self.path.exists():
             return
@@ -644,36 +702,56 @@ class Results:
                     f"{self.path} holds runs of moolib {entry.get('commit')}, and this is "
                     f"{commit}: a comparison is of one commit; give another --results file"
                 )
-            if "error" not in entry["result"]:
+            if "error" not in entry["result"] and not entry.get("rerun"):
                 self.done[entry["key"]] = entry["result"]
 
     def run(self, key: dict[str, Any], measure: Any) -> tuple[dict, bool]:
         """``key``'s result and whether it came from the file; else ``measure()``'s,
-        appended to the file."""
+        appended to the file (run again while other processes loaded the machine)."""
         name = json.dumps(key, sort_keys=True)
         if name in self.done:
             return self.done[name], True
-        before, started = os.getloadavg(), time.time()
-        result = measure()
-        entry = {
-            "key": name,
-            **key,
-            "result": result,
-            "commit": self.commit,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-            "wall_s": round(time.time() - started, 1),
-            "load_before": [round(x, 2) for x in before],
-            "load_after": [round(x, 2) for x in os.getloadavg()],
-            "host": platform.node(),
-            "cores": len(os.sched_getaffinity(0)),
-        }
+        for attempt in range(self.reruns + 1):
+            entry = self._measure(name, key, measure)
+            others = entry.get("others_cpu_share", 0.0)
+            loaded = self.max_others is not None and others > self.max_others
+            rerun = loaded and attempt < self.reruns and "error" not in entry["result"]
+            if rerun:
+                entry["rerun"] = True
+                print(f"  others took {others:.0%} of the CPU during that run: again", flush=True)
+            elif loaded:
+                entry["loaded"] = True
+            self._append(entry)
+            if not rerun:
+                break
+        result = entry["result"]
         if "error" not in result:
             self.done[name] = result
+        return result, False
+
+    def _measure(self, name: str, key: dict[str, Any], measure: Any) -> dict:
+        entry: dict[str, Any] = {"key": name, **key}
+        if self.max_others is not None:
+            entry["others_cpu_share_before"] = round(self.load.wait_quiet(self.max_others), 3)
+        before, started, since = os.getloadavg(), time.time(), self.load.mark()
+        entry["result"] = measure()
+        entry.update(
+            commit=self.commit,
+            started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            wall_s=round(time.time() - started, 1),
+            load_before=[round(x, 2) for x in before],
+            load_after=[round(x, 2) for x in os.getloadavg()],
+            others_cpu_share=round(self.load.share(since), 3),
+            host=platform.node(),
+            cores=len(os.sched_getaffinity(0)),
+        )
+        return entry
+
+    def _append(self, entry: dict) -> None:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")
-        return result, False
 
 
 def _row_key(row: Row) -> dict[str, Any]:
@@ -963,10 +1041,12 @@ venv, each peer's side a runner (bench/peers/<lib>_runner.py) that the bench
 starts with that peer's Python. A peer whose Python is not given is skipped.
 
 Every run goes into --results (JSON lines: the run, its result, the moolib commit,
-the load average before and after); give a file under bench/results/ to keep the
-evidence with the figures. Runs already in the file are not run again (a failed
-one is), so a long comparison resumes after a stop; a file of another moolib
-commit is refused.
+the load average before and after, and the share of the CPU other processes took
+during it); give a file under bench/results/ to keep the evidence with the figures.
+The machine must be quiet: each run waits for other processes to take under
+--max-others of the CPU, and one during which they took more is run again. Runs
+already in the file are not run again (a failed one is), so a long comparison
+resumes after a stop; a file of another moolib commit is refused.
 
 Examples:
   python bench/peers.py --check --sb3-python ~/moolib-peer-venvs/sb3/bin/python \\
@@ -1034,6 +1114,20 @@ def main() -> None:
         default=None,
         help="the JSON-lines file every run is appended to (see below)",
     )
+    p.add_argument(
+        "--max-others",
+        type=float,
+        default=0.1,
+        help="the share of the machine's CPU other processes may take during a run (0.1: "
+        "10%%); each run waits (up to 10 minutes) for a machine that quiet, and a run "
+        "during which others took more is run again (negative: no check)",
+    )
+    p.add_argument(
+        "--reruns",
+        type=int,
+        default=2,
+        help="how many times a run under load is run again; the last try is kept, marked loaded",
+    )
     args = p.parse_args()
     # Killed (kill, a job's end), it stops as on Ctrl-C: each runner's process
     # group and moolib-run are stopped on the way out, not left stepping.
@@ -1048,7 +1142,8 @@ def main() -> None:
     rows = available(args)
     if args.check:
         sys.exit(check(args, rows))
-    results = Results(args.results, commit)
+    others = args.max_others if args.max_others >= 0 else None
+    results = Results(args.results, commit, others, args.reruns)
     if args.only in (None, "throughput"):
         print(f"Throughput: Breakout, {args.envs} envs on {args.procs} env processes, CPU")
         print(throughput(args, rows, "breakout", results), flush=True)

@@ -219,6 +219,57 @@ def test_score_runs_resume_from_the_results_file(peers: ModuleType, tmp_path, mo
         peers.Results(str(results), "def456")
 
 
+def test_a_run_under_others_load_is_run_again_and_the_last_try_kept(
+    peers: ModuleType, tmp_path
+) -> None:
+    class Load(peers.OtherLoad):
+        """Others' shares, one per run, as the machine would measure them."""
+
+        def __init__(self, shares: list[float]) -> None:
+            super().__init__()
+            self.shares, self.waited = shares, 0
+
+        def wait_quiet(self, limit: float, window: float = 5.0, patience: float = 600.0) -> float:
+            self.waited += 1
+            return 0.01
+
+        def share(self, since: tuple[float, float, float]) -> float:
+            return self.shares.pop(0)
+
+    path = tmp_path / "runs.jsonl"
+    calls: list[str] = []
+
+    def results(shares: list[float]) -> object:
+        return peers.Results(str(path), "abc123", max_others=0.1, reruns=2, load=Load(shares))
+
+    def measure(name: str) -> dict:
+        calls.append(name)
+        return {"steps": len(calls)}
+
+    # Loaded, then quiet: two lines, the first marked rerun; the quiet one is the result.
+    first = results([0.5, 0.02])
+    assert first.run({"run": "a"}, lambda: measure("a")) == ({"steps": 2}, False)
+    assert first.load.waited == 2  # each try waited for a quiet machine
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(e["others_cpu_share"], e.get("rerun"), e.get("loaded")) for e in lines] == [
+        (0.5, True, None),
+        (0.02, None, None),
+    ]
+    # Loaded on every try: 1 + reruns tries, the last kept and marked loaded.
+    results([0.3, 0.4, 0.6]).run({"run": "b"}, lambda: measure("b"))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e.get("loaded") for e in lines if e["run"] == "b"] == [None, None, True]
+    assert calls.count("b") == 3
+    # A resume takes a's quiet run and b's last try; a run cut short during a rerun
+    # (only its rerun line in the file) runs again.
+    with path.open("a") as f:
+        f.write(json.dumps({**lines[0], "key": json.dumps({"run": "c"}), "run": "c"}) + "\n")
+    again = results([0.0])
+    assert again.run({"run": "a"}, lambda: measure("a")) == ({"steps": 2}, True)
+    assert again.run({"run": "b"}, lambda: measure("b"))[1] is True
+    assert again.run({"run": "c"}, lambda: measure("c"))[1] is False and calls[-1] == "c"
+
+
 def test_tuning_sweeps_every_row_alike_on_its_seed_and_scores_the_pick_on_held_out_seeds(
     peers: ModuleType, tmp_path, monkeypatch
 ) -> None:
