@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from moolib.conf.schema import run_config
 from moolib.conf.schema.run_config import RunConfig
 from torch import nn
 
@@ -52,9 +51,8 @@ import moolib
 from moolib._cpus import task_cores
 
 from ..math.apex import epsilon_schedule
-from ..math.offpolicy import epsilon_greedy, importance_weights
+from ..math.offpolicy import importance_weights
 from ..registry import ProcessGroup, QConfig, Runtime, get_agent, register_runtime
-from . import checkpoint
 from .base import (
     GroupLostError,
     LostContact,
@@ -818,52 +816,3 @@ class OffPolicyRuntime(Runtime):
 def actor_logdir(savedir: Path, index: int) -> Path:
     """Where actor process ``index`` writes its output."""
     return savedir / f"actor{index}"
-
-
-@torch.no_grad()
-def evaluate(
-    savedir: Path,
-    episodes: int = 10,
-    epsilon: float = 0.0,
-    seed: int = 0,
-    checkpoint_path: Path | None = None,
-) -> list[float]:
-    """Returns of ``episodes`` episodes played by the newest checkpoint of ``savedir``
-    (or the one at ``checkpoint_path``, e.g. one of ``checkpoint.list_history``) with
-    ``epsilon``-greedy actions (0: greedy), on the run's env, one env at a time. The
-    network gets the inputs an actor gives it (see ``R2D2Acting``)."""
-    cfg = run_config.load(Path(savedir) / run_config.CONFIG_FILE)
-    if checkpoint_path is not None:
-        state = checkpoint.load(Path(checkpoint_path))
-    else:
-        loaded = checkpoint.load_latest(Path(savedir))
-        if loaded is None:
-            raise FileNotFoundError(f"{savedir} holds no checkpoint")
-        state = loaded.state
-    agent = _typed(cfg)
-    spec = get_agent(agent.name)
-    factory, obs_shape, num_actions = _env_factory(cfg)
-    model = spec.make_network(agent, obs_shape, num_actions)
-    model.load_state_dict(state["model"])
-    model.eval()
-    generator = torch.Generator().manual_seed(seed)
-    eps = torch.tensor([epsilon])
-    returns = []
-    for episode in range(episodes):
-        env = factory()
-        try:
-            obs, _ = env.reset(seed=seed + episode)
-            total, reward, done, action = 0.0, 0.0, True, 0
-            q_values = spec.acting.evaluator(model)
-            while True:
-                q = q_values(torch.as_tensor(obs)[None], reward, done, action)
-                action = int(epsilon_greedy(q, eps, generator)[0])
-                obs, reward, terminated, truncated, _ = env.step(action)
-                total += float(reward)
-                done = False
-                if terminated or truncated:
-                    break
-        finally:
-            env.close()
-        returns.append(total)
-    return returns

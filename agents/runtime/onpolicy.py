@@ -42,7 +42,7 @@ from moolib.conf.schema.run_config import RunConfig
 import moolib
 from moolib._cpus import task_cores
 
-from ..nets.models import resolve_network
+from ..nets.models import actor_step, resolve_network
 from ..registry import ProcessGroup, Runtime, register_runtime
 from .base import (
     LostContact,
@@ -302,14 +302,8 @@ class Trainer(Runner):
     def _act(
         self, policy: torch.nn.Module, env_out: dict, core: tuple, prev_action: torch.Tensor
     ) -> tuple[dict, Any]:
-        device = self.device
         # One step of each env: what the unroll keeps, and the network's [T=1, B] input.
-        step = {
-            "state": env_out["state"].to(device),
-            "reward": env_out["reward"].to(device),
-            "done": env_out["done"].to(device),
-        }
-        step["prev_action"] = prev_action.masked_fill(step["done"], 0)
+        step = actor_step(env_out, prev_action, self.device)
         with torch.no_grad():
             out, core = policy({k: v[None] for k, v in step.items()}, core)
         for k in _ACTOR_KEYS:

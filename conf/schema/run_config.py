@@ -6,7 +6,7 @@ one a savedir holds (``load``), and handed on as it is: the launchers, peers,
 trainers and loggers read its attributes and never see omegaconf. This module is
 the other edge: ``save`` writes it to ``<savedir>/config.yaml`` in the YAML that
 moolib-run has always written there, and ``load`` reads it back (peers, SLURM
-jobs, resumes and ``evaluate``).
+jobs, resumes and evaluations).
 
 Where the run's device is decided (``auto`` to cuda or cpu) and checked (CUDA on
 this machine) is here too, once: ``resolve_device``.
@@ -271,8 +271,13 @@ def save(cfg: RunConfig, savedir: Path) -> Path:
     return path
 
 
-def load(path: Path) -> RunConfig:
-    """A config written by ``save``, checked again. Raises ConfigError naming a bad key."""
-    from omegaconf import OmegaConf
+def load(path: Path, *, device: str | None = None) -> RunConfig:
+    """A config written by ``save``, checked again. Raises ConfigError naming a bad key.
+    ``device`` takes the place of the saved one: an evaluation plays on the CPU,
+    where a run that trained on a GPU would not load."""
+    from omegaconf import DictConfig, OmegaConf
 
-    return RunConfig.from_dict(OmegaConf.load(path))  # type: ignore[arg-type]
+    values = OmegaConf.load(path)
+    if device is not None and isinstance(values, DictConfig):
+        values.device = device
+    return RunConfig.from_dict(values)  # type: ignore[arg-type]
