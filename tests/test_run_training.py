@@ -24,7 +24,17 @@ from helpers.run_util import (
 )
 
 # The packages of the extras (and the test extra's), which the README's install lacks.
-EXTRA_PACKAGES = ("minatar", "pandas", "scipy", "seaborn", "wandb", "envpool", "pytest")
+EXTRA_PACKAGES = (
+    "minatar",
+    "pandas",
+    "scipy",
+    "seaborn",
+    "wandb",
+    "envpool",
+    "imageio_ffmpeg",
+    "pygame",
+    "pytest",
+)
 
 
 # -- scaling=local -------------------------------------------------------------------------

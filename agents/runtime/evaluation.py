@@ -1,14 +1,16 @@
 """Playing a run's policy for whole episodes, apart from training: what ``moolib-eval``
-reports for a savedir's checkpoint (``evaluate_savedir``), and
-``moolib.agents.offpolicy_run.evaluate`` (``evaluate``).
+reports for a savedir's checkpoint (``evaluate_savedir``), what moolib-run logs every
+``eval_interval`` steps (``PeriodicEval``), and ``moolib.agents.offpolicy_run.evaluate``
+(``evaluate``).
 
-``play`` runs N episodes as one batch of N envs of the run's env, made in this
-process (env i reset with seed ``seed + i``), on the CPU, and picks every step's
-actions with the agent's policy (``AgentSpec.policy``: the agent's own acting, as
-its actors feed its network), greedily or sampled with a seeded generator: the same
-arguments play the same episodes. It reads the savedir and writes nothing there but,
-with videos, the folder ``videos/`` it creates: no lock, log or checkpoint of a run
-that trains meanwhile is touched.
+``play`` runs N episodes as one batch of N envs of the run's env (up to
+``MAX_BATCH`` at once), made in this process (env i reset with seed ``seed + i``),
+on the CPU, and picks every step's actions with the agent's policy
+(``AgentSpec.policy``: the agent's own acting, as its actors feed its network),
+greedily or sampled with a seeded generator: the same arguments play the same
+episodes. It reads the savedir and writes nothing there but, with videos, the
+folder ``videos/`` it creates: no lock, log or checkpoint of a run that trains
+meanwhile is touched.
 
 Videos are MP4s, one per episode, written frame by frame as the episode plays
 (imageio-ffmpeg, the ``video`` extra), from the frames the env draws
@@ -17,6 +19,7 @@ Videos are MP4s, one per episode, written frame by frame as the episode plays
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import statistics
@@ -38,11 +41,13 @@ from moolib._extras import MissingExtraError, import_extra
 from ..acting import ActionChoice
 from ..registry import get_agent
 from . import checkpoint
+from .logger import EVAL_COLUMNS
 
 __all__ = [
     "Checkpointed",
     "EvalError",
     "Episodes",
+    "PeriodicEval",
     "evaluate",
     "evaluate_savedir",
     "load_checkpointed",
@@ -54,6 +59,9 @@ __all__ = [
 log = logging.getLogger("moolib.agents")
 
 VIDEO_DIR = "videos"
+# Envs made at once: more episodes play in batches of this many (an Atari env holds
+# a few MB, and a batch's steps are one forward pass however many envs it has).
+MAX_BATCH = 32
 VIDEO_EXTRA = "video"
 
 
@@ -89,6 +97,11 @@ class Episodes:
     def mean_length(self) -> float:
         """The mean length, in env steps."""
         return statistics.fmean(self.lengths)
+
+    def columns(self, step: int) -> dict[str, float]:
+        """The log row's ``logger.EVAL_COLUMNS`` for the weights of ``step``."""
+        values = (step, self.mean_return, self.return_std, self.mean_length)
+        return dict(zip(EVAL_COLUMNS, values, strict=True))
 
 
 class _Video:
@@ -165,7 +178,6 @@ def _make_envs(cfg: RunConfig, count: int) -> list[gymnasium.Env]:
     return envs
 
 
-@torch.no_grad()
 def play(
     cfg: RunConfig,
     model: nn.Module,
@@ -176,48 +188,71 @@ def play(
     stop: threading.Event | None = None,
 ) -> Episodes:
     """Plays ``episodes`` episodes of the run ``cfg`` describes with ``model`` (its
-    agent's network, on the CPU), acting as ``choice`` says, as one batch of envs
-    (see the module doc). With ``video_dir``, writes each episode's MP4 there as
-    ``episode-<i>.mp4``. ``stop``: when set, the episodes end early (_Stopped)."""
-    envs = _make_envs(cfg, episodes)
+    agent's network, on the CPU), acting as ``choice`` says, as batches of up to
+    ``MAX_BATCH`` envs (see the module doc). With ``video_dir``, writes each
+    episode's MP4 there as ``episode-<i>.mp4``. ``stop``: when set, the episodes
+    end early (_Stopped)."""
+    played = Episodes([], [])
+    for first in range(0, episodes, MAX_BATCH):
+        count = min(MAX_BATCH, episodes - first)
+        part = _play_batch(cfg, model, range(first, first + count), choice, seed, video_dir, stop)
+        played.returns += part.returns
+        played.lengths += part.lengths
+        played.videos += part.videos
+    return played
+
+
+@torch.no_grad()
+def _play_batch(
+    cfg: RunConfig,
+    model: nn.Module,
+    numbers: range,
+    choice: ActionChoice,
+    seed: int,
+    video_dir: Path | None,
+    stop: threading.Event | None,
+) -> Episodes:
+    """Plays the episodes ``numbers`` (episode i from seed ``seed + i``) as one batch."""
+    n = len(numbers)
+    envs = _make_envs(cfg, n)
     videos: list[_Video] = []
     try:
-        observations = [env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]
+        observations = [env.reset(seed=seed + i)[0] for i, env in zip(numbers, envs, strict=True)]
         if video_dir is not None:
             video_dir.mkdir(parents=True, exist_ok=True)
             fps = float(envs[0].metadata.get("render_fps") or 30)
-            for i, env in enumerate(envs):
+            for i, env in zip(numbers, envs, strict=True):
                 videos.append(_Video(video_dir / f"episode-{i}.mp4", fps))
-                videos[i].add(_first_frame(env, cfg.env.name))
+                videos[-1].add(_first_frame(env, cfg.env.name))
         state = torch.as_tensor(np.stack(observations))
         # An episode's first observation comes with done and no reward, as EnvPool's do.
-        reward = torch.zeros(episodes)
-        done = torch.ones(episodes, dtype=torch.bool)
-        policy = get_agent(cfg.agent.name).policy(cfg.agent, model, episodes)
-        returns = [0.0] * episodes
-        lengths = [0] * episodes
-        playing = list(range(episodes))
+        reward = torch.zeros(n)
+        done = torch.ones(n, dtype=torch.bool)
+        policy = get_agent(cfg.agent.name).policy(cfg.agent, model, n)
+        returns = [0.0] * n
+        lengths = [0] * n
+        playing = list(range(n))
         while playing:
             if stop is not None and stop.is_set():
                 raise _Stopped
             # Envs whose episode is over stay in the batch (their actions unused), so
             # that every step draws as many samples: the draws stay seeded.
             actions = policy.act({"state": state, "reward": reward, "done": done}, choice)
-            done = torch.zeros(episodes, dtype=torch.bool)
+            done = torch.zeros(n, dtype=torch.bool)
             going = []
-            for i in playing:
-                obs, r, terminated, truncated, _ = envs[i].step(int(actions[i]))
-                returns[i] += float(r)
-                lengths[i] += 1
-                state[i] = torch.as_tensor(obs)
-                reward[i] = float(r)
+            for b in playing:
+                obs, r, terminated, truncated, _ = envs[b].step(int(actions[b]))
+                returns[b] += float(r)
+                lengths[b] += 1
+                state[b] = torch.as_tensor(obs)
+                reward[b] = float(r)
                 if videos:
-                    videos[i].add(envs[i].render())
+                    videos[b].add(envs[b].render())
                 if terminated or truncated:
                     if videos:
-                        videos[i].close()
+                        videos[b].close()
                 else:
-                    going.append(i)
+                    going.append(b)
             playing = going
     finally:
         for video in videos:
@@ -334,3 +369,78 @@ def evaluate(
     generator = torch.Generator().manual_seed(seed)
     choice = ActionChoice(greedy=epsilon == 0, epsilon=epsilon, generator=generator)
     return evaluate_savedir(Path(savedir), episodes, choice, seed, checkpoint_path)[1].returns
+
+
+class PeriodicEval:
+    """moolib-run's evaluations while it trains (``eval_interval``): at the first log row
+    at or past each multiple of ``eval_interval`` env steps, a copy of the learner's
+    weights plays ``eval_episodes`` greedy episodes (seeded with the run's seed, so
+    every evaluation starts from the same states) on a thread of its own on the CPU,
+    beside training; the row after it ends carries its ``logger.EVAL_COLUMNS``. One at a time:
+    a multiple passed while one plays is skipped. None when ``eval_interval`` is 0 or
+    not ``enabled`` (a peer other than the first: they hold the same weights)."""
+
+    def __init__(self, cfg: RunConfig, steps: int, enabled: bool = True) -> None:
+        self.cfg = cfg
+        self.interval = int(cfg.eval_interval) if enabled else 0
+        self.seed = cfg.seed or 0
+        self.next_at = self._after(steps)
+        self._model: nn.Module | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._result: dict[str, float] = {}
+
+    def _after(self, steps: int) -> int:
+        return (steps // self.interval + 1) * self.interval if self.interval else 0
+
+    def columns(self, steps: int, model: nn.Module, final: bool = False) -> dict[str, float]:
+        """The eval columns of the log row at ``steps`` (those of an evaluation that ended
+        since the last row, else none); starts one of ``model``'s weights when due.
+        ``final``: the run's last row, which waits for an evaluation under way."""
+        if not self.interval:
+            return {}
+        playing = self._thread is not None and self._thread.is_alive()
+        if not playing and steps >= self.next_at:
+            self._start(steps, model)
+            playing = True
+        if final and playing and self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            result, self._result = self._result, {}
+        return result
+
+    def _start(self, steps: int, model: nn.Module) -> None:
+        self.next_at = self._after(steps)
+        if self._model is None:
+            # A copy rather than a new network: building one would draw its initial
+            # weights from the RNG that training draws from.
+            self._model = copy.deepcopy(model).to("cpu").eval()
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self._thread = threading.Thread(
+            target=self._play, args=(steps, weights), name="moolib-eval", daemon=True
+        )
+        self._thread.start()
+
+    def _play(self, steps: int, weights: dict[str, torch.Tensor]) -> None:
+        assert self._model is not None
+        choice = ActionChoice(greedy=True, generator=torch.Generator().manual_seed(self.seed))
+        try:
+            self._model.load_state_dict(weights)
+            played = play(
+                self.cfg, self._model, self.cfg.eval_episodes, choice, self.seed, stop=self._stop
+            )
+        except _Stopped:
+            return
+        except Exception as e:  # noqa: BLE001 - an evaluation never ends the training
+            log.warning("the evaluation at step %d failed, and no other follows: %s", steps, e)
+            self.interval = 0
+            return
+        with self._lock:
+            self._result = played.columns(steps)
+
+    def close(self) -> None:
+        """Ends an evaluation under way at its next step."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)

@@ -65,8 +65,9 @@ from .base import (
     mean_of,
     param_sum,
 )
+from .evaluation import PeriodicEval
 from .host_results import HostResults
-from .logger import Clock
+from .logger import EVAL_COLUMNS, Clock
 
 log = logging.getLogger("moolib.agents")
 
@@ -95,6 +96,7 @@ COLUMNS = (
     "actors",
     "model_version",
     "param_sum",
+    *EVAL_COLUMNS,
     "time",
 )
 EPS_BUCKETS = ((0.01, "return_eps_lt_0.01"), (0.1, "return_eps_lt_0.1"))
@@ -484,6 +486,7 @@ class Learner(Runner):
         self.warned_short = False
         self.replay: moolib.Replay | None = None
         self._restore()
+        self.evals = PeriodicEval(cfg, self.steps)
         if self.replay is None:
             self.replay = moolib.Replay(
                 agent.replay_capacity,
@@ -704,6 +707,7 @@ class Learner(Runner):
                 actor_thread.join(timeout=60)
             if actor_rpc is not None:
                 actor_rpc.close()
+            self.evals.close()
             run_log.close()
             if ended:
                 self._linger_for_actors()
@@ -750,6 +754,9 @@ class Learner(Runner):
         self._warn_if_no_sequence_fits(episodes, info["inserts"])
         for k, values in stats.items():
             row[k] = mean_of(values)
+        # A row at total_steps is the run's last: it waits for the evaluation under way.
+        done = self.steps >= int(self.cfg.total_steps)
+        row.update(self.evals.columns(self.steps, self.model, final=done))
         last.update(
             time=now,
             steps=self.steps,

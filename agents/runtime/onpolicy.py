@@ -55,6 +55,7 @@ from .base import (
     mean_of,
     param_sum,
 )
+from .evaluation import PeriodicEval
 from .logger import Clock, EpisodeStats
 from .policy_slots import PolicySlots
 
@@ -545,6 +546,8 @@ class _Rows:
         self.clock = clock
         self.interval = float(trainer.cfg.log_interval)
         self.log = RunLog(trainer, f"peer {trainer.peer.rank}")
+        # The peers hold the same weights: the first evaluates them.
+        self.evals = PeriodicEval(trainer.cfg, trainer.steps, enabled=trainer.peer.rank == 0)
         self.episodes = EpisodeStats()
         self.lock = threading.Lock()
         self.stats: dict[str, list] = {}  # the learner's, since the last row
@@ -590,6 +593,8 @@ class _Rows:
         }
         for k, values in self.stats.items():
             row[k] = mean_of(values)
+        # A row at total_steps is the run's last: it waits for the evaluation under way.
+        row.update(self.evals.columns(t.steps, t.model, final=t.steps >= t.total_steps))
         with self.lock:
             row.update(self.episodes.take())
             self.log.write(row)
@@ -598,4 +603,5 @@ class _Rows:
         self._time, self._steps, self._env_steps = now, t.steps, t.env_steps
 
     def close(self) -> None:
+        self.evals.close()
         self.log.close()

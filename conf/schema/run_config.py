@@ -167,6 +167,11 @@ class RunConfig:
     log_interval: float  # seconds between logs.tsv rows and progress lines
     checkpoint_interval: float  # seconds between checkpoints
     checkpoint_history: int  # older checkpoints kept in <savedir>/checkpoints
+    # Env steps between evaluations of the learner's weights while it trains
+    # (agents.runtime.evaluation.PeriodicEval); 0: none. Defaults keep a config.yaml
+    # written before these keys existed valid.
+    eval_interval: int = dataclasses.field(default=0, kw_only=True)
+    eval_episodes: int = dataclasses.field(default=10, kw_only=True)  # episodes per evaluation
     broker: str | None  # host:port of a running broker; None: the run starts one
     group_timeout: float  # seconds before a silent peer leaves the group
     lost_group_timeout: float  # seconds out of its group before a peer stops
@@ -224,8 +229,9 @@ class RunConfig:
         return runtime_of_agent(self.agent.name).processes
 
     def __post_init__(self) -> None:
-        for key in ("total_steps", "checkpoint_history"):
+        for key in ("total_steps", "checkpoint_history", "eval_episodes"):
             check_int_at_least(key, getattr(self, key))
+        check_int_at_least("eval_interval", self.eval_interval, 0)
         check_int_at_least("scaling.peers", self.scaling.peers)
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
