@@ -92,6 +92,10 @@ setup(
         "tensorboard": ["tensorboard"],
         # The envpool library's C++ Atari: a second environment backend.
         "envpool": ["envpool"],
+        # moolib-eval video=true: MP4s written by ffmpeg (imageio-ffmpeg ships it;
+        # gymnasium's RecordVideo would bring moviepy, which needs imageio-ffmpeg and
+        # more), and pygame, which draws CartPole's frames (gymnasium's classic-control).
+        "video": ["imageio-ffmpeg", "pygame"],
         # The build requirements too: tests/test_packaging.py builds a wheel
         # without build isolation (no network).
         "test": [
@@ -103,6 +107,8 @@ setup(
             "wandb",
             "tensorboard",
             "envpool",
+            "imageio-ffmpeg",
+            "pygame",
             "setuptools>=64",
             "wheel",
             "pybind11>=2.12",
@@ -113,6 +119,7 @@ setup(
             "moolib-broker=moolib.broker:main",
             "moolib-run=moolib.launch.run:main",
             "moolib-plot=moolib.launch.plot:main",
+            "moolib-eval=moolib.launch.evaluate:main",
             "moolib-jobs=moolib.launch.jobs:main",
         ]
     },

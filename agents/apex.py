@@ -1,13 +1,14 @@
 """The agent ``apex``: Ape-X DQN (Horgan et al., 2018), trained by the off-policy
 runtime (``moolib.agents.runtime.offpolicy``). Its settings, its loss on a sampled
 batch, and what an actor does with each env step (``ApexActing``: n-step
-transitions with initial priorities for the replay). The math is
+transitions with initial priorities for the replay), and how it acts outside training
+(``ApexPolicy``). The math is
 ``moolib.agents.math.apex`` and ``moolib.agents.math.offpolicy``; the network is
 ``moolib.agents.nets.qmodels.make_dueling_qnet``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -15,6 +16,7 @@ import torch
 from moolib.conf.checks import ConfigError
 from torch import nn
 
+from .acting import ActionChoice, QPolicy
 from .math import apex as apex_math
 from .math.offpolicy import epsilon_greedy, n_step_transitions
 from .nets.qmodels import make_dueling_qnet
@@ -79,12 +81,6 @@ class ApexActing:
             "done": torch.empty((s, b), dtype=torch.bool),
         }
 
-    @staticmethod
-    def evaluator(model: nn.Module) -> Callable[[torch.Tensor, float, bool, int], torch.Tensor]:
-        """Q-values of one env's steps as ``runtime.offpolicy.evaluate`` plays them:
-        ``q(state, reward, done, prev_action)`` for a state batch of 1."""
-        return lambda state, reward, done, prev_action: model(state)
-
     @torch.no_grad()
     def step(self, env_out: dict, model: nn.Module) -> tuple[torch.Tensor, Any]:
         """Acts on one env step; returns the actions and, when the buffer is full,
@@ -136,8 +132,23 @@ class ApexActing:
         return items, prios
 
 
+class ApexPolicy(QPolicy):
+    """Ape-X's policy outside training: the Q-values of each state alone (its network
+    keeps nothing across steps), picked from as its actors do (``acting.QPolicy.pick``)."""
+
+    @torch.no_grad()
+    def act(self, env_out: dict[str, torch.Tensor], choice: ActionChoice) -> torch.Tensor:
+        """The actions of one step of every env (see ``acting.Policy``)."""
+        return self.pick(self.model(env_out["state"]), choice)
+
+
 @register_agent(
-    "apex", ApexConfig, make_network=make_dueling_qnet, acting=ApexActing, runtime="offpolicy"
+    "apex",
+    ApexConfig,
+    make_network=make_dueling_qnet,
+    acting=ApexActing,
+    policy=ApexPolicy,
+    runtime="offpolicy",
 )
 def compute_loss(cfg: ApexConfig, nets: dict, batch: dict) -> tuple[torch.Tensor, dict]:
     """Ape-X's loss on a sampled batch: ``nets`` holds ``online`` and ``target``;

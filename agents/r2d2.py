@@ -1,13 +1,13 @@
 """The agent ``r2d2``: R2D2 (Kapturowski et al., 2019), trained by the off-policy
 runtime (``moolib.agents.runtime.offpolicy``). Its settings, its loss on sampled
 sequences, and what an actor does with each env step (``R2D2Acting``: overlapping
-sequences with their priorities for the replay). The math is
+sequences with their priorities for the replay), and how it acts outside training
+(``R2D2Policy``). The math is
 ``moolib.agents.math.r2d2``; the network is
 ``moolib.agents.nets.qmodels.make_recurrent_qnet``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -15,8 +15,10 @@ import torch
 from moolib.conf.checks import ConfigError
 from torch import nn
 
+from .acting import ActionChoice, QPolicy
 from .math import r2d2 as r2d2_math
 from .math.offpolicy import epsilon_greedy
+from .nets.models import actor_step
 from .nets.qmodels import make_recurrent_qnet
 from .registry import QConfig, register_agent
 
@@ -87,42 +89,15 @@ class R2D2Acting:
             self.batch_size, cfg.sequence_length, cfg.overlap, cfg.burn_in
         )
 
-    @staticmethod
-    def evaluator(model: nn.Module) -> Callable[[torch.Tensor, float, bool, int], torch.Tensor]:
-        """Q-values of one env's steps as ``runtime.offpolicy.evaluate`` plays them, the
-        LSTM state carried from step to step, the inputs an actor gives the network."""
-        core = model.initial_state(1)
-
-        def q_values(state: torch.Tensor, reward: float, done: bool, prev: int) -> torch.Tensor:
-            nonlocal core
-            inputs = {
-                "state": state[None],
-                "reward": torch.tensor([[reward]]),
-                "done": torch.tensor([[done]]),
-                "prev_action": torch.tensor([[prev]]),
-            }
-            q, core = model(inputs, core)
-            return q[0]
-
-        return q_values
-
     @torch.no_grad()
     def step(self, env_out: dict, model: nn.Module) -> tuple[torch.Tensor, Any]:
         """Acts on one env step; returns the actions and ``(items, priorities)`` of the
         sequences this step completed (or None)."""
-        done = env_out["done"]
-        prev = torch.where(done, torch.zeros_like(self.prev_action), self.prev_action)
-        inputs = {
-            "state": env_out["state"][None],
-            "reward": env_out["reward"][None],
-            "done": done[None],
-            "prev_action": prev[None],
-        }
+        step = actor_step(env_out, self.prev_action)
         core_before = self.core
-        q, self.core = model(inputs, core_before)
+        q, self.core = model({k: v[None] for k, v in step.items()}, core_before)
         action = epsilon_greedy(q[0], self.epsilons)
         self.prev_action = action
-        step = {k: v[0] for k, v in inputs.items()}
         step["action"] = action
         sequences = self.splitter.add(step, core_before)
         if sequences is None:
@@ -143,8 +118,25 @@ class R2D2Acting:
         return action, (items, priorities)
 
 
+class R2D2Policy(QPolicy):
+    """R2D2's policy outside training: the Q-values of each step with the LSTM state
+    carried from step to step and the inputs its actors give the network, acted on
+    as they do (``acting.QPolicy.pick``)."""
+
+    @torch.no_grad()
+    def act(self, env_out: dict[str, torch.Tensor], choice: ActionChoice) -> torch.Tensor:
+        """The actions of one step of every env (see ``acting.Policy``)."""
+        self.prev_action = self.pick(self.forward(env_out)[0], choice)
+        return self.prev_action
+
+
 @register_agent(
-    "r2d2", R2D2Config, make_network=make_recurrent_qnet, acting=R2D2Acting, runtime="offpolicy"
+    "r2d2",
+    R2D2Config,
+    make_network=make_recurrent_qnet,
+    acting=R2D2Acting,
+    policy=R2D2Policy,
+    runtime="offpolicy",
 )
 def compute_loss(cfg: R2D2Config, nets: dict, batch: dict) -> tuple[torch.Tensor, dict]:
     """R2D2's loss on sampled sequences (see ``moolib.agents.apex.compute_loss`` for the

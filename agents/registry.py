@@ -16,9 +16,10 @@ An agent is one module of ``moolib.agents`` plus one YAML file in
     def compute_loss(cfg: MyConfig, outputs: dict, batch: dict) -> tuple[Tensor, dict]: ...
 
 The spec (``AgentSpec``) carries everything that differs between agents: settings,
-loss, network, acting and the runtime that trains it, by name (``runtime="onpolicy"``,
-the default, or ``"offpolicy"``: the module ``moolib.agents.runtime.<name>``, imported
-when a run asks for it, never to register an agent). The trainers and
+loss, network, acting (in training and outside it: ``policy``) and the runtime that
+trains it, by name (``runtime="onpolicy"``, the default, or ``"offpolicy"``: the module
+``moolib.agents.runtime.<name>``, imported when a run asks for it, never to register an
+agent). The trainers and
 ``moolib-run`` look agents up here and ask their spec; nothing lists them, and
 nothing tells them apart by name.
 """
@@ -43,11 +44,14 @@ from moolib.conf.checks import (
     check_number,
 )
 
+from .acting import ActorCriticPolicy
 from .nets.models import NETWORKS, make_actor_critic
 
 LossFn = Callable[[Any, dict, dict], tuple[Any, dict[str, float]]]
 # (cfg, observation shape, number of actions) -> the agent's torch network
 NetworkFn = Callable[[Any, Sequence[int], int], Any]
+# (cfg, network, batch size) -> the agent's acting.Policy over that many envs
+PolicyFn = Callable[[Any, Any, int], Any]
 
 
 class _Checks:
@@ -328,7 +332,9 @@ class AgentSpec:
     the one definition learners, actors and checks build. ``acting``: the off-policy
     actors' per-batch acting state, made as ``acting(cfg, epsilons, model)`` (None:
     the agent acts by sampling its policy, as the on-policy runtime does).
-    ``runtime_name``: the runtime that trains it, by name; ``runtime``: that
+    ``policy(cfg, model, batch_size)``: how it acts outside training, greedily or
+    sampled (an ``acting.Policy``: what evaluation plays; the actor-critic agents'
+    by default). ``runtime_name``: the runtime that trains it, by name; ``runtime``: that
     runtime (see ``Runtime``), its module imported when first asked for."""
 
     name: str
@@ -337,6 +343,7 @@ class AgentSpec:
     make_network: NetworkFn = make_actor_critic
     acting: Callable[..., Any] | None = None
     runtime_name: str = "onpolicy"
+    policy: PolicyFn = ActorCriticPolicy
 
     @property
     def runtime(self) -> type[Runtime]:
@@ -380,12 +387,13 @@ def register_agent(
     *,
     make_network: NetworkFn = make_actor_critic,
     acting: Callable[..., Any] | None = None,
+    policy: PolicyFn = ActorCriticPolicy,
     runtime: str = "onpolicy",
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering ``compute_loss(cfg, outputs, batch) -> (loss, stats)``
     as agent ``name`` (the ``name:`` of its YAML), with settings ``config``, network
-    ``make_network``, ``acting`` and the runtime named ``runtime`` (see ``AgentSpec``;
-    the defaults: the on-policy actor-critic agents'). An off-policy agent's loss
+    ``make_network``, ``acting``, ``policy`` and the runtime named ``runtime`` (see
+    ``AgentSpec``; the defaults: the on-policy actor-critic agents'). An off-policy agent's loss
     takes the online and target networks and a sampled batch instead of outputs."""
     # Checked without importing the runtime: that waits until a run needs it.
     if (
@@ -401,7 +409,7 @@ def register_agent(
             raise ValueError(
                 f"agent {name!r} is registered twice ({known.compute_loss} and {loss})"
             )
-        _AGENTS[name] = AgentSpec(name, config, loss, make_network, acting, runtime)
+        _AGENTS[name] = AgentSpec(name, config, loss, make_network, acting, runtime, policy)
         return loss
 
     return register

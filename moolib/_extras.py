@@ -1,7 +1,7 @@
 """The packages that only some runs need come with pip extras (``moolib[minatar]``,
-``moolib[wandb]``, ``moolib[tensorboard]``, ``moolib[envpool]``): the default install
-stays light. Each is imported where it is used, through ``import_extra``, so that a
-missing one is one line that says what installs it."""
+``moolib[wandb]``, ``moolib[tensorboard]``, ``moolib[envpool]``, ``moolib[video]``): the
+default install stays light. Each is imported where it is used, through
+``import_extra``, so that a missing one is one line that says what installs it."""
 
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ LONG_FILES = (
     "test_learning.py",
     "test_run_output.py",
     "test_run_compose.py",
+    "test_evaluate.py",
 )
 
 

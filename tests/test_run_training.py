@@ -32,6 +32,8 @@ EXTRA_PACKAGES = (
     "wandb",
     "tensorboard",
     "envpool",
+    "imageio_ffmpeg",
+    "pygame",
     "pytest",
 )
 

@@ -29,7 +29,7 @@ loop passes it back in unchanged and never resets it itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "MLPNet",
     "MinAtarNet",
     "TinyNet",
+    "actor_step",
     "check_observations",
     "create_model",
     "observations_unfit",
@@ -76,6 +77,25 @@ def unroll_lstm(
         output, state = lstm(inputs[t : t + 1], state)
         outputs.append(output)
     return torch.cat(outputs), state
+
+
+# What an env step gives the network (actor_step adds the previous action).
+_STEP_KEYS = ("state", "reward", "done")
+
+
+def actor_step(
+    env_out: Mapping[str, torch.Tensor],
+    prev_action: torch.Tensor,
+    device: torch.device | None = None,
+) -> dict[str, torch.Tensor]:
+    """One step of a batch of B envs as an actor gives it to a network, each ``[B]``
+    (the inputs above without ``T``; ``v[None]`` adds it): the ``state``, ``reward`` and
+    ``done`` of ``env_out`` (on ``device``, when given) and ``prev_action``, which is
+    0 where ``done``: nothing the agent did led to an episode's first observation, so
+    its input there does not depend on how the previous episode ended."""
+    step = {k: env_out[k] if device is None else env_out[k].to(device) for k in _STEP_KEYS}
+    step["prev_action"] = prev_action.masked_fill(step["done"], 0)
+    return step
 
 
 class _ActorCritic(nn.Module):

@@ -21,6 +21,18 @@ from moolib._extras import import_extra
 if TYPE_CHECKING:
     from moolib.conf.schema.run_config import RunConfig
 
+# The columns an evaluation during training fills (eval_interval; see
+# runtime.evaluation.PeriodicEval): the step of the weights evaluated, the episodes'
+# mean return, its spread and their mean length. Every run's logs.tsv has them, empty
+# in the rows without one, so that its header is the same whatever the settings (and
+# a resumed run's rows stay aligned with it).
+EVAL_COLUMNS = (
+    "eval_step",
+    "eval_mean_episode_return",
+    "eval_episode_return_std",
+    "eval_mean_episode_length",
+)
+
 # Columns of logs.tsv, in order. A resumed run appends to the same file.
 COLUMNS = (
     "step",
@@ -43,6 +55,7 @@ COLUMNS = (
     "peers",
     "env_steps",
     "offered_steps",
+    *EVAL_COLUMNS,
     "time",
 )
 

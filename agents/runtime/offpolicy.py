@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from moolib.conf.schema import run_config
 from moolib.conf.schema.run_config import RunConfig
 from torch import nn
 
@@ -52,9 +51,8 @@ import moolib
 from moolib._cpus import task_cores
 
 from ..math.apex import epsilon_schedule
-from ..math.offpolicy import epsilon_greedy, importance_weights
+from ..math.offpolicy import importance_weights
 from ..registry import ProcessGroup, QConfig, Runtime, get_agent, register_runtime
-from . import checkpoint
 from .base import (
     GroupLostError,
     LostContact,
@@ -67,8 +65,9 @@ from .base import (
     mean_of,
     param_sum,
 )
+from .evaluation import PeriodicEval
 from .host_results import HostResults
-from .logger import Clock
+from .logger import EVAL_COLUMNS, Clock
 
 log = logging.getLogger("moolib.agents")
 
@@ -97,6 +96,7 @@ COLUMNS = (
     "actors",
     "model_version",
     "param_sum",
+    *EVAL_COLUMNS,
     "time",
 )
 EPS_BUCKETS = ((0.01, "return_eps_lt_0.01"), (0.1, "return_eps_lt_0.1"))
@@ -486,6 +486,7 @@ class Learner(Runner):
         self.warned_short = False
         self.replay: moolib.Replay | None = None
         self._restore()
+        self.evals = PeriodicEval(cfg, self.steps)
         if self.replay is None:
             self.replay = moolib.Replay(
                 agent.replay_capacity,
@@ -706,6 +707,7 @@ class Learner(Runner):
                 actor_thread.join(timeout=60)
             if actor_rpc is not None:
                 actor_rpc.close()
+            self.evals.close()
             run_log.close()
             if ended:
                 self._linger_for_actors()
@@ -752,6 +754,9 @@ class Learner(Runner):
         self._warn_if_no_sequence_fits(episodes, info["inserts"])
         for k, values in stats.items():
             row[k] = mean_of(values)
+        # A row at total_steps is the run's last: it waits for the evaluation under way.
+        done = self.steps >= int(self.cfg.total_steps)
+        row.update(self.evals.columns(self.steps, self.model, final=done))
         last.update(
             time=now,
             steps=self.steps,
@@ -818,52 +823,3 @@ class OffPolicyRuntime(Runtime):
 def actor_logdir(savedir: Path, index: int) -> Path:
     """Where actor process ``index`` writes its output."""
     return savedir / f"actor{index}"
-
-
-@torch.no_grad()
-def evaluate(
-    savedir: Path,
-    episodes: int = 10,
-    epsilon: float = 0.0,
-    seed: int = 0,
-    checkpoint_path: Path | None = None,
-) -> list[float]:
-    """Returns of ``episodes`` episodes played by the newest checkpoint of ``savedir``
-    (or the one at ``checkpoint_path``, e.g. one of ``checkpoint.list_history``) with
-    ``epsilon``-greedy actions (0: greedy), on the run's env, one env at a time. The
-    network gets the inputs an actor gives it (see ``R2D2Acting``)."""
-    cfg = run_config.load(Path(savedir) / run_config.CONFIG_FILE)
-    if checkpoint_path is not None:
-        state = checkpoint.load(Path(checkpoint_path))
-    else:
-        loaded = checkpoint.load_latest(Path(savedir))
-        if loaded is None:
-            raise FileNotFoundError(f"{savedir} holds no checkpoint")
-        state = loaded.state
-    agent = _typed(cfg)
-    spec = get_agent(agent.name)
-    factory, obs_shape, num_actions = _env_factory(cfg)
-    model = spec.make_network(agent, obs_shape, num_actions)
-    model.load_state_dict(state["model"])
-    model.eval()
-    generator = torch.Generator().manual_seed(seed)
-    eps = torch.tensor([epsilon])
-    returns = []
-    for episode in range(episodes):
-        env = factory()
-        try:
-            obs, _ = env.reset(seed=seed + episode)
-            total, reward, done, action = 0.0, 0.0, True, 0
-            q_values = spec.acting.evaluator(model)
-            while True:
-                q = q_values(torch.as_tensor(obs)[None], reward, done, action)
-                action = int(epsilon_greedy(q, eps, generator)[0])
-                obs, reward, terminated, truncated, _ = env.step(action)
-                total += float(reward)
-                done = False
-                if terminated or truncated:
-                    break
-        finally:
-            env.close()
-        returns.append(total)
-    return returns

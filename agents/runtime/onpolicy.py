@@ -42,7 +42,7 @@ from moolib.conf.schema.run_config import RunConfig
 import moolib
 from moolib._cpus import task_cores
 
-from ..nets.models import resolve_network
+from ..nets.models import actor_step, resolve_network
 from ..registry import ProcessGroup, Runtime, register_runtime
 from .base import (
     LostContact,
@@ -55,6 +55,7 @@ from .base import (
     mean_of,
     param_sum,
 )
+from .evaluation import PeriodicEval
 from .logger import Clock, EpisodeStats
 from .policy_slots import PolicySlots
 
@@ -302,14 +303,8 @@ class Trainer(Runner):
     def _act(
         self, policy: torch.nn.Module, env_out: dict, core: tuple, prev_action: torch.Tensor
     ) -> tuple[dict, Any]:
-        device = self.device
         # One step of each env: what the unroll keeps, and the network's [T=1, B] input.
-        step = {
-            "state": env_out["state"].to(device),
-            "reward": env_out["reward"].to(device),
-            "done": env_out["done"].to(device),
-        }
-        step["prev_action"] = prev_action.masked_fill(step["done"], 0)
+        step = actor_step(env_out, prev_action, self.device)
         with torch.no_grad():
             out, core = policy({k: v[None] for k, v in step.items()}, core)
         for k in _ACTOR_KEYS:
@@ -551,6 +546,8 @@ class _Rows:
         self.clock = clock
         self.interval = float(trainer.cfg.log_interval)
         self.log = RunLog(trainer, f"peer {trainer.peer.rank}")
+        # The peers hold the same weights: the first evaluates them.
+        self.evals = PeriodicEval(trainer.cfg, trainer.steps, enabled=trainer.peer.rank == 0)
         self.episodes = EpisodeStats()
         self.lock = threading.Lock()
         self.stats: dict[str, list] = {}  # the learner's, since the last row
@@ -596,6 +593,8 @@ class _Rows:
         }
         for k, values in self.stats.items():
             row[k] = mean_of(values)
+        # A row at total_steps is the run's last: it waits for the evaluation under way.
+        row.update(self.evals.columns(t.steps, t.model, final=t.steps >= t.total_steps))
         with self.lock:
             row.update(self.episodes.take())
             self.log.write(row)
@@ -604,4 +603,5 @@ class _Rows:
         self._time, self._steps, self._env_steps = now, t.steps, t.env_steps
 
     def close(self) -> None:
+        self.evals.close()
         self.log.close()

@@ -6,7 +6,7 @@ one a savedir holds (``load``), and handed on as it is: the launchers, peers,
 trainers and loggers read its attributes and never see omegaconf. This module is
 the other edge: ``save`` writes it to ``<savedir>/config.yaml`` in the YAML that
 moolib-run has always written there, and ``load`` reads it back (peers, SLURM
-jobs, resumes and ``evaluate``).
+jobs, resumes and evaluations).
 
 Where the run's device is decided (``auto`` to cuda or cpu) and checked (CUDA on
 this machine) is here too, once: ``resolve_device``.
@@ -174,6 +174,11 @@ class RunConfig:
     log_interval: float  # seconds between logs.tsv rows and progress lines
     checkpoint_interval: float  # seconds between checkpoints
     checkpoint_history: int  # older checkpoints kept in <savedir>/checkpoints
+    # Env steps between evaluations of the learner's weights while it trains
+    # (agents.runtime.evaluation.PeriodicEval); 0: none. Defaults keep a config.yaml
+    # written before these keys existed valid.
+    eval_interval: int = dataclasses.field(default=0, kw_only=True)
+    eval_episodes: int = dataclasses.field(default=10, kw_only=True)  # episodes per evaluation
     broker: str | None  # host:port of a running broker; None: the run starts one
     group_timeout: float  # seconds before a silent peer leaves the group
     lost_group_timeout: float  # seconds out of its group before a peer stops
@@ -234,8 +239,9 @@ class RunConfig:
         return runtime_of_agent(self.agent.name).processes
 
     def __post_init__(self) -> None:
-        for key in ("total_steps", "checkpoint_history"):
+        for key in ("total_steps", "checkpoint_history", "eval_episodes"):
             check_int_at_least(key, getattr(self, key))
+        check_int_at_least("eval_interval", self.eval_interval, 0)
         check_int_at_least("scaling.peers", self.scaling.peers)
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -282,8 +288,13 @@ def save(cfg: RunConfig, savedir: Path) -> Path:
     return path
 
 
-def load(path: Path) -> RunConfig:
-    """A config written by ``save``, checked again. Raises ConfigError naming a bad key."""
-    from omegaconf import OmegaConf
+def load(path: Path, *, device: str | None = None) -> RunConfig:
+    """A config written by ``save``, checked again. Raises ConfigError naming a bad key.
+    ``device`` takes the place of the saved one: an evaluation plays on the CPU,
+    where a run that trained on a GPU would not load."""
+    from omegaconf import DictConfig, OmegaConf
 
-    return RunConfig.from_dict(OmegaConf.load(path))  # type: ignore[arg-type]
+    values = OmegaConf.load(path)
+    if device is not None and isinstance(values, DictConfig):
+        values.device = device
+    return RunConfig.from_dict(values)  # type: ignore[arg-type]

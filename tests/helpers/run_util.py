@@ -52,6 +52,14 @@ def run_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "moolib.launch.run", *args]
 
 
+def eval_cmd(*args: str) -> list[str]:
+    """``moolib-eval ARGS``: the console script installed beside this interpreter."""
+    script = Path(sys.executable).with_name("moolib-eval")
+    if script.exists():
+        return [str(script), *args]
+    return [sys.executable, "-m", "moolib.launch.evaluate", *args]
+
+
 def plot_cmd(*args: str) -> list[str]:
     """``moolib-plot ARGS``: the console script installed beside this interpreter."""
     script = Path(sys.executable).with_name("moolib-plot")
@@ -408,6 +416,10 @@ DOCUMENTED_COLUMNS = {
     "peers",
     "env_steps",
     "offered_steps",
+    "eval_step",
+    "eval_mean_episode_return",
+    "eval_episode_return_std",
+    "eval_mean_episode_length",
     "time",
 }
 
@@ -435,14 +447,14 @@ def snapshot(folder: Path) -> dict[str, str]:
 # -- what a run says and leaves ---------------------------------------------------------------
 
 
-def one_error_line(result: subprocess.CompletedProcess) -> str:
-    """The run stopped with exit 2 and said why in one ``moolib-run: error:`` line
-    (``result`` of ``run``, whose output is all in stdout, or of ``run_quick``)."""
+def one_error_line(result: subprocess.CompletedProcess, program: str = "moolib-run") -> str:
+    """The run (``program``) stopped with exit 2 and said why in one ``moolib-run: error:``
+    line (``result`` of ``run``, whose output is all in stdout, or of ``run_quick``)."""
     out = result.stdout + result.stderr
     assert result.returncode == 2, out[-5000:]
     assert "Traceback" not in out, out[-5000:]
     lines = [line for line in out.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("moolib-run: error: "), out[-5000:]
+    assert len(lines) == 1 and lines[0].startswith(f"{program}: error: "), out[-5000:]
     return lines[0]
 
 
@@ -489,12 +501,18 @@ def training(logs: Path) -> Callable[[], bool]:
     return check
 
 
-def run_without(cwd: Path, packages: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
-    """moolib-run with ``args``, in a Python where ``packages`` cannot be imported (as
-    when they are not installed)."""
+def run_without(
+    cwd: Path,
+    packages: tuple[str, ...],
+    *args: str,
+    program: str = "moolib-run",
+    module: str = "moolib.launch.run",
+) -> subprocess.CompletedProcess:
+    """moolib-run (or ``program``, whose ``module`` it runs) with ``args``, in a Python
+    where ``packages`` cannot be imported (as when they are not installed)."""
     launcher = (
         f"import runpy, sys; sys.modules.update(dict.fromkeys({packages!r})); "
-        "sys.argv[0] = 'moolib-run'; runpy.run_module('moolib.launch.run', run_name='__main__')"
+        f"sys.argv[0] = {program!r}; runpy.run_module({module!r}, run_name='__main__')"
     )
     return subprocess.run(
         [sys.executable, "-c", launcher, *args],
