@@ -30,7 +30,7 @@ import dataclasses
 import importlib
 import importlib.util
 import pkgutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -52,6 +52,29 @@ LossFn = Callable[[Any, dict, dict], tuple[Any, dict[str, float]]]
 NetworkFn = Callable[[Any, Sequence[int], int], Any]
 # (cfg, network, batch size) -> the agent's acting.Policy over that many envs
 PolicyFn = Callable[[Any, Any, int], Any]
+
+
+@dataclass(frozen=True)
+class Update:
+    """One gradient the on-policy runtime computes and offers the group's Accumulator:
+    the network's forward pass over ``batch`` (time-major tensors, the unroll keys and
+    any the agent adds) from the LSTM state ``core``, then the agent's loss of it.
+    ``size`` is its weight in the Accumulator, in unrolls (``reduce_gradients``), the
+    unit of ``virtual_batch_size``."""
+
+    batch: dict
+    core: tuple
+    size: int
+
+
+# (cfg, learner batch, its LSTM state) -> the gradients the runtime takes from it, in order
+UpdatesFn = Callable[[Any, dict, tuple], Iterable[Update]]
+
+
+def whole_batch(cfg: Any, batch: dict, core: tuple) -> Iterable[Update]:
+    """A learner batch as one gradient of all its ``batch_size`` unrolls: what V-trace
+    and A2C take from each batch (an ``UpdatesFn``)."""
+    return (Update(batch, core, cfg.batch_size),)
 
 
 class _Checks:
@@ -170,6 +193,12 @@ class ActorCriticConfig(AgentConfig):
     # acting thread learns between its steps; auto: inline on a CPU for the MLP and
     # tiny networks, thread otherwise (moolib.agents.runtime.onpolicy.learner_mode).
     learner: str = dataclasses.field(default="auto", kw_only=True)
+
+    def passes(self) -> int:
+        """How many gradients each unroll is part of (1 here: the whole batch once; PPO:
+        its epochs). The runtime counts an applied update's env steps as its unrolls
+        times ``unroll_length`` over this, so ``steps`` counts each env step once."""
+        return 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -335,7 +364,9 @@ class AgentSpec:
     ``policy(cfg, model, batch_size)``: how it acts outside training, greedily or
     sampled (an ``acting.Policy``: what evaluation plays; the actor-critic agents'
     by default). ``runtime_name``: the runtime that trains it, by name; ``runtime``: that
-    runtime (see ``Runtime``), its module imported when first asked for."""
+    runtime (see ``Runtime``), its module imported when first asked for.
+    ``updates``: the gradients the on-policy runtime takes from one learner batch
+    (an ``UpdatesFn``: ``whole_batch``, or PPO's epochs of minibatches)."""
 
     name: str
     config: type[AgentConfig]
@@ -344,6 +375,7 @@ class AgentSpec:
     acting: Callable[..., Any] | None = None
     runtime_name: str = "onpolicy"
     policy: PolicyFn = ActorCriticPolicy
+    updates: UpdatesFn = whole_batch
 
     @property
     def runtime(self) -> type[Runtime]:
@@ -389,12 +421,14 @@ def register_agent(
     acting: Callable[..., Any] | None = None,
     policy: PolicyFn = ActorCriticPolicy,
     runtime: str = "onpolicy",
+    updates: UpdatesFn = whole_batch,
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering ``compute_loss(cfg, outputs, batch) -> (loss, stats)``
     as agent ``name`` (the ``name:`` of its YAML), with settings ``config``, network
-    ``make_network``, ``acting``, ``policy`` and the runtime named ``runtime`` (see
-    ``AgentSpec``; the defaults: the on-policy actor-critic agents'). An off-policy agent's loss
-    takes the online and target networks and a sampled batch instead of outputs."""
+    ``make_network``, ``acting``, ``policy``, the runtime named ``runtime`` and,
+    on-policy, the ``updates`` it takes from each learner batch (see ``AgentSpec``; the
+    defaults: the on-policy actor-critic agents'). An off-policy agent's loss takes the
+    online and target networks and a sampled batch instead of outputs."""
     # Checked without importing the runtime: that waits until a run needs it.
     if (
         not isinstance(runtime, str)
@@ -409,7 +443,9 @@ def register_agent(
             raise ValueError(
                 f"agent {name!r} is registered twice ({known.compute_loss} and {loss})"
             )
-        _AGENTS[name] = AgentSpec(name, config, loss, make_network, acting, runtime, policy)
+        _AGENTS[name] = AgentSpec(
+            name, config, loss, make_network, acting, runtime, policy, updates
+        )
         return loss
 
     return register

@@ -6,7 +6,7 @@ conf/tuning/<a>_cartpole.yaml or <a>_minatar.yaml) in a subprocess with
 target mean episode return the run is stopped early with Ctrl-C (SIGINT), which
 saves CI time; the assertion is on the rows of logs.tsv either way.
 
-- CartPole (vectors): both agents solve it (return >= 195).
+- CartPole (vectors): A2C, V-trace and PPO solve it (return >= 195).
 - MinAtar Breakout (pixels: 10x10 grids of 4 channels, the paper's conv net):
   V-trace gets well above a random policy.
 """
@@ -116,6 +116,12 @@ def test_a2c_solves_cartpole(tmp_path):
 @pytest.mark.timeout(1200)
 def test_vtrace_solves_cartpole(tmp_path):
     learn(tmp_path, "vtrace", SOLVED, seed=1)
+
+
+@pytest.mark.timeout(1200)
+def test_ppo_solves_cartpole(tmp_path):
+    # conf/tuning/ppo_cartpole.yaml: CleanRL's ppo.py settings, whose 500k steps are BOUND.
+    learn(tmp_path, "ppo", SOLVED, seed=1)
 
 
 @pytest.mark.timeout(600)

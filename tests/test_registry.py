@@ -123,12 +123,17 @@ def _read_tsv(path: Path) -> tuple[list[str], list[dict]]:
     return header, [dict(zip(header, line.split("\t"), strict=True)) for line in lines[1:]]
 
 
+# PPO: minibatches of one unroll's steps, two summed into each optimizer step.
+MINIBATCHES = ["agent.num_minibatches=2"]
+
+
 @pytest.mark.parametrize("agent", ONPOLICY)
 def test_every_agent_builds_and_takes_a_learner_step(compose_config, agent, tmp_path):
     from moolib.agents.runtime.onpolicy import PeerInfo, Trainer
     from moolib.launch.local import EmbeddedBroker
 
-    cfg = compose_config(f"agent={agent}", "env=cartpole", *TINY)
+    extra = MINIBATCHES if agent == "ppo" else []
+    cfg = compose_config(f"agent={agent}", "env=cartpole", *TINY, *extra)
     final = config_lib.prepare(cfg, tmp_path)
     broker = EmbeddedBroker()
     try:
@@ -141,8 +146,9 @@ def test_every_agent_builds_and_takes_a_learner_step(compose_config, agent, tmp_
     finally:
         broker.close()
     # One optimizer step on 2 unrolls of 4 steps, with a finite loss and gradients (its
-    # learning rate, decayed linearly to total_steps=1, is 0 by then: no change to check).
-    assert trainer.steps == 2 * 4, row
+    # learning rate, decayed linearly to total_steps=1, is 0 by then: no change to check);
+    # an agent that learns from each unroll more than once counts its steps once.
+    assert trainer.steps == 2 * 4 // trainer.agent.passes(), row
     assert math.isfinite(float(row["total_loss"])), row
     assert 0 < float(row["grad_norm"]) < math.inf, row
 
@@ -209,7 +215,7 @@ def test_env_game_and_name_must_agree(compose_config):
         (["agent.optimizer.beta2=2"], "agent.optimizer.beta2 must be a number in [0.0, 1.0]"),
         (["agent.use_lstm=3"], "agent.use_lstm must be true or false, got 3"),
         (["agent.network=resnet"], "agent.network must be one of auto, impala_deep"),
-        (["agent.name=a3c"], "agent.name must be one of a2c, apex, r2d2, vtrace; got 'a3c'"),
+        (["agent.name=a3c"], "agent.name must be one of a2c, apex, ppo, r2d2, vtrace; got 'a3c'"),
     ],
 )
 def test_agent_dataclass_names_the_bad_key(compose_config, overrides, message):

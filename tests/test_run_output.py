@@ -541,7 +541,7 @@ def test_help_says_what_moolib_run_is_and_what_to_pick(tmp_path):
 
     r = run_quick(tmp_path, "agent=a2c", "env=cartpole", "--help")
     assert r.returncode == 0, r.stderr
-    assert re.search(r"^  agent +\[a2c\], apex, r2d2, vtrace$", r.stdout, re.M), r.stdout
+    assert re.search(r"^  agent +\[a2c\], apex, ppo, r2d2, vtrace$", r.stdout, re.M), r.stdout
     assert "[cartpole]" in r.stdout and "[breakout]" not in r.stdout
     r = run_quick(tmp_path, "env=minatar-seaquest", "--help")
     assert r.returncode == 0, r.stderr

@@ -48,19 +48,19 @@ def common_versions(a: list[dict], b: list[dict]) -> dict[int, tuple[float, floa
     return {v: (pa[v], pb[v]) for v in sorted(set(pa) & set(pb)) if v > 0}
 
 
-@pytest.mark.timeout(600)
-def test_local_two_peers_train_one_model(tmp_path):
-    savedir = tmp_path / "local"
+def two_peers_train_one_model(tmp_path, agent: str, total_steps: int) -> tuple[dict, dict]:
+    """Runs ``agent`` on CartPole as 2 local peers for ``total_steps`` and checks they
+    trained one model together; returns the last log row and the checkpoint."""
+    savedir = tmp_path / agent
     out = check_ok(
         run(
             [
-                "agent=a2c",
+                f"agent={agent}",
                 "env=cartpole",
                 "scaling=local",
                 "scaling.peers=2",
                 "device=cpu",
-                # Enough that the peer that starts first cannot finish alone.
-                "total_steps=150000",
+                f"total_steps={total_steps}",
                 "log_interval=1",
                 f"savedir={savedir}",
             ],
@@ -77,7 +77,7 @@ def test_local_two_peers_train_one_model(tmp_path):
 
     last0, last1 = rows0[-1], rows1[-1]
     # Both stop after the same update: the same step count, version and parameters.
-    assert last0["step"] == last1["step"] >= 150000
+    assert last0["step"] == last1["step"] >= total_steps
     assert last0["model_version"] == last1["model_version"] > 0
     assert last0["param_sum"] == last1["param_sum"]
     # They trained together: both in the group, updates summing gradients of both.
@@ -94,6 +94,29 @@ def test_local_two_peers_train_one_model(tmp_path):
     assert ckpt["model_version"] == int(last0["model_version"])
     assert float(f"{ckpt['param_sum']:.10g}") == last0["param_sum"]  # logs.tsv: 10 digits
     assert history_steps(savedir) == [int(last0["step"])]
+    return last0, ckpt
+
+
+@pytest.mark.timeout(600)
+def test_local_two_peers_train_one_model(tmp_path):
+    # Enough that the peer that starts first cannot finish alone.
+    two_peers_train_one_model(tmp_path, "a2c", 150000)
+
+
+@pytest.mark.timeout(600)
+def test_local_two_peers_train_one_ppo_model_a_step_a_minibatch(tmp_path):
+    """PPO's epochs of minibatches through the Accumulator: with conf/tuning/ppo_cartpole.yaml
+    (batches of 4 unrolls of 128 steps, 4 epochs of 4 minibatches, virtual_batch_size 1)
+    each round of one minibatch per peer is one optimizer step, and the peers stay one
+    model through every one of them."""
+    # Each peer's batch of 512 steps makes 16 updates of 64 steps (two minibatches of
+    # one unroll's 128 steps, each in 4 epochs): a few batches each.
+    last, ckpt = two_peers_train_one_model(tmp_path, "ppo", 3000)
+    # An optimizer step a minibatch: 64 env steps an update of both peers' (32 of one
+    # peer alone), where a step a batch (A2C's) would count 1,024.
+    versions, step = int(last["model_version"]), int(last["step"])
+    assert 32 * versions <= step <= 64 * versions, (versions, step)
+    assert ckpt["step_remainder"] == 0
 
 
 @pytest.mark.timeout(300)

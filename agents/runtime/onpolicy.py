@@ -11,16 +11,18 @@ threads (docs/architecture.md, section 6 draws it):
   next, for bootstrapping) with the LSTM core state at its start; full unrolls
   go to a ``Batcher`` that cuts learner batches of ``batch_size`` unrolls on the
   learning device;
-- the learner thread: gradients of each learner batch go to the
-  ``Accumulator``, which sums them across the peers of the group until
-  ``virtual_batch_size`` unrolls and writes the average back into ``.grad`` on
-  every peer; then each peer clips and takes the same optimizer step, so models
-  stay identical, and publishes the new version to the actors. The leader (the
-  peer with the highest model version) writes checkpoints and hands its state
-  to joining peers.
+- the learner thread: the gradients the agent takes from each learner batch (its
+  ``updates``: the whole batch once for V-trace and A2C, epochs of minibatches for
+  PPO) go one at a time to the ``Accumulator``, which sums them across the peers of
+  the group until ``virtual_batch_size`` unrolls and writes the average back into
+  ``.grad`` on every peer; then each peer clips and takes the same optimizer step,
+  so models stay identical, and publishes the new version to the actors. The
+  leader (the peer with the highest model version) writes checkpoints and hands
+  its state to joining peers.
 
 ``steps`` counts env steps learned from across the whole group (unrolls in each
-applied update times ``unroll_length``), so every peer agrees on it, the
+applied update times ``unroll_length``, over the agent's ``passes()`` when each
+unroll is learned from more than once), so every peer agrees on it, the
 learning-rate schedule and ``total_steps``.
 """
 
@@ -32,7 +34,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ import moolib
 from moolib._cpus import task_cores
 
 from ..nets.models import actor_step, resolve_network
-from ..registry import ProcessGroup, Runtime, register_runtime
+from ..registry import ProcessGroup, Runtime, Update, register_runtime
 from .base import (
     LostContact,
     PeerInfo,
@@ -218,7 +220,13 @@ class Trainer(Runner):
         # Env steps of this process's gradients offered to the group: what the group did
         # not apply of them (rounds a membership change failed) is counted, not lost.
         self.offered_steps = 0
-        # self.steps: env steps learned from, group-wide.
+        # self.steps: env steps learned from, group-wide. An update's unrolls times
+        # unroll_length not yet counted as a whole step (< passes), as every peer
+        # has it: kept in the state, so a joining or resumed peer counts as the others.
+        self.step_remainder = 0
+        self._passes = self.agent.passes()
+        # The gradients still to take from the learner batch in hand (see _next_update).
+        self._updates: Iterator[Update] = iter(())
         self.total_steps = int(cfg.total_steps)
         self._restore()
         # Between the threads of the loop (see run).
@@ -245,6 +253,7 @@ class Trainer(Runner):
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "steps": self.steps,
+            "step_remainder": self.step_remainder,
             "model_version": self.accumulator.model_version(),
             "param_sum": param_sum(self.model),
             "elapsed": self.elapsed,
@@ -254,6 +263,8 @@ class Trainer(Runner):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
+        # Checkpoints written before it had none: every agent then learned once a batch.
+        self.step_remainder = int(state.get("step_remainder", 0))
 
     def _resume(self, state: dict) -> None:
         self._load(state)
@@ -311,32 +322,43 @@ class Trainer(Runner):
             step[k] = out[k][0]
         return step, core
 
+    def _next_update(self, wait: bool) -> Update | None:
+        """The next gradient to take: the next of the learner batch in hand, else the
+        first of a ready learner batch (with ``wait``, waiting a little for one); None
+        when there is none."""
+        update = next(self._updates, None)
+        if update is not None:
+            return update
+        try:
+            # Blocks, without the GIL, until the actors hand over a batch: a learner
+            # that polled would take the GIL from the acting thread at every poll.
+            item = self.batcher.get(timeout=0.05 if wait else 0)
+        except TimeoutError:
+            return None
+        with self._room:
+            self.backlog -= self.agent.batch_size
+            self._room.notify_all()
+        batch = self._on_learner_stream(item["batch"])
+        core = self._on_learner_stream(tuple(item["core"]))
+        self.offered_steps += self.agent.batch_size * self.agent.unroll_length
+        self._updates = iter(self.spec.updates(self.agent, batch, core))
+        return next(self._updates, None)
+
     def _learn(self, stats: dict, wait: bool = True) -> bool:
-        """Feeds a ready learner batch to the accumulator (with ``wait``, waiting a
-        little for one) and applies summed gradients; returns whether there was
-        anything to do."""
+        """Offers the accumulator the next gradient of a learner batch (with ``wait``,
+        waiting a little for a batch) and applies summed gradients; returns whether
+        there was anything to do."""
         acc = self.accumulator
         worked = False
         if acc.wants_gradients():
-            try:
-                # Blocks, without the GIL, until the actors hand over a batch: a learner
-                # that polled would take the GIL from the acting thread at every poll.
-                item = self.batcher.get(timeout=0.05 if wait else 0)
-            except TimeoutError:
-                item = None
-            if item is not None:
+            update = self._next_update(wait)
+            if update is not None:
                 worked = True
-                with self._room:
-                    self.backlog -= self.agent.batch_size
-                    self._room.notify_all()
-                batch = self._on_learner_stream(item["batch"])
-                core = self._on_learner_stream(tuple(item["core"]))
                 self.model.zero_grad(set_to_none=True)
-                outputs, _ = self.model({k: batch[k] for k in _ENV_KEYS}, core)
-                loss, loss_stats = self.loss_fn(self.agent, outputs, batch)
+                outputs, _ = self.model({k: update.batch[k] for k in _ENV_KEYS}, update.core)
+                loss, loss_stats = self.loss_fn(self.agent, outputs, update.batch)
                 loss.backward()
-                acc.reduce_gradients(self.agent.batch_size)
-                self.offered_steps += self.agent.batch_size * self.agent.unroll_length
+                acc.reduce_gradients(update.size)
                 for k, v in loss_stats.items():
                     stats.setdefault(k, []).append(v)
         acc.update()
@@ -346,7 +368,9 @@ class Trainer(Runner):
                 self.model.parameters(), self.agent.grad_norm_clipping, foreach=True
             )
             summed = acc.get_gradient_stats()
-            self.steps += summed["batch_size"] * self.agent.unroll_length
+            learned = summed["batch_size"] * self.agent.unroll_length + self.step_remainder
+            self.steps += learned // self._passes
+            self.step_remainder = learned % self._passes
             lr = learning_rate(self.agent.optimizer, self.steps, self.total_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
