@@ -171,10 +171,10 @@ std::shared_ptr<UcxRuntime> UcxRuntime::get(std::string& whyNot) {
     return fail(concat("ucp_worker_get_efd: ", api->ucs_status_string(st)));
   }
   auto rt = std::make_shared<UcxRuntime>(*api, context, worker, efd);
-  rt->token_ = Loop::instance().addFd(efd, EPOLLIN, rt);
   {
-    // Armed before the first wait, as UCX asks.
     std::lock_guard<std::mutex> l(rt->mutex);
+    rt->own_.attachLocked(efd, Loop::instance().addFd(efd, EPOLLIN, rt), true);
+    // Armed before the first wait, as UCX asks.
     rt->progressLocked();
   }
   MOO_LOG(kVerbose, "UCX ", api->ucp_get_version_string(), " started: ", probe.domain);
@@ -212,17 +212,17 @@ void UcxRuntime::onEvents(uint32_t events) {
   bool bulk;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    // The event disarmed the fd (EPOLLONESHOT). The owner, if any,
-    // progresses, and re-arms the fd when it lets go.
-    armed_ = false;
-    if (owned_) return;
+    // The owner, if any, progresses, and re-arms the fd when it lets go.
+    own_.firedLocked();
+    if (own_.owned()) return;
     bulk = bulkReceives > 0;
-    owned_ = bulk;
+    // The fd is disarmed: owning the worker takes nothing from the loop.
+    if (bulk) own_.tryOwnLocked();
   }
   if (bulk) {
     pollBulk();
     std::lock_guard<std::mutex> lock(mutex);
-    owned_ = false;
+    own_.disownLocked();
   }
   letGo();
 }
@@ -250,37 +250,20 @@ bool UcxRuntime::pollBulk() {
 void UcxRuntime::letGo() {
   settle();
   std::lock_guard<std::mutex> lock(mutex);
-  if (!owned_ && !armed_) {
-    armed_ = true;
-    Loop::instance().rearm(efd_, token_, EPOLLIN);
-  }
-}
-
-bool UcxRuntime::tryOwnLocked() {
-  if (owned_) return false;
-  owned_ = true;
-  if (armed_) {
-    armed_ = false;
-    Loop::instance().rearm(efd_, token_, 0);
-  }
-  return true;
+  own_.armLocked(EPOLLIN);
 }
 
 bool UcxRuntime::claim() {
-  std::lock_guard<std::mutex> lock(mutex);
   // A request run inline by the owner waits over UCX: it takes the worker,
   // and serveSticky owns it again (if free) when the request is done.
-  if (lent_ && lender_ == std::this_thread::get_id()) {
-    lent_ = false;
-    return true;
-  }
-  return tryOwnLocked();
+  std::lock_guard<std::mutex> lock(mutex);
+  return own_.claimLocked();
 }
 
 void UcxRuntime::unown() {
   {
     std::lock_guard<std::mutex> lock(mutex);
-    owned_ = false;
+    own_.disownLocked();
   }
   letGo();
 }
@@ -288,9 +271,7 @@ void UcxRuntime::unown() {
 void UcxRuntime::takeBack() {
   {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!lent_) return;
-    lent_ = false;
-    owned_ = false;
+    if (!own_.takeBackLocked()) return;
   }
   letGo();
 }
@@ -368,26 +349,16 @@ void UcxRuntime::serve(const std::function<bool()>& done, TimePoint deadline) {
 bool UcxRuntime::serveSticky(TimePoint deadline) {
   {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!tryOwnLocked()) return false;
+    if (!own_.tryOwnLocked()) return false;
   }
   Loop& loop = Loop::instance();
   std::function<bool()> stop = [&loop] { return loop.stickyShouldStop(); };
   bool active = false;
   while (!stop() && Clock::now() < deadline) {
     if (waitOnce(stop, deadline)) active = true;
-    if (!Loop::hasInlineTasks()) continue;
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      lent_ = true;
-      lender_ = std::this_thread::get_id();
-    }
-    loop.runInlineTasks(shared_from_this());
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      // Taken back (a request blocked or ran long), or by a request that
-      // waited over UCX and has let go: served on only if it is free again.
-      if (!std::exchange(lent_, false) && !tryOwnLocked()) return true;
-    }
+    // Taken back (a request blocked or ran long), or by a request that
+    // waited over UCX and has let go: served on only if it is free again.
+    if (Loop::hasInlineTasks() && !own_.runLent(shared_from_this())) return true;
   }
   unown();
   return active;

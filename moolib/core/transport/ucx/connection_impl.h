@@ -30,12 +30,12 @@
 #include <memory>
 #include <mutex>
 #include <set>
-#include <thread>
 #include <vector>
 
 #include "loop.h"
 #include "socket.h"
 #include "transport/burst.h"
+#include "transport/ownership.h"
 #include "transport/transport.h"
 
 namespace moolib {
@@ -58,10 +58,11 @@ struct UcxProbe {
 // started on first use (a UCX listener or dial).
 //
 // One thread at a time may own the worker's progress, as a stream
-// connection's fd is owned (docs/architecture.md, "UCX"): a caller waiting
-// for a reply, or the loop worker that just handed requests up (the sticky
-// worker). Its event fd is then out of the loop's epoll set, so what arrives
-// wakes only the owner, which progresses UCX itself.
+// connection's fd is owned (transport/ownership.h; docs/architecture.md,
+// "UCX"): a caller waiting for a reply, or the loop worker that just handed
+// requests up (the sticky worker). Its event fd is then out of the loop's
+// epoll set, so what arrives wakes only the owner, which progresses UCX
+// itself.
 class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRuntime> {
  public:
   // The runtime of this process (made on first use); nullptr with the reason.
@@ -116,9 +117,8 @@ class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRunt
   size_t bulkReceives = 0;
 
  private:
-  bool tryOwnLocked();
   // Progresses what came meanwhile and hands the event fd back to the loop,
-  // unless a thread owns the worker again; after owned_ was cleared.
+  // unless a thread owns the worker again; after the owner let go.
   void letGo();
   // One wait of the owner; true if UCX progressed.
   bool waitOnce(const std::function<bool()>& done, TimePoint deadline);
@@ -127,13 +127,10 @@ class UcxRuntime : public FdHandler, public std::enable_shared_from_this<UcxRunt
   bool pollBulk();
 
   int efd_;
-  uint64_t token_ = 0;
-  bool owned_ = false;  // a thread progresses the worker itself
-  bool armed_ = true;   // the event fd is armed in the loop's epoll set
-  // The owner lent the worker to the requests it runs inline (serveSticky);
-  // one of them that waits over UCX takes it (claim).
-  bool lent_ = false;
-  std::thread::id lender_;
+  // Who progresses the worker: the loop, through the event fd, or a thread
+  // that owns it; lent by the sticky worker to the requests it runs inline,
+  // one of which may take it over (claim).
+  IoOwnership own_{mutex};
 };
 
 class UcxConnection : public Connection,
