@@ -14,6 +14,7 @@
 #include "logging.h"
 #include "transport/transport.h"
 #include "transport/ucx/connection_impl.h"
+#include "transport/ucx/probe.h"
 
 namespace moolib {
 
