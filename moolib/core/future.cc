@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "transport/transport.h"
-
 namespace moolib {
 
 FutureState::~FutureState() {
@@ -53,7 +51,7 @@ bool FutureState::complete(std::vector<BufferPtr> segments, Error error, bool ca
 
 bool FutureState::wait(TimePoint deadline) {
   Waiter* self = &currentWaiter();
-  std::weak_ptr<Connection> serve;
+  std::weak_ptr<ReplySource> serve;
   bool claimed, finished;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -95,7 +93,7 @@ bool FutureState::wait(TimePoint deadline) {
   return done();
 }
 
-void FutureState::setServe(std::weak_ptr<Connection> conn, bool claimed) {
+void FutureState::setServe(std::weak_ptr<ReplySource> conn, bool claimed) {
   std::lock_guard<std::mutex> lock(mutex_);
   serve_ = std::move(conn);
   claimed_ = claimed;

@@ -14,7 +14,21 @@
 
 namespace moolib {
 
-class Connection;
+// What a completion comes from, which the thread waiting for it may serve
+// itself meanwhile, so that the completion wakes that very thread (a
+// transport's Connection: transport/transport.h).
+class ReplySource {
+ public:
+  virtual ~ReplySource() = default;
+  // Lets the calling thread handle this source's I/O itself until done() or
+  // the deadline. Returns false at once if another thread is handling it.
+  // claimed: the caller took it with a claim beforehand (Connection::claim),
+  // and serveWhile hands it back when it returns.
+  virtual bool serveWhile(const std::function<bool()>& done, TimePoint deadline,
+                          bool claimed = false) = 0;
+  // Hands back a claim that no serveWhile took.
+  virtual void unclaim() {}
+};
 
 class FutureState {
  public:
@@ -38,10 +52,10 @@ class FutureState {
   // Runs fn on a pool worker once done (at once if already done).
   void onDone(Task fn);
   // The connection the completion will come from (the one the request went
-  // out on): a waiting thread serves it itself; see Connection::serveWhile.
+  // out on): a waiting thread serves it itself (ReplySource::serveWhile).
   // claimed: the caller holds the connection's claim (Connection::claim),
   // which the first wait takes over.
-  void setServe(std::weak_ptr<Connection> conn, bool claimed = false);
+  void setServe(std::weak_ptr<ReplySource> conn, bool claimed = false);
 
   // Valid once done(); false (kOk) on success.
   const Error& error() const { return error_; }
@@ -60,7 +74,7 @@ class FutureState {
   Waiter* waiter_ = nullptr;
   std::vector<Waiter*> moreWaiters_;
   std::vector<Task> callbacks_;
-  std::weak_ptr<Connection> serve_;
+  std::weak_ptr<ReplySource> serve_;
   bool claimed_ = false;
 };
 using FuturePtr = std::shared_ptr<FutureState>;
