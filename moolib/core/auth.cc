@@ -4,7 +4,7 @@
 #include <openssl/hmac.h>
 #include <sys/random.h>
 
-#include "error.h"
+#include "runtime/error.h"
 
 namespace moolib {
 

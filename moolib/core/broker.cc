@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <optional>
 
-#include "host.h"
-#include "logging.h"
-#include "loop.h"
+#include "runtime/host.h"
+#include "runtime/logging.h"
+#include "runtime/loop.h"
 #include "wire.h"
 
 namespace moolib {

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "error.h"
+#include "runtime/error.h"
 #include "wire.h"
 
 namespace moolib {

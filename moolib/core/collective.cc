@@ -4,7 +4,7 @@
 #include <cstring>
 #include <utility>
 
-#include "logging.h"
+#include "runtime/logging.h"
 #include "wire.h"
 
 namespace moolib {

@@ -47,9 +47,9 @@
 
 #include "bruck.h"
 #include "doubling.h"
-#include "future.h"
 #include "reduce.h"
 #include "rpc.h"
+#include "runtime/future.h"
 #include "shm_region.h"
 
 namespace moolib {

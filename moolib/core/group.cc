@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "broker.h"
-#include "logging.h"
+#include "runtime/logging.h"
 #include "wire.h"
 
 namespace moolib {

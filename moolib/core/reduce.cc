@@ -3,7 +3,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "error.h"
+#include "runtime/error.h"
 
 namespace moolib {
 

@@ -1,10 +1,10 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "host.h"
-#include "logging.h"
 #include "rpc_state.h"
-#include "socket.h"
+#include "runtime/host.h"
+#include "runtime/logging.h"
+#include "runtime/socket.h"
 #include "transport/burst.h"
 
 namespace moolib {

@@ -21,7 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "future.h"
+#include "runtime/future.h"
 #include "transport/registry.h"
 #include "transport/transport.h"
 

@@ -6,10 +6,10 @@
 #include <utility>
 
 #include "auth.h"
-#include "host.h"
-#include "logging.h"
 #include "rpc_state.h"
-#include "socket.h"
+#include "runtime/host.h"
+#include "runtime/logging.h"
+#include "runtime/socket.h"
 #include "transport/socket_listener.h"
 
 namespace moolib {

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <utility>
 
-#include "host.h"
+#include "runtime/host.h"
 
 namespace moolib {
 

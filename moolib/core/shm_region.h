@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "error.h"
-#include "socket.h"
+#include "runtime/error.h"
+#include "runtime/socket.h"
 
 namespace moolib {
 

@@ -21,8 +21,8 @@
 #include <string_view>
 #include <vector>
 
-#include "buffer.h"
-#include "error.h"
+#include "runtime/buffer.h"
+#include "runtime/error.h"
 
 namespace moolib {
 

@@ -274,7 +274,7 @@ def tcp_host_port(address: str) -> tuple[str, int]:
 
 
 def shm_socket_name(address: str) -> bytes:
-    """The abstract Unix socket behind a "shm://NAME" address (moolib/core/socket.cc)."""
+    """The abstract Unix socket behind a "shm://NAME" address (moolib/core/runtime/socket.cc)."""
     assert address.startswith("shm://"), address
     return b"\0moolib/" + address[len("shm://") :].encode()
 

@@ -29,7 +29,7 @@
 #include <mutex>
 #include <thread>
 
-#include "loop.h"
+#include "runtime/loop.h"
 
 namespace moolib {
 

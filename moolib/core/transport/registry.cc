@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
-#include "logging.h"
-#include "socket.h"
+#include "runtime/logging.h"
+#include "runtime/socket.h"
 
 namespace moolib {
 

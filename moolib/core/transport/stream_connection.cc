@@ -12,8 +12,8 @@
 #include <cstring>
 #include <utility>
 
-#include "logging.h"
-#include "spin.h"
+#include "runtime/logging.h"
+#include "runtime/spin.h"
 
 namespace moolib {
 

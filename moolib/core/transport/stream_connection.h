@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "loop.h"
-#include "socket.h"
+#include "runtime/loop.h"
+#include "runtime/socket.h"
 #include "transport/burst.h"
 #include "transport/ownership.h"
 #include "transport/transport.h"

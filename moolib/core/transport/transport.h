@@ -11,9 +11,9 @@
 #include <memory>
 #include <string>
 
-#include "error.h"
-#include "future.h"
-#include "loop.h"
+#include "runtime/error.h"
+#include "runtime/future.h"
+#include "runtime/loop.h"
 #include "wire.h"
 
 namespace moolib {

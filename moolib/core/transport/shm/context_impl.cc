@@ -1,7 +1,7 @@
 // The shared-memory transport: peers on the same host (same boot id and
 // network namespace) reach each other through an abstract Unix socket named
 // "shm://<name>" and exchange large segments through shared memory.
-#include "host.h"
+#include "runtime/host.h"
 #include "shm_region.h"
 #include "transport/shm/connection_impl.h"
 #include "transport/socket_listener.h"

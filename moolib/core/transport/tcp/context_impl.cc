@@ -1,5 +1,5 @@
 // The TCP transport: works between any two hosts that can route to each other.
-#include "host.h"
+#include "runtime/host.h"
 #include "transport/socket_listener.h"
 #include "transport/tcp/connection_impl.h"
 

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "logging.h"
+#include "runtime/logging.h"
 #include "transport/stream_connection.h"
 
 namespace moolib {

@@ -31,8 +31,8 @@
 #include <set>
 #include <vector>
 
-#include "loop.h"
-#include "socket.h"
+#include "runtime/loop.h"
+#include "runtime/socket.h"
 #include "transport/burst.h"
 #include "transport/transport.h"
 #include "transport/ucx/runtime.h"

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "error.h"
+#include "runtime/error.h"
 
 namespace moolib {
 

@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <utility>
 
-#include "logging.h"
-#include "spin.h"
+#include "runtime/logging.h"
+#include "runtime/spin.h"
 #include "transport/ucx/connection_impl.h"
 #include "transport/ucx/probe.h"
 

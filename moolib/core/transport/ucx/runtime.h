@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "loop.h"
+#include "runtime/loop.h"
 #include "transport/ownership.h"
 
 namespace moolib {

@@ -1,4 +1,4 @@
-#include "host.h"
+#include "runtime/host.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -12,7 +12,7 @@
 #include <random>
 #include <sstream>
 
-#include "error.h"
+#include "runtime/error.h"
 
 namespace moolib {
 

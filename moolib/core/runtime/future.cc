@@ -1,4 +1,4 @@
-#include "future.h"
+#include "runtime/future.h"
 
 #include <algorithm>
 #include <utility>

@@ -1,4 +1,4 @@
-#include "loop.h"
+#include "runtime/loop.h"
 
 #include <poll.h>
 #include <pthread.h>
@@ -12,8 +12,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "error.h"
-#include "logging.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
 
 namespace moolib {
 

@@ -5,7 +5,7 @@
 #include <functional>
 #include <string>
 
-#include "error.h"
+#include "runtime/error.h"
 
 namespace moolib {
 

@@ -1,4 +1,4 @@
-#include "logging.h"
+#include "runtime/logging.h"
 
 #include <atomic>
 #include <chrono>

@@ -1,4 +1,4 @@
-#include "socket.h"
+#include "runtime/socket.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -12,7 +12,7 @@
 #include <cstring>
 #include <memory>
 
-#include "error.h"
+#include "runtime/error.h"
 
 namespace moolib {
 

@@ -1,4 +1,4 @@
-#include "buffer.h"
+#include "runtime/buffer.h"
 
 #include <cstdlib>
 #include <cstring>

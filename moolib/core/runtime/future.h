@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "buffer.h"
-#include "error.h"
-#include "loop.h"
+#include "runtime/buffer.h"
+#include "runtime/error.h"
+#include "runtime/loop.h"
 
 namespace moolib {
 

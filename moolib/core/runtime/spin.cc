@@ -1,4 +1,4 @@
-#include "spin.h"
+#include "runtime/spin.h"
 
 #include <sched.h>
 
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "logging.h"
+#include "runtime/logging.h"
 
 namespace moolib {
 
