@@ -37,7 +37,7 @@ struct BrokerRequest {
   std::string group;
   int64_t sortOrder = 0;
   double timeoutSeconds = 10;
-  // Members with equal non-empty keys can share memory (see shm_region.h).
+  // Members with equal non-empty keys can share memory (see shm/shm_region.h).
   std::string shmKey;
   // Set by a member that lost track of the group (or never had it): the
   // group gets a new sync id even if the broker still lists the member, so

@@ -50,7 +50,7 @@
 #include "reduce.h"
 #include "rpc.h"
 #include "runtime/future.h"
-#include "shm_region.h"
+#include "shm/shm_region.h"
 
 namespace moolib {
 

@@ -21,7 +21,7 @@
 
 #include "collective.h"
 #include "rpc.h"
-#include "shm_region.h"
+#include "shm/shm_region.h"
 
 namespace moolib {
 

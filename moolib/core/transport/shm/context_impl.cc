@@ -2,7 +2,7 @@
 // network namespace) reach each other through an abstract Unix socket named
 // "shm://<name>" and exchange large segments through shared memory.
 #include "runtime/host.h"
-#include "shm_region.h"
+#include "shm/shm_region.h"
 #include "transport/shm/connection_impl.h"
 #include "transport/socket_listener.h"
 

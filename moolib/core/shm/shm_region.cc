@@ -1,4 +1,4 @@
-#include "shm_region.h"
+#include "shm/shm_region.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
