@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <optional>
 
+#include "rpc/wire.h"
 #include "runtime/host.h"
 #include "runtime/logging.h"
 #include "runtime/loop.h"
-#include "wire.h"
 
 namespace moolib {
 

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "rpc.h"
+#include "rpc/rpc.h"
 
 namespace moolib {
 

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
+#include "rpc/wire.h"
 #include "runtime/error.h"
-#include "wire.h"
 
 namespace moolib {
 

@@ -4,8 +4,8 @@
 #include <cstring>
 #include <utility>
 
+#include "rpc/wire.h"
 #include "runtime/logging.h"
-#include "wire.h"
 
 namespace moolib {
 

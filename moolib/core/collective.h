@@ -48,7 +48,7 @@
 #include "bruck.h"
 #include "doubling.h"
 #include "reduce.h"
-#include "rpc.h"
+#include "rpc/rpc.h"
 #include "runtime/future.h"
 #include "shm/shm_region.h"
 

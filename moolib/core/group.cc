@@ -4,8 +4,8 @@
 #include <utility>
 
 #include "broker.h"
+#include "rpc/wire.h"
 #include "runtime/logging.h"
-#include "wire.h"
 
 namespace moolib {
 

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "collective.h"
-#include "rpc.h"
+#include "rpc/rpc.h"
 #include "shm/shm_region.h"
 
 namespace moolib {

@@ -30,7 +30,7 @@ std::string concat(Args&&... args) {
 }
 
 // What kind of failure an Error is. The value is the status byte of a
-// kResponse frame and the code of a collective's abort message (wire.h,
+// kResponse frame and the code of a collective's abort message (rpc/wire.h,
 // collective.h): kRemoteException and kNotDefined keep the values that byte
 // had before the other codes existed, and a value a peer does not know reads
 // as kFailed (fromWire). Append new codes before kCount; never renumber.

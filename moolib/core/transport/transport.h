@@ -11,10 +11,10 @@
 #include <memory>
 #include <string>
 
+#include "rpc/wire.h"
 #include "runtime/error.h"
 #include "runtime/future.h"
 #include "runtime/loop.h"
-#include "wire.h"
 
 namespace moolib {
 

@@ -3,7 +3,7 @@
 //
 // Protocol, per direction: the accepting side first sends one preamble byte
 // (the dialer's connect completes when it arrives: the endpoint is wired
-// up). Then frames exactly as the stream transports write them (wire.h), all
+// up). Then frames exactly as the stream transports write them (rpc/wire.h), all
 // segments inline. A frame goes out as its head (header, descriptors,
 // metadata and any small segments copied behind them) followed by each large
 // segment sent from the caller's memory without a copy. Frames queued

@@ -1,7 +1,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "rpc_state.h"
+#include "rpc/rpc_state.h"
 #include "runtime/host.h"
 #include "runtime/logging.h"
 #include "runtime/socket.h"

@@ -1,4 +1,4 @@
-#include "wire.h"
+#include "rpc/wire.h"
 
 namespace moolib {
 

@@ -4,7 +4,7 @@
 #include <list>
 #include <map>
 
-#include "rpc.h"
+#include "rpc/rpc.h"
 
 namespace moolib {
 

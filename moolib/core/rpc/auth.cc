@@ -1,4 +1,4 @@
-#include "auth.h"
+#include "rpc/auth.h"
 
 #include <openssl/evp.h>
 #include <openssl/hmac.h>

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <utility>
 
-#include "auth.h"
-#include "rpc_state.h"
+#include "rpc/auth.h"
+#include "rpc/rpc_state.h"
 #include "runtime/host.h"
 #include "runtime/logging.h"
 #include "runtime/socket.h"
