@@ -31,9 +31,10 @@ std::string concat(Args&&... args) {
 
 // What kind of failure an Error is. The value is the status byte of a
 // kResponse frame and the code of a collective's abort message (rpc/wire.h,
-// collective.h): kRemoteException and kNotDefined keep the values that byte
-// had before the other codes existed, and a value a peer does not know reads
-// as kFailed (fromWire). Append new codes before kCount; never renumber.
+// collectives/collective.h): kRemoteException and kNotDefined keep the
+// values that byte had before the other codes existed, and a value a peer
+// does not know reads as kFailed (fromWire). Append new codes before kCount;
+// never renumber.
 enum class ErrorCode : uint8_t {
   kOk = 0,
   // The function ran on the callee and raised (or answered with an error).

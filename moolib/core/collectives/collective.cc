@@ -1,4 +1,4 @@
-#include "collective.h"
+#include "collectives/collective.h"
 
 #include <algorithm>
 #include <cstring>

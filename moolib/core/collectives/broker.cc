@@ -1,4 +1,4 @@
-#include "broker.h"
+#include "collectives/broker.h"
 
 #include <algorithm>
 #include <optional>

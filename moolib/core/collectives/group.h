@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "collective.h"
+#include "collectives/collective.h"
 #include "rpc/rpc.h"
 #include "shm/shm_region.h"
 

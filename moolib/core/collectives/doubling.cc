@@ -1,4 +1,4 @@
-#include "doubling.h"
+#include "collectives/doubling.h"
 
 #include <algorithm>
 

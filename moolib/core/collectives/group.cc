@@ -1,9 +1,9 @@
-#include "group.h"
+#include "collectives/group.h"
 
 #include <algorithm>
 #include <utility>
 
-#include "broker.h"
+#include "collectives/broker.h"
 #include "rpc/wire.h"
 #include "runtime/logging.h"
 

@@ -45,9 +45,9 @@
 #include <string>
 #include <vector>
 
-#include "bruck.h"
-#include "doubling.h"
-#include "reduce.h"
+#include "collectives/bruck.h"
+#include "collectives/doubling.h"
+#include "collectives/reduce.h"
 #include "rpc/rpc.h"
 #include "runtime/future.h"
 #include "shm/shm_region.h"

@@ -1,4 +1,4 @@
-#include "bruck.h"
+#include "collectives/bruck.h"
 
 #include <algorithm>
 
