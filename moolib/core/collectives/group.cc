@@ -6,6 +6,7 @@
 #include "collectives/broker.h"
 #include "rpc/wire.h"
 #include "runtime/logging.h"
+#include "transport/registry.h"
 
 namespace moolib {
 
@@ -147,7 +148,7 @@ void Group::ping() {
     q.group = name_;
     q.sortOrder = sortOrder_;
     q.timeoutSeconds = timeoutSeconds_;
-    if (!shmFailed_ && rpc_->transportAllowed("shm")) q.shmKey = localShmKey();
+    if (!shmFailed_ && rpc_->transportAllowed(kShmTransport)) q.shmKey = localShmKey();
     q.rejoin = !inContact_ || std::exchange(resync_, false);
     // The broker holds this ping while the membership stays as it is (up to
     // a ping interval), so its answer comes as soon as it changes.

@@ -136,7 +136,7 @@ PeerTransports Rpc::peerTransportsLocked(const std::string& host,
   pt.domains = domains;
   if (!reported) {
     // A peer that did not list its transports has what every peer has.
-    pt.domains = {{kBootstrapTransport, ""}, {"shm", host}};
+    pt.domains = assumedDomains(host);
   }
   return pt;
 }
@@ -169,7 +169,7 @@ std::string Rpc::listen(const std::string& address) {
   listenAddresses_[ctx->name()].push_back(bound);
   if (!ctx->hostLocal()) warnIfExposedLocked(hostPortOf(bound));
   listeners_.push_back(std::move(listener));
-  ensureCompanionListenersLocked(ctx == contexts_.get(kBootstrapTransport) ? bound : "");
+  ensureCompanionListenersLocked(ctx == contexts_.bootstrap() ? bound : "");
   return bound;
 }
 
@@ -220,7 +220,7 @@ void Rpc::connect(const std::string& address) {
   checkUsable();
   ensureStarted();
   // A malformed address never connects: say so here, not by retrying it forever.
-  if (contextFor(address) == contexts_.get(kBootstrapTransport)) checkTcpAddress(address);
+  contextFor(address)->checkAddress(address);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ensureCompanionListenersLocked("");

@@ -466,14 +466,13 @@ void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
   // loopback), before telling the other side its addresses.
   // Also where set_transports() left TCP out but names a transport that
   // listens beside it (ucx): peers reach this one over TCP, then upgrade.
-  Context* tcp = contexts_.get(kBootstrapTransport);
-  bool wanted = allowed(kBootstrapTransport) ||
-                std::any_of(transports_.begin(), transports_.end(),
-                            [&](const std::string& t) { return !contexts_.hostLocal(t); });
-  if (!link->outgoing || !tcp || link->conn->transport() != std::string(kBootstrapTransport) ||
-      listenAddresses_.count(kBootstrapTransport) || !wanted) {
-    return;
-  }
+  Context* tcp = contexts_.bootstrap();
+  if (!link->outgoing || !tcp) return;
+  std::string name = tcp->name();
+  bool wanted =
+      allowed(name) || std::any_of(transports_.begin(), transports_.end(),
+                                   [&](const std::string& t) { return !contexts_.hostLocal(t); });
+  if (link->conn->transport() != name || listenAddresses_.count(name) || !wanted) return;
   std::string local = link->conn->localAddress();
   auto colon = local.rfind(':');
   if (colon == std::string::npos) return;
@@ -484,7 +483,7 @@ void Rpc::maybeListenForPeersLocked(const std::shared_ptr<Link>& link) {
       if (auto self = weak.lock()) self->adopt(std::move(conn), false, "");
     });
     std::string bound = l->address();
-    listenAddresses_[kBootstrapTransport].push_back(bound);
+    listenAddresses_[name].push_back(bound);
     MOO_LOG(kInfo, "listening on ", bound, " so that other peers can reach this one by name");
     warnIfExposedLocked(bound);
     listeners_.push_back(std::move(l));

@@ -96,6 +96,10 @@ class Context {
   virtual bool hostLocal() const { return false; }
   // Whether this transport dials/listens on addresses of this form.
   virtual bool handles(const std::string& address) const = 0;
+  // Throws when an address it handles can never connect, judging its form
+  // alone (nothing is resolved), so that connect() raises at once instead of
+  // redialing it forever.
+  virtual void checkAddress(const std::string& address) const {}
   // An address to listen on without being asked, beside a TCP listener on
   // tcpAddress ("" when connect() alone started the Rpc), so that peers can
   // upgrade a link to this transport; "" for none. incarnation is unique to

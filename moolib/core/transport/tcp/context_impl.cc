@@ -42,6 +42,7 @@ class TcpContext : public Context {
   bool handles(const std::string& address) const override {
     return address.find("://") == std::string::npos;
   }
+  void checkAddress(const std::string& address) const override { checkTcpAddress(address); }
 
   std::unique_ptr<Listener> listen(const std::string& address, AcceptFn onAccept) override {
     SockAddr addr = parseTcpAddress(address);
