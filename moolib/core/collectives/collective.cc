@@ -100,16 +100,6 @@ CollectiveMessage CollectiveMessage::decode(std::string_view data) {
   return m;
 }
 
-size_t Collective::Ring::chunks(size_t segment) const {
-  size_t len = segmentBegin[segment + 1] - segmentBegin[segment];
-  return (len + chunkElements - 1) / chunkElements;
-}
-
-std::pair<size_t, size_t> Collective::Ring::chunkRange(size_t segment, size_t chunk) const {
-  size_t begin = segmentBegin[segment] + chunk * chunkElements;
-  return {begin, std::min(begin + chunkElements, segmentBegin[segment + 1])};
-}
-
 Collective::Collective(OpKey key, std::vector<std::string> members, size_t self,
                        std::vector<TypedBuffer> buffers, std::shared_ptr<RegionCache> regions,
                        uint64_t structure, SendFn send)
@@ -325,43 +315,6 @@ void Collective::start() {
   checkDone();
 }
 
-void Collective::sendShm(uint8_t phase, const RegionRef& region) {
-  auto m = shmMessage(phase);
-  m.region = region;
-  bool done = phase == CollectiveMessage::kShmDone;
-  auto post = [&](size_t dest) {
-    if (done) {
-      // Not waited for: it goes on after this op finished here (see onShm).
-      sendFn_(members_[dest], m.encode(), {}, [](const Error&) {});
-    } else {
-      send(dest, m, {});
-    }
-  };
-  if (!bruck_) {
-    for (size_t dest = 0; dest != n_; ++dest) {
-      if (dest != self_) post(dest);
-    }
-    return;
-  }
-  auto& rounds = done ? doneRounds_ : reducedRounds_;
-  std::vector<size_t> steps;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (failed_) return;
-    while (auto k = rounds.nextSend()) steps.push_back(*k);
-  }
-  for (size_t k : steps) {
-    m.step = uint32_t(k);
-    post(rounds.sendTo(k));
-  }
-}
-
-bool Collective::shmAllReduced() const {
-  return reducedHere_ && (bruck_ ? reducedRounds_.complete() : shmReduced_ == n_ - 1);
-}
-
-bool Collective::shmAllDone() const { return bruck_ ? doneRounds_.complete() : shmDone_ == n_ - 1; }
-
 void Collective::sendBruck() {
   struct Out {
     size_t dest;
@@ -448,93 +401,6 @@ void Collective::onBruck(const CollectiveMessage& m, std::vector<BufferPtr> data
   received();
 }
 
-std::pair<size_t, size_t> Collective::slice(size_t buffer, size_t member) const {
-  size_t count = buffers_[buffer].bytes / dtypeSize(buffers_[buffer].dtype);
-  return {count * member / n_, count * (member + 1) / n_};
-}
-
-Collective::Mapped Collective::mapRegion(size_t member, const RegionRef& ref) {
-  std::shared_ptr<const ShmRegion> region;
-  try {
-    MOO_ENFORCE(ref.bytes >= shmBytes_, "its region is smaller than the data");
-    region = regions_->map(ref);
-  } catch (const StaleRegionError& e) {
-    // Its owner dropped it, which it does when this collective failed there:
-    // not a lack of shared memory here. The failure's own reason is on its
-    // way (the owner's abort, the broker's membership change, or a send to
-    // a departed member failing); failing now would hide it. The deadline
-    // bounds the wait.
-    std::lock_guard<std::mutex> lock(mutex_);
-    staleRegion_ = concat(describe(), " failed: member '", members_[member],
-                          "' dropped its region before this member read it (its part ended "
-                          "there): ",
-                          e.what());
-    return kStale;
-  } catch (const std::exception& e) {
-    fail(Error(ErrorCode::kSharedMemoryUnavailable,
-               concat(describe(), " failed: cannot share memory with member '", members_[member],
-                      "': ", e.what())),
-         true);
-    return kFailed;
-  }
-  bool duplicate;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    duplicate = peerRegions_[member] != nullptr;
-    if (!duplicate) {
-      peerRegions_[member] = std::move(region);
-      ++shmReady_;
-    }
-  }
-  if (duplicate) {
-    fail(concat(describe(), " failed: member '", members_[member], "' is ready twice"), true);
-    return kFailed;
-  }
-  return kMapped;
-}
-
-void Collective::onShm(const CollectiveMessage& m, std::vector<BufferPtr> data) {
-  if (m.phase == CollectiveMessage::kShmReady) {
-    if (bruck_) return onBruck(m, std::move(data));
-    // A stale region fails the op later (see mapRegion), not this message.
-    if (mapRegion(m.source, m.region) != kMapped) return;
-    maybeShmReduce();
-    received();
-    return;
-  }
-  bool reduced = m.phase == CollectiveMessage::kShmReduced;
-  bool ok = true, retire = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (bruck_) {
-      auto& rounds = reduced ? reducedRounds_ : doneRounds_;
-      ok = rounds.expects(m.step, m.source);
-      if (ok) rounds.arrive(m.step);
-    } else {
-      ++(reduced ? shmReduced_ : shmDone_);
-    }
-  }
-  if (!ok) {
-    return fail(concat(describe(), " failed: member '", members_[m.source],
-                       "' sent an unexpected message (shared-memory phase ", int(m.phase),
-                       " round ", m.step, ")"),
-                true);
-  }
-  // Among many members, rounds this one was waiting for may go now; "done"
-  // ones even after the op finished here, since the others wait for them.
-  if (bruck_) sendShm(m.phase);
-  if (reduced) {
-    maybeShmGather();
-    received();
-    return;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    retire = shmAllDone() && finished_;
-  }
-  if (retire) this->retire();
-}
-
 void Collective::retire() {
   std::shared_ptr<OwnRegion> own;
   std::function<void()> onRetired;
@@ -559,77 +425,6 @@ void Collective::setOnRetired(std::function<void()> fn) {
     if (!now) onRetired_ = std::move(fn);
   }
   if (now) fn();
-}
-
-bool Collective::claimShmStep(bool& started, bool ready, std::shared_ptr<OwnRegion>& own,
-                              std::vector<std::shared_ptr<const ShmRegion>>& peers) {
-  if (finished_ || started || !ready) return false;
-  started = true;
-  // Copies: fail() may drop the op's references while the step runs.
-  own = ownRegion_;
-  peers = peerRegions_;
-  return true;
-}
-
-void Collective::maybeShmReduce() {
-  std::shared_ptr<OwnRegion> own;
-  std::vector<std::shared_ptr<const ShmRegion>> peers;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!claimShmStep(reduceStarted_, copiedIn_ && shmReady_ == n_ - 1, own, peers)) return;
-  }
-  // This member's slice of every buffer: the sum of every member's, read in
-  // place, block by block so the running sum stays in cache.
-  constexpr size_t kBlock = 32 << 10;
-  for (size_t b = 0; b != buffers_.size(); ++b) {
-    if (algo_[b] != kShmAlgo) continue;
-    size_t e = dtypeSize(buffers_[b].dtype);
-    auto [begin, end] = slice(b, self_);
-    size_t offset = shmOffset_[b] + begin * e;
-    size_t bytes = (end - begin) * e;
-    size_t step = kBlock / e * e;
-    for (size_t at = 0; at < bytes; at += step) {
-      size_t n = std::min(step, bytes - at);
-      uint8_t* dst = own->region().mutableAt(offset + at, n);
-      for (size_t i = 0; i != n_; ++i) {
-        if (i != self_) sumInto(buffers_[b].dtype, dst, peers[i]->at(offset + at, n), n / e);
-      }
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    reducedHere_ = true;
-    reducedRounds_.enter();
-  }
-  sendShm(CollectiveMessage::kShmReduced);
-  maybeShmGather();
-}
-
-void Collective::maybeShmGather() {
-  std::shared_ptr<OwnRegion> own;
-  std::vector<std::shared_ptr<const ShmRegion>> peers;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!claimShmStep(gatherStarted_, shmAllReduced(), own, peers)) return;
-  }
-  for (size_t b = 0; b != buffers_.size(); ++b) {
-    if (algo_[b] != kShmAlgo) continue;
-    size_t e = dtypeSize(buffers_[b].dtype);
-    for (size_t i = 0; i != n_; ++i) {
-      auto [begin, end] = slice(b, i);
-      size_t offset = shmOffset_[b] + begin * e, bytes = (end - begin) * e;
-      const uint8_t* src =
-          i == self_ ? own->region().at(offset, bytes) : peers[i]->at(offset, bytes);
-      std::memcpy(buffers_[b].data + begin * e, src, bytes);
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    gatheredHere_ = true;
-    doneRounds_.enter();
-  }
-  sendShm(CollectiveMessage::kShmDone);
-  checkDone();
 }
 
 void Collective::send(size_t dest, CollectiveMessage m, std::vector<OutSegment> data) {
@@ -688,16 +483,6 @@ CollectiveMessage Collective::bufferMessage(uint8_t phase, size_t buffer) const 
   m.dtype = uint8_t(buffers_[buffer].dtype);
   m.bufferBytes = buffers_[buffer].bytes;
   return m;
-}
-
-void Collective::sendChunk(uint8_t phase, size_t buffer, size_t step, size_t segment,
-                           size_t chunk) {
-  auto m = bufferMessage(phase, buffer);
-  m.step = uint32_t(step);
-  m.segment = uint32_t(segment);
-  m.chunk = uint32_t(chunk);
-  auto [begin, end] = rings_[buffer].chunkRange(segment, chunk);
-  send(right(), m, {view(buffer, begin, end)});
 }
 
 void Collective::onMessage(const std::string& from, const CollectiveMessage& m,
@@ -768,66 +553,6 @@ void Collective::onMessage(const std::string& from, const CollectiveMessage& m,
   onRing(m, data[0]);
 }
 
-void Collective::onDoubling(const CollectiveMessage& m, BufferPtr data) {
-  auto& d = doubling_[m.buffer];
-  size_t stage = d.plan.stageOf(m.step);
-  bool ok = stage < d.plan.stages.size() && d.plan.stages[stage].peer == m.source &&
-            data->size() == buffers_[m.buffer].bytes;
-  if (ok) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ok = stage >= d.next && !d.arrived[stage];
-    if (ok) d.arrived[stage] = std::move(data);
-  }
-  if (!ok) {
-    return fail(concat(describe(), " failed: member '", members_[m.source],
-                       "' sent an unexpected part (recursive doubling step ", m.step, ")"),
-                true);
-  }
-  advanceDoubling(m.buffer);
-}
-
-void Collective::advanceDoubling(size_t buffer) {
-  auto& d = doubling_[buffer];
-  auto& buf = buffers_[buffer];
-  size_t count = buf.bytes / dtypeSize(buf.dtype);
-  for (;;) {
-    BufferPtr theirs;
-    const DoublingPlan::Stage* stage;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (finished_ || d.busy || d.next == d.plan.stages.size() || !d.arrived[d.next]) return;
-      d.busy = true;
-      theirs = std::move(d.arrived[d.next]);
-      stage = &d.plan.stages[d.next];
-    }
-    if (stage->kind == DoublingPlan::kUnfold) {
-      std::memcpy(buf.data, theirs->data(), buf.bytes);
-    } else if (stage->kind == DoublingPlan::kFold || self_ < stage->peer) {
-      sumInto(buf.dtype, buf.data, theirs->data(), count);
-    } else {
-      // The lower member's partial sum comes first on both sides of a pair.
-      sumInto(buf.dtype, theirs->data(), buf.data, count);
-      std::memcpy(buf.data, theirs->data(), buf.bytes);
-    }
-    if (stage->then) sendDoubling(buffer, *stage->then);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      ++d.next;
-      d.busy = false;
-    }
-    received();
-  }
-}
-
-void Collective::sendDoubling(size_t buffer, DoublingPlan::Send to) {
-  auto& buf = buffers_[buffer];
-  auto m = bufferMessage(CollectiveMessage::kDoubling, buffer);
-  m.step = to.step;
-  // A copy: this member goes on adding into its buffer while the send is out.
-  auto copy = copyToBuffer(OutSegment{buf.data, buf.bytes, nullptr});
-  send(to.peer, m, {OutSegment{copy->data(), copy->size(), copy}});
-}
-
 void Collective::onDirect(const CollectiveMessage& m, std::vector<BufferPtr> data) {
   bool ok;
   {
@@ -845,43 +570,6 @@ void Collective::onDirect(const CollectiveMessage& m, std::vector<BufferPtr> dat
     return fail(concat(describe(), " failed: member '", members_[m.source],
                        "' sent a duplicate or malformed part"),
                 true);
-  }
-  received();
-}
-
-void Collective::onRing(const CollectiveMessage& m, const BufferPtr& data) {
-  auto& ring = rings_[m.buffer];
-  auto& b = buffers_[m.buffer];
-  int64_t step = m.step, me = int64_t(self_);
-  bool scatter = m.phase == CollectiveMessage::kReduceScatter;
-  size_t want = scatter ? mod(me - 1 - step) : mod(me - step);
-  bool ok =
-      m.step + 1 < n_ && m.source == left() && m.segment == want && m.chunk < ring.chunks(want);
-  size_t begin = 0, end = 0;
-  if (ok) {
-    std::tie(begin, end) = ring.chunkRange(m.segment, m.chunk);
-    ok = data->size() == (end - begin) * ring.elementSize;
-  }
-  if (!ok) {
-    return fail(concat(describe(), " failed: member '", members_[m.source],
-                       "' sent an unexpected part (phase ", int(m.phase), " step ", m.step,
-                       " segment ", m.segment, " chunk ", m.chunk, ", ", data->size(), " bytes)"),
-                true);
-  }
-  uint8_t* dst = b.data + begin * ring.elementSize;
-  bool last = m.step + 2 == n_;
-  if (scatter) {
-    sumInto(b.dtype, dst, data->data(), end - begin);
-    // The segment moves on: partially reduced to the next member, or, once
-    // complete here, into the all-gather.
-    if (last) {
-      sendChunk(CollectiveMessage::kAllGather, m.buffer, 0, m.segment, m.chunk);
-    } else {
-      sendChunk(CollectiveMessage::kReduceScatter, m.buffer, m.step + 1, m.segment, m.chunk);
-    }
-  } else {
-    std::memcpy(dst, data->data(), data->size());
-    if (!last) sendChunk(CollectiveMessage::kAllGather, m.buffer, m.step + 1, m.segment, m.chunk);
   }
   received();
 }

@@ -37,6 +37,10 @@
 // done when every expected message was processed and every send
 // acknowledged. Any inconsistency (other shape, type, sender) fails the op
 // here and, through an abort message, on every other member.
+//
+// Files: collective.cc (the messages, starting, the direct sum, the
+// all-gather, completion and failure), collective_ring.cc,
+// collective_shm.cc and collective_doubling.cc (those all-reduces).
 #pragma once
 
 #include <functional>
