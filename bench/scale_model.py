@@ -16,7 +16,7 @@ Usage: python bench/scale_model.py [--json PATH] [--code old|new|log] [--report 
 --report   also write the fit, the check and the predictions as JSON here.
 
 The model's structure is the algorithms' message and byte counts
-(moolib/core/collective.cc, doubling.h, broker.cc); only their unit costs are
+(moolib/core/collectives/collective.cc, doubling.h, broker.cc); only their unit costs are
 fitted, from the 8 and 16 peer rows of each layout, never from 32 or 64.
 
 Assumptions (printed with the results):

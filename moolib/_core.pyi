@@ -141,7 +141,7 @@ class Replay:
     def load(path: str) -> Replay: ...
 
 class ShmRegion:
-    """A mapped memfd (moolib/core/shm_region.h): its bytes through the buffer protocol."""
+    """A mapped memfd (moolib/core/shm/shm_region.h): its bytes through the buffer protocol."""
 
     @staticmethod
     def create(name: str, size: int, sealed: bool = False) -> ShmRegion: ...

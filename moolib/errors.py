@@ -3,7 +3,7 @@
 The errors of calls and collectives derive from :class:`RpcError` (itself a
 ``RuntimeError``, as in the original moolib), so ``except moolib.RpcError``
 still catches them all; catch a subclass to handle one kind of failure. The
-core reports each failure as a code (moolib/core/error.h) and the binding
+core reports each failure as a code (moolib/core/runtime/error.h) and the binding
 raises the class registered for that code here; the message is for people,
 and nothing in moolib decides by it. The errors of a ``ReplayClient``
 (:class:`ReplayError`, and its subclasses that are also a ``TimeoutError`` or
@@ -125,7 +125,7 @@ class ShardTimeoutError(ShardUnavailableError, ReplayTimeoutError):
     again. Its ``__cause__`` is the call's ``RpcTimeoutError``."""
 
 
-# The names are the core's (moolib/core/error.h, errorCodeName); a failure
+# The names are the core's (moolib/core/runtime/error.h, errorCodeName); a failure
 # of a code not listed (a malformed message, members that disagree) is a
 # plain RpcError.
 _core._set_error_classes(

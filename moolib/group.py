@@ -1,6 +1,6 @@
 """Group: peers that a broker keeps track of, and all-reduce among them.
 
-Membership and the all-reduce protocol are in the core (moolib/core/group.cc,
+Membership and the all-reduce protocol are in the core (moolib/core/collectives/group.cc,
 collective.cc); this module turns nests of tensors, arrays and numbers into the
 typed buffers the core sums, and runs custom reduce ops.
 """

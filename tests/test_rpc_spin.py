@@ -1,4 +1,4 @@
-"""The spin before a blocking wait (moolib/core/spin.h; docs/architecture.md,
+"""The spin before a blocking wait (moolib/core/runtime/spin.h; docs/architecture.md,
 "Adaptive spin"): its budget comes from MOOLIB_SPIN_US (unset: 20 us; 0 turns
 it off; a bad value is named and turns it off) and is zero in a process that
 has one CPU, or one CPU's time (a cgroup quota);

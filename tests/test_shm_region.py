@@ -1,4 +1,4 @@
-"""moolib._core.ShmRegion: the one shared-memory region type (moolib/core/shm_region.h).
+"""moolib._core.ShmRegion: the one shared-memory region type (moolib/core/shm/shm_region.h).
 
 Made, received as an fd, or opened from another process through /proc; viewed
 by numpy and torch with no copy; alive while any view is; nothing in /dev/shm.

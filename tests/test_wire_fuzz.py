@@ -2,7 +2,7 @@
 
 A moolib peer runs in its own process (tests/helpers/fuzz_peer.py). Raw
 sockets throw hand-built frames at it (layout in tests/helpers/fuzz_wire.py,
-mirroring moolib/core/wire.h) while well-behaved moolib clients in this process
+mirroring moolib/core/rpc/wire.h) while well-behaved moolib clients in this process
 keep calling it. The peer must stay up, keep answering, log why it closed the
 bad connections, and never allocate what a frame merely claims.
 

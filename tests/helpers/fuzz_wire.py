@@ -1,11 +1,11 @@
 """Hand-built moolib wire frames and a peer process to throw them at.
 
-The layout mirrors moolib/core/wire.h: a 24-byte little-endian header
+The layout mirrors moolib/core/rpc/wire.h: a 24-byte little-endian header
 ('<IBBHIIQ': magic, version, type, reserved, numSegments, metaLength,
 reserved2), numSegments segment descriptors ('<QIIQ': length, kind, sharedId,
 offset), the meta bytes, then the bytes of every inline segment.
 
-Handshake metas (moolib/core/rpc_links.cc):
+Handshake metas (moolib/core/rpc/rpc_links.cc):
   HELLO    u8 version, str nonce (u32 length + 32 bytes), u8 role (0: dialer), u8 hasKey,
            str host identity
   AUTH     str proof, HMAC-SHA256(key, b"moolib-auth-v1|" + role + b"|" + verifier + prover)
@@ -274,7 +274,7 @@ def tcp_host_port(address: str) -> tuple[str, int]:
 
 
 def shm_socket_name(address: str) -> bytes:
-    """The abstract Unix socket behind a "shm://NAME" address (moolib/core/socket.cc)."""
+    """The abstract Unix socket behind a "shm://NAME" address (moolib/core/runtime/socket.cc)."""
     assert address.startswith("shm://"), address
     return b"\0moolib/" + address[len("shm://") :].encode()
 

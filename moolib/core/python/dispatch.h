@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "rpc.h"
+#include "rpc/rpc.h"
 
 namespace moolib::binding {
 

@@ -64,7 +64,8 @@ void bindErrors(py::module_& m) {
         }
       },
       py::arg("classes"),
-      "Registers {code name: class} (names in moolib/core/error.h, errorCodeName): a failure "
+      "Registers {code name: class} (names in moolib/core/runtime/error.h, errorCodeName): a "
+      "failure "
       "of that code raises that subclass of RpcError. Unregistered codes raise RpcError.");
 }
 

@@ -3,7 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
-#include "error.h"
+#include "runtime/error.h"
 
 namespace moolib::binding {
 

@@ -6,12 +6,12 @@
 #include <chrono>
 #include <new>
 
-#include "loop.h"
 #include "python/codec.h"
 #include "python/errors.h"
 #include "python/gil.h"
 #include "python/module.h"
 #include "python/segments.h"
+#include "runtime/loop.h"
 
 namespace moolib::binding {
 

@@ -5,7 +5,7 @@
 
 #include <exception>
 
-#include "future.h"
+#include "runtime/future.h"
 
 namespace moolib::binding {
 

@@ -1,10 +1,10 @@
 // The binding of Broker and Group; moolib/group.py and moolib/broker.py add
 // the Python-level API (nests, custom ops, the AllReduce handle).
-#include "group.h"
+#include "collectives/group.h"
 
 #include <pybind11/stl.h>
 
-#include "broker.h"
+#include "collectives/broker.h"
 #include "python/future_type.h"
 #include "python/gil.h"
 #include "python/module.h"

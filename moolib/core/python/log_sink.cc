@@ -7,9 +7,9 @@
 #include <thread>
 #include <utility>
 
-#include "logging.h"
 #include "python/gil.h"
 #include "python/module.h"
+#include "runtime/logging.h"
 
 namespace moolib::binding {
 
@@ -85,7 +85,8 @@ void bindLogging(py::module_& m) {
       "set_log_level", [](int level) { setLogLevel(LogLevel(std::max(0, std::min(level, 4)))); },
       py::arg("level"));
   m.def("get_log_level", [] { return int(logLevel()); });
-  m.def("set_log_sink", [](py::object fn) { PythonLogSink::instance().set(fn); }, py::arg("fn"));
+  m.def(
+      "set_log_sink", [](py::object fn) { PythonLogSink::instance().set(fn); }, py::arg("fn"));
 }
 
 }  // namespace moolib::binding

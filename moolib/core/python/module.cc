@@ -7,15 +7,15 @@
 #include <algorithm>
 #include <chrono>
 
-#include "host.h"
-#include "loop.h"
 #include "python/codec.h"
 #include "python/dispatch.h"
 #include "python/errors.h"
 #include "python/future_type.h"
 #include "python/gil.h"
 #include "python/segments.h"
-#include "spin.h"
+#include "runtime/host.h"
+#include "runtime/loop.h"
+#include "runtime/spin.h"
 #include "transport/ucx/ucx_api.h"
 
 namespace py = pybind11;
@@ -43,7 +43,7 @@ PYBIND11_MODULE(_core, m) {
       "set_max_threads", [](int n) { Loop::instance().setMaxThreads(n); }, py::arg("n"),
       "Pool threads that run I/O and called functions (MOOLIB_MAX_THREADS).");
   m.def("get_max_threads", [] { return Loop::instance().maxThreads(); });
-  // Diagnostics of the spin before blocking waits (spin.h), for this process.
+  // Diagnostics of the spin before blocking waits (runtime/spin.h), for this process.
   m.def("_spin_stats", [] {
     SpinStats s = SpinPolicy::stats();
     py::dict d;

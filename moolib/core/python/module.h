@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "rpc.h"
+#include "rpc/rpc.h"
 
 namespace moolib::binding {
 

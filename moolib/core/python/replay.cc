@@ -2,10 +2,10 @@
 // (nests, dtypes and shapes, errors that name leaves, timeouts).
 #include <pybind11/stl.h>
 
-#include "error.h"
 #include "python/gil.h"
 #include "python/segments.h"
 #include "replay/table.h"
+#include "runtime/error.h"
 
 namespace moolib::binding {
 

@@ -2,11 +2,11 @@
 // function table as a Python class.
 #include <pybind11/stl.h>
 
-#include "logging.h"
 #include "python/codec.h"
 #include "python/dispatch.h"
 #include "python/gil.h"
 #include "python/module.h"
+#include "runtime/logging.h"
 
 namespace moolib::binding {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "buffer.h"
+#include "runtime/buffer.h"
 
 namespace moolib::binding {
 

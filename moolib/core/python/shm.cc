@@ -1,8 +1,8 @@
-// The binding of shared-memory regions (shm_region.h) for the Python users of
+// The binding of shared-memory regions (shm/shm_region.h) for the Python users of
 // shared memory: the replay service's segments (moolib/replay/segments.py) and
 // EnvPool's region (moolib/envpool.py, moolib/_envpool_worker.py).
 #include "python/module.h"
-#include "shm_region.h"
+#include "shm/shm_region.h"
 
 namespace moolib::binding {
 
@@ -37,7 +37,7 @@ void bindShm(py::module_& m) {
   py::register_exception_translator(&translateShmError);
 
   py::class_<ShmRegion>(m, "ShmRegion", py::buffer_protocol(),
-                        "Shared memory (a memfd) mapped into this process; see moolib/core/"
+                        "Shared memory (a memfd) mapped into this process; see moolib/core/shm/"
                         "shm_region.h. Exposes its bytes through the buffer protocol: numpy and "
                         "torch view them with no copy, and every view keeps the mapping alive.")
       .def_static(

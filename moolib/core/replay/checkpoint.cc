@@ -12,7 +12,7 @@
 #include <random>
 #include <stdexcept>
 
-#include "error.h"
+#include "runtime/error.h"
 
 namespace moolib::replay {
 

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "socket.h"
+#include "runtime/socket.h"
 
 namespace moolib::replay {
 

@@ -4,8 +4,8 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "error.h"
 #include "replay/checkpoint.h"
+#include "runtime/error.h"
 
 namespace moolib::replay {
 

@@ -6,7 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "error.h"
+#include "runtime/error.h"
 
 namespace moolib::replay {
 

@@ -14,7 +14,7 @@
 #include <optional>
 #include <string>
 
-#include "loop.h"
+#include "runtime/loop.h"
 
 namespace moolib::replay {
 

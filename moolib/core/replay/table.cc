@@ -5,8 +5,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "error.h"
 #include "replay/checkpoint.h"
+#include "runtime/error.h"
 
 namespace moolib {
 

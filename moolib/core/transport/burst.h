@@ -12,7 +12,7 @@
 #include <chrono>
 #include <cstddef>
 
-#include "loop.h"
+#include "runtime/loop.h"
 
 namespace moolib {
 

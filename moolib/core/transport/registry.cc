@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
-#include "logging.h"
-#include "socket.h"
+#include "runtime/logging.h"
+#include "runtime/socket.h"
 
 namespace moolib {
 
@@ -16,9 +16,9 @@ std::unique_ptr<Context> createUcxContext(std::string& whyNot);
 
 const std::vector<TransportEntry>& transportRegistry() {
   static const std::vector<TransportEntry> kEntries = {
-      {"shm", {"ipc"}, true, &createShmContext},
-      {"tcp", {}, false, &createTcpContext},
-      {"ucx", {}, false, &createUcxContext},
+      {kShmTransport, {"ipc"}, true, TransportEntry::Assumed::kItsHost, &createShmContext},
+      {kBootstrapTransport, {}, false, TransportEntry::Assumed::kYes, &createTcpContext},
+      {"ucx", {}, false, TransportEntry::Assumed::kNo, &createUcxContext},
   };
   return kEntries;
 }
@@ -41,6 +41,15 @@ std::string knownTransports() {
 std::string transportOfAddress(const std::string& address) {
   auto scheme = address.find("://");
   return scheme == std::string::npos ? kBootstrapTransport : address.substr(0, scheme);
+}
+
+std::map<std::string, std::string> assumedDomains(const std::string& peerHost) {
+  std::map<std::string, std::string> out;
+  for (auto& e : transportRegistry()) {
+    if (e.assumed == TransportEntry::Assumed::kYes) out[e.name] = "";
+    if (e.assumed == TransportEntry::Assumed::kItsHost) out[e.name] = peerHost;
+  }
+  return out;
 }
 
 bool isHostLocalAddress(const std::string& address) {

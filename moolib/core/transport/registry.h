@@ -13,12 +13,24 @@
 
 namespace moolib {
 
+// The names of the transports the core itself names.
+constexpr const char* kShmTransport = "shm";
+// The transport of a plain "host:port": every peer has it, and links start on
+// it and then upgrade.
+constexpr const char* kBootstrapTransport = "tcp";
+
 struct TransportEntry {
+  // What a peer that did not list its transports (one from before the list)
+  // is taken to have of this one: nothing, the transport (its domain empty),
+  // or the transport reaching the peer's host (its domain the host identity).
+  enum class Assumed { kNo, kYes, kItsHost };
+
   std::string name;
   std::vector<std::string> aliases;  // other names set_transports() accepts
   // Its addresses mean something only on this host: never told to peers on
   // another host (known here even where the transport is not viable).
   bool hostLocal;
+  Assumed assumed;
   // The transport's context, or nullptr with the reason it is not viable here.
   std::unique_ptr<Context> (*create)(std::string& whyNot);
 };
@@ -32,7 +44,6 @@ std::string knownTransports();
 // The transport an address is for: its scheme ("ucx://..."), or the
 // bootstrap transport, TCP, for a plain "host:port".
 std::string transportOfAddress(const std::string& address);
-constexpr const char* kBootstrapTransport = "tcp";
 // Whether a peer on another host must never be told this address: one of a
 // host-local transport, or a loopback one.
 bool isHostLocalAddress(const std::string& address);
@@ -44,6 +55,10 @@ struct TransportStatus {
   std::string domain;  // when available
   std::string why;     // when not
 };
+
+// The transports (name -> domain) of a peer on host peerHost that did not
+// list its own: what TransportEntry::assumed says of each.
+std::map<std::string, std::string> assumedDomains(const std::string& peerHost);
 
 // What a transport choice needs to know about a peer.
 struct PeerTransports {
@@ -63,6 +78,9 @@ class TransportSet {
   TransportSet();
   // nullptr when the transport is not viable here (or unknown).
   Context* get(const std::string& name) const;
+  // The bootstrap transport's context (kBootstrapTransport); nullptr when it
+  // is not viable here.
+  Context* bootstrap() const { return get(kBootstrapTransport); }
   // The context that handles this address; throws when its transport is not
   // viable here.
   Context* forAddress(const std::string& address) const;

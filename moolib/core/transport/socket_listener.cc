@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <mutex>
 
-#include "logging.h"
+#include "runtime/logging.h"
 
 namespace moolib {
 

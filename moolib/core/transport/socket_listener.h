@@ -8,8 +8,8 @@
 #include <mutex>
 #include <string>
 
-#include "loop.h"
-#include "socket.h"
+#include "runtime/loop.h"
+#include "runtime/socket.h"
 #include "transport/transport.h"
 
 namespace moolib {

@@ -12,8 +12,8 @@
 #include <cstring>
 #include <utility>
 
-#include "logging.h"
-#include "spin.h"
+#include "runtime/logging.h"
+#include "runtime/spin.h"
 
 namespace moolib {
 
@@ -44,9 +44,10 @@ void StreamConnection::start(FrameFn onFrame, CloseFn onClose) {
   onFrame_ = std::move(onFrame);
   onClose_ = std::move(onClose);
   std::lock_guard<std::mutex> lock(stateMutex_);
-  token_ = Loop::instance().addFd(fd_.get(), wantedEvents(),
-                                  std::weak_ptr<FdHandler>(shared_from_this()));
-  armed_ = true;
+  own_.attachLocked(fd_.get(),
+                    Loop::instance().addFd(fd_.get(), wantedEvents(),
+                                           std::weak_ptr<FdHandler>(shared_from_this())),
+                    true);
 }
 
 uint32_t StreamConnection::wantedEvents() const {
@@ -55,7 +56,7 @@ uint32_t StreamConnection::wantedEvents() const {
 
 void StreamConnection::updateArm() {
   std::lock_guard<std::mutex> lock(stateMutex_);
-  if (armed_ && token_) Loop::instance().rearm(fd_.get(), token_, wantedEvents());
+  own_.updateLocked(wantedEvents());
 }
 
 bool StreamConnection::encodeSegment(const OutSegment& segment, SegmentDesc& desc,
@@ -232,11 +233,9 @@ void StreamConnection::fail(const std::string& why) {
 void StreamConnection::finalize() {
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
-    if (finalized_) return;
-    finalized_ = true;
-    armed_ = false;
+    if (!own_.closeLocked()) return;
   }
-  if (token_) Loop::instance().removeFd(fd_.get(), token_);
+  if (own_.token()) Loop::instance().removeFd(fd_.get(), own_.token());
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
     fd_.reset();
@@ -294,66 +293,35 @@ ssize_t StreamConnection::receive(void* data, size_t size) {
 
 void StreamConnection::onEvents(uint32_t events) {
   {
+    // updateArm() may have re-armed the fd between its delivery to another
+    // thread and this one getting here (see beginHandlingLocked).
     std::lock_guard<std::mutex> lock(stateMutex_);
-    // armed_ can be stale: updateArm() may have re-armed the fd between its
-    // delivery to another thread and that thread getting here. Whoever
-    // handles or owns the fd re-arms it when done, and readiness is
-    // level-triggered, so nothing is lost by backing off.
-    if (owned_ || finalized_ || handling_) return;
-    armed_ = false;
-    handling_ = true;
+    if (!own_.beginHandlingLocked()) return;
   }
   handle(events);
   std::lock_guard<std::mutex> lock(stateMutex_);
-  handling_ = false;
-  if (!finalized_ && !owned_) {
-    armed_ = true;
-    Loop::instance().rearm(fd_.get(), token_, wantedEvents());
-  }
+  own_.endHandlingLocked(wantedEvents());
 }
 
 bool StreamConnection::tryOwn() {
   std::lock_guard<std::mutex> lock(stateMutex_);
-  if (owned_ || handling_ || finalized_ || !token_) return false;
-  owned_ = true;
-  if (armed_) {
-    armed_ = false;
-    Loop::instance().rearm(fd_.get(), token_, 0);
-  }
-  return true;
+  return own_.tryOwnLocked();
 }
 
 bool StreamConnection::claim() {
-  {
-    std::lock_guard<std::mutex> lock(stateMutex_);
-    // A request run on the thread that lent the fd calls back over it: the
-    // claim takes the fd over, and the owner gets it back through tryOwn.
-    if (lent_ && lender_ == std::this_thread::get_id()) {
-      lent_ = false;
-      return true;
-    }
-  }
-  return tryOwn();
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  return own_.claimLocked();
 }
 
 void StreamConnection::takeBack() {
   std::lock_guard<std::mutex> lock(stateMutex_);
-  if (!lent_) return;
-  lent_ = false;
-  unownLocked();
+  if (own_.takeBackLocked()) own_.armLocked(wantedEvents());
 }
 
 void StreamConnection::unown() {
   std::lock_guard<std::mutex> lock(stateMutex_);
-  unownLocked();
-}
-
-void StreamConnection::unownLocked() {
-  owned_ = false;
-  if (!finalized_) {
-    armed_ = true;
-    Loop::instance().rearm(fd_.get(), token_, wantedEvents());
-  }
+  own_.disownLocked();
+  own_.armLocked(wantedEvents());
 }
 
 bool StreamConnection::serveWhile(const std::function<bool()>& done, TimePoint deadline,
@@ -409,21 +377,9 @@ bool StreamConnection::serve(const std::function<bool()>& done, TimePoint deadli
     if (p[0].revents & POLLOUT) events |= EPOLLOUT;
     if (p[0].revents & (POLLHUP | POLLERR)) events |= EPOLLIN | EPOLLHUP;
     handle(events);
-    if (runInline && Loop::hasInlineTasks()) {
-      {
-        std::lock_guard<std::mutex> lock(stateMutex_);
-        lent_ = true;
-        lender_ = std::this_thread::get_id();
-      }
-      Loop::instance().runInlineTasks(shared_from_this());
-      bool kept;
-      {
-        std::lock_guard<std::mutex> lock(stateMutex_);
-        kept = std::exchange(lent_, false);
-      }
-      // Taken back (a request blocked or ran long, or called back over it).
-      if (!kept && !tryOwn()) return true;
-    }
+    // Taken back (a request blocked or ran long, or called back over it and
+    // another thread took the fd meanwhile): the loop serves it.
+    if (runInline && Loop::hasInlineTasks() && !own_.runLent(shared_from_this())) return true;
   }
   if (closed_) handle(EPOLLIN);
   unown();

@@ -9,12 +9,12 @@
 #include <deque>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "loop.h"
-#include "socket.h"
+#include "runtime/loop.h"
+#include "runtime/socket.h"
 #include "transport/burst.h"
+#include "transport/ownership.h"
 #include "transport/transport.h"
 
 namespace moolib {
@@ -87,8 +87,8 @@ class StreamConnection : public Connection,
   // handles the connection (a loop worker, or a thread in serveWhile).
   void handle(uint32_t events);
   bool tryOwn();
+  // Hands the fd back to the loop.
   void unown();
-  void unownLocked();  // stateMutex_ held
   // Serves the fd on this thread until done() or the deadline; false if it
   // could not take the fd (owned: it took it already). Requests read run here
   // when runInline.
@@ -111,7 +111,6 @@ class StreamConnection : public Connection,
 
   Fd fd_;
   std::string local_, remote_;
-  uint64_t token_ = 0;
   FrameFn onFrame_;
   CloseFn onClose_;
   std::atomic<bool> closed_{false};
@@ -125,18 +124,10 @@ class StreamConnection : public Connection,
   SendBurst burst_;
   uint64_t flushTimer_ = 0;  // pending flush of a coalesced burst
 
-  // Who handles the fd: the loop (armed_ in epoll, or handling_ now) or a
-  // thread in serveWhile (owned_). Exactly one at a time.
+  // Who handles the fd: the loop or a thread in serveWhile, serveSticky or a
+  // request run inline (transport/ownership.h).
   std::mutex stateMutex_;
-  bool armed_ = false;
-  bool handling_ = false;
-  bool owned_ = false;
-  bool finalized_ = false;
-  // The owner lent the fd to the requests it runs (Loop::runInlineTasks):
-  // owned_ stays set until they end or the loop takes it back. lender_ is
-  // the owning thread; a call it makes meanwhile may claim the fd.
-  bool lent_ = false;
-  std::thread::id lender_;
+  IoOwnership own_{stateMutex_};
 
   // Read side; touched only by the thread handling the connection.
   std::vector<uint8_t> staging_;

@@ -11,13 +11,16 @@
 #include <memory>
 #include <string>
 
-#include "error.h"
-#include "loop.h"
-#include "wire.h"
+#include "rpc/wire.h"
+#include "runtime/error.h"
+#include "runtime/future.h"
+#include "runtime/loop.h"
 
 namespace moolib {
 
-class Connection {
+// A link's I/O; as a ReplySource, a thread waiting for a reply on it serves
+// it itself.
+class Connection : public ReplySource {
  public:
   using FrameFn = std::function<void(IncomingFrame&&)>;
   using CloseFn = std::function<void(const Error&)>;
@@ -44,20 +47,12 @@ class Connection {
   // What carries the bytes beneath this transport, where that is chosen
   // below it (UCX: its endpoint's lanes); empty otherwise.
   virtual std::string lanes() const { return ""; }
-  // Lets the calling thread handle this connection's I/O itself until done()
-  // or the deadline, so that a reply wakes the thread waiting for it. Returns
-  // false at once if another thread is handling the connection.
-  // claimed: the caller took the connection with claim() beforehand, and
-  // serveWhile hands it back when it returns.
-  virtual bool serveWhile(const std::function<bool()>& done, TimePoint deadline,
-                          bool claimed = false) = 0;
   // Takes the connection's I/O from the loop ahead of a wait for a reply to a
   // request not yet sent, so that a reply quicker than the caller cannot wake
   // a loop worker (a second wake-up and a hand-off). The claim ends in
   // serveWhile(..., true) or unclaim(). False if another thread handles the
   // connection.
   virtual bool claim() { return false; }
-  virtual void unclaim() {}
 };
 using ConnectionPtr = std::shared_ptr<Connection>;
 
@@ -101,6 +96,10 @@ class Context {
   virtual bool hostLocal() const { return false; }
   // Whether this transport dials/listens on addresses of this form.
   virtual bool handles(const std::string& address) const = 0;
+  // Throws when an address it handles can never connect, judging its form
+  // alone (nothing is resolved), so that connect() raises at once instead of
+  // redialing it forever.
+  virtual void checkAddress(const std::string& address) const {}
   // An address to listen on without being asked, beside a TCP listener on
   // tcpAddress ("" when connect() alone started the Rpc), so that peers can
   // upgrade a link to this transport; "" for none. incarnation is unique to

@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "logging.h"
+#include "runtime/logging.h"
 
 namespace moolib {
 

@@ -18,7 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "shm_region.h"
+#include "shm/shm_region.h"
 #include "transport/stream_connection.h"
 
 namespace moolib {

@@ -1,8 +1,8 @@
 // The shared-memory transport: peers on the same host (same boot id and
 // network namespace) reach each other through an abstract Unix socket named
 // "shm://<name>" and exchange large segments through shared memory.
-#include "host.h"
-#include "shm_region.h"
+#include "runtime/host.h"
+#include "shm/shm_region.h"
 #include "transport/shm/connection_impl.h"
 #include "transport/socket_listener.h"
 

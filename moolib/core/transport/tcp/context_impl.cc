@@ -1,5 +1,5 @@
 // The TCP transport: works between any two hosts that can route to each other.
-#include "host.h"
+#include "runtime/host.h"
 #include "transport/socket_listener.h"
 #include "transport/tcp/connection_impl.h"
 
@@ -42,6 +42,7 @@ class TcpContext : public Context {
   bool handles(const std::string& address) const override {
     return address.find("://") == std::string::npos;
   }
+  void checkAddress(const std::string& address) const override { checkTcpAddress(address); }
 
   std::unique_ptr<Listener> listen(const std::string& address, AcceptFn onAccept) override {
     SockAddr addr = parseTcpAddress(address);

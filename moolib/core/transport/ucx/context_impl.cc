@@ -10,10 +10,11 @@
 #include <condition_variable>
 #include <cstring>
 
-#include "host.h"
-#include "logging.h"
+#include "runtime/host.h"
+#include "runtime/logging.h"
 #include "transport/transport.h"
 #include "transport/ucx/connection_impl.h"
+#include "transport/ucx/probe.h"
 
 namespace moolib {
 

@@ -5,7 +5,7 @@
 
 #include <mutex>
 
-#include "error.h"
+#include "runtime/error.h"
 
 namespace moolib {
 
