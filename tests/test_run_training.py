@@ -110,8 +110,10 @@ def test_local_two_peers_train_one_ppo_model_a_step_a_minibatch(tmp_path):
     each round of one minibatch per peer is one optimizer step, and the peers stay one
     model through every one of them."""
     # Each peer's batch of 512 steps makes 16 updates of 64 steps (two minibatches of
-    # one unroll's 128 steps, each in 4 epochs): a few batches each.
-    last, ckpt = two_peers_train_one_model(tmp_path, "ppo", 3000)
+    # one unroll's 128 steps, each in 4 epochs). Enough steps that the peer that starts
+    # first cannot finish alone: it learns about 1,000 steps a second alone, and the
+    # other's start can lag by 10 s and more on a loaded machine (3,000 did not do).
+    last, ckpt = two_peers_train_one_model(tmp_path, "ppo", 30000)
     # An optimizer step a minibatch: 64 env steps an update of both peers' (32 of one
     # peer alone), where a step a batch (A2C's) would count 1,024.
     versions, step = int(last["model_version"]), int(last["step"])

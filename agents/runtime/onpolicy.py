@@ -303,6 +303,21 @@ class Trainer(Runner):
             time.sleep(0.01)
         self._save(final=True)
 
+    def _leave_with_the_group(self) -> None:
+        """Waits, up to ``group_timeout`` seconds, until every member of the group has
+        finished too. The members reach ``total_steps`` on the same update, but its
+        sum reaches some of them before others: one that left at once would fail that
+        round on a member still waiting for it, which would then drop the update and
+        train on alone, ending on another model than the rest."""
+        group = self.accumulator.group
+        if not self.accumulator.connected():
+            return
+        with group.keepalive():
+            finished = group.all_reduce(f"moolib-run/{self.cfg.group}/finished", 1)
+            # A member that does not come (stuck, or still training because its last
+            # round failed for another reason) fails it, or the wait ends: leave anyway.
+            finished.wait(float(self.cfg.group_timeout))
+
     # -- the loop ------------------------------------------------------------
     #
     # Two threads (docs/architecture.md, section 6). The acting thread (the caller of
@@ -528,6 +543,8 @@ class Trainer(Runner):
                 raise self._learner_error
             self.elapsed = rows.final()
             self._save_final()
+            if self.steps >= self.total_steps:
+                self._leave_with_the_group()
         finally:
             halt.set()
             if learner.is_alive():
