@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real SLURM for moolib's tests (tests/test_slurm.py), from Debian packages,
+# A real SLURM for moolib's tests (tests/test_slurm_*.py), from Debian packages,
 # with everything under one folder: no systemd, nothing in /etc. Two nodes run
 # on this one machine: "node1" (partition debug, the default) and "node2"
 # (another port); partition "two" has both, for jobs that span nodes.

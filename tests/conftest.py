@@ -31,9 +31,11 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 LONG_FILES = (
     "test_r2d2_learning.py",
     "test_offpolicy_learning.py",
-    "test_slurm.py",
+    "test_slurm_runs.py",
     "test_offpolicy_run.py",
+    "test_slurm_requeue.py",
     "test_accumulator.py",
+    "test_slurm_offpolicy.py",
     "test_run_resume.py",
     "test_run_errors.py",
     "test_checkpoints.py",
@@ -46,6 +48,7 @@ LONG_FILES = (
     "test_run_output.py",
     "test_run_compose.py",
     "test_evaluate.py",
+    "test_slurm_launch.py",
 )
 
 

@@ -12,8 +12,8 @@ acting thread learning between its steps (``agent.learner=inline``).
   the actors stepping).
 
 Ctrl-C and SLURM's preemption take the same path as SIGTERM (the stop event):
-tests/test_run_stop.py (Ctrl-C of two local peers) and tests/test_slurm.py (a preempted
-peer requeued) run them through this loop too.
+tests/test_run_stop.py (Ctrl-C of two local peers) and tests/test_slurm_requeue.py (a
+preempted peer requeued) run them through this loop too.
 """
 
 from __future__ import annotations
