@@ -20,6 +20,7 @@ pre-flight only decides whether the run may start.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import re
@@ -202,12 +203,24 @@ def unknown_key(key: str, known: DictConfig | None, where: str = "") -> ConfigEr
     )
 
 
+# Compositions of this process, by their overrides: the pre-flight composes each job
+# and the task function plans it again once Hydra has set it up; a composition costs
+# about as much CPU as the rest of the launcher's checks together.
+_composed: dict[tuple[str, ...], DictConfig] = {}
+
+
 def compose_job(lines: list[str], extra: list[str] | None = None) -> DictConfig:
-    """Hydra's composition of one job (``extra`` first), hydra node included."""
-    try:
-        return compose("config", overrides=[*(extra or []), *lines], return_hydra_config=True)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(hydra_message(e, lines, extra)) from e
+    """Hydra's composition of one job (``extra`` first), hydra node included (a copy:
+    the same overrides compose once per process)."""
+    overrides = (*(extra or []), *lines)
+    if overrides not in _composed:
+        try:
+            _composed[overrides] = compose(
+                "config", overrides=list(overrides), return_hydra_config=True
+            )
+        except (HydraException, OmegaConfBaseException) as e:
+            raise ConfigError(hydra_message(e, lines, extra)) from e
+    return copy.deepcopy(_composed[overrides])
 
 
 def _without_hydra(cfg: DictConfig) -> DictConfig:
