@@ -58,6 +58,8 @@ table is parsed back and every row must hold a positive figure; exits 1 otherwis
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import functools
 import importlib.util
 import json
@@ -624,24 +626,90 @@ def moolib_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+class CpuGroup:
+    """A CPU-accounting cgroup (v1's cpuacct, or a v2 group's cpu.stat): the CPU seconds
+    every process that was ever in it used, those that ended included."""
+
+    def __init__(self, path: Path, version: int) -> None:
+        self.path = path
+        self.version = version
+
+    def seconds(self) -> float:
+        """The group's CPU seconds so far."""
+        if self.version == 1:
+            return int((self.path / "cpuacct.usage").read_text()) / 1e9
+        for line in (self.path / "cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                return int(value) / 1e6
+        raise OSError(f"{self.path}/cpu.stat has no usage_usec")
+
+
+def own_cpu_group() -> CpuGroup | None:
+    """A cgroup of this process's own (its children inherit it), made under the cgroup
+    filesystem's CPU accounting and removed when the process exits; None where none
+    can be made (not root, no such filesystem)."""
+    roots = [
+        (Path("/sys/fs/cgroup/cpuacct"), 1),
+        (Path("/sys/fs/cgroup/unified"), 2),
+        (Path("/sys/fs/cgroup"), 2),
+    ]
+    for root, version in roots:
+        if not (root / "cgroup.procs").exists():
+            continue
+        if version == 2 and not (root / "cgroup.controllers").exists():
+            continue
+        path = root / f"moolib-bench-{os.getpid()}"
+        try:
+            path.mkdir(exist_ok=True)
+            (path / "cgroup.procs").write_text(str(os.getpid()))
+            group = CpuGroup(path, version)
+            group.seconds()
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+            continue
+        atexit.register(_leave_cpu_group, root, path)
+        return group
+    return None
+
+
+def _leave_cpu_group(root: Path, path: Path) -> None:
+    # A cgroup is removed once empty: this process goes back to the root's (its runs
+    # have ended by now).
+    with contextlib.suppress(OSError):
+        (root / "cgroup.procs").write_text(str(os.getpid()))
+        path.rmdir()
+
+
 class OtherLoad:
     """The share of the machine's CPU that processes other than this bench and the runs
-    it started took: /proc/stat's busy time less this process's CPU and its reaped
-    children's (each run is a child, reaped before its result is read). The load
-    average cannot say it: it counts the run itself, and a run's load lingers in it
-    for minutes after the run ends."""
+    it started took: /proc/stat's busy time less the CPU of this bench's processes.
+    The load average cannot say it: it counts the run itself, and a run's load lingers
+    in it for minutes after the run ends.
+
+    The bench's processes are counted by a CPU-accounting cgroup of its own, which its
+    runs and everything they start inherit (``own_cpu_group``): a peer's helper
+    processes that their runner never reaps (Ray's raylet, GCS and workers, which RLlib
+    starts) count as the bench's, which the CPU of reaped children alone would miss
+    and call others'. Where no cgroup can be made (not root, no cgroup filesystem), the
+    bench's own CPU and its reaped children's stand in."""
 
     def __init__(self) -> None:
         self.cores = len(os.sched_getaffinity(0))
         self.tick = os.sysconf("SC_CLK_TCK")
+        self.group = own_cpu_group()
 
     def mark(self) -> tuple[float, float, float]:
         """The machine's busy CPU seconds, this bench's own, and the time: now."""
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
         busy = (sum(fields[:8]) - fields[3] - fields[4]) / self.tick  # less idle, iowait
-        t = os.times()
-        own = t.user + t.system + t.children_user + t.children_system
+        if self.group is not None:
+            own = self.group.seconds()
+        else:
+            t = os.times()
+            own = t.user + t.system + t.children_user + t.children_system
         return busy, own, time.monotonic()
 
     def share(self, since: tuple[float, float, float]) -> float:

@@ -270,6 +270,46 @@ def test_a_run_under_others_load_is_run_again_and_the_last_try_kept(
     assert again.run({"run": "c"}, lambda: measure("c"))[1] is False and calls[-1] == "c"
 
 
+# In a process of its own, which the bench's cgroup takes in: a helper that a run's
+# process starts and never reaps (double-forked, as daemons are), burning half a second.
+_ORPHAN_CPU = """
+import importlib.util, json, os, sys, time
+spec = importlib.util.spec_from_file_location("bench_peers", sys.argv[1])
+peers = importlib.util.module_from_spec(spec)
+sys.modules["bench_peers"] = peers
+spec.loader.exec_module(peers)
+load = peers.OtherLoad()
+before = load.mark()
+if os.fork() == 0:
+    if os.fork() == 0:
+        start = time.process_time()
+        while time.process_time() - start < 0.5:
+            pass
+    os._exit(0)
+os.wait()
+time.sleep(1.5)
+after = load.mark()
+print(json.dumps({"group": load.group is not None, "own": after[1] - before[1]}))
+"""
+
+
+def test_the_cpu_of_a_runs_helpers_it_never_reaps_counts_as_the_benchs(tmp_path) -> None:
+    """RLlib's Ray processes are not reaped by its runner: counted by reaped children
+    alone, their CPU read as others' load and every RLlib run was run again."""
+    out = subprocess.run(
+        [sys.executable, "-c", _ORPHAN_CPU, str(BENCH)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    if not got["group"]:
+        pytest.skip("no cgroup of its own for the bench here (needs root and a cgroup filesystem)")
+    assert got["own"] >= 0.45, got
+
+
 def test_tuning_sweeps_every_row_alike_on_its_seed_and_scores_the_pick_on_held_out_seeds(
     peers: ModuleType, tmp_path, monkeypatch
 ) -> None:
