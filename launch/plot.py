@@ -113,11 +113,20 @@ class EmptyLogError(PlotError):
 
 @dataclass
 class Table:
-    """One log file: its column names and its data rows, as the text cells read from the file."""
+    """One log file: its column names and its data rows, as the text cells read from the file.
+
+    ``rows`` leaves out the rows a resume superseded; ``file_rows`` counts the file's data rows,
+    all of them, for messages about the file.
+    """
 
     path: Path
     columns: list[str]
     rows: list[list[str]]
+    file_rows: int = -1
+
+    def __post_init__(self) -> None:
+        if self.file_rows < 0:
+            self.file_rows = len(self.rows)
 
     def values(self, column: str) -> list[float]:
         """Returns the column as floats, one per row; cells that are not finite numbers are NaN.
@@ -421,7 +430,12 @@ def read_table(path: Path) -> Table:
     if not rows:
         raise PlotError(f"{path}: empty file (no header row)")
     columns = [name.strip() for name in rows[0]]
-    return Table(path=path, columns=columns, rows=without_superseded(columns, rows[1:]))
+    return Table(
+        path=path,
+        columns=columns,
+        rows=without_superseded(columns, rows[1:]),
+        file_rows=len(rows) - 1,
+    )
 
 
 def without_superseded(columns: list[str], rows: list[list[str]]) -> list[list[str]]:
@@ -515,7 +529,7 @@ def load_series(table: Table, metric: str, x: str, label: str, window: int = 1) 
         ys = [v for v, keep in zip(ys, ended, strict=True) if keep]
     segments = split_segments(xs, ys)
     if not segments:
-        n = len(table.rows)
+        n = table.file_rows
         if n == 0:
             raise EmptyLogError(table.path, "no log rows yet", "only the header")
         rows = f"{n} log row{'s' if n != 1 else ''}"

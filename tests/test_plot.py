@@ -384,6 +384,12 @@ def test_no_numeric_rows(tmp_path, capsys):
         f"{path}: no episode has finished yet (3 log rows, none with a mean_episode_return)" in err
     )
     assert out == ""
+    # Two rows at one step (a peer waiting for its group logs on at the step it stopped at):
+    # the count is the file's rows, as a reader of the file would count them.
+    path.write_text("step\tmean_episode_return\n1\t\n2\tnan\n2\tnan\n")
+    code, out, err = run_main(capsys, str(path))
+    assert code == 2
+    assert "(3 log rows, none with a mean_episode_return)" in err
 
     # Another metric that has no numbers: the generic message.
     path.write_text("step\tgrad_norm\n1\t\n2\tnan\n")

@@ -208,6 +208,7 @@ def test_tensorboard_hides_the_rows_a_killed_run_logged_past_its_checkpoint(tmp_
 # -- a savedir owns its config; a finished run says so -------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_savedir_resumes_with_its_own_config(tmp_path):
     savedir = tmp_path / "run"
