@@ -96,6 +96,9 @@ setup(
         # gymnasium's RecordVideo would bring moviepy, which needs imageio-ffmpeg and
         # more), and pygame, which draws CartPole's frames (gymnasium's classic-control).
         "video": ["imageio-ffmpeg", "pygame"],
+        # gymnasium's MuJoCo tasks (env=mujoco-half_cheetah, ...): continuous actions.
+        # gymnasium's MuJoCo module imports imageio (for its renderer) when loaded.
+        "mujoco": ["mujoco>=3,<4", "imageio"],
         # The build requirements too: tests/test_packaging.py builds a wheel
         # without build isolation (no network).
         "test": [
@@ -109,6 +112,8 @@ setup(
             "envpool",
             "imageio-ffmpeg",
             "pygame",
+            "mujoco>=3,<4",
+            "imageio",
             "setuptools>=64",
             "wheel",
             "pybind11>=2.12",

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from .math import vtrace as vtrace_math
 from .nets.models import make_actor_critic
 from .registry import ActorCriticConfig, register_agent
 
@@ -34,7 +34,9 @@ def n_step_returns(
     return returns
 
 
-@register_agent("a2c", A2CConfig, make_network=make_actor_critic, runtime="onpolicy")
+@register_agent(
+    "a2c", A2CConfig, make_network=make_actor_critic, runtime="onpolicy", continuous_actions=True
+)
 def compute_loss(
     cfg: A2CConfig, outputs: dict, batch: dict
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -50,11 +52,10 @@ def compute_loss(
     advantages = returns - values[:-1]
 
     logits = outputs["policy_logits"][:-1]
-    log_probs = F.log_softmax(logits, dim=-1)
-    action_log_probs = log_probs.gather(-1, batch["action"][:-1].unsqueeze(-1)).squeeze(-1)
-    pg_loss = -(action_log_probs * advantages.detach()).sum()
-    baseline_loss = 0.5 * advantages.pow(2).sum()
-    entropy_loss = (log_probs.exp() * log_probs).sum()  # negative entropy
+    actions = batch["action"][:-1]
+    pg_loss = vtrace_math.policy_gradient_loss(logits, actions, advantages)
+    baseline_loss = vtrace_math.baseline_loss(advantages)
+    entropy_loss = vtrace_math.entropy_loss(logits, actions.is_floating_point())
     total = pg_loss + cfg.baseline_cost * baseline_loss + cfg.entropy_cost * entropy_loss
     return total, {
         "total_loss": total.item(),

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from moolib.envs.actions import ActionSpace
 from torch import nn
 
 from .math.offpolicy import epsilon_greedy
+from .nets import distributions as policy_math
 from .nets.models import actor_step
 
 __all__ = ["ActionChoice", "ActorCriticPolicy", "Policy", "QPolicy"]
@@ -41,14 +42,26 @@ class Policy:
     ``make_network``'s, weights loaded). ``act(env_out, choice)`` takes one step of
     every env (``state`` ``[B, ...]``, ``reward`` ``[B]``, ``done`` ``[B]``: true at an
     episode's first observation, as ``moolib.EnvPool`` gives them) and returns the
-    actions ``[B]``; it carries what the network keeps from step to step (the
-    previous actions, an LSTM's state, zeroed where ``done``)."""
+    actions ``[B]`` (``[B, A]`` continuous, as the policy drew them: ``env_actions``
+    clips them to the env's bounds); it carries what the network keeps from step to
+    step (the previous actions, an LSTM's state, zeroed where ``done``)."""
 
     def __init__(self, cfg: Any, model: nn.Module, batch_size: int) -> None:
         self.cfg = cfg
         self.model = model
-        self.prev_action = torch.zeros(batch_size, dtype=torch.int64)
+        # The actor-critic networks say what their actions are; a Q-network's are discrete.
+        space = getattr(model, "action_space", None)
+        self.action_space: ActionSpace | None = space
+        self.prev_action = (
+            space.zeros(batch_size)
+            if space is not None
+            else torch.zeros(batch_size, dtype=torch.int64)
+        )
         self.core: tuple = ()  # the network's initial state, to begin with
+
+    def env_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """``act``'s actions as the envs take them: continuous ones clipped to the bounds."""
+        return actions if self.action_space is None else self.action_space.clip(actions)
 
     def forward(self, env_out: dict[str, torch.Tensor]) -> Any:
         """The output of a network that takes a step's inputs and a core state (the
@@ -71,18 +84,18 @@ class Policy:
 
 class ActorCriticPolicy(Policy):
     """The actor-critic agents' policy: the network's policy logits, from the inputs
-    and LSTM state the on-policy actors give it; greedy is the most likely action,
-    sampled is drawn from the logits' softmax."""
+    and LSTM state the on-policy actors give it; greedy is the most likely action (a
+    Gaussian's mean), sampled is drawn from the policy (``moolib.agents.nets.distributions``)."""
 
     @torch.no_grad()
     def act(self, env_out: dict[str, torch.Tensor], choice: ActionChoice) -> torch.Tensor:
         """The actions of one step of every env (see ``Policy``)."""
         logits = self.forward(env_out)["policy_logits"][0]
+        continuous = self.action_space is not None and self.action_space.continuous
         if choice.greedy:
-            action = logits.argmax(dim=-1)
+            action = policy_math.greedy(logits, continuous)
         else:
-            probs = F.softmax(logits, dim=-1)
-            action = torch.multinomial(probs, 1, generator=choice.generator).squeeze(-1)
+            action = policy_math.sample(logits, continuous, choice.generator)
         self.prev_action = action
         return action
 

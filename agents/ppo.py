@@ -113,7 +113,12 @@ def minibatches(cfg: PPOConfig, batch: dict, core: tuple) -> Iterator[Update]:
 
 
 @register_agent(
-    "ppo", PPOConfig, make_network=make_actor_critic, runtime="onpolicy", updates=minibatches
+    "ppo",
+    PPOConfig,
+    make_network=make_actor_critic,
+    runtime="onpolicy",
+    updates=minibatches,
+    continuous_actions=True,
 )
 def compute_loss(
     cfg: PPOConfig, outputs: dict, batch: dict
@@ -135,7 +140,7 @@ def compute_loss(
         batch["returns"],
         cfg.clip_coef if cfg.clip_value_loss else None,
     )
-    entropy_loss = ppo_math.entropy_loss(logits)
+    entropy_loss = ppo_math.entropy_loss(logits, batch["action"].is_floating_point())
     total = pg_loss + cfg.baseline_cost * baseline_loss + cfg.entropy_cost * entropy_loss
     with torch.no_grad():
         ratio = log_ratio.exp()

@@ -48,8 +48,9 @@ from .acting import ActorCriticPolicy
 from .nets.models import NETWORKS, make_actor_critic
 
 LossFn = Callable[[Any, dict, dict], tuple[Any, dict[str, float]]]
-# (cfg, observation shape, number of actions) -> the agent's torch network
-NetworkFn = Callable[[Any, Sequence[int], int], Any]
+# (cfg, observation shape, actions: an ActionSpace or a number of discrete actions)
+# -> the agent's torch network
+NetworkFn = Callable[[Any, Sequence[int], Any], Any]
 # (cfg, network, batch size) -> the agent's acting.Policy over that many envs
 PolicyFn = Callable[[Any, Any, int], Any]
 
@@ -193,6 +194,10 @@ class ActorCriticConfig(AgentConfig):
     # acting thread learns between its steps; auto: inline on a CPU for the MLP and
     # tiny networks, thread otherwise (moolib.agents.runtime.onpolicy.learner_mode).
     learner: str = dataclasses.field(default="auto", kw_only=True)
+    # Rewards divided by the running deviation of a discounted return before the loss
+    # sees them (gymnasium's NormalizeReward, as CleanRL's continuous PPO; see
+    # moolib.agents.runtime.reward_scaling); the episode returns logged stay the env's.
+    reward_scaling: bool = dataclasses.field(default=False, kw_only=True)
 
     def passes(self) -> int:
         """How many gradients each unroll is part of (1 here: the whole batch once; PPO:
@@ -203,6 +208,7 @@ class ActorCriticConfig(AgentConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_choice("learner", ("auto", "thread", "inline"))
+        self.check_bool("reward_scaling")
         self.check_int("unroll_length")
         self.check_int("virtual_batch_size")
         self.check_number("baseline_cost", 0.0)
@@ -366,7 +372,9 @@ class AgentSpec:
     by default). ``runtime_name``: the runtime that trains it, by name; ``runtime``: that
     runtime (see ``Runtime``), its module imported when first asked for.
     ``updates``: the gradients the on-policy runtime takes from one learner batch
-    (an ``UpdatesFn``: ``whole_batch``, or PPO's epochs of minibatches)."""
+    (an ``UpdatesFn``: ``whole_batch``, or PPO's epochs of minibatches).
+    ``continuous_actions``: whether it learns in envs whose actions are vectors of reals
+    (its network's Gaussian policy; a Q-learner's argmax has nothing to range over)."""
 
     name: str
     config: type[AgentConfig]
@@ -376,6 +384,7 @@ class AgentSpec:
     runtime_name: str = "onpolicy"
     policy: PolicyFn = ActorCriticPolicy
     updates: UpdatesFn = whole_batch
+    continuous_actions: bool = False
 
     @property
     def runtime(self) -> type[Runtime]:
@@ -422,11 +431,13 @@ def register_agent(
     policy: PolicyFn = ActorCriticPolicy,
     runtime: str = "onpolicy",
     updates: UpdatesFn = whole_batch,
+    continuous_actions: bool = False,
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering ``compute_loss(cfg, outputs, batch) -> (loss, stats)``
     as agent ``name`` (the ``name:`` of its YAML), with settings ``config``, network
-    ``make_network``, ``acting``, ``policy``, the runtime named ``runtime`` and,
-    on-policy, the ``updates`` it takes from each learner batch (see ``AgentSpec``; the
+    ``make_network``, ``acting``, ``policy``, the runtime named ``runtime``,
+    on-policy the ``updates`` it takes from each learner batch, and whether it learns
+    ``continuous_actions`` (see ``AgentSpec``; the
     defaults: the on-policy actor-critic agents'). An off-policy agent's loss takes the
     online and target networks and a sampled batch instead of outputs."""
     # Checked without importing the runtime: that waits until a run needs it.
@@ -444,7 +455,7 @@ def register_agent(
                 f"agent {name!r} is registered twice ({known.compute_loss} and {loss})"
             )
         _AGENTS[name] = AgentSpec(
-            name, config, loss, make_network, acting, runtime, policy, updates
+            name, config, loss, make_network, acting, runtime, policy, updates, continuous_actions
         )
         return loss
 

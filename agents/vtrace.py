@@ -26,7 +26,13 @@ class VTraceConfig(ActorCriticConfig):
         self.check_number("clip_pg_rho_threshold", 0.0)
 
 
-@register_agent("vtrace", VTraceConfig, make_network=make_actor_critic, runtime="onpolicy")
+@register_agent(
+    "vtrace",
+    VTraceConfig,
+    make_network=make_actor_critic,
+    runtime="onpolicy",
+    continuous_actions=True,
+)
 def compute_loss(
     cfg: VTraceConfig, outputs: dict, batch: dict
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -58,7 +64,9 @@ def compute_loss(
         outputs["policy_logits"][:-1], batch["action"][:-1], returns.pg_advantages
     )
     baseline_loss = vtrace_math.baseline_loss(returns.vs - outputs["baseline"][:-1])
-    entropy_loss = vtrace_math.entropy_loss(outputs["policy_logits"][:-1])
+    entropy_loss = vtrace_math.entropy_loss(
+        outputs["policy_logits"][:-1], batch["action"].is_floating_point()
+    )
     total = pg_loss + cfg.baseline_cost * baseline_loss + cfg.entropy_cost * entropy_loss
     return total, {
         "total_loss": total.item(),

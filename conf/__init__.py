@@ -12,6 +12,7 @@ is ``env=minatar env.game=breakout``), and so is each game's tuning: a file
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -125,6 +126,20 @@ def registered_suites(group: str) -> dict[str, list[str]]:
         if suite is not None:
             suites.setdefault(suite.label, []).append(name)
     return {label: found for label, found in suites.items() if found}
+
+
+def listed_suites(group: str, mark: Callable[[list[str]], str] = ", ".join) -> str:
+    """The game suites of ``group`` other than Atari's (whose hundred games are summed up
+    apart), each listed in full: ``", or the MinAtar games minatar-asterix, ..."``;
+    ``mark`` writes a suite's options."""
+    from moolib.envs.registry import env_specs
+
+    nouns = {s.games.label: s.games.noun for s in env_specs() if s.games is not None}
+    return "".join(
+        f", or the {label} {nouns.get(label, 'games')} {mark(names)}"
+        for label, names in registered_suites(group).items()
+        if label != "Atari"
+    )
 
 
 def group_options(group: str) -> list[str]:

@@ -1,6 +1,6 @@
 """The env families moolib ships, registered in the order ``list_envs()`` shows them:
-classic control (cartpole), MinAtar, Atari (with its envpool backend), then any
-gymnasium env by id (``gym:<id>``)."""
+classic control (cartpole, pendulum), MinAtar, MuJoCo, Atari (with its envpool
+backend), then any gymnasium env by id (``gym:<id>``)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,27 @@ from .minatar import (
     make_minatar,
     minatar_game,
 )
+from .mujoco import (
+    MUJOCO_ENVS,
+    MUJOCO_GAMES,
+    MUJOCO_OPTIONS,
+    is_mujoco_name,
+    make_mujoco,
+    mujoco_game,
+    route_mujoco_warnings,
+)
+from .mujoco import PREFIX as MUJOCO_PREFIX
 from .registry import Backend, EnvSpec, GameSuite, register_env
 
 
 def _minatar_game(game: str) -> str | None:
     # env.game is the package's own spelling, exactly (conf/env/minatar.yaml).
     return game if game in MINATAR_GAMES else None
+
+
+def _mujoco_game(game: str) -> str | None:
+    # env.game is moolib's spelling of the task, exactly (conf/env/mujoco.yaml).
+    return game if game in MUJOCO_GAMES else None
 
 
 def _any_name(name: str) -> bool:
@@ -34,7 +49,10 @@ def _any_name(name: str) -> bool:
 CLASSIC = register_env(
     EnvSpec(
         family="classic",
-        description="CartPole-v1, and cartpole-novel without its velocities: small and fast",
+        description=(
+            "CartPole-v1, cartpole-novel without its velocities, and Pendulum-v1 (a "
+            "continuous action): small and fast"
+        ),
         names=tuple(CLASSIC_ENVS),
         canonical=classic_name,
         make=make_classic,
@@ -60,6 +78,29 @@ MINATAR = register_env(
             not_a_game=f"is not a MinAtar game (one of {', '.join(MINATAR_GAMES)})",
         ),
         library=("minatar", "MinAtar"),
+    )
+)
+
+MUJOCO = register_env(
+    EnvSpec(
+        family="mujoco",
+        description="gymnasium's MuJoCo tasks, continuous actions (mujoco-<task>)",
+        names=MUJOCO_ENVS,
+        canonical=mujoco_game,
+        make=make_mujoco,
+        options=MUJOCO_OPTIONS,
+        games=GameSuite(
+            label="MuJoCo",
+            config="mujoco",
+            games=MUJOCO_GAMES,
+            prefix=MUJOCO_PREFIX,
+            game_of=_mujoco_game,
+            claims=is_mujoco_name,
+            not_a_game=f"is not a MuJoCo task (one of {', '.join(MUJOCO_GAMES)})",
+            noun="tasks",
+        ),
+        library=("mujoco", "MuJoCo"),
+        prepare=route_mujoco_warnings,
     )
 )
 
@@ -95,7 +136,10 @@ ATARI = register_env(
 GYMNASIUM = register_env(
     EnvSpec(
         family="gym",
-        description="any gymnasium env with discrete actions: gym:<id> or gym:<module>:<function>",
+        description=(
+            "any gymnasium env with discrete or continuous (Box) actions: gym:<id> or "
+            "gym:<module>:<function>"
+        ),
         names=(),
         canonical=gym_name,
         make=make_gym,

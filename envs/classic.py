@@ -1,4 +1,5 @@
-"""Small, fast environments for tests and quick runs."""
+"""Small, fast environments for tests and quick runs: CartPole (discrete actions), and
+Pendulum (one continuous action)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,33 @@ import numpy as np
 from .registry import EnvOption
 
 # Short name -> the gymnasium id it is made from.
-CLASSIC_ENVS: dict[str, str] = {"cartpole": "CartPole-v1", "cartpole-novel": "CartPole-v1"}
+CLASSIC_ENVS: dict[str, str] = {
+    "cartpole": "CartPole-v1",
+    "cartpole-novel": "CartPole-v1",
+    "pendulum": "Pendulum-v1",
+}
+
+
+def _seeded(env: gymnasium.Env, seed: int | None) -> gymnasium.Env:
+    if seed is not None:
+        env.reset(seed=seed)
+        env.action_space.seed(seed)
+    return env
 
 
 def make_cartpole(*, seed: int | None = None) -> gymnasium.Env:
     """gymnasium's CartPole-v1: float32 observations of shape (4,), 2 actions,
     reward 1 per step, episodes cut at 500 steps. ``seed`` seeds the env and
     its ``action_space``; without it each env draws a fresh random seed."""
-    env = gymnasium.make(CLASSIC_ENVS["cartpole"])
-    if seed is not None:
-        env.reset(seed=seed)
-        env.action_space.seed(seed)
-    return env
+    return _seeded(gymnasium.make(CLASSIC_ENVS["cartpole"]), seed)
+
+
+def make_pendulum(*, seed: int | None = None) -> gymnasium.Env:
+    """gymnasium's Pendulum-v1, the smallest continuous-action task: float32
+    observations ``(cos theta, sin theta, angular velocity)``, one torque in
+    [-2, 2], rewards from about -16 to 0 a step, episodes cut at 200 steps (a
+    return near -150 is solved, -1,200 random). Options as ``make_cartpole``."""
+    return _seeded(gymnasium.make(CLASSIC_ENVS["pendulum"]), seed)
 
 
 class HideVelocities(gymnasium.ObservationWrapper):
@@ -49,11 +65,7 @@ def make_cartpole_novel(*, seed: int | None = None) -> gymnasium.Env:
     """CartPole-v1 with no velocities in the observation (``cartpole-novel``):
     ``(x, theta)`` float32, 2 actions, episodes cut at 500 steps. Options as
     ``make_cartpole``."""
-    env = HideVelocities(gymnasium.make(CLASSIC_ENVS["cartpole-novel"]))
-    if seed is not None:
-        env.reset(seed=seed)
-        env.action_space.seed(seed)
-    return env
+    return _seeded(HideVelocities(gymnasium.make(CLASSIC_ENVS["cartpole-novel"])), seed)
 
 
 # The options of make_classic, in its order: the env registry's schema of env.options.
@@ -67,11 +79,17 @@ def classic_name(name: str) -> str | None:
     return key if key in CLASSIC_ENVS else None
 
 
+_MAKERS: dict[str, Any] = {
+    "cartpole": make_cartpole,
+    "cartpole-novel": make_cartpole_novel,
+    "pendulum": make_pendulum,
+}
+
+
 def make_classic(name: str, *, seed: int | None = None) -> gymnasium.Env:
-    """The classic env ``name`` (``"cartpole"`` or ``"cartpole-novel"``). Raises
-    ValueError for another name."""
+    """The classic env ``name`` (``"cartpole"``, ``"cartpole-novel"`` or ``"pendulum"``).
+    Raises ValueError for another name."""
     key = classic_name(name)
     if key is None:
         raise ValueError(f"unknown classic env {name!r}; known: {', '.join(CLASSIC_ENVS)}")
-    make: Any = make_cartpole_novel if key == "cartpole-novel" else make_cartpole
-    return make(seed=seed)
+    return _MAKERS[key](seed=seed)

@@ -3,9 +3,10 @@
 ``create_env("gym:Acrobot-v1")`` makes a registered gymnasium id;
 ``create_env("gym:mypkg.envs:make_env", size=5)`` imports ``mypkg.envs`` and
 calls ``make_env(size=5)``. What the agents can learn from is checked when the
-env is made, so a run refuses it before it starts: a discrete action space, and
-observations in one array (a ``Box``; float64 ones are handed on as float32,
-the dtype the networks take).
+env is made, so a run refuses it before it starts: discrete actions, or a vector
+of reals within finite bounds (``moolib.envs.actions``), and observations in one
+array (a ``Box``; float64 observations and actions are handed on as float32, the
+dtype the networks take and give).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import gymnasium
 import numpy as np
+
+from .actions import ActionSpace
 
 PREFIX = "gym:"
 # module.path:function, the form of a factory (a registered id has no colon or,
@@ -34,7 +37,7 @@ def gym_name(name: str) -> str | None:
     return name if is_gym_name(name) else None
 
 
-class _Float32Observations(gymnasium.ObservationWrapper):
+class Float32Observations(gymnasium.ObservationWrapper):
     """float64 observations as float32, the networks' dtype."""
 
     def __init__(self, env: gymnasium.Env) -> None:
@@ -49,6 +52,24 @@ class _Float32Observations(gymnasium.ObservationWrapper):
 
     def observation(self, observation: Any) -> np.ndarray:
         return np.asarray(observation, dtype=np.float32)
+
+
+class _Float32Actions(gymnasium.ActionWrapper):
+    """Continuous actions taken as float32, the networks' dtype, and handed to the env
+    in its own (float64)."""
+
+    def __init__(self, env: gymnasium.Env) -> None:
+        super().__init__(env)
+        space = env.action_space
+        self.action_space = gymnasium.spaces.Box(
+            low=space.low.astype(np.float32),
+            high=space.high.astype(np.float32),
+            shape=space.shape,
+            dtype=np.float32,
+        )
+
+    def action(self, action: Any) -> np.ndarray:
+        return np.asarray(action, dtype=self.env.action_space.dtype)
 
 
 def _make(target: str, options: dict[str, Any]) -> Any:
@@ -78,14 +99,8 @@ def _make(target: str, options: dict[str, Any]) -> Any:
 
 def _check_spaces(name: str, env: gymnasium.Env) -> None:
     """Raises ValueError unless the agents can act in ``env``."""
-    actions, observations = env.action_space, env.observation_space
-    if not isinstance(actions, gymnasium.spaces.Discrete):
-        raise ValueError(
-            f"{name}: moolib's agents need a discrete action space (gymnasium.spaces.Discrete); "
-            f"this env's is {actions}"
-        )
-    if actions.start != 0:
-        raise ValueError(f"{name}: its actions start at {actions.start}; agents pick 0..n-1")
+    observations = env.observation_space
+    ActionSpace.of(env.action_space, name)
     if not isinstance(observations, gymnasium.spaces.Box):
         raise ValueError(
             f"{name}: moolib's agents need observations in one array (gymnasium.spaces.Box); "
@@ -108,7 +123,9 @@ def make_gym(name: str, *, seed: int | None = None, **options: Any) -> gymnasium
         env.close()
         raise
     if env.observation_space.dtype == np.float64:
-        env = _Float32Observations(env)
+        env = Float32Observations(env)
+    if isinstance(env.action_space, gymnasium.spaces.Box) and env.action_space.dtype != np.float32:
+        env = _Float32Actions(env)
     if seed is not None:
         env.reset(seed=seed)
         env.action_space.seed(seed)

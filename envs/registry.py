@@ -68,6 +68,8 @@ class GameSuite:
     claims: Callable[[str], bool]
     # How the config check says a value of env.game is not one ("is not a ... game").
     not_a_game: str
+    # What listings call its members ("the MinAtar games ...", "the MuJoCo tasks ...").
+    noun: str = "games"
 
     def env_name(self, game: str) -> str:
         """The env name of ``game`` (``minatar-breakout``)."""

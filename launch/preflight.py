@@ -164,8 +164,7 @@ def hydra_message(e: BaseException, lines: list[str], extra: list[str] | None = 
                     f", or any of {len(suites['Atari'])} Atari games such as breakout, pong "
                     "(moolib.envs.list_envs())"
                 )
-            if suites.get("MinAtar"):
-                listed += f", or the MinAtar games {', '.join(suites['MinAtar'])}"
+            listed += moolib.conf.listed_suites(group)
             return f"{group}={option}: no such {group} option{hint} (options: {listed})"
     cause = e.__cause__
     full_key = getattr(cause, "full_key", None)
@@ -393,13 +392,13 @@ def check_not_a_sweep(savedir: Path, multirun: bool) -> None:
             )
 
 
-_env_probes: dict[str, tuple[tuple[int, ...], int]] = {}
+_env_probes: dict[str, tuple[tuple[int, ...], Any]] = {}
 
 
-def probe_env(cfg: RunConfig) -> tuple[tuple[int, ...], int]:
+def probe_env(cfg: RunConfig) -> tuple[tuple[int, ...], Any]:
     """Makes the config's env once (the names of its options checked against its
     family's schema first, their values by the env); returns its observation shape and
-    number of actions. Raises ConfigError naming the key."""
+    action space (an ``ActionSpace``). Raises ConfigError naming the key."""
     options = cfg.env.option_values()
     key = json.dumps([cfg.env.name, cfg.env.backend, options], sort_keys=True, default=str)
     if key in _env_probes:
@@ -495,12 +494,33 @@ def check_network(cfg: RunConfig, shape: tuple[int, ...]) -> None:
         )
 
 
+def check_actions(cfg: RunConfig, actions: Any) -> None:
+    """The agent learns in the env's actions (an ``ActionSpace``): the Q-learners pick
+    among discrete ones only."""
+    from moolib.agents.registry import get_agent
+
+    if actions.continuous and not get_agent(cfg.agent.name).continuous_actions:
+        able = " or ".join(f"agent={n}" for n in _agents_with_continuous_actions())
+        raise ConfigError(
+            f"agent={cfg.agent.name} cannot act in env={cfg.env.name}: its actions are "
+            f"{actions}, and {cfg.agent.name} rates each of a finite set of actions "
+            f"({able} learn continuous actions)"
+        )
+
+
+def _agents_with_continuous_actions() -> list[str]:
+    from moolib.agents.registry import agent_names, get_agent
+
+    return [n for n in agent_names() if get_agent(n).continuous_actions]
+
+
 def check_fits(job: Job, cfg: RunConfig) -> None:
     """The env of ``cfg`` (the job's checked config) can be made with its options, the
-    network takes its observations, and (on resume) the model loads the savedir's
-    checkpoint."""
+    agent acts in its actions, the network takes its observations, and (on resume)
+    the model loads the savedir's checkpoint."""
     check_env_name(job)
     shape, actions = probe_env(cfg)
+    check_actions(cfg, actions)
     check_network(cfg, shape)
     if job.resume is not None and job.state is not None:
         resume_lib.check_model_fits(job.resume, cfg.agent, job.state, shape, actions)

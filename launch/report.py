@@ -208,7 +208,7 @@ def choices(group: str, chosen: str | None = None, indent: int = 11, width: int 
     marked ``[...]``, wrapped to ``width`` columns after a first line ``indent`` columns in.
     Options registered in code (the Atari games of ``env``, a hundred of them) are
     summed up with a few examples rather than listed; the five MinAtar games are listed."""
-    from moolib.conf import file_options, registered_suites
+    from moolib.conf import file_options, listed_suites, registered_suites
 
     def mark(options: list[str]) -> str:
         return ", ".join(f"[{n}]" if n == chosen else n for n in options)
@@ -222,8 +222,7 @@ def choices(group: str, chosen: str | None = None, indent: int = 11, width: int 
             examples.insert(0, chosen)
         shown = mark(examples or registered[:2])
         text += f", or any of {len(registered)} Atari games ({shown}, ...; moolib.envs.list_envs())"
-    if suites.get("MinAtar"):
-        text += f", or the MinAtar games {mark(suites['MinAtar'])}"
+    text += listed_suites(group, mark)
     lines = textwrap.wrap(text, width=width - indent, break_on_hyphens=False)
     return ("\n" + " " * indent).join(lines)
 

@@ -364,7 +364,7 @@ def logged_steps(savedir: Path) -> int:
 
 
 def check_model_fits(
-    resume: Resume, agent: AgentConfig, state: dict, obs_shape: tuple[int, ...], num_actions: int
+    resume: Resume, agent: AgentConfig, state: dict, obs_shape: tuple[int, ...], num_actions: Any
 ) -> None:
     """Raises ConfigError when the model that ``agent`` (the resume's checked settings)
     builds cannot load the checkpoint (another network, width, LSTM, observation shape

@@ -1,5 +1,6 @@
 """The packages that only some runs need come with pip extras (``moolib[minatar]``,
-``moolib[wandb]``, ``moolib[tensorboard]``, ``moolib[envpool]``, ``moolib[video]``): the
+``moolib[wandb]``, ``moolib[tensorboard]``, ``moolib[envpool]``, ``moolib[video]``,
+``moolib[mujoco]``): the
 default install stays light. Each is imported where it is used, through
 ``import_extra``, so that a missing one is one line that says what installs it."""
 

@@ -30,6 +30,10 @@
 #   breakout-cpu-nosticky-entropy
 #                             breakout-cpu-nosticky with 5x its entropy cost (0.003): that
 #                             run's policy turned deterministic at 3M steps and stayed at 7.3
+#   ppo-pendulum-seed1        PPO on Pendulum-v1 (continuous actions) with
+#                             conf/tuning/ppo_pendulum.yaml: 100k steps, a few minutes
+#   ppo-half_cheetah-seed1    PPO on MuJoCo's HalfCheetah-v5 (the mujoco extra) with
+#                             conf/tuning/ppo_mujoco.yaml, CleanRL's settings: 1M steps
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,6 +53,8 @@ names() {
   echo pong-cpu-nosticky
   echo breakout-cpu-nosticky
   echo breakout-cpu-nosticky-entropy
+  echo ppo-pendulum-seed1
+  echo ppo-half_cheetah-seed1
 }
 
 # V-trace on the Atari game $1 from pixels on a CPU; the rest of the arguments go between
@@ -80,6 +86,12 @@ arguments() {
     breakout-cpu-nosticky-entropy)
       atari breakout env.options.repeat_action_probability=0 agent.entropy_cost=0.003 \
         total_steps=50000000
+      ;;
+    ppo-pendulum-seed*)
+      printf '%s\n' agent=ppo env=pendulum "seed=${name##*-seed}" device=cpu
+      ;;
+    ppo-half_cheetah-seed*)
+      printf '%s\n' agent=ppo env=mujoco-half_cheetah "seed=${name##*-seed}" device=cpu
       ;;
     *) return 1 ;;
   esac

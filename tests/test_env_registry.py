@@ -9,6 +9,7 @@ import gymnasium
 import moolib.envs as envs
 import pytest
 from moolib.envs import registry
+from moolib.envs.mujoco import MUJOCO_ENVS
 from moolib.launch import config as config_lib
 
 
@@ -55,9 +56,11 @@ def test_an_unknown_name_resolves_to_none_and_create_env_names_close_matches():
 
 def test_list_envs_shows_the_families_in_their_order():
     names = envs.list_envs()
-    assert names[:2] == ["cartpole", "cartpole-novel"]
-    assert names[2 : 2 + len(envs.MINATAR_ENVS)] == list(envs.MINATAR_ENVS)
-    assert names[2 + len(envs.MINATAR_ENVS) :] == list(envs.ATARI_GAMES)
+    assert names[:3] == ["cartpole", "cartpole-novel", "pendulum"]
+    minatar, mujoco = len(envs.MINATAR_ENVS), len(MUJOCO_ENVS)
+    assert names[3 : 3 + minatar] == list(envs.MINATAR_ENVS)
+    assert names[3 + minatar : 3 + minatar + mujoco] == list(MUJOCO_ENVS)
+    assert names[3 + minatar + mujoco :] == list(envs.ATARI_GAMES)
 
 
 def test_the_game_suites_and_backends():

@@ -60,6 +60,18 @@ MODULE = textwrap.dedent(
             self.observation_space = gymnasium.spaces.Dict({"pos": self.observation_space})
 
 
+    def make_multi_discrete():
+        env = Corridor()
+        env.action_space = gymnasium.spaces.MultiDiscrete([2, 2])
+        return env
+
+
+    def make_unbounded_actions():
+        env = Corridor()
+        env.action_space = gymnasium.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+        return env
+
+
     def not_an_env():
         return 42
     """
@@ -104,7 +116,11 @@ def test_a_factory_of_ones_own_with_float64_observations(user_module):
     "name, message",
     [
         ("gym:Acrobat-v1", "gymnasium has no env 'Acrobat-v1'; did you mean Acrobot-v1?"),
-        ("gym:Pendulum-v1", "need a discrete action space (gymnasium.spaces.Discrete)"),
+        (
+            "gym:corridor_envs:make_multi_discrete",
+            "act in a discrete action space (gymnasium.spaces.Discrete) or a vector of reals",
+        ),
+        ("gym:corridor_envs:make_unbounded_actions", "continuous actions need finite bounds"),
         ("gym:corridor_envs:make_dict_observations", "need observations in one array"),
         ("gym:corridor_envs:not_an_env", "the factory returned int, not a gymnasium.Env"),
         ("gym:corridor_envs:nope", "corridor_envs has no function nope"),

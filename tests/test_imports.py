@@ -32,7 +32,8 @@ ALLOWED = {
     "moolib.conf": {"moolib", "moolib.envs"},
     # The run's typed settings: above the agents, whose settings they hold.
     "moolib.conf.schema": {"moolib", "moolib.envs", "moolib.conf", "moolib.agents"},
-    "moolib.agents.nets": set(),
+    # The networks size their policy heads by the env's action space (envs.actions).
+    "moolib.agents.nets": {"moolib.envs"},
     "moolib.agents.math": {"moolib.agents.nets"},
     "moolib.agents": {
         "moolib",

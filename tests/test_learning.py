@@ -9,6 +9,7 @@ saves CI time; the assertion is on the rows of logs.tsv either way.
 - CartPole (vectors): A2C, V-trace and PPO solve it (return >= 195).
 - MinAtar Breakout (pixels: 10x10 grids of 4 channels, the paper's conv net):
   V-trace gets well above a random policy.
+- Pendulum (one continuous action): PPO's Gaussian policy swings it up and holds it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ BOUND = 500_000  # env steps
 MINATAR_BAR = 2.5
 MINATAR_BOUND = 1_000_000
 MINATAR_MIN_EPISODES = 20
+
+# Pendulum-v1: a random policy returns about -1,200 an episode, a solved one about -150.
+# PPO with conf/tuning/ppo_pendulum.yaml (rl-baselines3-zoo's settings) passed -400 by
+# about 60k steps; the bound is its 100k steps and half again.
+PENDULUM_BAR = -400.0
+PENDULUM_BOUND = 150_000
 
 
 def good_rows(rows: list[dict], threshold: float, min_episodes: int = MIN_EPISODES) -> list[dict]:
@@ -137,4 +144,20 @@ def test_vtrace_learns_minatar_breakout_from_pixels(tmp_path):
         min_episodes=MINATAR_MIN_EPISODES,
         # The bar took ~10 s on the loaded machine; this allows for one 25x slower.
         timeout=270,
+    )
+
+
+@pytest.mark.timeout(900)
+def test_ppo_swings_up_the_pendulum(tmp_path):
+    """Continuous actions: PPO's Gaussian policy learns Pendulum-v1 (a return of -400 is
+    a pendulum swung up and held most of each episode)."""
+    learn(
+        tmp_path,
+        "ppo",
+        PENDULUM_BAR,
+        seed=1,
+        env="pendulum",
+        bound=PENDULUM_BOUND,
+        min_episodes=4,
+        timeout=600,
     )

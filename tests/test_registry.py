@@ -18,6 +18,7 @@ from pathlib import Path
 import moolib.conf
 import pytest
 import yaml
+from helpers.toy_envs import first_action
 from moolib.agents import registry
 from moolib.agents.registry import (
     ActorCriticConfig,
@@ -159,7 +160,15 @@ def test_every_env_option_composes_and_steps(compose_config):
     from moolib.envs.minatar import MINATAR_GAMES
 
     options = moolib.conf.group_options("env")
-    assert ENV_FILES == ["atari", "cartpole", "cartpole-novel", "gym", "minatar"]
+    assert ENV_FILES == [
+        "atari",
+        "cartpole",
+        "cartpole-novel",
+        "gym",
+        "minatar",
+        "mujoco",
+        "pendulum",
+    ]
     # Every game ale-py knows is an option by name; no file each.
     assert set(ATARI_GAMES) <= set(options) and len(ATARI_GAMES) > 50
     needs_noop_max_0 = []
@@ -167,7 +176,12 @@ def test_every_env_option_composes_and_steps(compose_config):
         cfg = compose_config(f"env={option}", "agent=a2c")
         config_lib.validate(cfg)
         name = cfg.env.name
-        defaults = {"atari": "breakout", "minatar": "minatar-breakout", "gym": "gym:Acrobot-v1"}
+        defaults = {
+            "atari": "breakout",
+            "minatar": "minatar-breakout",
+            "mujoco": "mujoco-half_cheetah",
+            "gym": "gym:Acrobot-v1",
+        }
         assert name == defaults.get(option, option)
         env_options = OmegaConf.to_container(cfg.env.options, resolve=True)
         try:
@@ -180,7 +194,7 @@ def test_every_env_option_composes_and_steps(compose_config):
             env = create_env(name, **{**env_options, "noop_max": 0})
         try:
             env.reset(seed=0)
-            _, reward, terminated, truncated, _ = env.step(0)
+            _, reward, terminated, truncated, _ = env.step(first_action(env))
             assert math.isfinite(float(reward)) and not truncated, option
         finally:
             env.close()

@@ -51,7 +51,8 @@ def test_every_figure_is_named_and_its_command_is_in_the_docs():
         "breakout-cpu-nosticky",
         "breakout-cpu-nosticky-entropy",
     ]
-    assert listed == [*minatar, *atari]
+    continuous = ["ppo-pendulum-seed1", "ppo-half_cheetah-seed1"]
+    assert listed == [*minatar, *atari, *continuous]
     doc = RESULTS_DOC.read_text()
     for name in listed:
         r = script("--print", name)
@@ -86,6 +87,13 @@ def test_every_command_composes_into_a_valid_config(hydra_conf):
             assert cfg.seed == int(game.group(2)) and cfg.total_steps == 5_000_000
             assert cfg.env.options.sticky_action_prob == 0.1
             assert cfg.agent.name == "vtrace" and cfg.agent.hidden_size == 128
+        elif name.startswith("ppo-"):
+            # Continuous actions: PPO with its tuning for the env.
+            env = {"pendulum": "pendulum", "half_cheetah": "mujoco-half_cheetah"}
+            task = re.fullmatch(r"ppo-(\w+)-seed(\d)", name)
+            assert task and cfg.env.name == env[task.group(1)] and cfg.agent.name == "ppo"
+            assert cfg.agent.reward_scaling and cfg.device == "cpu"
+            assert cfg.total_steps == (100_000 if task.group(1) == "pendulum" else 1_000_000)
         else:
             assert cfg.agent.network == "impala_shallow" and cfg.device == "cpu"
             game, _, setting = name.partition("-cpu")

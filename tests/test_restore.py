@@ -94,7 +94,7 @@ def test_a_restored_trainer_acts_and_steps_as_the_saved_one(compose_config, tmp_
     inputs = _observations(shape, device)
     fresh = create_model(
         shape,
-        second.num_actions,
+        second.actions,
         network=resolve_network(second.agent.network, shape),
         use_lstm=second.agent.use_lstm,
         hidden_size=second.agent.hidden_size,

@@ -13,6 +13,7 @@ import moolib.conf
 import pytest
 import yaml
 from helpers.run_util import cfg_job
+from helpers.toy_envs import first_action
 from moolib.launch import config as config_lib
 from omegaconf import OmegaConf
 
@@ -93,12 +94,26 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
 def test_every_env_config_composes(tmp_path):
     from moolib.envs import create_env
 
-    # One file for all the Atari games, one for the MinAtar games, one for any gymnasium env.
-    assert ENV_FILES == ["atari", "cartpole", "cartpole-novel", "gym", "minatar"]
+    # One file for all the Atari games, one for the MinAtar games, one for the MuJoCo
+    # tasks, one for any gymnasium env.
+    assert ENV_FILES == [
+        "atari",
+        "cartpole",
+        "cartpole-novel",
+        "gym",
+        "minatar",
+        "mujoco",
+        "pendulum",
+    ]
     for name in (*ENV_FILES, *GAMES, "minatar-seaquest"):
         cfg = cfg_job(tmp_path, f"env={name}")
         resolved = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
-        named = {"atari": "breakout", "minatar": "minatar-breakout", "gym": "gym:Acrobot-v1"}
+        named = {
+            "atari": "breakout",
+            "minatar": "minatar-breakout",
+            "mujoco": "mujoco-half_cheetah",
+            "gym": "gym:Acrobot-v1",
+        }
         assert resolved["env"]["name"] == named.get(name, name)
         # The composed config passes moolib-run's checks, and its env builds and steps.
         config_lib.validate(OmegaConf.create(cfg))
@@ -106,7 +121,7 @@ def test_every_env_config_composes(tmp_path):
         env = create_env(resolved["env"]["name"], **options)
         try:
             env.reset()
-            env.step(0)
+            env.step(first_action(env))
         finally:
             env.close()
     pong = cfg_job(tmp_path, "agent=a2c", "env=pong")

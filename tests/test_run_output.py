@@ -38,6 +38,7 @@ from helpers.run_util import (
 )
 from moolib.agents.runtime.logger import Progress
 from moolib.envs.minatar import MINATAR_GAMES
+from moolib.envs.mujoco import MUJOCO_GAMES
 
 CONF = Path(next(iter(moolib.conf.__path__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -520,12 +521,14 @@ def test_help_says_what_moolib_run_is_and_what_to_pick(tmp_path):
         assert m, out
         groups[group] = re.sub(r"\s*\n\s*", " ", m.group(1)).strip()
     # The env group's Atari games (one per ROM of ale-py) are summed up, not listed;
-    # the five MinAtar games are listed.
+    # the five MinAtar games and the MuJoCo tasks are listed.
     env, games = groups["env"].split(", or any of ")
     games, minatar = games.split(", or the MinAtar games ")
+    minatar, mujoco = minatar.split(", or the MuJoCo tasks ")
     groups["env"] = env
     assert re.fullmatch(r"\d+ Atari games \(\[breakout\], pong, \.\.\.; .+\)", games), games
     assert re.split(r",\s*", minatar) == [f"minatar-{g}" for g in MINATAR_GAMES], minatar
+    assert re.split(r",\s*", mujoco) == [f"mujoco-{g}" for g in MUJOCO_GAMES], mujoco
     assert int(games.split()[0]) > 50, games
     for group, options in groups.items():
         shipped = sorted(p.stem for p in (CONF / group).glob("*.yaml"))

@@ -34,6 +34,8 @@ EXTRA_PACKAGES = (
     "envpool",
     "imageio_ffmpeg",
     "pygame",
+    "mujoco",
+    "imageio",
     "pytest",
 )
 

@@ -12,7 +12,8 @@ whatever the size of a minibatch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from ..nets import distributions as policy
 
 __all__ = [
     "clipped_surrogate_loss",
@@ -101,8 +102,7 @@ def value_loss(
     return 0.5 * error.mean()
 
 
-def entropy_loss(logits: torch.Tensor) -> torch.Tensor:
-    """The negative entropy of the policy ``logits`` [..., A], averaged over the steps (a
+def entropy_loss(logits: torch.Tensor, continuous: bool = False) -> torch.Tensor:
+    """The negative entropy of the policy ``logits`` [..., P], averaged over the steps (a
     scalar): minimised with a positive cost, it keeps the policy exploring."""
-    log_policy = F.log_softmax(logits, dim=-1)
-    return (log_policy.exp() * log_policy).sum(-1).mean()
+    return -policy.entropies(logits, continuous).mean()

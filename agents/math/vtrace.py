@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
+
+from ..nets import distributions as policy
 
 __all__ = [
     "VTraceFromImportanceWeightsReturns",
@@ -77,17 +78,18 @@ def _check_time_batch(name: str, tensor: torch.Tensor, shape: torch.Size) -> Non
 
 
 def action_log_probs(logits: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-    """Log-probability of ``actions`` [T, B] (int64) under ``logits`` [T, B, A]; returns [T, B].
+    """Log-probability of ``actions`` under the policy ``logits`` [T, B, P]; returns [T, B].
+    Discrete actions are [T, B] int64 under logits; continuous ones [T, B, A] floats
+    under Gaussian parameters (``moolib.agents.nets.distributions``).
 
     Differentiable in ``logits``.
     """
-    if logits.dim() != 3 or actions.shape != logits.shape[:2]:
+    if logits.dim() != 3 or actions.shape[:2] != logits.shape[:2]:
         raise ValueError(
-            f"expected logits [T, B, A] and actions [T, B], got {list(logits.shape)} "
-            f"and {list(actions.shape)}"
+            f"expected logits [T, B, P] and actions [T, B] (or [T, B, A]), got "
+            f"{list(logits.shape)} and {list(actions.shape)}"
         )
-    log_probs = F.log_softmax(logits, dim=-1)
-    return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+    return policy.log_probs(logits, actions)
 
 
 @torch.no_grad()
@@ -186,9 +188,10 @@ def vtrace_from_logits(
     """V-trace from the behaviour (actor) and target (learner) policy logits.
 
     Args:
-        behavior_logits: ``[T, B, A]`` logits the actors sampled ``actions`` from.
-        target_logits: ``[T, B, A]`` logits of the policy being learned.
-        actions: ``[T, B]`` int64 actions taken.
+        behavior_logits: ``[T, B, P]`` policy logits (or Gaussian parameters) the
+            actors sampled ``actions`` from.
+        target_logits: ``[T, B, P]`` those of the policy being learned.
+        actions: ``[T, B]`` int64 actions taken (``[T, B, A]`` floats, continuous).
         discounts, rewards, values, bootstrap_value, clip_rho_threshold,
             clip_pg_rho_threshold: as in :func:`from_importance_weights`.
 
@@ -231,10 +234,9 @@ def policy_gradient_loss(
     ``advantages`` is detached: it weights the gradient of the log-probability
     and must not be pushed around itself. Summed over T and B (IMPALA scale).
     """
-    if advantages.shape != actions.shape:
+    if advantages.shape != actions.shape[:2]:
         raise ValueError(
-            f"advantages must have the shape of actions {list(actions.shape)}, "
-            f"got {list(advantages.shape)}"
+            f"advantages must be [T, B] = {list(actions.shape[:2])}, got {list(advantages.shape)}"
         )
     cross_entropy = -action_log_probs(logits, actions)
     return torch.sum(cross_entropy * advantages.detach())
@@ -249,11 +251,11 @@ def baseline_loss(advantages: torch.Tensor) -> torch.Tensor:
     return 0.5 * torch.sum(advantages**2)
 
 
-def entropy_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Negative entropy ``sum_{t,b,a} p * log p`` of the policy (a scalar).
+def entropy_loss(logits: torch.Tensor, continuous: bool = False) -> torch.Tensor:
+    """Negative entropy of the policy (a scalar): ``sum_{t,b,a} p * log p`` for discrete
+    actions, minus the Gaussian's entropy for continuous ones.
 
     Minimising it (with a positive cost) raises the entropy, keeping exploration
     alive. Summed over T and B (IMPALA scale).
     """
-    log_policy = F.log_softmax(logits, dim=-1)
-    return torch.sum(torch.exp(log_policy) * log_policy)
+    return -policy.entropies(logits, continuous).sum()

@@ -13,11 +13,21 @@ Every network has one interface, so an agent never needs to know which it got::
 - ``"reward"``: ``[T, B]`` float32, the reward that led to the observation;
 - ``"done"``: ``[T, B]`` bool, true where the observation at ``t`` starts a
   new episode (EnvPool returns the reset observation with ``done=True``);
-- ``"prev_action"``: ``[T, B]`` int64, the action taken before the observation.
+- ``"prev_action"``: ``[T, B]`` int64, the action taken before the observation
+  (``[T, B, A]`` float32 for continuous actions).
 
-``outputs`` is a dict with ``"policy_logits"`` ``[T, B, A]`` (float32),
+``outputs`` is a dict with ``"policy_logits"`` ``[T, B, P]`` (float32),
 ``"baseline"`` ``[T, B]`` (float32) and ``"action"`` ``[T, B]`` (int64): sampled
 from the policy in training mode, the argmax in eval mode.
+
+Every network takes its actions as an ``ActionSpace`` (``moolib.envs.actions``) or a
+number of discrete ones. For continuous actions (a vector of ``A`` reals) the policy
+is a diagonal Gaussian with a state-independent log standard deviation (CleanRL's
+continuous PPO): ``policy_logits`` holds ``P = 2A`` values, the mean then the log
+std of each dimension (``moolib.agents.nets.distributions`` reads them), and ``action`` is
+``[T, B, A]`` float32: sampled in training mode, the mean in eval mode, not clipped
+to the env's bounds (the env's ``ClipAction`` does that; the learner needs what the
+policy drew).
 
 ``core_state`` is ``model.initial_state(batch_size)``: an empty tuple without an
 LSTM, else ``(h, c)``, each ``[1, B, hidden_size]`` (``()`` passed to an LSTM
@@ -34,7 +44,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from moolib.envs.actions import ActionSpace
 from torch import nn
+
+from . import distributions as policy_math
 
 __all__ = [
     "NETWORKS",
@@ -94,8 +107,14 @@ def actor_step(
     0 where ``done``: nothing the agent did led to an episode's first observation, so
     its input there does not depend on how the previous episode ended."""
     step = {k: env_out[k] if device is None else env_out[k].to(device) for k in _STEP_KEYS}
-    step["prev_action"] = prev_action.masked_fill(step["done"], 0)
+    done = step["done"].view(-1, *([1] * (prev_action.dim() - 1)))
+    step["prev_action"] = prev_action.masked_fill(done, 0)
     return step
+
+
+def as_action_space(actions: int | ActionSpace) -> ActionSpace:
+    """``actions`` as an ``ActionSpace``: a number is that many discrete actions."""
+    return actions if isinstance(actions, ActionSpace) else ActionSpace.discrete(int(actions))
 
 
 class _ActorCritic(nn.Module):
@@ -105,9 +124,16 @@ class _ActorCritic(nn.Module):
     ``[N, torso_size]`` and call :meth:`_build_core`.
     """
 
+    # The policy head's width: the number of discrete actions, or of dimensions.
     num_actions: int
+    action_space: ActionSpace
     use_lstm: bool
     torso: nn.Module
+
+    def _set_actions(self, actions: int | ActionSpace) -> None:
+        self.action_space = as_action_space(actions)
+        self.num_actions = self.action_space.dim
+        self.continuous = self.action_space.continuous
 
     def _build_core(self, torso_size: int, hidden_size: int) -> None:
         # The core also sees the clipped reward and the previous action: with an
@@ -120,6 +146,28 @@ class _ActorCritic(nn.Module):
             core_output_size = core_input_size
         self.policy = nn.Linear(core_output_size, self.num_actions)
         self.baseline = nn.Linear(core_output_size, 1)
+        if self.continuous:
+            space = self.action_space
+            # CleanRL's continuous PPO: the mean starts near 0 (an orthogonal layer of
+            # gain 0.01), the log std at 0 (std 1) for every state.
+            nn.init.orthogonal_(self.policy.weight, gain=0.01)
+            nn.init.zeros_(self.policy.bias)
+            self.policy_log_std = nn.Parameter(torch.zeros(self.num_actions))
+            # The previous action enters the core scaled to [-1, 1] by the env's
+            # bounds. Not persistent: they are the env's, not learned.
+            low = torch.tensor(space.low, dtype=torch.float32)
+            high = torch.tensor(space.high, dtype=torch.float32)
+            self.register_buffer("action_mid", (high + low) / 2, persistent=False)
+            self.register_buffer("action_half_range", (high - low) / 2, persistent=False)
+
+    def _action_input(self, prev_action: torch.Tensor) -> torch.Tensor:
+        """The previous actions ``[N]`` (``[N, A]``) as the core's input ``[N, A]``:
+        one-hot, or scaled to [-1, 1] (a sample past the bounds is clamped to them)."""
+        if self.continuous:
+            return ((prev_action.float() - self.action_mid) / self.action_half_range).clamp(
+                -1.0, 1.0
+            )
+        return F.one_hot(prev_action.long(), self.num_actions).float()
 
     def initial_state(self, batch_size: int = 1) -> CoreState:
         """The core state at the start of training: ``()`` or zero ``(h, c)`` [1, B, H]."""
@@ -151,9 +199,9 @@ class _ActorCritic(nn.Module):
 
         # Reward clipping keeps Atari's score scales out of the input features.
         reward = inputs["reward"].reshape(num_steps * batch_size, 1).float().clamp(-1.0, 1.0)
-        prev_action = F.one_hot(
-            inputs["prev_action"].reshape(num_steps * batch_size).long(), self.num_actions
-        ).float()
+        prev_action = self._action_input(
+            inputs["prev_action"].reshape(num_steps * batch_size, *inputs["prev_action"].shape[2:])
+        )
         core_input = torch.cat([x, reward, prev_action], dim=-1)
 
         if self.use_lstm:
@@ -170,16 +218,19 @@ class _ActorCritic(nn.Module):
             core_output = core_input
 
         policy_logits = self.policy(core_output)
+        if self.continuous:
+            log_std = self.policy_log_std.expand_as(policy_logits)
+            policy_logits = torch.cat([policy_logits, log_std], dim=-1)
         baseline = self.baseline(core_output)
         if self.training:
-            action = torch.multinomial(F.softmax(policy_logits, dim=-1), num_samples=1)
+            action = policy_math.sample(policy_logits, self.continuous)
         else:
-            action = torch.argmax(policy_logits, dim=-1)
+            action = policy_math.greedy(policy_logits, self.continuous)
 
         outputs = {
-            "policy_logits": policy_logits.view(num_steps, batch_size, self.num_actions),
+            "policy_logits": policy_logits.view(num_steps, batch_size, -1),
             "baseline": baseline.view(num_steps, batch_size),
-            "action": action.view(num_steps, batch_size),
+            "action": action.view(num_steps, batch_size, *action.shape[1:]),
         }
         return outputs, core_state
 
@@ -229,7 +280,7 @@ class ImpalaNet(_ActorCritic):
     Args:
         observation_shape: ``(C, H, W)`` of one observation, e.g. ``(4, 84, 84)``
             for four stacked grayscale frames.
-        num_actions: size of the discrete action space.
+        num_actions: the actions: an ``ActionSpace``, or how many discrete ones.
         deep: the residual network (default); ``False`` for the shallow one.
         use_lstm: put a one-layer LSTM core between the torso and the heads.
         hidden_size: width of the fully connected layer and of the LSTM.
@@ -241,7 +292,7 @@ class ImpalaNet(_ActorCritic):
     def __init__(
         self,
         observation_shape: Sequence[int],
-        num_actions: int,
+        num_actions: int | ActionSpace,
         *,
         deep: bool = True,
         use_lstm: bool = False,
@@ -251,7 +302,7 @@ class ImpalaNet(_ActorCritic):
         observation_shape = tuple(observation_shape)
         check_observations("impala_deep" if deep else "impala_shallow", observation_shape)
         self.observation_shape = observation_shape
-        self.num_actions = num_actions
+        self._set_actions(num_actions)
         self.use_lstm = use_lstm
         self.deep = deep
         conv = _deep_torso if deep else _shallow_torso
@@ -274,7 +325,7 @@ class MinAtarNet(_ActorCritic):
 
     Args:
         observation_shape: ``(C, H, W)`` of one observation, e.g. ``(4, 10, 10)``.
-        num_actions: size of the discrete action space.
+        num_actions: the actions: an ``ActionSpace``, or how many discrete ones.
         hidden_size: width of the fully connected layer (and of the LSTM).
         use_lstm: put a one-layer LSTM core between the torso and the heads.
 
@@ -284,7 +335,7 @@ class MinAtarNet(_ActorCritic):
     def __init__(
         self,
         observation_shape: Sequence[int],
-        num_actions: int,
+        num_actions: int | ActionSpace,
         *,
         hidden_size: int = 128,
         use_lstm: bool = False,
@@ -293,7 +344,7 @@ class MinAtarNet(_ActorCritic):
         observation_shape = tuple(observation_shape)
         check_observations("minatar", observation_shape)
         self.observation_shape = observation_shape
-        self.num_actions = num_actions
+        self._set_actions(num_actions)
         self.use_lstm = use_lstm
         channels, height, width = observation_shape
         conv_size = 16 * (height - 2) * (width - 2)
@@ -312,7 +363,7 @@ class MLPNet(_ActorCritic):
 
     Args:
         observation_shape: shape of one observation; it is flattened.
-        num_actions: size of the discrete action space.
+        num_actions: the actions: an ``ActionSpace``, or how many discrete ones.
         hidden_size: width of both hidden layers (and of the LSTM).
         use_lstm: put a one-layer LSTM core between the torso and the heads.
     """
@@ -320,14 +371,14 @@ class MLPNet(_ActorCritic):
     def __init__(
         self,
         observation_shape: Sequence[int],
-        num_actions: int,
+        num_actions: int | ActionSpace,
         *,
         hidden_size: int = 64,
         use_lstm: bool = False,
     ) -> None:
         super().__init__()
         self.observation_shape = tuple(observation_shape)
-        self.num_actions = num_actions
+        self._set_actions(num_actions)
         self.use_lstm = use_lstm
         input_size = math.prod(self.observation_shape)
         self.torso = nn.Sequential(
@@ -366,7 +417,7 @@ class TinyNet(_ActorCritic):
 
     Args:
         observation_shape: shape of one observation.
-        num_actions: size of the discrete action space.
+        num_actions: the actions: an ``ActionSpace``, or how many discrete ones.
         hidden_size: width of the layer (and of the LSTM).
         use_lstm: put a one-layer LSTM core between the torso and the heads.
     """
@@ -374,14 +425,14 @@ class TinyNet(_ActorCritic):
     def __init__(
         self,
         observation_shape: Sequence[int],
-        num_actions: int,
+        num_actions: int | ActionSpace,
         *,
         hidden_size: int = 16,
         use_lstm: bool = False,
     ) -> None:
         super().__init__()
         self.observation_shape = tuple(observation_shape)
-        self.num_actions = num_actions
+        self._set_actions(num_actions)
         self.use_lstm = use_lstm
         stride, scale = 1, 1.0
         if len(self.observation_shape) == 3:
@@ -454,7 +505,7 @@ def resolve_network(network: str, observation_shape: Sequence[int]) -> str:
 
 def create_model(
     observation_shape: Sequence[int],
-    num_actions: int,
+    num_actions: int | ActionSpace,
     *,
     network: str = "impala_deep",
     use_lstm: bool = False,
@@ -464,7 +515,7 @@ def create_model(
 
     Args:
         observation_shape: shape of one observation (without T and B).
-        num_actions: size of the discrete action space.
+        num_actions: the actions: an ``ActionSpace``, or how many discrete ones.
         network: ``"impala_deep"``, ``"impala_shallow"``, ``"minatar"``, ``"mlp"`` or
             ``"tiny"``.
         use_lstm: add the LSTM core.
@@ -489,7 +540,9 @@ def create_model(
     raise ValueError(f"unknown network {network!r}; expected one of {', '.join(NETWORKS)}")
 
 
-def make_actor_critic(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+def make_actor_critic(
+    cfg: Any, obs_shape: Sequence[int], num_actions: int | ActionSpace
+) -> nn.Module:
     """The network of an actor-critic agent's settings ``cfg`` (its ``network``,
     ``use_lstm`` and ``hidden_size``: an ``AgentConfig``)."""
     return create_model(

@@ -29,9 +29,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from moolib.envs.actions import ActionSpace
 from torch import nn
 
-from .models import CoreState, create_model, resolve_network, scale_observations, unroll_lstm
+from .models import (
+    CoreState,
+    as_action_space,
+    create_model,
+    resolve_network,
+    scale_observations,
+    unroll_lstm,
+)
 
 __all__ = ["DuelingHead", "DuelingQNet", "RecurrentQNet", "Torso", "create_torso"]
 
@@ -222,16 +230,31 @@ def _torso(cfg: Any, obs_shape: Sequence[int]) -> nn.Module:
     )
 
 
-def make_dueling_qnet(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+def _discrete(cfg: Any, actions: int | ActionSpace) -> int:
+    # A Q-network rates each of a finite set of actions; moolib-run refuses the run
+    # before it gets here (its pre-flight reads the agent's continuous_actions).
+    space = as_action_space(actions)
+    if space.continuous:
+        raise ValueError(f"agent {cfg.name} learns Q-values of discrete actions; these are {space}")
+    return space.n
+
+
+def make_dueling_qnet(
+    cfg: Any, obs_shape: Sequence[int], num_actions: int | ActionSpace
+) -> nn.Module:
     """Ape-X's network: a dueling Q-head on the torso ``cfg`` names."""
-    return DuelingQNet(_torso(cfg, obs_shape), num_actions, head_hidden_size=cfg.hidden_size)
+    return DuelingQNet(
+        _torso(cfg, obs_shape), _discrete(cfg, num_actions), head_hidden_size=cfg.hidden_size
+    )
 
 
-def make_recurrent_qnet(cfg: Any, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+def make_recurrent_qnet(
+    cfg: Any, obs_shape: Sequence[int], num_actions: int | ActionSpace
+) -> nn.Module:
     """R2D2's network: the torso, an LSTM, and a dueling Q-head."""
     return RecurrentQNet(
         _torso(cfg, obs_shape),
-        num_actions,
+        _discrete(cfg, num_actions),
         lstm_size=cfg.hidden_size,
         head_hidden_size=cfg.hidden_size,
     )

@@ -238,10 +238,12 @@ def _play_batch(
             # Envs whose episode is over stay in the batch (their actions unused), so
             # that every step draws as many samples: the draws stay seeded.
             actions = policy.act({"state": state, "reward": reward, "done": done}, choice)
+            sent = policy.env_actions(actions)
             done = torch.zeros(n, dtype=torch.bool)
             going = []
             for b in playing:
-                obs, r, terminated, truncated, _ = envs[b].step(int(actions[b]))
+                action = sent[b].numpy() if sent.dim() > 1 else int(sent[b])
+                obs, r, terminated, truncated, _ = envs[b].step(action)
                 returns[b] += float(r)
                 lengths[b] += 1
                 state[b] = torch.as_tensor(obs)
@@ -316,14 +318,14 @@ def network(cfg: RunConfig, state: dict) -> nn.Module:
     from moolib.envs import DEFAULT_BACKEND, probe_env
 
     # play's envs are the env's gymnasium ones, whatever backend the run trained on.
-    obs_shape, num_actions = probe_env(cfg.env.name, DEFAULT_BACKEND, cfg.env.option_values())
-    model = get_agent(cfg.agent.name).make_network(cfg.agent, obs_shape, num_actions)
+    obs_shape, actions = probe_env(cfg.env.name, DEFAULT_BACKEND, cfg.env.option_values())
+    model = get_agent(cfg.agent.name).make_network(cfg.agent, obs_shape, actions)
     try:
         model.load_state_dict(state["model"])
     except (RuntimeError, KeyError) as e:
         raise EvalError(
             f"the checkpoint's model does not fit {cfg.agent.name}'s network on {cfg.env.name} "
-            f"(observations {tuple(obs_shape)}, {num_actions} actions): {str(e).splitlines()[0]}"
+            f"(observations {tuple(obs_shape)}, {actions} actions): {str(e).splitlines()[0]}"
         ) from None
     return model.eval()
 

@@ -60,6 +60,7 @@ from .base import (
 from .evaluation import PeriodicEval
 from .logger import Clock, EpisodeStats
 from .policy_slots import PolicySlots
+from .reward_scaling import ReturnScaler
 
 log = logging.getLogger("moolib.agents")
 
@@ -184,7 +185,7 @@ class Trainer(Runner):
         torch.set_num_threads(torch_threads(cfg))
         self._announce()
 
-        self.envs, obs_shape, self.num_actions = make_envs(cfg)
+        self.envs, obs_shape, self.actions = make_envs(cfg)
         try:
             self._start(obs_shape)
         except BaseException:
@@ -200,7 +201,7 @@ class Trainer(Runner):
         """Builds the model, optimizer, accumulator and batcher, and restores the
         experiment's newest checkpoint."""
         cfg, peer = self.cfg, self.peer
-        self.model = self.spec.make_network(self.agent, obs_shape, self.num_actions).to(self.device)
+        self.model = self.spec.make_network(self.agent, obs_shape, self.actions).to(self.device)
         self.optimizer = make_optimizer(self.agent.optimizer, self.model.parameters())
 
         self.accumulator = moolib.Accumulator(
@@ -228,6 +229,15 @@ class Trainer(Runner):
         # The gradients still to take from the learner batch in hand (see _next_update).
         self._updates: Iterator[Update] = iter(())
         self.total_steps = int(cfg.total_steps)
+        # agent.reward_scaling: the statistics are the peer's, kept in its checkpoints.
+        self.reward_scaler = (
+            ReturnScaler(
+                self.agent.num_actor_batches * self.agent.actor_batch_size,
+                float(self.agent.discounting),
+            )
+            if self.agent.reward_scaling
+            else None
+        )
         self._restore()
         # Between the threads of the loop (see run).
         self.policy = PolicySlots(self.model, self.accumulator.model_version())
@@ -257,6 +267,11 @@ class Trainer(Runner):
             "model_version": self.accumulator.model_version(),
             "param_sum": param_sum(self.model),
             "elapsed": self.elapsed,
+            **(
+                {"reward_scaling": self.reward_scaler.state_dict()}
+                if self.reward_scaler is not None
+                else {}
+            ),
         }
 
     def _load(self, state: dict) -> None:
@@ -265,6 +280,8 @@ class Trainer(Runner):
         self.steps = int(state["steps"])
         # Checkpoints written before it had none: every agent then learned once a batch.
         self.step_remainder = int(state.get("step_remainder", 0))
+        if self.reward_scaler is not None and "reward_scaling" in state:
+            self.reward_scaler.load_state_dict(state["reward_scaling"])
 
     def _resume(self, state: dict) -> None:
         self._load(state)
@@ -327,10 +344,20 @@ class Trainer(Runner):
     # Batcher's batches and publishes each update to the slots.
 
     def _act(
-        self, policy: torch.nn.Module, env_out: dict, core: tuple, prev_action: torch.Tensor
+        self,
+        policy: torch.nn.Module,
+        env_out: dict,
+        core: tuple,
+        prev_action: torch.Tensor,
+        envs: slice,
     ) -> tuple[dict, Any]:
-        # One step of each env: what the unroll keeps, and the network's [T=1, B] input.
+        # One step of each env (of ``envs``, of all the actors' envs): what the unroll
+        # keeps, and the network's [T=1, B] input.
         step = actor_step(env_out, prev_action, self.device)
+        if self.reward_scaler is not None:
+            step["reward"] = self.reward_scaler(step["reward"], step["done"], envs).to(
+                step["reward"].device
+            )
         with torch.no_grad():
             out, core = policy({k: v[None] for k, v in step.items()}, core)
         for k in _ACTOR_KEYS:
@@ -477,10 +504,9 @@ class Trainer(Runner):
             tuple(s.to(self.device) for s in self.model.initial_state(agent.actor_batch_size))
             for _ in range(nb)
         ]
-        prev_actions = [
-            torch.zeros(agent.actor_batch_size, dtype=torch.int64, device=self.device)
-            for _ in range(nb)
-        ]
+        prev_actions = [self.actions.zeros(agent.actor_batch_size, self.device) for _ in range(nb)]
+        size = agent.actor_batch_size
+        batch_envs = [slice(b * size, (b + 1) * size) for b in range(nb)]
         halt = threading.Event()
         switch_interval = sys.getswitchinterval()
         learner = threading.Thread(
@@ -488,7 +514,7 @@ class Trainer(Runner):
         )
         b = 0
         try:
-            noop = torch.zeros(agent.actor_batch_size, dtype=torch.int64)
+            noop = self.actions.zeros(agent.actor_batch_size)
             futures = [self.envs.step(b, noop) for b in range(nb)]
             rows.start()
             sys.setswitchinterval(_SWITCH_INTERVAL)
@@ -519,13 +545,15 @@ class Trainer(Runner):
                         )
                 core_before = cores[b]
                 with self.policy.acting() as (policy, version):
-                    step, cores[b] = self._act(policy, env_out, cores[b], prev_actions[b])
+                    step, cores[b] = self._act(
+                        policy, env_out, cores[b], prev_actions[b], batch_envs[b]
+                    )
                 self.actor_version = version
                 prev_actions[b] = step["action"]
                 # The env's output is a view of shared memory that the next step
                 # of this batch overwrites: copy it into the unroll first.
                 full = unrolls[b].add(step, core_before)
-                futures[b] = self.envs.step(b, step["action"].cpu())
+                futures[b] = self.envs.step(b, self.actions.clip(step["action"].cpu()))
                 self.env_steps += agent.actor_batch_size
                 if full is not None:
                     # Unrolls the learner cannot take (not in the group yet) are

@@ -220,3 +220,11 @@ class LineEnv(gymnasium.Env):
         self.position += int(action) - 1
         self.t += 1
         return self._obs(), 0.0, abs(self.position) >= 1000, self.t >= 100_000, {}
+
+
+def first_action(env: gymnasium.Env):
+    """An action ``env`` takes: action 0 of a discrete space, the zero vector of a Box."""
+    space = env.action_space
+    if isinstance(space, spaces.Discrete):
+        return 0
+    return np.zeros(space.shape, space.dtype)

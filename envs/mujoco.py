@@ -1,0 +1,127 @@
+"""gymnasium's MuJoCo tasks (version 5) as moolib envs: ``mujoco-half_cheetah``,
+``mujoco-hopper``, ... Continuous actions (a vector of torques in bounds), float32
+observations of the robot's state. Needs ``pip install "moolib[mujoco]"`` (the
+``mujoco`` package; gymnasium's own MuJoCo envs drive it).
+
+``normalize_observations`` (on by default) gives each env gymnasium's
+``NormalizeObservation`` (a running mean and variance of its own observations) and
+clips the result to [-10, 10], as CleanRL's continuous PPO does; the statistics are
+each env's and start afresh with it (an evaluation's envs learn their own).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+import gymnasium
+import numpy as np
+
+from moolib._extras import import_extra
+
+from .gymnasium_env import Float32Observations
+from .options import check_flag
+from .registry import EnvOption
+
+log = logging.getLogger(__name__)
+
+# The game (moolib's name) -> gymnasium's id.
+MUJOCO_IDS: dict[str, str] = {
+    "ant": "Ant-v5",
+    "half_cheetah": "HalfCheetah-v5",
+    "hopper": "Hopper-v5",
+    "humanoid": "Humanoid-v5",
+    "humanoid_standup": "HumanoidStandup-v5",
+    "inverted_double_pendulum": "InvertedDoublePendulum-v5",
+    "inverted_pendulum": "InvertedPendulum-v5",
+    "pusher": "Pusher-v5",
+    "reacher": "Reacher-v5",
+    "swimmer": "Swimmer-v5",
+    "walker2d": "Walker2d-v5",
+}
+MUJOCO_GAMES: tuple[str, ...] = tuple(MUJOCO_IDS)
+PREFIX = "mujoco-"
+MUJOCO_ENVS: tuple[str, ...] = tuple(PREFIX + g for g in MUJOCO_GAMES)
+# Normalized observations are clipped to this (CleanRL's continuous PPO).
+OBSERVATION_CLIP = 10.0
+
+
+def is_mujoco_name(name: str) -> bool:
+    """Whether ``name`` is spelled as a MuJoCo env (``mujoco-...``), known task or not."""
+    return name.strip().lower().startswith(("mujoco-", "mujoco_"))
+
+
+def mujoco_game(name: str) -> str | None:
+    """The task (``"half_cheetah"``) of ``"mujoco-half-cheetah"`` (case and ``-``/``_``
+    insensitive), or of gymnasium's id ``"HalfCheetah-v5"`` after the prefix; None when
+    ``name`` is no MuJoCo env."""
+    if not is_mujoco_name(name):
+        return None
+    rest = name.strip()[len(PREFIX) :]
+    by_id = {i.lower(): g for g, i in MUJOCO_IDS.items()}
+    if rest.lower() in by_id:
+        return by_id[rest.lower()]
+    game = re.sub(r"[-\s]+", "_", rest).lower()
+    return game if game in MUJOCO_IDS else None
+
+
+def _warn(message: bytes | str) -> None:
+    text = (message.decode(errors="replace") if isinstance(message, bytes) else message).strip()
+    # gymnasium's own model files use attributes MuJoCo deprecates: not the user's to fix,
+    # and said again by every env made.
+    level = logging.DEBUG if "deprecated" in text else logging.WARNING
+    log.log(level, "MuJoCo: %s", text)
+
+
+def route_mujoco_warnings() -> None:
+    """MuJoCo's warnings (an unstable simulation, ...) go to Python's logging instead of
+    a MUJOCO_LOG.TXT in the working directory (the family's ``prepare``)."""
+    mujoco = import_extra("mujoco", "mujoco", "gymnasium's MuJoCo envs")
+    setter = getattr(mujoco, "set_mju_user_warning", None)
+    if setter is not None:
+        setter(_warn)
+
+
+# The options of make_mujoco, in its order: the env registry's schema of env.options.
+MUJOCO_OPTIONS: tuple[EnvOption, ...] = (
+    EnvOption("seed"),
+    EnvOption(
+        "normalize_observations",
+        True,
+        functools.partial(check_flag, "normalize_observations"),
+    ),
+)
+
+
+def make_mujoco(
+    name: str, *, seed: int | None = None, normalize_observations: bool = True
+) -> gymnasium.Env:
+    """The MuJoCo task ``name`` (``"mujoco-half_cheetah"``): gymnasium's ``<Task>-v5`` with
+    its defaults (episodes cut at 1,000 steps), float32 observations and actions, and
+    with ``normalize_observations`` its observations normalized per env (see the module
+    doc). ``seed`` seeds the env and its action space. Raises ValueError for an unknown
+    task, MissingExtraError without the mujoco package."""
+    game = mujoco_game(name)
+    if game is None:
+        raise ValueError(f"unknown MuJoCo env {name!r}; known: {', '.join(MUJOCO_ENVS)}")
+    check_flag("normalize_observations", normalize_observations)
+    import_extra("mujoco", "mujoco", "gymnasium's MuJoCo envs")
+    import_extra("imageio", "mujoco", "gymnasium's MuJoCo envs")
+    env = gymnasium.make(MUJOCO_IDS[game])
+    if env.observation_space.dtype != np.float32:
+        env = Float32Observations(env)
+    if normalize_observations:
+        env = gymnasium.wrappers.NormalizeObservation(env)
+        space = gymnasium.spaces.Box(
+            -OBSERVATION_CLIP, OBSERVATION_CLIP, env.observation_space.shape, np.float32
+        )
+        env = gymnasium.wrappers.TransformObservation(
+            env,
+            lambda o: np.clip(o, -OBSERVATION_CLIP, OBSERVATION_CLIP).astype(np.float32),
+            space,
+        )
+    if seed is not None:
+        env.reset(seed=seed)
+        env.action_space.seed(seed)
+    return env
