@@ -37,18 +37,22 @@ def gym_name(name: str) -> str | None:
     return name if is_gym_name(name) else None
 
 
+def float32_box(space: gymnasium.spaces.Box) -> gymnasium.spaces.Box:
+    """``space`` with float32 bounds and dtype (cast here: gymnasium warns of a cast it makes)."""
+    return gymnasium.spaces.Box(
+        low=space.low.astype(np.float32),
+        high=space.high.astype(np.float32),
+        shape=space.shape,
+        dtype=np.float32,
+    )
+
+
 class Float32Observations(gymnasium.ObservationWrapper):
     """float64 observations as float32, the networks' dtype."""
 
     def __init__(self, env: gymnasium.Env) -> None:
         super().__init__(env)
-        space = env.observation_space
-        self.observation_space = gymnasium.spaces.Box(
-            low=space.low.astype(np.float32),
-            high=space.high.astype(np.float32),
-            shape=space.shape,
-            dtype=np.float32,
-        )
+        self.observation_space = float32_box(env.observation_space)
 
     def observation(self, observation: Any) -> np.ndarray:
         return np.asarray(observation, dtype=np.float32)
@@ -60,13 +64,7 @@ class _Float32Actions(gymnasium.ActionWrapper):
 
     def __init__(self, env: gymnasium.Env) -> None:
         super().__init__(env)
-        space = env.action_space
-        self.action_space = gymnasium.spaces.Box(
-            low=space.low.astype(np.float32),
-            high=space.high.astype(np.float32),
-            shape=space.shape,
-            dtype=np.float32,
-        )
+        self.action_space = float32_box(env.action_space)
 
     def action(self, action: Any) -> np.ndarray:
         return np.asarray(action, dtype=self.env.action_space.dtype)

@@ -9,6 +9,7 @@ import functools
 import math
 import re
 import subprocess
+from pathlib import Path
 
 import gymnasium
 import numpy as np
@@ -294,25 +295,21 @@ def test_envpool_steps_vector_actions():
 # -- moolib-run and moolib-eval ------------------------------------------------------------------
 
 
+def train(tmp_path, agent: str, env: str, steps: int) -> tuple[str, Path, list[dict]]:
+    """``moolib-run agent=AGENT env=ENV`` for ``steps`` steps, which must succeed: its
+    output, savedir and log rows."""
+    savedir = tmp_path / "run"
+    args = [f"agent={agent}", f"env={env}", "device=cpu", f"total_steps={steps}"]
+    out = check_ok(run([*args, "log_interval=1", f"savedir={savedir}"], tmp_path))
+    assert f"{agent} on {env}" in out, out[-3000:]
+    _, rows = read_logs(savedir / "logs.tsv")
+    assert rows[-1]["step"] >= steps
+    return out, savedir, rows
+
+
 @pytest.mark.timeout(600)
 def test_ppo_trains_on_pendulum_and_moolib_eval_plays_it(tmp_path):
-    savedir = tmp_path / "run"
-    out = check_ok(
-        run(
-            [
-                "agent=ppo",
-                "env=pendulum",
-                "device=cpu",
-                "total_steps=8192",
-                "log_interval=1",
-                f"savedir={savedir}",
-            ],
-            tmp_path,
-        )
-    )
-    assert "ppo on pendulum" in out, out[-3000:]
-    _, rows = read_logs(savedir / "logs.tsv")
-    assert rows[-1]["step"] >= 8192
+    _, savedir, rows = train(tmp_path, "ppo", "pendulum", 8192)
     returns = [r["mean_episode_return"] for r in rows if not math.isnan(r["mean_episode_return"])]
     # The env's own returns (rewards scaled for the loss only): -1,600 to 0 an episode.
     assert returns and all(-1700 < x < 0 for x in returns), returns
@@ -335,44 +332,13 @@ def test_ppo_trains_on_pendulum_and_moolib_eval_plays_it(tmp_path):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("agent", ["a2c", "vtrace"])
 def test_a2c_and_vtrace_run_on_pendulum(tmp_path, agent):
-    savedir = tmp_path / "run"
-    check_ok(
-        run(
-            [
-                f"agent={agent}",
-                "env=pendulum",
-                "device=cpu",
-                "total_steps=4000",
-                "log_interval=1",
-                f"savedir={savedir}",
-            ],
-            tmp_path,
-        )
-    )
-    _, rows = read_logs(savedir / "logs.tsv")
-    assert rows[-1]["step"] >= 4000
+    _, _, rows = train(tmp_path, agent, "pendulum", 4000)
     assert all(math.isfinite(r["total_loss"]) for r in rows if not math.isnan(r["total_loss"]))
 
 
 @pytest.mark.timeout(600)
 def test_ppo_runs_on_a_mujoco_task(tmp_path):
-    savedir = tmp_path / "run"
-    out = check_ok(
-        run(
-            [
-                "agent=ppo",
-                "env=mujoco-hopper",
-                "device=cpu",
-                "total_steps=4096",
-                "log_interval=1",
-                f"savedir={savedir}",
-            ],
-            tmp_path,
-        )
-    )
-    assert "ppo on mujoco-hopper" in out, out[-3000:]
-    _, rows = read_logs(savedir / "logs.tsv")
-    assert rows[-1]["step"] >= 4096
+    train(tmp_path, "ppo", "mujoco-hopper", 4096)
     assert not (tmp_path / "MUJOCO_LOG.TXT").exists()
 
 
