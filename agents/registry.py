@@ -194,9 +194,11 @@ class ActorCriticConfig(AgentConfig):
     # acting thread learns between its steps; auto: inline on a CPU for the MLP and
     # tiny networks, thread otherwise (moolib.agents.runtime.onpolicy.learner_mode).
     learner: str = dataclasses.field(default="auto", kw_only=True)
-    # Rewards divided by the running deviation of a discounted return before the loss
-    # sees them (gymnasium's NormalizeReward, as CleanRL's continuous PPO; see
-    # moolib.agents.runtime.reward_scaling); the episode returns logged stay the env's.
+    # Observations normalized by their running mean and variance, and rewards divided
+    # by the running deviation of a discounted return, in the actors (gymnasium's
+    # NormalizeObservation and NormalizeReward, as CleanRL's continuous PPO; see
+    # moolib.agents.runtime.normalization); the episode returns logged stay the env's.
+    observation_scaling: bool = dataclasses.field(default=False, kw_only=True)
     reward_scaling: bool = dataclasses.field(default=False, kw_only=True)
 
     def passes(self) -> int:
@@ -208,6 +210,7 @@ class ActorCriticConfig(AgentConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_choice("learner", ("auto", "thread", "inline"))
+        self.check_bool("observation_scaling")
         self.check_bool("reward_scaling")
         self.check_int("unroll_length")
         self.check_int("virtual_batch_size")

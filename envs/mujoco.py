@@ -3,15 +3,13 @@
 observations of the robot's state. Needs ``pip install "moolib[mujoco]"`` (the
 ``mujoco`` package; gymnasium's own MuJoCo envs drive it).
 
-``normalize_observations`` (on by default) gives each env gymnasium's
-``NormalizeObservation`` (a running mean and variance of its own observations) and
-clips the result to [-10, 10], as CleanRL's continuous PPO does; the statistics are
-each env's and start afresh with it (an evaluation's envs learn their own).
+The observations are the env's own, unscaled: ``agent.observation_scaling`` normalizes
+them in the actors, with statistics that go in the checkpoints (as
+conf/tuning/ppo_mujoco.yaml does, CleanRL's setting).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 
@@ -21,7 +19,6 @@ import numpy as np
 from moolib._extras import import_extra
 
 from .gymnasium_env import Float32Observations
-from .options import check_flag
 from .registry import EnvOption
 
 log = logging.getLogger(__name__)
@@ -43,8 +40,6 @@ MUJOCO_IDS: dict[str, str] = {
 MUJOCO_GAMES: tuple[str, ...] = tuple(MUJOCO_IDS)
 PREFIX = "mujoco-"
 MUJOCO_ENVS: tuple[str, ...] = tuple(PREFIX + g for g in MUJOCO_GAMES)
-# Normalized observations are clipped to this (CleanRL's continuous PPO).
-OBSERVATION_CLIP = 10.0
 
 
 def is_mujoco_name(name: str) -> bool:
@@ -84,43 +79,22 @@ def route_mujoco_warnings() -> None:
 
 
 # The options of make_mujoco, in its order: the env registry's schema of env.options.
-MUJOCO_OPTIONS: tuple[EnvOption, ...] = (
-    EnvOption("seed"),
-    EnvOption(
-        "normalize_observations",
-        True,
-        functools.partial(check_flag, "normalize_observations"),
-    ),
-)
+MUJOCO_OPTIONS: tuple[EnvOption, ...] = (EnvOption("seed"),)
 
 
-def make_mujoco(
-    name: str, *, seed: int | None = None, normalize_observations: bool = True
-) -> gymnasium.Env:
+def make_mujoco(name: str, *, seed: int | None = None) -> gymnasium.Env:
     """The MuJoCo task ``name`` (``"mujoco-half_cheetah"``): gymnasium's ``<Task>-v5`` with
-    its defaults (episodes cut at 1,000 steps), float32 observations and actions, and
-    with ``normalize_observations`` its observations normalized per env (see the module
-    doc). ``seed`` seeds the env and its action space. Raises ValueError for an unknown
-    task, MissingExtraError without the mujoco package."""
+    its defaults (episodes cut at 1,000 steps), float32 observations and actions.
+    ``seed`` seeds the env and its action space. Raises ValueError for an unknown task,
+    MissingExtraError without the mujoco package."""
     game = mujoco_game(name)
     if game is None:
         raise ValueError(f"unknown MuJoCo env {name!r}; known: {', '.join(MUJOCO_ENVS)}")
-    check_flag("normalize_observations", normalize_observations)
     import_extra("mujoco", "mujoco", "gymnasium's MuJoCo envs")
     import_extra("imageio", "mujoco", "gymnasium's MuJoCo envs")
     env = gymnasium.make(MUJOCO_IDS[game])
     if env.observation_space.dtype != np.float32:
         env = Float32Observations(env)
-    if normalize_observations:
-        env = gymnasium.wrappers.NormalizeObservation(env)
-        space = gymnasium.spaces.Box(
-            -OBSERVATION_CLIP, OBSERVATION_CLIP, env.observation_space.shape, np.float32
-        )
-        env = gymnasium.wrappers.TransformObservation(
-            env,
-            lambda o: np.clip(o, -OBSERVATION_CLIP, OBSERVATION_CLIP).astype(np.float32),
-            space,
-        )
     if seed is not None:
         env.reset(seed=seed)
         env.action_space.seed(seed)

@@ -42,6 +42,7 @@ from ..acting import ActionChoice
 from ..registry import get_agent
 from . import checkpoint
 from .logger import EVAL_COLUMNS
+from .normalization import ScaledObservations
 
 __all__ = [
     "Checkpointed",
@@ -314,7 +315,9 @@ def load_checkpointed(savedir: Path, checkpoint_path: Path | None = None) -> Che
 
 def network(cfg: RunConfig, state: dict) -> nn.Module:
     """The agent's network for the run ``cfg`` on the CPU, with the checkpoint
-    ``state``'s weights, in eval mode. Raises EvalError when they do not fit it."""
+    ``state``'s weights, in eval mode, fed observations scaled by the checkpoint's
+    statistics where it has them (``agent.observation_scaling``). Raises EvalError when
+    the weights do not fit it."""
     from moolib.envs import DEFAULT_BACKEND, probe_env
 
     # play's envs are the env's gymnasium ones, whatever backend the run trained on.
@@ -327,6 +330,10 @@ def network(cfg: RunConfig, state: dict) -> nn.Module:
             f"the checkpoint's model does not fit {cfg.agent.name}'s network on {cfg.env.name} "
             f"(observations {tuple(obs_shape)}, {actions} actions): {str(e).splitlines()[0]}"
         ) from None
+    scaling = state.get("observation_scaling")
+    if scaling is not None:
+        # agent.observation_scaling: the observations scaled as training last scaled them.
+        model = ScaledObservations(model, scaling["mean"], scaling["var"])
     return model.eval()
 
 

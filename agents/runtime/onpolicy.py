@@ -59,8 +59,8 @@ from .base import (
 )
 from .evaluation import PeriodicEval
 from .logger import Clock, EpisodeStats
+from .normalization import ObservationScaler, ReturnScaler, ScaledObservations
 from .policy_slots import PolicySlots
-from .reward_scaling import ReturnScaler
 
 log = logging.getLogger("moolib.agents")
 
@@ -229,7 +229,11 @@ class Trainer(Runner):
         # The gradients still to take from the learner batch in hand (see _next_update).
         self._updates: Iterator[Update] = iter(())
         self.total_steps = int(cfg.total_steps)
-        # agent.reward_scaling: the statistics are the peer's, kept in its checkpoints.
+        # agent.observation_scaling, agent.reward_scaling: the statistics are the peer's,
+        # kept in its checkpoints.
+        self.observation_scaler = (
+            ObservationScaler(obs_shape) if self.agent.observation_scaling else None
+        )
         self.reward_scaler = (
             ReturnScaler(
                 self.agent.num_actor_batches * self.agent.actor_batch_size,
@@ -267,12 +271,23 @@ class Trainer(Runner):
             "model_version": self.accumulator.model_version(),
             "param_sum": param_sum(self.model),
             "elapsed": self.elapsed,
-            **(
-                {"reward_scaling": self.reward_scaler.state_dict()}
-                if self.reward_scaler is not None
-                else {}
-            ),
+            **self._scaling_state(),
         }
+
+    def _scaling_state(self) -> dict:
+        scalers = {
+            "observation_scaling": self.observation_scaler,
+            "reward_scaling": self.reward_scaler,
+        }
+        return {k: v.state_dict() for k, v in scalers.items() if v is not None}
+
+    def evaluated_model(self) -> torch.nn.Module:
+        """What an evaluation plays: the model, fed observations scaled as the actors scale
+        them now (``agent.observation_scaling``)."""
+        if self.observation_scaler is None:
+            return self.model
+        stats = self.observation_scaler.state_dict()
+        return ScaledObservations(self.model, stats["mean"], stats["var"])
 
     def _load(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -280,6 +295,8 @@ class Trainer(Runner):
         self.steps = int(state["steps"])
         # Checkpoints written before it had none: every agent then learned once a batch.
         self.step_remainder = int(state.get("step_remainder", 0))
+        if self.observation_scaler is not None and "observation_scaling" in state:
+            self.observation_scaler.load_state_dict(state["observation_scaling"])
         if self.reward_scaler is not None and "reward_scaling" in state:
             self.reward_scaler.load_state_dict(state["reward_scaling"])
 
@@ -354,6 +371,8 @@ class Trainer(Runner):
         # One step of each env (of ``envs``, of all the actors' envs): what the unroll
         # keeps, and the network's [T=1, B] input.
         step = actor_step(env_out, prev_action, self.device)
+        if self.observation_scaler is not None:
+            step["state"] = self.observation_scaler(step["state"])
         if self.reward_scaler is not None:
             step["reward"] = self.reward_scaler(step["reward"], step["done"], envs).to(
                 step["reward"].device
@@ -663,7 +682,7 @@ class _Rows:
         for k, values in self.stats.items():
             row[k] = mean_of(values)
         # A row at total_steps is the run's last: it waits for the evaluation under way.
-        row.update(self.evals.columns(t.steps, t.model, final=t.steps >= t.total_steps))
+        row.update(self.evals.columns(t.steps, t.evaluated_model(), final=t.steps >= t.total_steps))
         with self.lock:
             row.update(self.episodes.take())
             self.log.write(row)
