@@ -475,11 +475,11 @@ def envpool_limit(cfg: RunConfig, seconds: float, loops: int = 1) -> float:
     counts = [0] * loops
 
     def step(i: int) -> None:
-        pool, _, num_actions = made[i]
+        pool, _, space = made[i]
         g = torch.Generator().manual_seed(i)
 
         def actions() -> torch.Tensor:
-            return torch.randint(0, num_actions, (bs,), generator=g)
+            return space.sample(bs, g)
 
         futures = [pool.step(b, actions()) for b in range(nb)]
         b = 0
@@ -500,11 +500,21 @@ def envpool_limit(cfg: RunConfig, seconds: float, loops: int = 1) -> float:
         for _ in range(loops):
             made.append(make())
         start = time.perf_counter() + 2.0  # a warm-up, the same for every pool
-        threads = [threading.Thread(target=step, args=(i,)) for i in range(loops)]
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                step(i)
+            except BaseException as e:  # re-raised below: a failed loop is no 0 steps/s
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(loops)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        if errors:
+            raise errors[0]
         return sum(counts) / seconds
     finally:
         for pool, _, _ in made:

@@ -101,6 +101,17 @@ class ActionSpace:
             return torch.zeros((batch_size, self.dim), dtype=torch.float32, device=device)
         return torch.zeros(batch_size, dtype=torch.int64, device=device)
 
+    def sample(self, batch_size: int, generator: Any = None) -> Any:
+        """``batch_size`` uniformly random actions, as a torch tensor (``zeros``' shape and
+        dtype), drawn with ``generator``."""
+        import torch
+
+        if not self.continuous:
+            return torch.randint(0, self.n, (batch_size,), generator=generator)
+        low = torch.tensor(self.low, dtype=torch.float32)
+        high = torch.tensor(self.high, dtype=torch.float32)
+        return low + (high - low) * torch.rand((batch_size, self.dim), generator=generator)
+
     def clip(self, actions: Any) -> Any:
         """Torch ``actions`` ``[..., dim]`` clipped to the bounds, as float32 (discrete ones
         are returned as they are): what an env is stepped with, where the learner keeps

@@ -12,6 +12,8 @@ seconds exits with code 3.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -52,9 +54,20 @@ def stop_on_signals() -> StopSignal:
     KeyboardInterrupt. Unblocks those signals (moolib-run starts its peers with them
     blocked: ``moolib._signals``): one that came meanwhile is handled now."""
     stop = StopSignal()
+    exiting = threading.Event()
+    # Registered after torch's and moolib's own exit callbacks, so it runs before them
+    # (atexit runs them last first): a KeyboardInterrupt raised inside one of theirs would
+    # print "Exception ignored in atexit callback" with a traceback.
+    atexit.register(exiting.set)
 
     def handle(signum: int, frame: Any) -> None:
         if stop.is_set() and signum == signal.SIGINT:
+            if exiting.is_set():
+                # The interpreter is already shutting down: end it now, quietly.
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+                os._exit(128 + signal.SIGINT)
             raise KeyboardInterrupt
         if not stop.is_set():
             stop.signum = signum

@@ -66,6 +66,11 @@ def test_clip_and_zeros():
     assert discrete.zeros(3).dtype == torch.int64 and discrete.zeros(3).shape == (3,)
     ints = torch.tensor([3, 0])
     assert discrete.clip(ints) is ints
+    g = torch.Generator().manual_seed(0)
+    drawn = BOX.sample(1000, g)
+    assert drawn.shape == (1000, 2) and torch.equal(BOX.clip(drawn), drawn)
+    assert drawn[:, 0].min() < -1.5 and drawn[:, 0].max() > 1.5
+    assert set(discrete.sample(1000, g).tolist()) == {0, 1, 2, 3}
 
 
 # -- the Gaussian policy's math ------------------------------------------------------------------

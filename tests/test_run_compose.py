@@ -91,6 +91,7 @@ def test_cfg_job_shows_choices_and_applies_tuning(tmp_path):
     assert over["scaling"] == {"name": "local", "peers": 3, "actors": 2, "peer_prefix": ""}
 
 
+@pytest.mark.slow
 def test_every_env_config_composes(tmp_path):
     from moolib.envs import create_env
 
