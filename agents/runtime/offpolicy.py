@@ -128,7 +128,7 @@ def _typed(cfg: RunConfig) -> QConfig:
     return agent
 
 
-def make_qnet(cfg: QConfig, obs_shape: Sequence[int], num_actions: int) -> nn.Module:
+def make_qnet(cfg: QConfig, obs_shape: Sequence[int], num_actions: Any) -> nn.Module:
     """The agent's Q-network, as its spec builds it: the one definition the learner
     and every actor build."""
     return get_agent(cfg.name).make_network(cfg, obs_shape, num_actions)
