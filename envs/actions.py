@@ -8,6 +8,7 @@ their actions by it, and ``moolib-run`` names it on its banner.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,6 +102,16 @@ class ActionSpace:
             return torch.zeros((batch_size, self.dim), dtype=torch.float32, device=device)
         return torch.zeros(batch_size, dtype=torch.int64, device=device)
 
+    @functools.cached_property
+    def _bounds(self) -> tuple[Any, Any]:
+        # Made once: clip runs at every actor step.
+        import torch
+
+        return (
+            torch.tensor(self.low, dtype=torch.float32),
+            torch.tensor(self.high, dtype=torch.float32),
+        )
+
     def sample(self, batch_size: int, generator: Any = None) -> Any:
         """``batch_size`` uniformly random actions, as a torch tensor (``zeros``' shape and
         dtype), drawn with ``generator``."""
@@ -108,8 +119,7 @@ class ActionSpace:
 
         if not self.continuous:
             return torch.randint(0, self.n, (batch_size,), generator=generator)
-        low = torch.tensor(self.low, dtype=torch.float32)
-        high = torch.tensor(self.high, dtype=torch.float32)
+        low, high = self._bounds
         return low + (high - low) * torch.rand((batch_size, self.dim), generator=generator)
 
     def clip(self, actions: Any) -> Any:
@@ -120,8 +130,7 @@ class ActionSpace:
             return actions
         import torch
 
-        low = torch.tensor(self.low, dtype=torch.float32, device=actions.device)
-        high = torch.tensor(self.high, dtype=torch.float32, device=actions.device)
+        low, high = (b.to(actions.device) for b in self._bounds)
         return torch.clamp(actions.float(), low, high)
 
     def __str__(self) -> str:

@@ -24,6 +24,7 @@ import logging
 import os
 import statistics
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -403,15 +404,18 @@ class PeriodicEval:
     def _after(self, steps: int) -> int:
         return (steps // self.interval + 1) * self.interval if self.interval else 0
 
-    def columns(self, steps: int, model: nn.Module, final: bool = False) -> dict[str, float]:
+    def columns(
+        self, steps: int, model: Callable[[], nn.Module], final: bool = False
+    ) -> dict[str, float]:
         """The eval columns of the log row at ``steps`` (those of an evaluation that ended
-        since the last row, else none); starts one of ``model``'s weights when due.
-        ``final``: the run's last row, which waits for an evaluation under way."""
+        since the last row, else none); when one is due, starts one of the weights of
+        ``model()`` (called then only: what the run plays now). ``final``: the run's last
+        row, which waits for an evaluation under way."""
         if not self.interval:
             return {}
         playing = self._thread is not None and self._thread.is_alive()
         if not playing and steps >= self.next_at:
-            self._start(steps, model)
+            self._start(steps, model())
             playing = True
         if final and playing and self._thread is not None:
             self._thread.join()

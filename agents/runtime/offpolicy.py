@@ -756,7 +756,7 @@ class Learner(Runner):
             row[k] = mean_of(values)
         # A row at total_steps is the run's last: it waits for the evaluation under way.
         done = self.steps >= int(self.cfg.total_steps)
-        row.update(self.evals.columns(self.steps, self.model, final=done))
+        row.update(self.evals.columns(self.steps, lambda: self.model, final=done))
         last.update(
             time=now,
             steps=self.steps,

@@ -682,7 +682,7 @@ class _Rows:
         for k, values in self.stats.items():
             row[k] = mean_of(values)
         # A row at total_steps is the run's last: it waits for the evaluation under way.
-        row.update(self.evals.columns(t.steps, t.evaluated_model(), final=t.steps >= t.total_steps))
+        row.update(self.evals.columns(t.steps, t.evaluated_model, final=t.steps >= t.total_steps))
         with self.lock:
             row.update(self.episodes.take())
             self.log.write(row)
