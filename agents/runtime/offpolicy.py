@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from moolib.conf.schema.run_config import RunConfig
+from moolib.envs.actions import ActionSpace
 from torch import nn
 
 import moolib
@@ -128,7 +129,7 @@ def _typed(cfg: RunConfig) -> QConfig:
     return agent
 
 
-def make_qnet(cfg: QConfig, obs_shape: Sequence[int], num_actions: Any) -> nn.Module:
+def make_qnet(cfg: QConfig, obs_shape: Sequence[int], num_actions: int | ActionSpace) -> nn.Module:
     """The agent's Q-network, as its spec builds it: the one definition the learner
     and every actor build."""
     return get_agent(cfg.name).make_network(cfg, obs_shape, num_actions)
